@@ -1,0 +1,1859 @@
+#!/usr/bin/env python3
+"""Batch-invariance lab: does your vLLM or SGLang server give the same answer for the
+same prompt whatever else shares its batch, and what does it cost to make it so?
+
+It measures, over plain HTTP with nothing but the standard library:
+  1. unique completions across batch sizes, flag off (more than one: the bug, reproduced);
+  2. the same count with the flag on (exactly one expected);
+  3. the overhead the flag costs, for one model, backend, TP degree and workload;
+  4. the largest float32 ULP distance between batch 1's per-step logprobs and every
+     other batch's (token equality is the weaker claim).
+
+Usage:
+
+  python3 run.py --mode harness                      # upstream harnesses + commands, offline
+  python3 run.py --mode harness --engine sglang      # one engine only
+  python3 run.py --mode help                         # the five-minute guide
+  python3 run.py --help                              # every option of every mode
+
+  python3 run.py --mode sweep --engine vllm --url http://localhost:8000 \\
+      --model Qwen/Qwen3-1.7B --max-batch 32 --save off.json
+  python3 run.py --mode sweep --engine sglang --url http://localhost:30000 \\
+      --sizes 1,15,16,17,23,24,25 --temperature 0.0
+  python3 run.py --mode sweep --url http://localhost:8001 --expect invariant \\
+      --baseline off.json
+  python3 run.py --mode cost --url http://localhost:8000 \\
+      --invariant http://localhost:8001 --batch 32 --trials 20 --save cost.json
+
+No GPU at hand? Start the practice engine: python3 tests/stub_server.py --port 8000
+
+Exit codes: 0 ran (and any --expect held); 1 an --expect failed; 2 usage or input
+error, before any request; 3 the server or network failed before the run completed
+(what was measured is kept in --save); 130 interrupted (likewise); 141 the output
+pipe closed (e.g. `| head`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import math
+import os
+import random
+import signal
+import socket
+import statistics
+import struct
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from http.client import HTTPException
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+# ----------------------------------------------------------------------------
+# Constants
+
+SWEEP_SCHEMA = "batch-invariance-lab/sweep/1"   # the "schema" field of sweep save files
+COST_SCHEMA = "batch-invariance-lab/cost/1"     # the "schema" field of cost save files
+ENGINES = ("vllm", "sglang")                     # the engines the lab speaks to
+DEFAULT_PORT = {"vllm": 8000, "sglang": 30000}   # each engine's own default port
+MODES = ("harness", "sweep", "cost", "help")
+
+EXIT_OK = 0            # ran, and any --expect held
+EXIT_EXPECTATION = 1   # an --expect did not hold
+EXIT_USAGE = 2         # bad arguments or input files, found before any request
+EXIT_SERVER = 3        # the server or the network failed before the run completed
+EXIT_INTERRUPTED = 130  # Ctrl-C; what was measured is saved
+EXIT_BROKEN_PIPE = 141  # stdout closed under us (`run.py ... | head`)
+
+# Sweep defaults
+DEFAULT_PROMPT = ("Explain, step by step, why adding the same floating-point numbers in a "
+                  "different order can give a different answer:")  # a prompt with room to wander
+DEFAULT_MAX_BATCH = 32        # the largest batch of the default ladder (upstream's max-num-seqs)
+DEFAULT_SWEEP_TOKENS = 64     # longer generations give a near-tie more chances to appear
+DEFAULT_LOGPROBS = 5          # top-k logprobs per step, as in vLLM's online test
+MAX_LOGPROBS = 20             # vLLM's default max_logprobs; it answers 400 above
+DEFAULT_TEMPERATURE = 0.0     # greedy: a divergence is unarguable
+DEFAULT_TOP_P = 1.0           # always sent, or the model's generation_config decides
+DEFAULT_SEED = 42             # sent whenever temperature > 0; unseeded sampling depends on the batch
+
+# Cost defaults
+DEFAULT_BATCH = 32            # prompts per timed request
+DEFAULT_TRIALS = 20           # timed requests per arm
+DEFAULT_WARMUP = 2            # discarded requests per arm before timing
+DEFAULT_COST_TOKENS = 128     # fixed output length per prompt (ignore_eos)
+DEFAULT_PREFIX_TOKENS = 1000  # about this many tokens of shared prefix
+BOOTSTRAP_RESAMPLES = 4000    # resamples of the paired ratios for the 95% interval
+BOOTSTRAP_SEED = 20251        # fixed, so the interval is reproducible
+NOISE_SPREAD = 1.5            # an arm whose max/min exceeds this is flagged noisy
+
+# Transport defaults
+DEFAULT_TIMEOUT_S = 600.0     # per request: a 256-wide batch of long completions on a busy GPU is slow
+DEFAULT_MAX_RESPONSE_MB = 512  # a larger answer is refused rather than held in memory
+
+# Wire facts
+VLLM_LOGPROB_CLAMP = -9999.0  # vLLM's stand-in for -inf in logprobs
+SGLANG_GRAPH_SIZES = [1, 2, 4, 8, 12, 16, 24, 32]  # decode graphs with --cuda-graph-max-bs-decode 32
+VLLM_DEFAULT_MAX_NUM_SEQS = 32  # used to guess capture sizes when the server does not say
+
+
+# ----------------------------------------------------------------------------
+# Pure functions: float32 ULPs, comparisons, counts, ladders, statistics
+
+_F32 = struct.Struct("<f")
+_I32 = struct.Struct("<i")
+_F64 = struct.Struct("<d")
+_I64 = struct.Struct("<q")
+
+
+def is_float32_exact(x: float) -> bool:
+    """True when x is a float32 value written as a double (what vLLM and SGLang send)."""
+    try:
+        return _F32.unpack(_F32.pack(x))[0] == x or math.isnan(x)
+    except OverflowError:
+        return False
+
+
+def _ordered(bits: int, sign_mask: int) -> int:
+    # Map an IEEE bit pattern to an integer that orders like the float: -0.0 and 0.0
+    # both map to 0, and the order is monotonic across the sign.
+    return bits if bits >= 0 else -(bits & (sign_mask - 1))
+
+
+def ulp_distance(a: float, b: float, width: int = 32) -> int:
+    """Units in the last place between two finite floats, counted at float32 (or float64)."""
+    if width == 32:
+        ia = _I32.unpack(_F32.pack(a))[0]
+        ib = _I32.unpack(_F32.pack(b))[0]
+        return abs(_ordered(ia, 1 << 31) - _ordered(ib, 1 << 31))
+    ia = _I64.unpack(_F64.pack(a))[0]
+    ib = _I64.unpack(_F64.pack(b))[0]
+    return abs(_ordered(ia, 1 << 63) - _ordered(ib, 1 << 63))
+
+
+def logprob_distance(a: float, b: float) -> Tuple[Optional[int], str]:
+    """(ULPs, unit) between two logprobs; ULPs is None where no distance means anything.
+
+    unit is "float32" normally, "float64" when either value is not float32-exact (a server
+    that rounds or computes in double), "clamped" when exactly one is vLLM's -9999.0, and
+    "non-finite" for inf or NaN on either side.
+    """
+    if a == b:
+        return 0, "float32"
+    if VLLM_LOGPROB_CLAMP in (a, b):
+        return None, "clamped"
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return None, "non-finite"
+    if is_float32_exact(a) and is_float32_exact(b):
+        return ulp_distance(a, b, 32), "float32"
+    return ulp_distance(a, b, 64), "float64"
+
+
+@dataclass
+class Completion:
+    """One completion, whichever engine produced it."""
+    text: str
+    tokens: List[str]                    # "token_id:N" where the engine gives ids
+    logprobs: List[float]                # the chosen token's logprob at each step
+    top_logprobs: List[Dict[str, float]]  # token -> logprob at each step
+    finish_reason: Optional[str] = None
+
+    def to_record(self) -> Dict[str, Any]:
+        return {"text": self.text, "tokens": self.tokens, "logprobs": self.logprobs,
+                "top_logprobs": self.top_logprobs, "finish_reason": self.finish_reason}
+
+    @classmethod
+    def from_record(cls, rec: Dict[str, Any]) -> "Completion":
+        return cls(rec["text"], list(rec["tokens"]), [float(x) for x in rec["logprobs"]],
+                   [dict(d) for d in rec.get("top_logprobs") or [{} for _ in rec["tokens"]]],
+                   rec.get("finish_reason"))
+
+
+@dataclass
+class Delta:
+    """How one completion differs from the baseline."""
+    first_token_divergence: Optional[int] = None  # first step whose token differs
+    max_ulp: int = 0                              # over every comparable logprob
+    first_ulp_step: Optional[int] = None          # first step with a non-zero distance
+    units: Tuple[str, ...] = ()                   # "float64", "clamped", "non-finite" if seen
+
+
+IDENTICAL = Delta()
+
+
+def compare_completions(base: Completion, other: Completion) -> Delta:
+    """Compare a completion with the baseline, step by step.
+
+    Before the first token divergence: the chosen token's logprob and every token in both
+    top-k lists. At the divergence step: only tokens in both top-k lists. After it: nothing,
+    because the two contexts differ.
+    """
+    if (other.tokens == base.tokens and other.logprobs == base.logprobs
+            and other.top_logprobs == base.top_logprobs):
+        return IDENTICAL
+    steps = min(len(base.tokens), len(other.tokens))
+    diverged = next((t for t in range(steps) if base.tokens[t] != other.tokens[t]), None)
+    if diverged is None and len(base.tokens) != len(other.tokens):
+        diverged = steps  # one ended early: its end is the divergence
+    last = steps - 1 if diverged is None else min(diverged, steps - 1)
+    worst, first, units = 0, None, set()
+    for t in range(last + 1):
+        pairs = []
+        if diverged is None or t < diverged:
+            pairs.append((base.logprobs[t], other.logprobs[t]))
+        bt, ot = base.top_logprobs[t], other.top_logprobs[t]
+        pairs.extend((bt[k], ot[k]) for k in bt.keys() & ot.keys())
+        for a, b in pairs:
+            if a == b:
+                continue
+            ulps, unit = logprob_distance(a, b)
+            if first is None:
+                first = t
+            if unit != "float32":
+                units.add(unit)
+            if ulps is not None and ulps > worst:
+                worst = ulps
+    return Delta(diverged, worst, first, tuple(sorted(units)))
+
+
+def count_unique(texts: Sequence[str]) -> int:
+    return len(set(texts))
+
+
+def graph_bucket(batch_size: int, graph_sizes: Sequence[int]) -> Optional[int]:
+    """The CUDA-graph size a decode batch pads up to; None above the largest (no graph)."""
+    return next((b for b in sorted(graph_sizes) if b >= batch_size), None)
+
+
+def vllm_capture_sizes(max_num_seqs: int) -> List[int]:
+    """vLLM's default capture sizes: 1, 2, 4, then steps of 8 (16 above 256), to min(2*seqs, 512)."""
+    top = min(2 * max_num_seqs, 512)
+    sizes = [1, 2, 4] + list(range(8, min(top, 256) + 1, 8)) + list(range(272, top + 1, 16))
+    return [s for s in sizes if s <= top]
+
+
+def straddling_ladder(max_batch: int, graph_sizes: Sequence[int]) -> List[int]:
+    """Batch sizes from 1 to max_batch that straddle every capture size b with b-1, b, b+1."""
+    sizes = {1}
+    for b in graph_sizes:
+        sizes.update(s for s in (b - 1, b, b + 1) if 1 <= s <= max_batch)
+    return sorted(sizes)
+
+
+def verdict(unique: int, max_ulp: int, tokens_diverged: bool, unmeasured: bool = False) -> str:
+    if tokens_diverged or unique > 1:
+        return "tokens diverged"
+    if max_ulp > 0 or unmeasured:
+        return "logprobs moved but tokens held"
+    return "invariant"
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def mad(values: Sequence[float]) -> float:
+    """Median absolute deviation: a spread that one slow outlier cannot inflate."""
+    m = median(values)
+    return median([abs(v - m) for v in values])
+
+
+def bootstrap_median_ci(values: Sequence[float], resamples: int = BOOTSTRAP_RESAMPLES,
+                        seed: int = BOOTSTRAP_SEED, level: float = 0.95) -> Tuple[float, float]:
+    """Percentile bootstrap interval of the median; seeded, so the same data give the same interval."""
+    rng = random.Random(seed)
+    n = len(values)
+    meds = sorted(median([values[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples))
+    tail = (1.0 - level) / 2.0
+    return meds[int(tail * (resamples - 1))], meds[int(math.ceil((1.0 - tail) * (resamples - 1)))]
+
+
+def overhead_stats(off_s: Sequence[float], on_s: Sequence[float]) -> Dict[str, Any]:
+    """Overhead of the flag-on arm from paired trials: median ratio - 1, with its 95% interval."""
+    ratios = [b / a for a, b in zip(off_s, on_s)]
+    lo, hi = bootstrap_median_ci(ratios)
+    ci = [round((lo - 1.0) * 100.0, 3), round((hi - 1.0) * 100.0, 3)]
+    return {"overhead_pct": round((median(ratios) - 1.0) * 100.0, 3), "ci95_pct": ci,
+            "significant": not (ci[0] <= 0.0 <= ci[1]), "ratios": ratios}
+
+
+def arm_stats(samples_s: Sequence[float], tokens: Sequence[int]) -> Dict[str, Any]:
+    tps = [t / s for t, s in zip(tokens, samples_s) if s > 0]
+    return {"median_s": median(samples_s), "mad_s": mad(samples_s), "min_s": min(samples_s),
+            "max_s": max(samples_s), "samples_s": list(samples_s), "output_tokens": list(tokens),
+            "median_tokens_per_s": median(tps) if tps else None,
+            "noisy": max(samples_s) / min(samples_s) > NOISE_SPREAD if min(samples_s) > 0 else True}
+
+
+# Workload prompts for cost mode: pure, so both arms get byte-identical bodies.
+
+_FILLER = ("the quick brown fox jumps over a lazy dog while seven wise owls watch from an old "
+           "oak tree near the river bank and count every star in the clear night sky").split()
+
+
+def filler_words(count: int, offset: int = 0) -> str:
+    """About `count` tokens of plain English (common words are about one token each)."""
+    return " ".join(_FILLER[(offset + i) % len(_FILLER)] for i in range(count))
+
+
+def workload_prompts(workload: str, batch: int, trial: int, run_id: str,
+                     prefix_tokens: int = DEFAULT_PREFIX_TOKENS) -> List[str]:
+    """The prompts of one trial. cold: every prompt opens with its own run, trial and slot, so
+    no prefix cache can hit; shared-prefix: one long prefix for every prompt of every trial."""
+    if workload == "cold":
+        return ["[%s.%d.%d] Write a short story about %s." % (run_id, trial, i, filler_words(6, trial + i))
+                for i in range(batch)]
+    prefix = "Read this passage and answer the question after it. " + filler_words(prefix_tokens)
+    return ["%s\nQuestion %d.%d: what is word %d of the passage?" % (prefix, trial, i, i + 1)
+            for i in range(batch)]
+
+
+# ----------------------------------------------------------------------------
+# Transport: one guarded HTTP client for every engine and mode
+
+
+class ServerError(Exception):
+    """The server or network failed; the message is one line, ready for the user."""
+
+
+class UsageError(Exception):
+    """Bad arguments or input; the message is one line, ready for the user."""
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class _NoForeignRedirect(urllib.request.HTTPRedirectHandler):
+    """Follow redirects only to http(s); the key is an unredirected header, so it never follows."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        scheme = urllib.parse.urlsplit(newurl).scheme
+        if scheme not in ("http", "https"):
+            raise ServerError("refused a redirect to %s" % newurl)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def server_message(status: int, body: bytes) -> str:
+    """The server's own error text: vLLM and SGLang both send {"error": {"message": ...}}."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        data = None
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        for key in ("message", "detail", "error"):
+            if isinstance(data.get(key), str):
+                return data[key]
+    text = body.decode("utf-8", "replace").strip().replace("\n", " ")
+    return text[:200] or "no body"
+
+
+class HttpClient:
+    def __init__(self, base_url: str, api_key: Optional[str], timeout: float, max_bytes: int):
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.timeout = timeout
+        self.max_bytes = max_bytes
+        handlers: List[Any] = [_NoForeignRedirect()]
+        if is_loopback(urllib.parse.urlsplit(base_url).hostname or ""):
+            handlers.append(urllib.request.ProxyHandler({}))  # a proxy cannot reach our loopback
+        self.opener = urllib.request.build_opener(*handlers)
+
+    def request(self, path: str, body: Optional[Dict[str, Any]] = None) -> Any:
+        """GET (body None) or POST JSON; returns the decoded JSON answer or raises ServerError."""
+        return self.request_raw(path, body)[0]
+
+    def request_raw(self, path: str, body: Optional[Dict[str, Any]] = None) -> Tuple[Any, int]:
+        url = self.base_url + path
+        data = None if body is None else json.dumps(body).encode("utf-8")
+        req = urllib.request.Request(url, data=data, method="GET" if data is None else "POST")
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        if self.api_key:
+            req.add_unredirected_header("Authorization", "Bearer " + self.api_key)
+        try:
+            with self.opener.open(req, timeout=self.timeout) as resp:
+                raw = self._read_capped(resp)
+        except urllib.error.HTTPError as err:
+            raise ServerError("HTTP %d from %s: %s" % (err.code, path, server_message(
+                err.code, self._read_capped(err) if err.fp else b""))) from None
+        except urllib.error.URLError as err:
+            raise ServerError(describe_network_error(err.reason, self.base_url, self.timeout)) from None
+        except (socket.timeout, TimeoutError):
+            raise ServerError("no answer from %s within %gs (--timeout)" % (url, self.timeout)) from None
+        except (HTTPException, ConnectionError, OSError) as err:
+            raise ServerError("connection to %s dropped (%s)" % (url, type(err).__name__)) from None
+        try:
+            return json.loads(raw), len(raw)
+        except ValueError:
+            raise ServerError("invalid JSON from %s (%d bytes)" % (path, len(raw))) from None
+
+    def _read_capped(self, resp) -> bytes:
+        chunks, total = [], 0
+        while True:
+            chunk = resp.read(1 << 20)
+            if not chunk:
+                return b"".join(chunks)
+            total += len(chunk)
+            if total > self.max_bytes:
+                raise ServerError("answer larger than %d MB refused (--max-response-mb)"
+                                  % (self.max_bytes >> 20))
+            chunks.append(chunk)
+
+
+def describe_network_error(reason: Any, base_url: str, timeout: float) -> str:
+    if isinstance(reason, ServerError):
+        return str(reason)
+    if isinstance(reason, ConnectionRefusedError):
+        return "connection refused by %s: is the server running?" % base_url
+    if isinstance(reason, socket.gaierror):
+        return "cannot resolve the host of %s" % base_url
+    if isinstance(reason, (socket.timeout, TimeoutError)):
+        return "no answer from %s within %gs (--timeout)" % (base_url, timeout)
+    return "cannot reach %s: %s" % (base_url, reason)
+
+
+# ----------------------------------------------------------------------------
+# Engine adapters: each engine's wire format in, Completion records out
+
+
+@dataclass
+class Sampling:
+    temperature: float
+    top_p: float
+    max_tokens: int
+    logprobs: Optional[int]       # top-k per step; None asks for none
+    seed: Optional[int] = None
+    ignore_eos: bool = False
+
+
+def dig(data: Any, *keys: Any) -> Any:
+    """data[k1][k2]... or None when any step is missing."""
+    for key in keys:
+        if isinstance(data, dict):
+            data = data.get(key)
+        elif isinstance(data, list) and isinstance(key, int) and -len(data) <= key < len(data):
+            data = data[key]
+        else:
+            return None
+    return data
+
+
+def short_backend(name: Any) -> Any:
+    """vllm.v1.attention.backends.flash_attn.FlashAttentionBackend -> FlashAttentionBackend."""
+    return name.rsplit(".", 1)[-1] if isinstance(name, str) else name
+
+
+def shape_error(what: str) -> ServerError:
+    return ServerError("answer of the wrong shape: " + what)
+
+
+def check_steps(i: int, tokens: List[Any], logprobs: List[Any], top: List[Any]) -> None:
+    if not isinstance(logprobs, list) or not isinstance(tokens, list):
+        raise shape_error("completion %d has no logprobs" % i)
+    if not (len(tokens) == len(logprobs) == len(top)):
+        raise shape_error("completion %d has %d tokens but %d logprobs" % (i, len(tokens), len(logprobs)))
+    if not all(isinstance(x, (int, float)) for x in logprobs):
+        raise shape_error("completion %d has a logprob that is not a number" % i)
+
+
+class VllmAdapter:
+    name = "vllm"
+    generate_path = "/v1/completions"
+    flag_name = "VLLM_BATCH_INVARIANT"
+
+    # (label, path in /server_info) of every setting that changes the arithmetic or the batching
+    SETTINGS = [
+        ("model", ("vllm_config", "model_config", "model")),
+        ("dtype", ("vllm_config", "model_config", "dtype")),
+        ("quantization", ("vllm_config", "model_config", "quantization")),
+        ("load format", ("vllm_config", "load_config", "load_format")),
+        ("max model length", ("vllm_config", "model_config", "max_model_len")),
+        ("logprobs mode", ("vllm_config", "model_config", "logprobs_mode")),
+        ("enforce eager", ("vllm_config", "model_config", "enforce_eager")),
+        ("attention backend", ("vllm_config", "attention_config", "backend")),
+        ("TP size", ("vllm_config", "parallel_config", "tensor_parallel_size")),
+        ("PP size", ("vllm_config", "parallel_config", "pipeline_parallel_size")),
+        ("max num seqs", ("vllm_config", "scheduler_config", "max_num_seqs")),
+        ("max num batched tokens", ("vllm_config", "scheduler_config", "max_num_batched_tokens")),
+        ("chunked prefill", ("vllm_config", "scheduler_config", "enable_chunked_prefill")),
+        ("prefix caching", ("vllm_config", "cache_config", "enable_prefix_caching")),
+        ("KV-cache dtype", ("vllm_config", "cache_config", "cache_dtype")),
+        ("CUDA-graph mode", ("vllm_config", "compilation_config", "cudagraph_mode")),
+        ("CUDA-graph sizes", ("vllm_config", "compilation_config", "cudagraph_capture_sizes")),
+        ("sampling backend", ("vllm_env", "VLLM_USE_FLASHINFER_SAMPLER")),
+    ]
+    # With the flag on, vLLM turns prefix caching off for these backends itself.
+    FLAG_DISABLES_PREFIX_CACHE = ("FlashInferBackend", "TritonMLABackend")
+
+    def read_facts(self, client: HttpClient, model: Optional[str]) -> Dict[str, Any]:
+        version = dig(client.request("/version"), "version")
+        models = client.request("/v1/models")
+        ids = [m.get("id") for m in dig(models, "data") or [] if isinstance(m, dict)]
+        if not ids:
+            raise ServerError("/v1/models lists no model")
+        if model is not None and model not in ids:
+            raise UsageError("the server does not serve %s; it serves: %s" % (model, ", ".join(ids)))
+        model = model or ids[0]
+        entry = next(m for m in models["data"] if m.get("id") == model)
+        facts = {"engine": self.name, "version": version, "model": model,
+                 "max_model_len": entry.get("max_model_len"), "flag": None,
+                 "attention_backend": None, "tp": None, "graph_sizes": None,
+                 "max_num_seqs": None, "load_format": None, "settings": {"engine version": version},
+                 "info_source": None}
+        try:
+            info = client.request("/server_info?config_format=json")
+        except ServerError:
+            info = None  # only served with VLLM_SERVER_DEV_MODE=1
+        if isinstance(info, dict) and isinstance(info.get("vllm_config"), dict):
+            facts["info_source"] = "/server_info"
+            facts["flag"] = dig(info, "vllm_env", "VLLM_BATCH_INVARIANT")
+            facts["attention_backend"] = short_backend(dig(info, "vllm_config", "attention_config", "backend"))
+            facts["tp"] = dig(info, "vllm_config", "parallel_config", "tensor_parallel_size")
+            facts["graph_sizes"] = dig(info, "vllm_config", "compilation_config", "cudagraph_capture_sizes")
+            facts["max_num_seqs"] = dig(info, "vllm_config", "scheduler_config", "max_num_seqs")
+            facts["load_format"] = dig(info, "vllm_config", "load_config", "load_format")
+            facts["settings"].update({label: dig(info, *path) for label, path in self.SETTINGS})
+            if dig(info, "vllm_config", "model_config", "enforce_eager"):
+                facts["graph_sizes"] = []
+        return facts
+
+    def flag_consequence(self, label: str, off: Dict[str, Any], on: Dict[str, Any]) -> bool:
+        backend = short_backend(on["settings"].get("attention backend"))
+        return (label == "prefix caching" and backend in self.FLAG_DISABLES_PREFIX_CACHE
+                and not on["settings"].get(label))
+
+    def body(self, model: str, prompts: List[str], s: Sampling) -> Dict[str, Any]:
+        body: Dict[str, Any] = {"model": model, "prompt": prompts, "max_tokens": s.max_tokens,
+                                "temperature": s.temperature, "top_p": s.top_p}
+        if s.logprobs is not None:
+            body["logprobs"] = s.logprobs
+            body["return_tokens_as_token_ids"] = True  # compare ids, not decoded text
+        if s.seed is not None:
+            body["seed"] = s.seed
+        if s.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+    def completions(self, answer: Any, n: int, with_logprobs: bool) -> List[Completion]:
+        choices = dig(answer, "choices")
+        if not isinstance(choices, list):
+            raise shape_error("no choices")
+        if len(choices) != n:
+            raise shape_error("%d completions for %d prompts" % (len(choices), n))
+        out = []
+        for i, c in enumerate(sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0)):
+            if not isinstance(c, dict) or not isinstance(c.get("text"), str):
+                raise shape_error("completion %d has no text" % i)
+            lp = c.get("logprobs")
+            if not with_logprobs:
+                out.append(Completion(c["text"], [], [], [], c.get("finish_reason")))
+                continue
+            if not isinstance(lp, dict):
+                raise shape_error("completion %d has no logprobs" % i)
+            tokens, values, top = lp.get("tokens"), lp.get("token_logprobs"), lp.get("top_logprobs")
+            check_steps(i, tokens, values, top if isinstance(top, list) else [])
+            out.append(Completion(c["text"], tokens, values, [d or {} for d in top], c.get("finish_reason")))
+        return out
+
+    def output_tokens(self, answer: Any) -> List[int]:
+        """Completion tokens per prompt, counted from the logprob-free answer's usage."""
+        total = dig(answer, "usage", "completion_tokens")
+        n = len(dig(answer, "choices") or []) or 1
+        return [int(total or 0) // n] * n
+
+
+class SglangAdapter:
+    name = "sglang"
+    generate_path = "/generate"
+    flag_name = "--enable-deterministic-inference"
+
+    SETTINGS = [(label, (key,)) for label, key in [
+        ("model", "model_path"), ("dtype", "dtype"), ("quantization", "quantization"),
+        ("load format", "load_format"), ("max model length", "context_length"),
+        ("attention backend", "attention_backend"), ("TP size", "tp_size"), ("PP size", "pp_size"),
+        ("DP size", "dp_size"), ("max running requests", "max_running_requests"),
+        ("chunked prefill size", "chunked_prefill_size"), ("max prefill tokens", "max_prefill_tokens"),
+        ("radix cache disabled", "disable_radix_cache"), ("KV-cache dtype", "kv_cache_dtype"),
+        ("CUDA graph disabled", "disable_cuda_graph"), ("sampling backend", "sampling_backend"),
+        ("CUDA-graph max bs", "cuda_graph_max_bs_decode"), ("CUDA-graph max bs (old)", "cuda_graph_max_bs"),
+    ]] + [("CUDA-graph sizes", ("cuda_graph_config", "decode", "bs"))]
+    # With the flag on, SGLang switches these itself (pytorch sampling; no radix cache with flashinfer).
+    FLAG_SETS = {"sampling backend": lambda on: on == "pytorch",
+                 "radix cache disabled": lambda on: bool(on)}
+
+    def read_facts(self, client: HttpClient, model: Optional[str]) -> Dict[str, Any]:
+        try:
+            info = client.request("/server_info")
+        except ServerError as err:
+            if "HTTP 404" not in str(err):
+                raise
+            info = client.request("/get_server_info")  # SGLang before /server_info existed
+        if not isinstance(info, dict):
+            raise shape_error("server info is not an object")
+        served = info.get("served_model_name") or info.get("model_path")
+        if model is not None and model not in (info.get("model_path"), info.get("served_model_name")):
+            raise UsageError("the server serves %s, not %s" % (served, model))
+        graph = dig(info, "cuda_graph_config", "decode", "bs")
+        if graph is None and info.get("cuda_graph_max_bs_decode", info.get("cuda_graph_max_bs")) == 32:
+            graph = SGLANG_GRAPH_SIZES
+        return {"engine": self.name, "version": info.get("version"), "model": model or info.get("model_path"),
+                "max_model_len": info.get("context_length"), "flag": info.get("enable_deterministic_inference"),
+                "attention_backend": info.get("attention_backend"), "tp": info.get("tp_size"),
+                "graph_sizes": [] if info.get("disable_cuda_graph") else graph,
+                "max_num_seqs": info.get("max_running_requests"), "load_format": info.get("load_format"),
+                "settings": dict([("engine version", info.get("version"))] +
+                                 [(label, dig(info, *path)) for label, path in self.SETTINGS]),
+                "info_source": "/server_info"}
+
+    def flag_consequence(self, label: str, off: Dict[str, Any], on: Dict[str, Any]) -> bool:
+        check = self.FLAG_SETS.get(label)
+        if label == "radix cache disabled" and on["settings"].get("attention backend") != "flashinfer":
+            return False
+        return bool(check and check(on["settings"].get(label)))
+
+    def body(self, model: str, prompts: List[str], s: Sampling) -> Dict[str, Any]:
+        params: Dict[str, Any] = {"temperature": s.temperature, "top_p": s.top_p,
+                                  "max_new_tokens": s.max_tokens}
+        if s.seed is not None:
+            params["sampling_seed"] = s.seed
+        if s.ignore_eos:
+            params["ignore_eos"] = True
+        body: Dict[str, Any] = {"text": prompts, "sampling_params": params, "stream": False}
+        if s.logprobs is not None:
+            body["return_logprob"] = True
+            body["top_logprobs_num"] = s.logprobs
+        return body
+
+    def completions(self, answer: Any, n: int, with_logprobs: bool) -> List[Completion]:
+        if not isinstance(answer, list):
+            raise shape_error("expected a list of %d completions" % n)
+        if len(answer) != n:
+            raise shape_error("%d completions for %d prompts" % (len(answer), n))
+        out = []
+        for i, item in enumerate(answer):
+            if not isinstance(item, dict) or not isinstance(item.get("text"), str):
+                raise shape_error("completion %d has no text" % i)
+            finish = dig(item, "meta_info", "finish_reason", "type")
+            if not with_logprobs:
+                out.append(Completion(item["text"], [], [], [], finish))
+                continue
+            steps = dig(item, "meta_info", "output_token_logprobs")
+            top = dig(item, "meta_info", "output_top_logprobs") or []
+            if not isinstance(steps, list) or not all(isinstance(s, list) and len(s) >= 2 for s in steps):
+                raise shape_error("completion %d has no logprobs" % i)
+            ids = item.get("output_ids") or [s[1] for s in steps]
+            if len(ids) != len(steps):
+                raise shape_error("completion %d has %d tokens but %d logprobs" % (i, len(ids), len(steps)))
+            tokens = ["token_id:%d" % s[1] for s in steps]
+            values = [s[0] for s in steps]
+            tops = [{"token_id:%d" % e[1]: e[0] for e in (step or [])} for step in top] or [{} for _ in steps]
+            check_steps(i, tokens, values, tops)
+            out.append(Completion(item["text"], tokens, values, tops, finish))
+        return out
+
+    def output_tokens(self, answer: Any) -> List[int]:
+        return [int(dig(item, "meta_info", "completion_tokens") or 0) for item in answer or []]
+
+
+ADAPTERS = {"vllm": VllmAdapter(), "sglang": SglangAdapter()}
+
+
+def generate(client: HttpClient, adapter: Any, model: str, prompts: List[str],
+             sampling: Sampling) -> Tuple[Any, float]:
+    """One request carrying every prompt, so that the engine schedules them as one batch."""
+    start = time.perf_counter()
+    answer = client.request(adapter.generate_path, adapter.body(model, prompts, sampling))
+    return answer, time.perf_counter() - start
+
+
+# ----------------------------------------------------------------------------
+# Configuration: argparse turned into plain values before any I/O
+
+
+@dataclass
+class Config:
+    mode: str
+    engine: Optional[str] = None
+    url: Optional[str] = None
+    model: Optional[str] = None
+    api_key: Optional[str] = field(default=None, repr=False)
+    timeout: float = DEFAULT_TIMEOUT_S
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_MB << 20
+    json_out: bool = False
+    save: Optional[str] = None
+    # sweep
+    sizes: Optional[List[int]] = None
+    max_batch: int = DEFAULT_MAX_BATCH
+    prompts: List[str] = field(default_factory=list)
+    temperature: float = DEFAULT_TEMPERATURE
+    max_tokens: int = DEFAULT_SWEEP_TOKENS
+    logprobs: int = DEFAULT_LOGPROBS
+    seed: int = DEFAULT_SEED
+    baseline: Optional[Dict[str, Any]] = None
+    baseline_path: Optional[str] = None
+    expect: Optional[str] = None
+    # cost
+    invariant_url: Optional[str] = None
+    batch: int = DEFAULT_BATCH
+    trials: int = DEFAULT_TRIALS
+    warmup: int = DEFAULT_WARMUP
+    workload: str = "cold"
+    prefix_tokens: int = DEFAULT_PREFIX_TOKENS
+    tp: Optional[int] = None
+    allow_mismatch: bool = False
+    # the saved document already at --save (cost mode adds to it)
+    existing: Optional[Dict[str, Any]] = None
+
+    @property
+    def adapter(self):
+        return ADAPTERS[self.engine or "vllm"]
+
+    def client(self, url: str) -> HttpClient:
+        return HttpClient(url, self.api_key, self.timeout, self.max_response_bytes)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="run.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+                description="Batch-invariance lab for vLLM and SGLang servers, over plain HTTP.",
+                epilog=EXIT_CODES_TEXT)
+    p.add_argument("--mode", choices=MODES, default="help",
+                   help="harness: upstream harnesses and commands (offline); sweep: unique completions "
+                        "and logprob ULPs across batch sizes; cost: the flag's overhead; help: the guide")
+    common = p.add_argument_group("all modes")
+    common.add_argument("--engine", choices=ENGINES, help="vllm (default for sweep and cost) or sglang; "
+                        "harness: print only this engine's part")
+    sweep_cost = p.add_argument_group("sweep and cost")
+    sweep_cost.add_argument("--url", help="the server (cost: the flag-off arm); default "
+                            "http://localhost:8000 for vllm, :30000 for sglang")
+    sweep_cost.add_argument("--model", help="served model; default: the first of /v1/models (vllm), "
+                            "model_path of /server_info (sglang)")
+    sweep_cost.add_argument("--api-key", help="bearer token (default: $OPENAI_API_KEY); never printed or saved")
+    sweep_cost.add_argument("--max-tokens", type=int, help="tokens per completion (default: sweep %d, "
+                            "cost %d)" % (DEFAULT_SWEEP_TOKENS, DEFAULT_COST_TOKENS))
+    sweep_cost.add_argument("--save", metavar="PATH", help="write the result as JSON (sweep: rewritten "
+                            "after every batch size; cost: adds its cell to the file)")
+    sweep_cost.add_argument("--json", action="store_true", help="print the result as JSON, not a table")
+    sweep_cost.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                            help="seconds to wait for one answer (default %g)" % DEFAULT_TIMEOUT_S)
+    sweep_cost.add_argument("--max-response-mb", type=int, default=DEFAULT_MAX_RESPONSE_MB,
+                            help="refuse a larger answer (default %d)" % DEFAULT_MAX_RESPONSE_MB)
+    sweep = p.add_argument_group("sweep")
+    sweep.add_argument("--sizes", help="batch sizes, e.g. 1,15,16,17 (default: a ladder to --max-batch "
+                       "that straddles every CUDA-graph size)")
+    sweep.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                       help="largest batch of the default ladder (default %d)" % DEFAULT_MAX_BATCH)
+    sweep.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                       help="a prompt; repeat for more (each gets its own sweep)")
+    sweep.add_argument("--prompt-file", metavar="PATH", help="prompts, one per line")
+    sweep.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
+                       help="default %g (greedy); above 0 a --seed is always sent" % DEFAULT_TEMPERATURE)
+    sweep.add_argument("--seed", type=int, default=DEFAULT_SEED, help="sampling seed when temperature > 0 "
+                       "(default %d)" % DEFAULT_SEED)
+    sweep.add_argument("--logprobs", type=int, default=DEFAULT_LOGPROBS,
+                       help="top-k logprobs per step, 0..%d (default %d)" % (MAX_LOGPROBS, DEFAULT_LOGPROBS))
+    sweep.add_argument("--baseline", metavar="PATH", help="compare with the batch-1 completions of an "
+                       "earlier sweep's --save file (same model and prompts)")
+    sweep.add_argument("--expect", choices=("invariant", "variant"), help="exit 1 unless the result is "
+                       "invariant (flag on) or shows a difference (flag off, the negative control)")
+    cost = p.add_argument_group("cost")
+    cost.add_argument("--invariant", metavar="URL", help="the flag-on arm (required)")
+    cost.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="prompts per timed request "
+                      "(default %d)" % DEFAULT_BATCH)
+    cost.add_argument("--trials", type=int, default=DEFAULT_TRIALS, help="timed requests per arm "
+                      "(default %d)" % DEFAULT_TRIALS)
+    cost.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="discarded requests per arm "
+                      "(default %d)" % DEFAULT_WARMUP)
+    cost.add_argument("--workload", choices=("cold", "shared-prefix"), default="cold",
+                      help="cold: no prefix can be cached; shared-prefix: one long prefix for all")
+    cost.add_argument("--prefix-tokens", type=int, default=DEFAULT_PREFIX_TOKENS,
+                      help="length of the shared prefix (default about %d tokens)" % DEFAULT_PREFIX_TOKENS)
+    cost.add_argument("--tp", type=int, help="TP degree for the label when the server does not report it")
+    cost.add_argument("--allow-mismatch", action="store_true", help="time even when the two servers "
+                      "differ in more than the flag (the result records the differences)")
+    return p
+
+
+EXIT_CODES_TEXT = """exit codes:
+  0    ran, and any --expect held
+  1    an --expect did not hold
+  2    usage or input error, found before any request
+  3    the server or network failed before the run completed (--save keeps what was measured)
+  130  interrupted by Ctrl-C (--save keeps what was measured)
+  141  the output pipe closed (e.g. `run.py ... | head`)
+"""
+
+
+def parse_sizes(text: str) -> List[int]:
+    parts = [p.strip() for p in text.split(",")]
+    if not text.strip() or any(not p for p in parts):
+        raise UsageError("--sizes: give comma-separated batch sizes, e.g. 1,15,16,17")
+    try:
+        sizes = [int(p) for p in parts]
+    except ValueError:
+        raise UsageError("--sizes: %r is not a whole number" % next(p for p in parts if not p.lstrip("-").isdigit())) from None
+    if any(s < 1 for s in sizes):
+        raise UsageError("--sizes: batch sizes start at 1 (got %d)" % min(sizes))
+    if len(set(sizes)) != len(sizes):
+        raise UsageError("--sizes: %d is listed twice" % next(s for s in sizes if sizes.count(s) > 1))
+    return sizes
+
+
+def check_url(url: str, option: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError("%s: %r is not an http:// or https:// URL" % (option, url))
+    return url.rstrip("/")
+
+
+def read_json_file(path: str, option: str) -> Dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as err:
+        raise UsageError("%s: cannot read %s (%s)" % (option, path, err.strerror)) from None
+    except ValueError as err:
+        raise UsageError("%s: %s is not valid JSON (%s)" % (option, path, err)) from None
+    if not isinstance(data, dict):
+        raise UsageError("%s: %s is not a lab result" % (option, path))
+    return data
+
+
+def check_save_target(path: str, schema: str) -> Optional[Dict[str, Any]]:
+    """The document already at --save (None if there is none); refuse a folder that does not
+    exist, or a file that holds anything but this mode's results."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError("--save: folder %s does not exist" % folder)
+    if not os.path.exists(path):
+        return None
+    data = read_json_file(path, "--save")
+    if data.get("schema") != schema:
+        raise UsageError("--save: %s holds %s, not %s results; refusing to overwrite it"
+                         % (path, data.get("schema") or "something else", schema.split("/")[1]))
+    return data
+
+
+def read_prompt_file(path: str) -> List[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            prompts = [line.rstrip("\r\n") for line in f if line.strip()]
+    except OSError as err:
+        raise UsageError("--prompt-file: cannot read %s (%s)" % (path, err.strerror)) from None
+    except UnicodeDecodeError:
+        raise UsageError("--prompt-file: %s is not UTF-8 text" % path) from None
+    if not prompts:
+        raise UsageError("--prompt-file: %s holds no prompt" % path)
+    return prompts
+
+
+def configure(argv: Optional[Sequence[str]]) -> Config:
+    """Every check that needs no server, done before any request is sent."""
+    args = build_parser().parse_args(argv)
+    cfg = Config(mode=args.mode, engine=args.engine)
+    if args.mode in ("harness", "help"):
+        return cfg
+    cfg.engine = args.engine or "vllm"
+    cfg.url = check_url(args.url or "http://localhost:%d" % DEFAULT_PORT[cfg.engine], "--url")
+    cfg.model = args.model
+    cfg.api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or None
+    if args.timeout <= 0:
+        raise UsageError("--timeout: give a positive number of seconds")
+    if args.max_response_mb < 1:
+        raise UsageError("--max-response-mb: give at least 1")
+    cfg.timeout, cfg.max_response_bytes = args.timeout, args.max_response_mb << 20
+    cfg.json_out = args.json
+    default_tokens = DEFAULT_SWEEP_TOKENS if args.mode == "sweep" else DEFAULT_COST_TOKENS
+    cfg.max_tokens = default_tokens if args.max_tokens is None else args.max_tokens
+    if cfg.max_tokens < 1:
+        raise UsageError("--max-tokens: give at least 1")
+    if args.save:
+        cfg.save = args.save
+        cfg.existing = check_save_target(args.save, SWEEP_SCHEMA if args.mode == "sweep" else COST_SCHEMA)
+    if args.mode == "sweep":
+        configure_sweep(cfg, args)
+    else:
+        configure_cost(cfg, args)
+    return cfg
+
+
+def configure_sweep(cfg: Config, args: argparse.Namespace) -> None:
+    if not 0 <= args.logprobs <= MAX_LOGPROBS:
+        raise UsageError("--logprobs: give 0 to %d (got %d)" % (MAX_LOGPROBS, args.logprobs))
+    if args.temperature < 0 or not math.isfinite(args.temperature):
+        raise UsageError("--temperature: give 0 (greedy) or more")
+    if args.max_batch < 1:
+        raise UsageError("--max-batch: give at least 1")
+    cfg.logprobs, cfg.temperature, cfg.seed, cfg.max_batch = args.logprobs, args.temperature, args.seed, args.max_batch
+    cfg.sizes = parse_sizes(args.sizes) if args.sizes is not None else None
+    cfg.prompts = list(args.prompt) + (read_prompt_file(args.prompt_file) if args.prompt_file else [])
+    if any(not p.strip() for p in cfg.prompts):
+        raise UsageError("--prompt: a prompt is empty")
+    cfg.prompts = cfg.prompts or [DEFAULT_PROMPT]
+    if len(set(cfg.prompts)) != len(cfg.prompts):
+        raise UsageError("--prompt: the same prompt is given twice")
+    cfg.expect = args.expect
+    if args.baseline:
+        cfg.baseline_path = args.baseline
+        cfg.baseline = read_json_file(args.baseline, "--baseline")
+        check_baseline(cfg)
+
+
+def sweep_params(cfg: Config) -> Dict[str, Any]:
+    """What a sweep sent, as saved: a baseline must have been made with the same."""
+    return {"temperature": cfg.temperature, "top_p": DEFAULT_TOP_P, "max_tokens": cfg.max_tokens,
+            "logprobs": cfg.logprobs, "seed": cfg.seed if cfg.temperature > 0 else None}
+
+
+def check_baseline(cfg: Config) -> None:
+    """Refuse a baseline recorded for another engine, model, prompt or sampling."""
+    doc, path = cfg.baseline, cfg.baseline_path
+    if doc.get("schema") != SWEEP_SCHEMA or not isinstance(doc.get("prompts"), list):
+        raise UsageError("--baseline: %s is not a sweep result" % path)
+    if doc.get("engine") != cfg.engine:
+        raise UsageError("--baseline: %s was recorded on %s, this sweep is on %s" % (path, doc.get("engine"), cfg.engine))
+    if cfg.model is not None and doc.get("model") != cfg.model:
+        raise UsageError("--baseline: %s was recorded for model %s, not %s" % (path, doc.get("model"), cfg.model))
+    mine, theirs = sweep_params(cfg), doc.get("params") or {}
+    for key in ("temperature", "top_p", "max_tokens", "seed"):
+        if theirs.get(key) != mine[key]:
+            raise UsageError("--baseline: %s was recorded with %s=%s, this sweep uses %s"
+                             % (path, key, theirs.get(key), mine[key]))
+    recorded = {p.get("prompt"): p for p in doc["prompts"] if isinstance(p, dict)}
+    for prompt in cfg.prompts:
+        entry = recorded.get(prompt)
+        if entry is None:
+            raise UsageError("--baseline: %s has no baseline for the prompt %r" % (path, prompt[:60]))
+        try:
+            Completion.from_record(entry["baseline"])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise UsageError("--baseline: %s has a malformed baseline for %r" % (path, prompt[:60])) from None
+
+
+def configure_cost(cfg: Config, args: argparse.Namespace) -> None:
+    if not args.invariant:
+        raise UsageError("cost mode needs --invariant URL, the flag-on server")
+    cfg.invariant_url = check_url(args.invariant, "--invariant")
+    if cfg.invariant_url == cfg.url:
+        raise UsageError("--url and --invariant are the same server; cost compares two")
+    for name in ("batch", "trials"):
+        if getattr(args, name) < 1:
+            raise UsageError("--%s: give at least 1" % name)
+    if args.warmup < 0 or args.prefix_tokens < 1:
+        raise UsageError("--warmup: give 0 or more; --prefix-tokens: at least 1")
+    if args.tp is not None and args.tp < 1:
+        raise UsageError("--tp: give at least 1")
+    cfg.batch, cfg.trials, cfg.warmup = args.batch, args.trials, args.warmup
+    cfg.workload, cfg.prefix_tokens, cfg.tp = args.workload, args.prefix_tokens, args.tp
+    cfg.allow_mismatch = args.allow_mismatch
+
+
+# ----------------------------------------------------------------------------
+# Output helpers
+
+
+class Out:
+    """Plain text to stdout; colour only on a terminal without NO_COLOR; progress on a stderr terminal."""
+
+    def __init__(self, stdout=None, stderr=None):
+        self.stdout = stdout or sys.stdout
+        self.stderr = stderr or sys.stderr
+        self.colour = self.stdout.isatty() and "NO_COLOR" not in os.environ
+        self.progress_on = self.stderr.isatty()
+
+    def line(self, text: str = "") -> None:
+        self.stdout.write(text + "\n")
+
+    def style(self, text: str, code: str) -> str:
+        return "\033[%sm%s\033[0m" % (code, text) if self.colour else text
+
+    def warn(self, text: str) -> None:
+        self.stderr.write("run.py: warning: %s\n" % text)
+
+    def progress(self, text: str) -> None:
+        if self.progress_on:
+            self.stderr.write("\r\033[K" + text)
+            self.stderr.flush()
+
+    def progress_done(self) -> None:
+        if self.progress_on:
+            self.stderr.write("\r\033[K")
+            self.stderr.flush()
+
+
+def write_json_atomic(path: str, doc: Dict[str, Any]) -> None:
+    """Write through a temporary file and a rename: a crash never leaves half a file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".run-", suffix=".json", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+class DeferredInterrupt:
+    """The first Ctrl-C asks to stop after the current request; a second one stops at once."""
+
+    def __init__(self, out: Out):
+        self.out = out
+        self.requested = False
+        self._previous = None
+
+    def _handler(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.out.stderr.write("\nrun.py: stopping after the current request (Ctrl-C again to abort it)\n")
+
+    def __enter__(self) -> "DeferredInterrupt":
+        try:
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        except ValueError:  # not the main thread: Ctrl-C stays immediate
+            self._previous = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def fmt_opt(value: Any, none: str = "-") -> str:
+    return none if value is None else str(value)
+
+
+def fmt_sizes(sizes: Optional[Sequence[int]]) -> str:
+    if sizes is None:
+        return "unknown"
+    if not sizes:
+        return "none (eager)"
+    return ",".join(str(s) for s in sizes)
+
+
+def describe_flag(facts: Dict[str, Any], adapter: Any) -> str:
+    flag = facts.get("flag")
+    if flag is None:
+        return "flag unknown (the server does not say)"
+    return "flag %s (%s=%s)" % ("on" if flag else "off", adapter.flag_name, str(flag).lower())
+
+
+def server_lines(facts: Dict[str, Any], adapter: Any) -> List[str]:
+    return [
+        "server: %s %s, model %s, %s" % (facts["engine"], fmt_opt(facts.get("version"), "?"),
+                                         facts.get("model"), describe_flag(facts, adapter)),
+        "        attention %s, TP %s, max-num-seqs %s, max model length %s, graph sizes %s" % (
+            fmt_opt(facts.get("attention_backend"), "?"), fmt_opt(facts.get("tp"), "?"),
+            fmt_opt(facts.get("max_num_seqs"), "?"), fmt_opt(facts.get("max_model_len"), "?"),
+            fmt_sizes(facts.get("graph_sizes"))),
+    ]
+
+
+# ----------------------------------------------------------------------------
+# --mode harness: the upstream harnesses, quoted, with what each one does not tell you
+
+VLLM_REV = "vLLM upstream commit 9aaf83ef (2026-05-19)"
+SGLANG_REV = "SGLang 0.5.23 (same text and lines in 0.5.18-0.5.23)"
+
+
+@dataclass
+class Excerpt:
+    engine: str
+    title: str
+    source: str       # file, lines and version it was read at
+    text: str         # verbatim upstream text
+    note: str         # what a reader needs so as not to be misled, in the lab's words
+
+
+HARNESS_EXCERPTS = [
+    Excerpt("vllm", "the autouse fixture",
+            "tests/v1/determinism/conftest.py, lines 8-12, " + VLLM_REV,
+            '''@pytest.fixture(autouse=True)
+def enable_batch_invariant_mode(monkeypatch: pytest.MonkeyPatch):
+    """Automatically enable batch invariant kernel overrides for all tests."""
+    monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", True)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")''',
+            "Every test in tests/v1/determinism/ runs with the flag ON, whatever your shell says. "
+            "A test that needs the flag off has to switch it off itself, as the next one does."),
+    Excerpt("vllm", "the negative control that must see differences",
+            "tests/v1/determinism/test_batch_invariance.py, lines 432-446 (def 432-434, docstring from "
+            "436, comment 444), " + VLLM_REV,
+            '''def test_logprobs_without_batch_invariance_should_fail(
+    backend, monkeypatch: pytest.MonkeyPatch
+):
+    """
+    This test is the inverse of test_logprobs_bitwise_batch_invariance_bs1_vs_bsN.
+    It DISABLES batch invariance mode and expects to see non-deterministic behavior
+    between BS=1 and BS=N runs. This demonstrates that batch invariance is actually
+    doing something useful.
+
+    The test will PASS if we detect differences (proving batch invariance matters).
+    The test will FAIL if everything matches (suggesting batch invariance isn't needed).
+    """
+    # CRITICAL: Disable batch invariance for this test
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", False)''',
+            "Because of the autouse fixture above, this test must undo the flag itself (the two "
+            "monkeypatch lines). A green result here means differences WERE seen with the flag off: "
+            "the lab's `--mode sweep --expect variant` is the same negative control over HTTP."),
+    Excerpt("vllm", "the model is an environment variable",
+            "tests/v1/determinism/utils.py, lines 23-24, " + VLLM_REV,
+            '''DEFAULT_MODEL = "Qwen/Qwen3-1.7B"
+TEST_MODEL = os.getenv("VLLM_TEST_MODEL", DEFAULT_MODEL)''',
+            "Set VLLM_TEST_MODEL to point the whole suite at your own weights; there is no flag."),
+    Excerpt("vllm", "the online test's sampling and server arguments",
+            "tests/v1/determinism/test_online_batch_invariance.py, lines 144-161, " + VLLM_REV,
+            '''    sp_kwargs: dict[str, Any] = {
+        "temperature": 0.6,
+        "top_p": 1.0,
+        "max_tokens": 8,
+        "seed": 42,
+        "logprobs": 5,
+    }
+
+    tp_size = os.getenv("VLLM_TP_SIZE", "1")
+    server_args: list[str] = [
+        "--max-model-len=8192",
+        "--max-num-seqs=32",
+        f"--attention-backend={backend}",
+    ]
+    if tp_size:
+        server_args += ["-tp", tp_size]
+
+    with RemoteOpenAIServer(TEST_MODEL, server_args) as server:''',
+            "Seeded sampling at temperature 0.6, not greedy, and only 8 tokens: a short window for a "
+            "near-tie to show up. The lab defaults to greedy and 64 tokens; run it with --temperature 0.6 "
+            "too. The TP size here is read from VLLM_TP_SIZE, not VLLM_TEST_TP_SIZE."),
+    Excerpt("vllm", "the online test's bitwise comparison",
+            "tests/v1/determinism/test_online_batch_invariance.py, lines 126-133, " + VLLM_REV,
+            '''        for t, (a, b) in enumerate(zip(logprobs_bs1, logprobs_bsN)):
+            if a != b:
+                diff = abs(a - b)
+                raise AssertionError(
+                    f"Prompt {i} Step {t}: Bitwise mismatch "
+                    f"(abs diff={diff:.6e}). "
+                    f"BS=1 tokens: {tokens_bs1} BS=N tokens: {tokens_bsN}"
+                )''',
+            "The upstream check is on logprobs, bit for bit, not on text. It stops at the first "
+            "mismatch; the lab reports the largest float32 ULP distance over every comparable step."),
+    Excerpt("vllm", "the performance harness",
+            "benchmarks/benchmark_batch_invariance.py, lines 149-152 and 191-192, " + VLLM_REV,
+            '''        print("Generating baseline (warmup)...")
+        baseline_out = llm.generate([needle_prompt], sampling)
+        assert len(baseline_out) == 1
+        baseline_text = baseline_out[0].outputs[0].text
+[...]
+            needle_output = outputs[needle_pos]
+            assert needle_output.prompt == needle_prompt''',
+            "This is a timing harness, not a determinism test. baseline_text is printed but never "
+            "compared with anything, and the assertion compares the prompt sent with the prompt echoed "
+            "back, which holds by construction. Its green output and its `Overhead: +X%` line say "
+            "nothing about invariance. It also needs an SM90+ GPU."),
+    Excerpt("sglang", "the driver's single mode",
+            "python/sglang/test/test_deterministic.py, lines 460-471, " + SGLANG_REV,
+            '''def test_deterministic(args):
+    if args.test_mode == "single":
+        # In single mode, we test the deterministic behavior by sending the same prompt in batch sizes ranging from 1 to n_trials.
+        texts = []
+        for i in range(1, args.n_trials + 1):
+            batch_size = i
+            text = send_single(args, args.profile, prompt=[PROMPT_1] * batch_size)
+            text = text.replace("\\n", " ")
+            print(f"Trial {i} with batch size {batch_size}: {text}")
+            texts.append(text)
+        print(f"Total samples: {len(texts)}, Unique samples: {len(set(texts))}")
+        return [len(set(texts))]''',
+            "send_single keeps only the FIRST completion of each batch (pick_first_result), and "
+            "compares text only: no logprobs. Completions 2..n of every batch are never looked at. "
+            "The lab compares every completion, and the logprobs too."),
+    Excerpt("sglang", "the in-tree test's model and server arguments",
+            "python/sglang/test/test_deterministic_utils.py, lines 12-18, " + SGLANG_REV,
+            '''DEFAULT_MODEL = "Qwen/Qwen3-8B"
+COMMON_SERVER_ARGS = [
+    "--trust-remote-code",
+    "--cuda-graph-max-bs-decode",
+    "32",
+    "--enable-deterministic-inference",
+]''',
+            "--cuda-graph-max-bs-decode 32 fixes the decode bucket ladder (1, 2, 4, 8, 12, 16, 24, 32): "
+            "a batch pads up to the next size, and above 32 there is no graph to pad into. That decides "
+            "which batch sizes can differ at all. It is defined in 0.5.18 python/sglang/srt/server_args.py "
+            "L1879-1883 and resolved at L4524-4525; in 0.5.23 in srt/arg_groups/fields/exec_.py L629-631 "
+            "and srt/arg_groups/cuda_graph_hook.py L72-73. (Line numbers L1906-L1910 / L4561-L4562, "
+            "quoted elsewhere, match none of the releases checked.) Versions before 0.5.18 spelled it "
+            "--cuda-graph-max-bs; from 0.5.20 on that spelling is rejected as ambiguous."),
+    Excerpt("sglang", "the deterministic attention-backend fallback",
+            "python/sglang/srt/arg_groups/overrides.py, lines 1112-1123 (the function spans 1093-1123), "
+            + SGLANG_REV + "; in 0.5.18 lines 2097-2108 of the same file",
+            '''        logger.warning(
+            f"Attention backend not specified. Falling back to '{backend}' for deterministic inference. "
+            f"You can explicitly set --attention-backend to one of {DETERMINISTIC_ATTENTION_BACKEND_CHOICES}."
+        )
+        return {"attention_backend": backend}
+    elif view.attention_backend not in DETERMINISTIC_ATTENTION_BACKEND_CHOICES:
+        # User explicitly specified an incompatible attention backend
+        raise ValueError(
+            f"Currently only {DETERMINISTIC_ATTENTION_BACKEND_CHOICES} attention backends are supported for deterministic inference, "
+            f"but you explicitly specified '{view.attention_backend}'."
+        )
+    return {}''',
+            "A comparison hazard, not a convenience: with the flag on and no --attention-backend, "
+            "SGLang picks one for you (fa3 before Blackwell, flashinfer or triton on it), and your "
+            "flag-off arm may be running another. Then the difference you measure is not the one you "
+            "meant. Pin --attention-backend in BOTH arms; the lab's cost mode refuses mismatched arms."),
+]
+
+VLLM_COMMANDS = """\
+From the root of a vLLM checkout (the autouse fixture turns the flag on; the
+should-fail test turns it off itself):
+
+  pytest -v -s tests/v1/determinism/test_batch_invariance.py -k "bs1_vs_bsN and 16-16-FLASH_ATTN"
+  pytest -v -s tests/v1/determinism/test_batch_invariance.py -k "without_batch_invariance and TRITON_ATTN"
+  VLLM_TEST_MODEL=Qwen/Qwen3-1.7B VLLM_TP_SIZE=1 pytest -v -s tests/v1/determinism/test_online_batch_invariance.py -k "FLASH_ATTN and not MLA"
+  VLLM_BENCH_MODEL=Qwen/Qwen3-1.7B VLLM_BENCH_BACKEND=FLASH_ATTN python benchmarks/benchmark_batch_invariance.py
+
+Tensor parallelism is spelled two ways: the offline tests (test_batch_invariance.py)
+read VLLM_TEST_TP_SIZE, the online and needle tests read VLLM_TP_SIZE. Set both
+(VLLM_TEST_TP_SIZE=2 VLLM_TP_SIZE=2) or one of them silently runs at TP=1.
+The last command is the performance harness: it prints an overhead, not a verdict.
+
+The same experiment with the lab, against two servers you start yourself:
+
+  VLLM_SERVER_DEV_MODE=1 VLLM_BATCH_INVARIANT=0 vllm serve Qwen/Qwen3-1.7B --port 8000 \\
+      --attention-backend FLASH_ATTN --max-num-seqs 32 --max-model-len 8192
+  VLLM_SERVER_DEV_MODE=1 VLLM_BATCH_INVARIANT=1 vllm serve Qwen/Qwen3-1.7B --port 8001 \\
+      --attention-backend FLASH_ATTN --max-num-seqs 32 --max-model-len 8192
+
+  python3 run.py --mode sweep --engine vllm --url http://localhost:8000 \\
+      --model Qwen/Qwen3-1.7B --max-batch 32 --save off.json --expect variant
+  python3 run.py --mode sweep --engine vllm --url http://localhost:8001 \\
+      --model Qwen/Qwen3-1.7B --max-batch 32 --save on.json --expect invariant
+  python3 run.py --mode sweep --engine vllm --url http://localhost:8001 \\
+      --model Qwen/Qwen3-1.7B --temperature 0.6 --seed 42 --max-tokens 8
+  python3 run.py --mode cost --url http://localhost:8000 \\
+      --invariant http://localhost:8001 --batch 32 --trials 20 --save cost.json
+"""
+
+SGLANG_COMMANDS = """\
+Arm 1, flag off (expect "Unique samples" > 1):
+
+  python3 -m sglang.launch_server --model-path Qwen/Qwen3-8B \\
+      --attention-backend triton --cuda-graph-max-bs-decode 32
+  python3 -m sglang.test.test_deterministic --n-trials 50 --test-mode single
+
+Arm 2, flag on (expect exactly 1):
+
+  python3 -m sglang.launch_server --model-path Qwen/Qwen3-8B \\
+      --attention-backend triton --cuda-graph-max-bs-decode 32 \\
+      --enable-deterministic-inference
+  python3 -m sglang.test.test_deterministic --n-trials 50 --test-mode single
+
+--attention-backend is pinned in both arms on purpose (see the fallback above). The
+driver needs a full sglang install; its other modes are prefix, radix_cache, p_vs_d.
+These commands hold for 0.5.18-0.5.23.
+
+The same experiment with the lab (the sizes straddle the 16, 24 and 32 buckets):
+
+  python3 run.py --mode sweep --engine sglang --url http://localhost:30000 \\
+      --sizes 1,15,16,17,23,24,25 --temperature 0.0 --save off.json --expect variant
+  python3 run.py --mode sweep --engine sglang --url http://localhost:30001 \\
+      --sizes 1,15,16,17,23,24,25 --temperature 0.0 --save on.json --expect invariant
+  python3 run.py --mode cost --engine sglang --url http://localhost:30000 \\
+      --invariant http://localhost:30001 --batch 32 --trials 20 --save cost.json
+"""
+
+
+def harness_text(engine: Optional[str], out: Out) -> List[str]:
+    lines = ["Upstream batch-invariance harnesses, quoted verbatim (Apache-2.0; see README), "
+             "with what each one does not tell you.", ""]
+    for name, label, commands in (("vllm", "vLLM", VLLM_COMMANDS), ("sglang", "SGLang", SGLANG_COMMANDS)):
+        if engine not in (None, name):
+            continue
+        lines.append(out.style("=" * 78, "1"))
+        lines.append(out.style("%s" % label, "1"))
+        lines.append(out.style("=" * 78, "1"))
+        for ex in (e for e in HARNESS_EXCERPTS if e.engine == name):
+            lines += ["", out.style("--- %s: %s" % (label, ex.title), "1;36"),
+                      "Quoted from %s %s" % (label, ex.source), ""]
+            lines += ["    > " + row if row else "    >" for row in ex.text.splitlines()]
+            lines += ["", "Note: " + ex.note]
+        lines += ["", out.style("--- %s: commands" % label, "1;36"), "", commands]
+    return lines
+
+
+def run_harness(cfg: Config, out: Out) -> int:
+    for line in harness_text(cfg.engine, out):
+        out.line(line)
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------------------
+# --mode help: the guide
+
+COVERAGE_CHECKLIST = """\
+Before filing a flag-on divergence as a bug, rule out the documented coverage gaps:
+  - vLLM: fused-MoE kernels default to unsupported; only Triton experts opt in.
+    A MoE model on another MoE backend is not covered.
+  - SGLang: the MoE routing top-k stays unsorted unless the model has fused shared
+    experts; ties in routing can then pick experts in a batch-dependent order.
+  - Mamba and other state-space backends raise rather than degrade: if the server
+    started, check it is really running the backend you think.
+  - Both: the two arms must run the same attention backend (pin it), and vLLM supports
+    only FLASH_ATTN, FLEX_ATTENTION, TRITON_ATTN, FLASH_ATTN_MLA and TRITON_MLA."""
+
+GUIDE = """\
+BATCH-INVARIANCE LAB: THE GUIDE
+
+A batched GPU kernel may add up its numbers in a different order at batch 1 than at
+batch 17. The last bits of a logit move; where two logits are near-tied, the argmax
+flips and the completion takes another road from there on. vLLM (VLLM_BATCH_INVARIANT=1)
+and SGLang (--enable-deterministic-inference) can switch on batch-invariant kernels.
+The lab measures, against a server you started, over plain HTTP:
+
+  1. Unique completions across batch sizes, flag OFF. More than one: the effect,
+     reproduced on your model and hardware.
+  2. The same count with the flag ON. Exactly one is expected.
+  3. What the flag costs, for your model, backend, TP degree and workload.
+  +  The largest float32 ULP distance between batch 1's per-step logprobs and every
+     other batch's. Token equality is the weaker claim: two runs can emit the same
+     tokens while every logprob differs in its last bits, because the argmax happened
+     to survive the perturbation this time. The ULP column shows the arithmetic moved.
+
+THE MODES
+  --mode harness   Prints the upstream test harnesses verbatim, where each comes from,
+                   what each does not tell you, and the commands to run them. Offline.
+                     python3 run.py --mode harness --engine vllm
+  --mode sweep     Sends n copies of one prompt in ONE request for each batch size n,
+                   so the engine schedules them together; compares every completion
+                   with batch 1's: tokens, then logprobs in ULPs. The default ladder
+                   straddles every CUDA-graph size b with b-1, b, b+1.
+                     python3 run.py --mode sweep --url http://localhost:8000 --save off.json
+                     python3 run.py --mode sweep --url http://localhost:8001 --expect invariant
+  --mode cost      Times the same workload on a flag-off and a flag-on server, arms
+                   interleaved, and reports the overhead with a 95%% interval.
+                     python3 run.py --mode cost --url http://localhost:8000 \\
+                         --invariant http://localhost:8001 --batch 32 --trials 20
+  --mode help      This guide. `python3 run.py --help` lists every option.
+
+READING A SWEEP
+  invariant                       one completion, max ULP 0: nothing moved.
+  logprobs moved but tokens held  the arithmetic changed with the batch, no argmax flipped.
+  tokens diverged                 an argmax flipped somewhere; "first token" says where.
+
+A CLEAN FLAG-OFF RESULT IS NOT A FAILED EXPERIMENT. It usually means one of:
+  - The model was confident at every generated position: no near-tie, nothing to flip.
+    Use more prompts (--prompt-file), longer generations (--max-tokens 256), or seeded
+    sampling (--temperature 0.6). Dummy or random weights (--load-format dummy) give
+    flat logits with no near-ties at all; the lab warns when the server says so.
+  - Every size ran the same kernel configuration or the same CUDA-graph bucket: sizes
+    inside one bucket pad to the same shape. The ladder straddles bucket edges for this.
+  - The requests were not batched together: the server's max-num-seqs was smaller than
+    n (the lab warns), or the flag was already on in the server's environment (the lab
+    prints what the server reports).
+
+A FLAG-ON DIVERGENCE
+%s
+
+WHAT THE COST MEANS
+  Forcing one attention split and one GEMM tile is nearly free at small batch: those
+  layers are bandwidth-bound. What costs is single-channel NCCL (one channel, tree
+  all-reduce, no custom all-reduce), which only shows at TP > 1, and lost prefix-cache
+  hits, which only show when prompts share a prefix. A quick benchmark at TP=1 on a
+  cold workload sees neither. So measure four cells:
+        TP=1 x cold    TP=1 x shared-prefix    TP=k x cold    TP=k x shared-prefix
+  with --workload cold|shared-prefix at each TP degree, --save them to one file, and
+  report all four or none. The two arms must differ in the flag only: cost mode
+  compares the servers' settings and refuses to time a mismatched pair.
+
+EXIT CODES
+  0 ran (and any --expect held); 1 an --expect failed; 2 usage or input error, before
+  any request; 3 the server or network failed (what was measured is kept in --save);
+  130 interrupted (likewise); 141 the output pipe closed.
+""" % COVERAGE_CHECKLIST.split("\n", 1)[1]
+
+
+def run_help(cfg: Config, out: Out) -> int:
+    out.line(GUIDE.rstrip("\n"))
+    return EXIT_OK
+
+
+# ----------------------------------------------------------------------------
+# --mode sweep
+
+
+def sweep_ladder(cfg: Config, facts: Dict[str, Any]) -> List[int]:
+    """The batch sizes to run: --sizes, else a ladder straddling the server's graph sizes."""
+    if cfg.sizes is not None:
+        sizes = list(cfg.sizes)
+    else:
+        graph = facts.get("graph_sizes")
+        if not graph:
+            graph = (vllm_capture_sizes(facts.get("max_num_seqs") or VLLM_DEFAULT_MAX_NUM_SEQS)
+                     if cfg.engine == "vllm" else SGLANG_GRAPH_SIZES)
+        sizes = straddling_ladder(cfg.max_batch, graph)
+    if 1 not in sizes:
+        sizes.insert(0, 1)  # batch 1 is the baseline, and the stored baseline's peer
+    return sizes
+
+
+@dataclass
+class PromptSweep:
+    """Everything measured for one prompt so far."""
+    prompt: str
+    baseline: Optional[Completion] = None
+    baseline_source: str = "batch 1"
+    sizes: List[Dict[str, Any]] = field(default_factory=list)
+    texts: set = field(default_factory=set)
+
+    def unique(self) -> int:
+        return len(self.texts)
+
+    def total(self) -> int:
+        return sum(s["completions"] for s in self.sizes)
+
+    def max_ulp(self) -> int:
+        return max((s["max_ulp"] for s in self.sizes), default=0)
+
+    def diverged(self) -> bool:
+        return any(s["first_token_divergence"] is not None for s in self.sizes)
+
+    def unmeasured(self) -> bool:
+        return any(u in ("clamped", "non-finite") for s in self.sizes for u in s["ulp_notes"])
+
+    def verdict(self) -> str:
+        return verdict(self.unique(), self.max_ulp(), self.diverged(), self.unmeasured())
+
+    def to_record(self) -> Dict[str, Any]:
+        return {"prompt": self.prompt,
+                "baseline": self.baseline.to_record() if self.baseline else None,
+                "baseline_source": self.baseline_source, "sizes": self.sizes,
+                "unique_completions": self.unique(), "total_completions": self.total(),
+                "max_ulp": self.max_ulp(), "verdict": self.verdict()}
+
+
+def measure_size(batch_size: int, completions: List[Completion], baseline: Completion,
+                 seconds: float, bucket: Optional[int]) -> Dict[str, Any]:
+    """One batch size's row: every completion against the baseline."""
+    deltas, previous, last = [], None, IDENTICAL
+    for c in completions:
+        # Copies of one completion are common; compare each distinct one once.
+        if previous is None or not (c.tokens == previous.tokens and c.logprobs == previous.logprobs
+                                    and c.top_logprobs == previous.top_logprobs):
+            last = compare_completions(baseline, c)
+        deltas.append(last)
+        previous = c
+    divergences = [d.first_token_divergence for d in deltas if d.first_token_divergence is not None]
+    ulp_steps = [d.first_ulp_step for d in deltas if d.first_ulp_step is not None]
+    texts = [c.text for c in completions]
+    return {"batch_size": batch_size, "bucket": bucket, "completions": len(completions),
+            "distinct_in_batch": count_unique(texts),
+            "same_as_baseline": sum(1 for c, d in zip(completions, deltas)
+                                    if d.first_token_divergence is None and c.text == baseline.text),
+            "first_token_divergence": min(divergences) if divergences else None,
+            "first_ulp_step": min(ulp_steps) if ulp_steps else None,
+            "max_ulp": max(d.max_ulp for d in deltas),
+            "ulp_notes": sorted({u for d in deltas for u in d.units}),
+            "seconds": round(seconds, 4),
+            "distinct_texts": sorted(set(texts))}
+
+
+def baseline_from_file(cfg: Config, prompt: str) -> Completion:
+    entry = next(p for p in cfg.baseline["prompts"] if p.get("prompt") == prompt)
+    return Completion.from_record(entry["baseline"])
+
+
+def sweep_document(cfg: Config, facts: Dict[str, Any], results: List[PromptSweep],
+                   sizes: List[int], state: str) -> Dict[str, Any]:
+    summary = {"unique_completions": max((r.unique() for r in results), default=0),
+               "total_completions": max((r.total() for r in results), default=0),
+               "max_ulp": max((r.max_ulp() for r in results), default=0)}
+    diverged = any(r.diverged() for r in results)
+    summary["verdict"] = verdict(summary["unique_completions"], summary["max_ulp"], diverged,
+                                 any(r.unmeasured() for r in results))
+    summary["ulp_notes"] = sorted({u for r in results for s in r.sizes for u in s["ulp_notes"]})
+    summary["state"] = state
+    params = dict(sweep_params(cfg), sizes=sizes, prompts=len(cfg.prompts))
+    if cfg.baseline_path:
+        params["baseline_file"] = cfg.baseline_path
+    return {"schema": SWEEP_SCHEMA, "engine": cfg.engine, "url": cfg.url, "model": facts.get("model"),
+            "server": facts, "params": params, "prompts": [r.to_record() for r in results],
+            "summary": summary, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def sweep_warnings(cfg: Config, facts: Dict[str, Any], sizes: List[int], out: Out) -> None:
+    limit = facts.get("max_num_seqs")
+    if limit and max(sizes) > limit:
+        out.warn("batch sizes above %d exceed the server's max-num-seqs: those requests are not "
+                 "all scheduled together" % limit)
+    if facts.get("load_format") == "dummy":
+        out.warn("the server runs dummy weights (--load-format dummy): flat logits have no near-ties, "
+                 "so a clean flag-off result is expected and means nothing")
+    if facts.get("flag") is None:
+        out.warn("the server does not say whether the flag is on%s" % (
+            " (start vLLM with VLLM_SERVER_DEV_MODE=1 to expose /server_info)" if cfg.engine == "vllm" else ""))
+
+
+def print_sweep_table(doc: Dict[str, Any], cfg: Config, out: Out) -> None:
+    facts = doc["server"]
+    for line in server_lines(facts, cfg.adapter):
+        out.line(line)
+    p = doc["params"]
+    sampling = "greedy" if p["temperature"] == 0 else "temperature %g, seed %s" % (p["temperature"], p["seed"])
+    out.line("params: %d tokens, %s, top-%d logprobs, sizes %s" % (
+        p["max_tokens"], sampling, p["logprobs"], ",".join(str(s) for s in p["sizes"])))
+    for i, r in enumerate(doc["prompts"], 1):
+        out.line("")
+        out.line("prompt %d/%d: %s  (baseline: %s)" % (i, len(doc["prompts"]), json.dumps(
+            r["prompt"][:70] + ("..." if len(r["prompt"]) > 70 else "")), r["baseline_source"]))
+        out.line("  batch  bucket  distinct  same/all  first token  max ULP  first ULP step  seconds")
+        for s in r["sizes"]:
+            bucket = "?" if s["bucket"] == "?" else fmt_opt(s["bucket"], "none")
+            ulp = str(s["max_ulp"]) + ("*" if s["ulp_notes"] else "")
+            out.line("  %5d  %6s  %8d  %8s  %11s  %7s  %14s  %7.2f" % (
+                s["batch_size"], bucket, s["distinct_in_batch"],
+                "%d/%d" % (s["same_as_baseline"], s["completions"]), fmt_opt(s["first_token_divergence"]),
+                ulp, fmt_opt(s["first_ulp_step"]), s["seconds"]))
+        out.line("  unique completions %d of %d, max ULP %d: %s" % (
+            r["unique_completions"], r["total_completions"], r["max_ulp"], r["verdict"]))
+    sm = doc["summary"]
+    out.line("")
+    if sm["ulp_notes"]:
+        out.line("* %s" % "; ".join(ULP_NOTE_TEXT[n] for n in sm["ulp_notes"]))
+    out.line(out.style("summary: unique completions %d, total %d, max ULP %d: %s%s" % (
+        sm["unique_completions"], sm["total_completions"], sm["max_ulp"], sm["verdict"],
+        "" if sm["state"] == "complete" else " (%s)" % sm["state"]), "1"))
+
+
+ULP_NOTE_TEXT = {
+    "float64": "some logprobs were not float32-exact (a server that rounds or works in float64): "
+               "those distances are float64 ULPs",
+    "clamped": "a logprob was vLLM's -9999.0 (a clamped -inf) on one side only: no distance, "
+               "counted as moved",
+    "non-finite": "a logprob was inf or NaN on one side: no distance, counted as moved",
+}
+
+
+def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
+    """Advice and the --expect verdict, once the table is out."""
+    sm = doc["summary"]
+    moved = sm["verdict"] != "invariant"
+    text = out.line if not cfg.json_out else (lambda line="": out.stderr.write(line + "\n"))
+    if moved and doc["server"].get("flag"):
+        text("")
+        text("The server reports the flag ON, yet results moved.")
+        text(COVERAGE_CHECKLIST)
+        text("If none applies, this is worth a bug report: attach the --save file.")
+    if not moved and doc["server"].get("flag") is not True:
+        text("Nothing moved. With the flag off that usually means no near-tie was met: try more "
+                 "prompts (--prompt-file), longer generations (--max-tokens 256) or --temperature 0.6; "
+                 "see --mode help.")
+    if cfg.expect == "invariant" and moved:
+        text("expectation failed: --expect invariant, but the result is: %s" % sm["verdict"])
+        return EXIT_EXPECTATION
+    if cfg.expect == "variant" and not moved:
+        text("expectation failed: --expect variant, but nothing moved")
+        return EXIT_EXPECTATION
+    return EXIT_OK
+
+
+def run_sweep(cfg: Config, out: Out) -> int:
+    client = cfg.client(cfg.url)
+    adapter = cfg.adapter
+    try:
+        facts = adapter.read_facts(client, cfg.model)
+    except ServerError as err:
+        out.stderr.write("run.py: cannot read the server's facts at %s: %s\n" % (cfg.url, err))
+        return EXIT_SERVER
+    if cfg.baseline is not None and cfg.baseline.get("model") != facts["model"]:
+        raise UsageError("--baseline: %s was recorded for model %s, this server serves %s"
+                         % (cfg.baseline_path, cfg.baseline.get("model"), facts["model"]))
+    sizes = sweep_ladder(cfg, facts)
+    sweep_warnings(cfg, facts, sizes, out)
+    graph = facts.get("graph_sizes")
+    sampling = Sampling(cfg.temperature, DEFAULT_TOP_P, cfg.max_tokens, cfg.logprobs,
+                        seed=cfg.seed if cfg.temperature > 0 else None)
+    results: List[PromptSweep] = []
+    state, code = "complete", EXIT_OK
+
+    def save() -> Dict[str, Any]:
+        doc = sweep_document(cfg, facts, results, sizes, state)
+        if cfg.save:
+            write_json_atomic(cfg.save, doc)
+        return doc
+
+    with DeferredInterrupt(out) as interrupt:
+        try:
+            for pi, prompt in enumerate(cfg.prompts, 1):
+                run = PromptSweep(prompt)
+                results.append(run)
+                if cfg.baseline is not None:
+                    run.baseline = baseline_from_file(cfg, prompt)
+                    run.baseline_source = cfg.baseline_path
+                    run.texts.add(run.baseline.text)
+                for n in sizes:
+                    if interrupt.requested:
+                        raise KeyboardInterrupt
+                    out.progress("prompt %d/%d, batch %d ..." % (pi, len(cfg.prompts), n))
+                    try:
+                        answer, seconds = generate(client, adapter, facts["model"], [prompt] * n, sampling)
+                        completions = adapter.completions(answer, n, True)
+                    except ServerError as err:
+                        raise ServerError("batch size %d%s: %s" % (
+                            n, " (prompt %d)" % pi if len(cfg.prompts) > 1 else "", err)) from None
+                    if run.baseline is None:
+                        run.baseline = completions[0]
+                        run.texts.add(run.baseline.text)
+                    bucket = graph_bucket(n, graph) if graph is not None else "?"
+                    run.sizes.append(measure_size(n, completions, run.baseline, seconds, bucket))
+                    run.texts.update(c.text for c in completions)
+                    save()
+        except ServerError as err:
+            state, code = "stopped: server error", EXIT_SERVER
+            out.progress_done()
+            out.stderr.write("run.py: sweep stopped at %s\n" % err)
+        except KeyboardInterrupt:
+            state, code = "interrupted", EXIT_INTERRUPTED
+            out.progress_done()
+            out.stderr.write("run.py: interrupted; showing what was measured\n")
+    out.progress_done()
+    doc = save()
+    if cfg.save:
+        out.stderr.write("run.py: saved %s\n" % cfg.save)
+    if cfg.json_out:
+        out.line(json.dumps(doc, indent=1))
+    else:
+        print_sweep_table(doc, cfg, out)
+    if code != EXIT_OK:
+        return code
+    return sweep_outcome(cfg, doc, out)
+
+
+# ----------------------------------------------------------------------------
+# --mode cost
+
+
+def comparison_hazards(adapter: Any, off: Dict[str, Any], on: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Settings that differ between the arms, other than the flag and what the flag itself changes."""
+    hazards = []
+    for label in off["settings"].keys() | on["settings"].keys():
+        a, b = off["settings"].get(label), on["settings"].get(label)
+        if a != b and not adapter.flag_consequence(label, off, on):
+            hazards.append({"setting": label, "off": a, "on": b})
+    return sorted(hazards, key=lambda h: h["setting"])
+
+
+def cell_label(cell: Dict[str, Any]) -> Tuple:
+    return (cell["tp"], cell["workload"], cell["batch"], cell["max_tokens"], cell["model"])
+
+
+def timed_trial(client: HttpClient, adapter: Any, model: str, prompts: List[str],
+                sampling: Sampling) -> Tuple[float, List[int]]:
+    answer, seconds = generate(client, adapter, model, prompts, sampling)
+    adapter.completions(answer, len(prompts), False)  # the shape must hold even when timing
+    return seconds, adapter.output_tokens(answer)
+
+
+def print_cost_servers(off: Dict[str, Any], on: Dict[str, Any], hazards, adapter, out: Out) -> None:
+    hazard_labels = {h["setting"] for h in hazards}
+    out.line("%-26s %-30s %-30s" % ("setting", "flag-off arm", "flag-on arm"))
+    out.line("%-26s %-30s %-30s" % ("flag", describe_flag(off, adapter)[:30], describe_flag(on, adapter)[:30]))
+    for label in sorted(off["settings"].keys() | on["settings"].keys()):
+        a, b = off["settings"].get(label), on["settings"].get(label)
+        if a is None and b is None:
+            continue
+        mark = "  <- differs" if label in hazard_labels else ("  (the flag's own doing)" if a != b else "")
+        out.line("%-26s %-30s %-30s%s" % (label, str(short_backend(a))[:30], str(short_backend(b))[:30], mark))
+
+
+def cost_table_lines(doc: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
+    """The 2x2 table TP=1 / TP=k x cold / shared-prefix for the current model, batch and length."""
+    same = [c for c in doc["cells"] if (c["model"], c["batch"], c["max_tokens"]) ==
+            (current["model"], current["batch"], current["max_tokens"])]
+    tps = sorted({c["tp"] for c in same if c["tp"] not in (1, None)}, key=str) or ["k"]
+    lines = ["cost cells for %s, batch %d, %d tokens (from the saved file):" % (
+        current["model"], current["batch"], current["max_tokens"]),
+        "  %-8s %-28s %-28s" % ("", "cold", "shared-prefix")]
+    filled = 0
+    for tp in [1] + tps:
+        row = []
+        for workload in ("cold", "shared-prefix"):
+            cell = next((c for c in same if c["tp"] == tp and c["workload"] == workload), None)
+            filled += cell is not None
+            row.append("missing" if cell is None else "%+.1f%% [%+.1f, %+.1f]%s" % (
+                cell["overhead_pct"], cell["ci95_pct"][0], cell["ci95_pct"][1],
+                "" if cell["significant"] else " n.s."))
+        lines.append("  %-8s %-28s %-28s" % ("TP=%s" % tp, row[0], row[1]))
+    if filled < 4:
+        lines.append("One cell alone is not a result: report all four (TP=1 and your real TP, cold and "
+                     "shared-prefix), or none.")
+    return lines
+
+
+def run_cost(cfg: Config, out: Out) -> int:
+    adapter = cfg.adapter
+    clients = {"off": cfg.client(cfg.url), "on": cfg.client(cfg.invariant_url)}
+    facts = {}
+    for arm, client in clients.items():
+        try:
+            facts[arm] = adapter.read_facts(client, cfg.model)
+        except ServerError as err:
+            out.stderr.write("run.py: cannot read the %s arm's facts at %s: %s\n" % (arm, client.base_url, err))
+            return EXIT_SERVER
+    if facts["off"].get("flag") is True or facts["on"].get("flag") is False:
+        raise UsageError("the arms are the wrong way round: --url reports the flag %s and --invariant "
+                         "reports it %s" % (describe_flag(facts["off"], adapter), describe_flag(facts["on"], adapter)))
+    hazards = comparison_hazards(adapter, facts["off"], facts["on"])
+    if not cfg.json_out:
+        print_cost_servers(facts["off"], facts["on"], hazards, adapter, out)
+    if hazards and not cfg.allow_mismatch:
+        raise UsageError("the two servers differ in more than the flag (%s); pin them equal, or "
+                         "pass --allow-mismatch to time them anyway" % ", ".join(h["setting"] for h in hazards))
+    model = facts["off"]["model"]
+    tp = facts["off"].get("tp") or cfg.tp
+    sampling = Sampling(0.0, DEFAULT_TOP_P, cfg.max_tokens, None, ignore_eos=True)
+    run_id = "%08x" % random.SystemRandom().getrandbits(32)  # no prefix cache hit across runs either
+
+    def prompts(trial: int) -> List[str]:
+        return workload_prompts(cfg.workload, cfg.batch, trial, run_id, cfg.prefix_tokens)
+
+    samples: Dict[str, List[float]] = {"off": [], "on": []}
+    tokens: Dict[str, List[int]] = {"off": [], "on": []}
+    short = []
+    state, code = "complete", EXIT_OK
+    with DeferredInterrupt(out) as interrupt:
+        try:
+            for w in range(cfg.warmup):
+                for arm in ("off", "on"):
+                    out.progress("warm-up %d/%d, %s arm" % (w + 1, cfg.warmup, arm))
+                    try:
+                        timed_trial(clients[arm], adapter, model, prompts(-1 - w), sampling)
+                    except ServerError as err:
+                        out.warn("warm-up request failed on the %s arm (%s); retrying once, as only "
+                                 "warm-up may" % (arm, err))
+                        timed_trial(clients[arm], adapter, model, prompts(-1 - w), sampling)
+            for trial in range(cfg.trials):
+                order = ("off", "on") if trial % 2 == 0 else ("on", "off")  # A B B A A B ...
+                for arm in order:
+                    if interrupt.requested:
+                        raise KeyboardInterrupt
+                    out.progress("trial %d/%d, %s arm" % (trial + 1, cfg.trials, arm))
+                    try:
+                        seconds, counts = timed_trial(clients[arm], adapter, model, prompts(trial), sampling)
+                    except ServerError as err:
+                        raise ServerError("trial %d, %s arm: %s" % (trial + 1, arm, err)) from None
+                    if min(counts or [0]) < cfg.max_tokens:
+                        short.append((trial + 1, arm, min(counts or [0])))
+                    samples[arm].append(seconds)
+                    tokens[arm].append(sum(counts))
+        except ServerError as err:
+            state, code = "stopped: server error", EXIT_SERVER
+            out.progress_done()
+            out.stderr.write("run.py: cost stopped at %s\n" % err)
+        except KeyboardInterrupt:
+            state, code = "interrupted", EXIT_INTERRUPTED
+            out.progress_done()
+            out.stderr.write("run.py: interrupted; showing what was measured\n")
+    out.progress_done()
+    for trial, arm, got in short[:3]:
+        out.warn("trial %d, %s arm: a completion had %d tokens, not %d (the server did not honour "
+                 "ignore_eos?)" % (trial, arm, got, cfg.max_tokens))
+    pairs = min(len(samples["off"]), len(samples["on"]))
+    if pairs == 0:
+        out.stderr.write("run.py: no complete trial pair; nothing to report\n")
+        return code or EXIT_SERVER
+    cell = {"tp": tp, "workload": cfg.workload, "batch": cfg.batch, "max_tokens": cfg.max_tokens,
+            "trials": pairs, "warmup": cfg.warmup, "model": model, "engine": cfg.engine,
+            "prefix_tokens": cfg.prefix_tokens if cfg.workload == "shared-prefix" else None,
+            "off": arm_stats(samples["off"][:pairs], tokens["off"][:pairs]),
+            "on": arm_stats(samples["on"][:pairs], tokens["on"][:pairs]),
+            "servers": {"off": dict(facts["off"], url=cfg.url), "on": dict(facts["on"], url=cfg.invariant_url)},
+            "differences": hazards, "state": state,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    cell.update(overhead_stats(samples["off"][:pairs], samples["on"][:pairs]))
+    cell["ratios"] = [round(r, 6) for r in cell["ratios"]]
+    doc = None
+    if cfg.save:
+        doc = cfg.existing or {"schema": COST_SCHEMA, "cells": []}
+        doc["cells"] = [c for c in doc.get("cells", []) if cell_label(c) != cell_label(cell)] + [cell]
+        write_json_atomic(cfg.save, doc)
+    if cfg.json_out:
+        out.line(json.dumps(cell, indent=1))
+    else:
+        print_cost_report(cell, out)
+        if doc is not None:
+            out.line("")
+            for line in cost_table_lines(doc, cell):
+                out.line(line)
+    if cfg.save:
+        out.stderr.write("run.py: saved %s\n" % cfg.save)
+    return code
+
+
+def print_cost_report(cell: Dict[str, Any], out: Out) -> None:
+    out.line("")
+    out.line("cell: TP=%s, workload %s, batch %d, %d tokens, model %s, %d trial pairs%s" % (
+        fmt_opt(cell["tp"], "?"), cell["workload"], cell["batch"], cell["max_tokens"], cell["model"],
+        cell["trials"], "" if cell["state"] == "complete" else " (%s)" % cell["state"]))
+    for arm in ("off", "on"):
+        s = cell[arm]
+        out.line("  flag %-3s median %.4fs  MAD %.4fs  min-max %.4f-%.4fs  %s tokens/s%s" % (
+            arm, s["median_s"], s["mad_s"], s["min_s"], s["max_s"],
+            "%.1f" % s["median_tokens_per_s"] if s["median_tokens_per_s"] else "?",
+            "  NOISY (max/min > %.1f)" % NOISE_SPREAD if s["noisy"] else ""))
+    out.line(out.style("  overhead %+.1f%%, 95%% interval [%+.1f%%, %+.1f%%]%s" % (
+        cell["overhead_pct"], cell["ci95_pct"][0], cell["ci95_pct"][1],
+        "" if cell["significant"] else ": not significant (the interval contains 0)"), "1"))
+    if cell["differences"]:
+        out.line("  timed despite differences (--allow-mismatch): " + ", ".join(
+            "%s %s vs %s" % (d["setting"], d["off"], d["on"]) for d in cell["differences"]))
+
+
+# ----------------------------------------------------------------------------
+# main
+
+RUNNERS: Dict[str, Callable[[Config, Out], int]] = {
+    "harness": run_harness, "help": run_help, "sweep": run_sweep, "cost": run_cost}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    out = Out()
+    try:
+        cfg = configure(argv)
+        return RUNNERS[cfg.mode](cfg, out)
+    except UsageError as err:
+        sys.stderr.write("run.py: %s\n" % err)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        sys.stderr.write("run.py: interrupted\n")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`| head`): say nothing more, and let the interpreter's
+        # final flush go to /dev/null instead of raising again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

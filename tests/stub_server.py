@@ -1,0 +1,645 @@
+"""A practice engine for the batch-invariance lab: vLLM's or SGLang's wire format, no GPU.
+
+It serves a tiny "model" whose logits are sums of float32 terms. With the flag off,
+the order of that sum depends on the CUDA-graph bucket the batch pads into (like a
+split-K GEMM whose tiling follows the batch shape), so the last bits of every logit
+move with the batch size, and where two logits are near-tied the argmax flips. With
+--invariant the order is fixed and nothing moves.
+
+Standalone, so that a reader without a GPU can point run.py at it:
+
+    python3 tests/stub_server.py --port 8000                      # vLLM, flag off
+    python3 tests/stub_server.py --port 8001 --invariant          # vLLM, flag on
+    python3 tests/stub_server.py --engine sglang --port 30000     # SGLang, flag off
+
+From tests:
+
+    with StubServer(StubConfig(engine="sglang", invariant=True)) as stub:
+        urllib.request.urlopen(stub.url + "/server_info")
+
+Fault switches (for the lab's own fault tests) apply to the k-th generation request,
+counting from 1: --fault 3=http500, drop, badjson, nochoices, fewer, nulllogprobs,
+ragged, clamp, redirect, huge. --step-delay S sleeps S seconds per decode step and
+--slowdown F multiplies that delay when --invariant is on.
+"""
+
+import argparse
+import copy
+import json
+import math
+import os
+import random
+import socket
+import struct
+import sys
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Dict, List, Optional, Tuple
+from urllib.parse import urlsplit
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+VLLM_INFO_TEMPLATE = os.path.join(HERE, "fixtures", "vllm-0.26.0", "server_info_flag_off.json")
+
+# ----------------------------------------------------------------------------
+# The model: float32 arithmetic whose reduction order follows the batch shape
+
+VOCAB = ["</s>"] + [" " + w for w in (
+    "the lab a batch kernel sum order bit logit token tie flips graph bucket pad "
+    "split tile warp float half rounds again and then so it was not quite"
+).split()]                      # 32 tokens; id 0 is end-of-sequence
+EOS_ID = 0                      # emitted only when ignore_eos is false
+EOS_BIAS = -3.0                 # keeps end-of-sequence rare but possible
+TERMS = 8                       # float32 terms summed into each logit
+TIE_RATE = 0.03                 # share of steps whose top two logits are near-tied
+TERM_SCALES = [2.0 ** -k for k in range(TERMS)]  # mixed magnitudes, so order matters
+_F32 = struct.Struct("<f")
+
+
+def f32(x: float) -> float:
+    """Round a double to the nearest float32 (as a GPU register would hold it)."""
+    try:
+        return _F32.unpack(_F32.pack(x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def reduction_plan(batch_size: int, graph_sizes: List[int], invariant: bool) -> Tuple[int, int]:
+    """(splits, rotation) of every reduction for a batch: the stub's 'kernel configuration'.
+
+    Flag off, it follows the CUDA-graph bucket the batch pads into (eager batches above
+    the largest bucket use their own size); flag on, it is one fixed plan for every batch.
+    """
+    if invariant:
+        return (1, 0)
+    bucket = next((b for b in sorted(graph_sizes) if b >= batch_size), batch_size)
+    splits = min(TERMS, 2 ** (bucket.bit_length() // 2))
+    rotation = (bucket // 8) % TERMS
+    return (splits, rotation)
+
+
+def f32_sum(values: List[float], plan: Tuple[int, int]) -> float:
+    """Sum in float32 the way a split reduction would: rotate, sum each chunk, sum the partials."""
+    splits, rotation = plan
+    n = len(values)
+    ordered = values[rotation % n:] + values[:rotation % n]
+    chunk = -(-n // splits)
+    total = 0.0
+    for start in range(0, n, chunk):
+        partial = 0.0
+        for v in ordered[start:start + chunk]:
+            partial = f32(partial + v)
+        total = f32(total + partial)
+    return total
+
+
+def step_terms(context_key: int) -> List[List[float]]:
+    """The float32 terms of every logit at one step; the same context always gives the same terms."""
+    rng = random.Random(context_key)
+    terms = [[f32(rng.gauss(0.0, 1.0) * s) for s in TERM_SCALES] for _ in VOCAB]
+    terms[EOS_ID][0] = f32(terms[EOS_ID][0] + EOS_BIAS)
+    if rng.random() < TIE_RATE:
+        # A near-tie: the runner-up's terms are the leader's, reversed. Equal in exact
+        # arithmetic, a few ULP apart in float32, and which one wins depends on the order.
+        exact = sorted(range(len(VOCAB)), key=lambda v: -math.fsum(terms[v]))
+        leader, runner_up = exact[0], exact[1]
+        terms[runner_up] = list(reversed(terms[leader]))
+    return terms
+
+
+def log_softmax(logits: List[float], plan: Tuple[int, int]) -> List[float]:
+    """float32 log-softmax whose sum of exponentials follows the same plan."""
+    top = max(logits)
+    exps = [f32(math.exp(f32(x - top))) for x in logits]
+    lse = f32(top + f32(math.log(f32_sum(exps, plan))))
+    return [f32(x - lse) for x in logits]
+
+
+def next_context(context_key: int, token_id: int) -> int:
+    return zlib.crc32(token_id.to_bytes(4, "little"), context_key)
+
+
+def generate(prompt: str, max_tokens: int, plan: Tuple[int, int], temperature: float = 0.0,
+             top_p: float = 1.0, rng: Optional[random.Random] = None,
+             ignore_eos: bool = False) -> Dict:
+    """One completion: token ids, each step's log-softmax over the vocabulary, finish reason."""
+    context = zlib.crc32(prompt.encode("utf-8"))
+    ids, steps = [], []
+    finish = "length"
+    for _ in range(max_tokens):
+        logits = [f32_sum(t, plan) for t in step_terms(context)]
+        logprobs = log_softmax(logits, plan)
+        # Ranked as a sorting sampler ranks them: a flipped near-tie swaps two neighbours.
+        ranked = sorted(range(len(VOCAB)), key=lambda v: (-logits[v], v))
+        if temperature <= 0.0:
+            chosen = ranked[0]
+        else:
+            chosen = sample_ranked(ranked, logits, temperature, top_p, rng or random)
+        ids.append(chosen)
+        steps.append(logprobs)
+        if chosen == EOS_ID and not ignore_eos:
+            finish = "stop"
+            break
+        context = next_context(context, chosen)
+    return {"ids": ids, "logprobs": steps, "finish": finish}
+
+
+def sample_ranked(ranked: List[int], logits: List[float], temperature: float, top_p: float,
+                  rng: random.Random) -> int:
+    top = logits[ranked[0]]
+    weights = [math.exp((logits[v] - top) / temperature) for v in ranked]
+    total = sum(weights)
+    probs = [w / total for w in weights]
+    kept, mass = [], 0.0
+    for v, p in zip(ranked, probs):
+        kept.append((v, p))
+        mass += p
+        if mass >= top_p:
+            break
+    u = rng.random() * mass
+    acc = 0.0
+    for v, p in kept:
+        acc += p
+        if u < acc:
+            return v
+    return kept[-1][0]
+
+
+def token_text(token_id: int) -> str:
+    return "" if token_id == EOS_ID else VOCAB[token_id]
+
+
+def ranked_ids(logprobs: List[float]) -> List[int]:
+    return sorted(range(len(logprobs)), key=lambda v: (-logprobs[v], v))
+
+
+def top_entries(logprobs: List[float], chosen: int, k: int) -> List[Tuple[int, float]]:
+    """The chosen token, then the k most likely (vLLM's order; at most k+1 entries)."""
+    return [(chosen, logprobs[chosen])] + [(v, logprobs[v]) for v in ranked_ids(logprobs)[:k]
+                                           if v != chosen]
+
+
+# ----------------------------------------------------------------------------
+# Server configuration and batch execution
+
+VLLM_GRAPH_SIZES = [1, 2, 4] + list(range(8, 129, 8))   # vLLM with --max-num-seqs 64
+SGLANG_GRAPH_SIZES = [1, 2, 4, 8, 12, 16, 24, 32]       # SGLang with --cuda-graph-max-bs-decode 32
+FAULTS = ("http500", "drop", "badjson", "nochoices", "fewer", "nulllogprobs", "ragged",
+          "clamp", "redirect", "huge")
+
+
+@dataclass
+class StubConfig:
+    engine: str = "vllm"                     # which wire format: vllm or sglang
+    invariant: bool = False                  # the batch-invariance flag
+    model: str = "stub/tiny-f32"             # served model name
+    host: str = "127.0.0.1"
+    port: int = 0                            # 0: any free port
+    graph_sizes: Optional[List[int]] = None  # captured decode sizes; engine default if None
+    max_num_seqs: int = 64                   # what the server batches together at most
+    attention_backend: Optional[str] = None  # reported backend; engine default if None
+    dev_mode: bool = True                    # vLLM: serve /server_info (VLLM_SERVER_DEV_MODE=1)
+    step_delay: float = 0.0                  # seconds per decode step, for cost runs
+    slowdown: float = 1.0                    # delay multiplier when invariant, for cost runs
+    faults: Dict[int, str] = field(default_factory=dict)  # k-th generation request -> fault
+    seed: int = 0                            # the shared generator used when no seed is sent
+    float64: bool = False                    # send logprobs as float64 (a server that rounds)
+
+    def sizes(self) -> List[int]:
+        if self.graph_sizes is not None:
+            return sorted(self.graph_sizes)
+        return VLLM_GRAPH_SIZES if self.engine == "vllm" else SGLANG_GRAPH_SIZES
+
+    def backend(self) -> str:
+        if self.attention_backend:
+            return self.attention_backend
+        if self.engine == "vllm":
+            return "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend"
+        return "triton"
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str, kind: str = "BadRequestError", param=None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+
+def run_batch(config: StubConfig, prompts: List[str], max_tokens: int, temperature: float,
+              top_p: float, seed: Optional[int], ignore_eos: bool,
+              shared_rng: random.Random) -> List[Dict]:
+    """Every prompt of one request, scheduled together as one batch."""
+    plan = reduction_plan(len(prompts), config.sizes(), config.invariant)
+    memo = {}
+    results = []
+    for prompt in prompts:
+        reproducible = temperature <= 0.0 or seed is not None
+        if reproducible and prompt in memo:
+            results.append(memo[prompt])
+            continue
+        rng = random.Random(seed) if seed is not None else shared_rng
+        out = generate(prompt, max_tokens, plan, temperature, top_p, rng, ignore_eos)
+        memo[prompt] = out
+        results.append(out)
+    if config.step_delay > 0:
+        steps = max(len(r["ids"]) for r in results)
+        factor = config.slowdown if config.invariant else 1.0
+        time.sleep(config.step_delay * factor * steps)
+    return results
+
+
+def prompt_token_count(prompt: str) -> int:
+    return len(prompt.split()) + 1
+
+
+# ----------------------------------------------------------------------------
+# vLLM wire format
+
+
+def vllm_completions(config: StubConfig, body: Dict, shared_rng: random.Random) -> Dict:
+    if body.get("model") not in (None, config.model):
+        raise BadRequest(404, "The model `%s` does not exist." % body.get("model"),
+                         "NotFoundError", "model")
+    prompt = body.get("prompt")
+    prompts = prompt if isinstance(prompt, list) else [prompt]
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise BadRequest(400, "prompt must be a string or a list of strings", param="prompt")
+    k = body.get("logprobs")
+    if k is not None and (not isinstance(k, int) or k > 20 or k < 0):
+        raise BadRequest(400, "Requested sample logprobs of %s, which is greater than max "
+                         "allowed: 20 (parameter=logprobs, value=%s)" % (k, k), param="logprobs")
+    max_tokens = int(body.get("max_tokens") or 16)
+    temperature = float(body.get("temperature", 1.0))
+    outs = run_batch(config, prompts, max_tokens, temperature, float(body.get("top_p", 1.0)),
+                     body.get("seed"), bool(body.get("ignore_eos")), shared_rng)
+    as_ids = bool(body.get("return_tokens_as_token_ids"))
+    name = (lambda v: "token_id:%d" % v) if as_ids else token_text
+    choices = []
+    for index, out in enumerate(outs):
+        logprobs = None
+        if k is not None:
+            tokens = [name(v) for v in out["ids"]]
+            offsets, pos = [], 0
+            for t in tokens:
+                offsets.append(pos)
+                pos += len(t)
+            logprobs = {
+                "text_offset": offsets,
+                "token_logprobs": [step[v] for v, step in zip(out["ids"], out["logprobs"])],
+                "tokens": tokens,
+                "top_logprobs": [{name(v): lp for v, lp in top_entries(step, chosen, k)}
+                                 for chosen, step in zip(out["ids"], out["logprobs"])],
+            }
+        choices.append({
+            "index": index,
+            "text": "".join(token_text(v) for v in out["ids"]),
+            "logprobs": logprobs,
+            "finish_reason": out["finish"],
+            "stop_reason": None,
+            "token_ids": None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "routed_experts": None,
+        })
+    prompt_tokens = sum(prompt_token_count(p) for p in prompts)
+    completion_tokens = sum(len(o["ids"]) for o in outs)
+    return {
+        "id": "cmpl-%016x" % random.getrandbits(64),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": config.model,
+        "choices": choices,
+        "service_tier": None,
+        "system_fingerprint": "vllm-0.26.0-stub",
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+                  "completion_tokens": completion_tokens, "prompt_tokens_details": None},
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }
+
+
+def vllm_server_info(config: StubConfig) -> Dict:
+    """The real vLLM 0.26.0 dev-mode answer, with the stub's own settings written in."""
+    with open(VLLM_INFO_TEMPLATE, encoding="utf-8") as f:
+        info = json.load(f)
+    vc = info["vllm_config"]
+    vc["model_config"]["model"] = config.model
+    vc["model_config"]["served_model_name"] = config.model
+    vc["model_config"]["tokenizer"] = config.model
+    vc["scheduler_config"]["max_num_seqs"] = config.max_num_seqs
+    vc["attention_config"]["backend"] = config.backend()
+    vc["compilation_config"]["cudagraph_capture_sizes"] = config.sizes()
+    vc["compilation_config"]["max_cudagraph_capture_size"] = max(config.sizes())
+    vc["parallel_config"]["disable_custom_all_reduce"] = config.invariant
+    vc["instance_id"] = str(random.getrandbits(60))
+    info["vllm_env"]["VLLM_BATCH_INVARIANT"] = config.invariant
+    info["vllm_env"]["VLLM_TEST_FORCE_LOAD_FORMAT"] = None
+    vc["load_config"]["load_format"] = "stub"
+    return info
+
+
+def vllm_models(config: StubConfig) -> Dict:
+    return {"object": "list", "data": [{
+        "id": config.model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
+        "root": config.model, "parent": None, "max_model_len": 2048, "permission": []}]}
+
+
+# ----------------------------------------------------------------------------
+# SGLang wire format
+
+SGLANG_SAMPLING_KEYS = {
+    "max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature",
+    "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+    "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+    "regex", "ebnf", "json_schema", "structural_tag", "n", "custom_params", "logit_bias",
+    "sampling_seed",
+}
+
+
+def sglang_generate(config: StubConfig, body: Dict, shared_rng: random.Random):
+    text = body.get("text")
+    prompts = text if isinstance(text, list) else [text]
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise BadRequest(400, "text must be a string or a list of strings")
+    sp = body.get("sampling_params") or {}
+    unknown = sorted(set(sp) - SGLANG_SAMPLING_KEYS)
+    if unknown:
+        raise BadRequest(400, "SamplingParams.__init__() got an unexpected keyword argument '%s'"
+                         % unknown[0])
+    if sp.get("sampling_seed", 0) is None:
+        raise BadRequest(400, "sampling_seed must be an integer")
+    seed = sp.get("sampling_seed")
+    if seed is None and config.invariant:
+        seed = 42  # deterministic mode's default per-request seed
+    outs = run_batch(config, prompts, int(sp.get("max_new_tokens", 128)),
+                     float(sp.get("temperature", 1.0)), float(sp.get("top_p", 1.0)), seed,
+                     bool(sp.get("ignore_eos")), shared_rng)
+    with_logprobs = bool(body.get("return_logprob"))
+    k = int(body.get("top_logprobs_num") or 0)
+    show = (lambda v: token_text(v)) if body.get("return_text_in_logprobs") else (lambda v: None)
+    answers = []
+    for out, prompt in zip(outs, prompts):
+        meta = {
+            "id": "%032x" % random.getrandbits(128),
+            "finish_reason": ({"type": "length", "length": len(out["ids"])} if out["finish"] == "length"
+                              else {"type": "stop", "matched": EOS_ID}),
+            "prompt_tokens": prompt_token_count(prompt),
+            "completion_tokens": len(out["ids"]),
+            "cached_tokens": 0,
+        }
+        if with_logprobs:
+            meta["output_token_logprobs"] = [[step[v], v, show(v)]
+                                             for v, step in zip(out["ids"], out["logprobs"])]
+            meta["output_top_logprobs"] = [
+                [[step[v], v, show(v)] for v in ranked_ids(step)[:k]] if k else None
+                for step in out["logprobs"]]
+        answers.append({"text": "".join(token_text(v) for v in out["ids"]),
+                        "output_ids": out["ids"], "meta_info": meta})
+    return answers if isinstance(text, list) else answers[0]
+
+
+def sglang_server_info(config: StubConfig, port: int) -> Dict:
+    sizes = config.sizes()
+    return {
+        "model_path": config.model, "tokenizer_path": config.model, "served_model_name": config.model,
+        "host": config.host, "port": port, "dtype": "bfloat16", "kv_cache_dtype": "auto",
+        "quantization": None, "load_format": "stub", "context_length": 2048,
+        "tp_size": 1, "pp_size": 1, "dp_size": 1, "attention_backend": config.backend(),
+        "sampling_backend": "pytorch" if config.invariant else "flashinfer",
+        "enable_deterministic_inference": config.invariant, "disable_radix_cache": False,
+        "chunked_prefill_size": 8192, "max_prefill_tokens": 16384,
+        "max_running_requests": config.max_num_seqs, "disable_cuda_graph": False,
+        "cuda_graph_max_bs_decode": max(sizes), "cuda_graph_config": {"decode": {"bs": sizes}},
+        "random_seed": random.getrandbits(30), "max_total_num_tokens": 400000 + random.getrandbits(10),
+        "version": "0.5.23+stub",
+    }
+
+
+# ----------------------------------------------------------------------------
+# HTTP plumbing
+
+
+class StubHandler(BaseHTTPRequestHandler):
+    server_version = "stub/1"
+
+    def log_message(self, fmt, *args):  # keep test output clean
+        pass
+
+    @property
+    def config(self) -> StubConfig:
+        return self.server.config
+
+    def send_json(self, status: int, payload, raw: Optional[bytes] = None) -> None:
+        data = raw if raw is not None else json.dumps(payload).encode("utf-8")
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def send_error_body(self, err: BadRequest) -> None:
+        if self.config.engine == "vllm":
+            payload = {"error": {"message": err.message, "type": err.kind, "param": err.param,
+                                 "code": err.status}}
+        else:
+            payload = {"error": {"message": err.message}}
+        self.send_json(err.status, payload)
+
+    def do_GET(self):
+        self.server.record(self)
+        path = urlsplit(self.path).path
+        port = self.server.server_address[1]
+        if path == "/health":
+            return self.send_json(200, None, raw=b"")
+        if self.config.engine == "vllm":
+            routes = {"/version": lambda: {"version": "0.26.0"},
+                      "/v1/models": lambda: vllm_models(self.config)}
+            if self.config.dev_mode:
+                routes["/server_info"] = lambda: vllm_server_info(self.config)
+        else:
+            routes = {"/server_info": lambda: sglang_server_info(self.config, port),
+                      "/model_info": lambda: {"model_path": self.config.model, "is_generation": True}}
+        if path in routes:
+            return self.send_json(200, routes[path]())
+        self.send_json(404, {"detail": "Not Found"})
+
+    def do_POST(self):
+        self.server.record(self)
+        path = urlsplit(self.path).path
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length)
+        if self.config.engine == "sglang" and path == "/flush_cache":
+            return self.send_json(200, None, raw=b"Cache flushed.\n")
+        handlers = {"vllm": {"/v1/completions": vllm_completions},
+                    "sglang": {"/generate": sglang_generate}}[self.config.engine]
+        if path not in handlers:
+            return self.send_json(404, {"detail": "Not Found"})
+        fault = self.server.next_fault()
+        if fault == "drop":
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        if fault == "http500":
+            return self.send_error_body(BadRequest(500, "EngineCore encountered an issue.",
+                                                   "InternalServerError"))
+        if fault == "badjson":
+            return self.send_json(200, None, raw=b'{"choices": [ this is not json')
+        if fault == "redirect":
+            self.send_response(307)
+            self.send_header("Location", "http://example.invalid" + self.path)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if fault == "huge":
+            return self.send_json(200, None, raw=b'{"pad": "' + b"x" * (3 * 1024 * 1024) + b'"}')
+        try:
+            body = json.loads(raw or b"{}")
+            answer = handlers[path](self.config, body, self.server.shared_rng)
+        except BadRequest as err:
+            return self.send_error_body(err)
+        except (ValueError, TypeError) as err:
+            return self.send_error_body(BadRequest(400, str(err)))
+        self.send_json(200, corrupt(answer, fault, self.config.engine) if fault else
+                       floats_as_sent(answer, self.config))
+
+
+def floats_as_sent(answer, config: StubConfig):
+    """A server that rounds its logprobs (not float32-exact) is emulated by a tiny nudge."""
+    if not config.float64:
+        return answer
+    text = json.dumps(answer)
+    return json.loads(text, parse_float=lambda s: float(s) * (1.0 + 2.0 ** -40))
+
+
+def corrupt(answer, fault: str, engine: str):
+    """Answers of the wrong shape, for the lab's fault tests."""
+    answer = copy.deepcopy(answer)
+    items = answer["choices"] if engine == "vllm" else answer
+    if fault == "nochoices":
+        return {"object": "text_completion"} if engine == "vllm" else {"detail": "nothing"}
+    if fault == "fewer":
+        del items[-1]
+    elif fault == "nulllogprobs":
+        if engine == "vllm":
+            items[-1]["logprobs"] = None
+        else:
+            items[-1]["meta_info"]["output_token_logprobs"] = None
+    elif fault == "ragged":
+        if engine == "vllm":
+            items[-1]["logprobs"]["token_logprobs"].pop()
+        else:
+            items[-1]["output_ids"].pop()
+    elif fault == "clamp":
+        # vLLM clamps -inf to -9999.0: put one in the last completion's first step.
+        if engine == "vllm":
+            items[-1]["logprobs"]["token_logprobs"][0] = -9999.0
+        else:
+            items[-1]["meta_info"]["output_token_logprobs"][0][0] = -9999.0
+    return answer
+
+
+class StubHTTPServer(ThreadingHTTPServer):
+    daemon_threads = False
+    block_on_close = True
+    allow_reuse_address = True
+
+    def __init__(self, config: StubConfig):
+        self.config = config
+        self.shared_rng = random.Random(config.seed)
+        self.lock = threading.Lock()
+        self.generation_requests = 0
+        self.requests = []  # (method, path, headers) of every request, for tests
+        super().__init__((config.host, config.port), StubHandler)
+
+    def record(self, handler: BaseHTTPRequestHandler) -> None:
+        with self.lock:
+            self.requests.append((handler.command, handler.path, dict(handler.headers)))
+
+    def next_fault(self) -> Optional[str]:
+        with self.lock:
+            self.generation_requests += 1
+            return self.config.faults.get(self.generation_requests)
+
+
+class StubServer:
+    """Start in a background thread on a free port; stop cleanly (context manager)."""
+
+    def __init__(self, config: Optional[StubConfig] = None):
+        self.config = config or StubConfig()
+        self.httpd = StubHTTPServer(self.config)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="stub-server",
+                                       kwargs={"poll_interval": 0.05}, daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return "http://%s:%d" % (host, port)
+
+    @property
+    def requests(self):
+        return self.httpd.requests
+
+    def start(self) -> "StubServer":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=5)
+
+    def __enter__(self) -> "StubServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def parse_faults(items: List[str]) -> Dict[int, str]:
+    faults = {}
+    for item in items:
+        k, _, kind = item.partition("=")
+        if not k.isdigit() or kind not in FAULTS:
+            raise SystemExit("stub_server: --fault takes K=KIND with KIND one of " + ", ".join(FAULTS))
+        faults[int(k)] = kind
+    return faults
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Practice engine for the batch-invariance lab.")
+    p.add_argument("--engine", choices=("vllm", "sglang"), default="vllm")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=None, help="default 8000 (vllm) or 30000 (sglang)")
+    p.add_argument("--invariant", action="store_true", help="batch-invariant arithmetic (flag on)")
+    p.add_argument("--model", default="stub/tiny-f32")
+    p.add_argument("--graph-sizes", default=None, help="comma-separated captured decode sizes")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--no-dev-mode", action="store_true", help="vLLM: no /server_info")
+    p.add_argument("--step-delay", type=float, default=0.0, help="seconds per decode step")
+    p.add_argument("--slowdown", type=float, default=1.0, help="delay factor with --invariant")
+    p.add_argument("--fault", action="append", default=[], metavar="K=KIND")
+    args = p.parse_args(argv)
+    config = StubConfig(
+        engine=args.engine, invariant=args.invariant, model=args.model, host=args.host,
+        port=args.port if args.port is not None else (8000 if args.engine == "vllm" else 30000),
+        graph_sizes=[int(s) for s in args.graph_sizes.split(",")] if args.graph_sizes else None,
+        max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
+        dev_mode=not args.no_dev_mode, step_delay=args.step_delay, slowdown=args.slowdown,
+        faults=parse_faults(args.fault))
+    server = StubHTTPServer(config)
+    print("stub %s server (flag %s) on http://%s:%d" % (
+        config.engine, "on" if config.invariant else "off", *server.server_address[:2]), flush=True)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
