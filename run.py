@@ -1676,14 +1676,23 @@ def timed_trial(client: HttpClient, adapter: Any, model: str, prompts: List[str]
 
 def print_cost_servers(off: Dict[str, Any], on: Dict[str, Any], hazards, adapter, out: Out) -> None:
     hazard_labels = {h["setting"] for h in hazards}
-    out.line("%-26s %-30s %-30s" % ("setting", "flag-off arm", "flag-on arm"))
-    out.line("%-26s %-30s %-30s" % ("flag", describe_flag(off, adapter)[:30], describe_flag(on, adapter)[:30]))
+    row = "%-24s %-26s %-26s%s"
+    show = lambda facts: {None: "unknown", True: "on", False: "off"}.get(facts.get("flag"), str(facts.get("flag")))
+    out.line(row % ("setting", "--url (flag off)", "--invariant (flag on)", ""))
+    out.line(row % (adapter.flag_name[:24], show(off), show(on), ""))
     for label in sorted(off["settings"].keys() | on["settings"].keys()):
         a, b = off["settings"].get(label), on["settings"].get(label)
         if a is None and b is None:
             continue
-        mark = "  <- differs" if label in hazard_labels else ("  (the flag's own doing)" if a != b else "")
-        out.line("%-26s %-30s %-30s%s" % (label, str(short_backend(a))[:30], str(short_backend(b))[:30], mark))
+        if label == "attention backend":
+            a, b = short_backend(a), short_backend(b)
+        mark = "  <- differs" if label in hazard_labels else ("  (set by the flag)" if a != b else "")
+        out.line(row % (label, fmt_setting(a), fmt_setting(b), mark))
+
+
+def fmt_setting(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return text if len(text) <= 26 else text[:23] + "..."
 
 
 def cost_table_lines(doc: Dict[str, Any], current: Dict[str, Any]) -> List[str]:

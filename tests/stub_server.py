@@ -203,6 +203,7 @@ class StubConfig:
     dev_mode: bool = True                    # vLLM: serve /server_info (VLLM_SERVER_DEV_MODE=1)
     step_delay: float = 0.0                  # seconds per decode step, for cost runs
     slowdown: float = 1.0                    # delay multiplier when invariant, for cost runs
+    jitter: float = 0.0                      # +- this share of the delay, seeded: GPU timing noise
     faults: Dict[int, str] = field(default_factory=dict)  # k-th generation request -> fault
     seed: int = 0                            # the shared generator used when no seed is sent
     float64: bool = False                    # send logprobs as float64 (a server that rounds)
@@ -228,8 +229,9 @@ class BadRequest(Exception):
 
 def run_batch(config: StubConfig, prompts: List[str], max_tokens: int, temperature: float,
               top_p: float, seed: Optional[int], ignore_eos: bool,
-              shared_rng: random.Random) -> List[Dict]:
+              shared_rng: random.Random, timing_rng: random.Random) -> List[Dict]:
     """Every prompt of one request, scheduled together as one batch."""
+    started = time.perf_counter()
     plan = reduction_plan(len(prompts), config.sizes(), config.invariant)
     memo = {}
     results = []
@@ -243,9 +245,12 @@ def run_batch(config: StubConfig, prompts: List[str], max_tokens: int, temperatu
         memo[prompt] = out
         results.append(out)
     if config.step_delay > 0:
+        # Emulated GPU time: the batch takes steps x delay (x slowdown with the flag on),
+        # however long the arithmetic above took, so the two arms differ by a known factor.
         steps = max(len(r["ids"]) for r in results)
         factor = config.slowdown if config.invariant else 1.0
-        time.sleep(config.step_delay * factor * steps)
+        noise = 1.0 + config.jitter * (2.0 * timing_rng.random() - 1.0)
+        time.sleep(max(0.0, started + config.step_delay * factor * steps * noise - time.perf_counter()))
     return results
 
 
@@ -257,7 +262,7 @@ def prompt_token_count(prompt: str) -> int:
 # vLLM wire format
 
 
-def vllm_completions(config: StubConfig, body: Dict, shared_rng: random.Random) -> Dict:
+def vllm_completions(config: StubConfig, body: Dict, rngs: Tuple[random.Random, random.Random]) -> Dict:
     if body.get("model") not in (None, config.model):
         raise BadRequest(404, "The model `%s` does not exist." % body.get("model"),
                          "NotFoundError", "model")
@@ -272,7 +277,7 @@ def vllm_completions(config: StubConfig, body: Dict, shared_rng: random.Random) 
     max_tokens = int(body.get("max_tokens") or 16)
     temperature = float(body.get("temperature", 1.0))
     outs = run_batch(config, prompts, max_tokens, temperature, float(body.get("top_p", 1.0)),
-                     body.get("seed"), bool(body.get("ignore_eos")), shared_rng)
+                     body.get("seed"), bool(body.get("ignore_eos")), *rngs)
     as_ids = bool(body.get("return_tokens_as_token_ids"))
     name = (lambda v: "token_id:%d" % v) if as_ids else token_text
     choices = []
@@ -358,7 +363,7 @@ SGLANG_SAMPLING_KEYS = {
 }
 
 
-def sglang_generate(config: StubConfig, body: Dict, shared_rng: random.Random):
+def sglang_generate(config: StubConfig, body: Dict, rngs: Tuple[random.Random, random.Random]):
     text = body.get("text")
     prompts = text if isinstance(text, list) else [text]
     if not prompts or not all(isinstance(p, str) for p in prompts):
@@ -375,7 +380,7 @@ def sglang_generate(config: StubConfig, body: Dict, shared_rng: random.Random):
         seed = 42  # deterministic mode's default per-request seed
     outs = run_batch(config, prompts, int(sp.get("max_new_tokens", 128)),
                      float(sp.get("temperature", 1.0)), float(sp.get("top_p", 1.0)), seed,
-                     bool(sp.get("ignore_eos")), shared_rng)
+                     bool(sp.get("ignore_eos")), *rngs)
     with_logprobs = bool(body.get("return_logprob"))
     k = int(body.get("top_logprobs_num") or 0)
     show = (lambda v: token_text(v)) if body.get("return_text_in_logprobs") else (lambda v: None)
@@ -496,7 +501,7 @@ class StubHandler(BaseHTTPRequestHandler):
             return self.send_json(200, None, raw=b'{"pad": "' + b"x" * (3 * 1024 * 1024) + b'"}')
         try:
             body = json.loads(raw or b"{}")
-            answer = handlers[path](self.config, body, self.server.shared_rng)
+            answer = handlers[path](self.config, body, (self.server.shared_rng, self.server.timing_rng))
         except BadRequest as err:
             return self.send_error_body(err)
         except (ValueError, TypeError) as err:
@@ -548,6 +553,7 @@ class StubHTTPServer(ThreadingHTTPServer):
     def __init__(self, config: StubConfig):
         self.config = config
         self.shared_rng = random.Random(config.seed)
+        self.timing_rng = random.Random(config.seed + 1)
         self.lock = threading.Lock()
         self.generation_requests = 0
         self.requests = []  # (method, path, headers) of every request, for tests
@@ -620,6 +626,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-dev-mode", action="store_true", help="vLLM: no /server_info")
     p.add_argument("--step-delay", type=float, default=0.0, help="seconds per decode step")
     p.add_argument("--slowdown", type=float, default=1.0, help="delay factor with --invariant")
+    p.add_argument("--jitter", type=float, default=0.0, help="+- share of the delay, seeded")
+    p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling and of the jitter")
     p.add_argument("--fault", action="append", default=[], metavar="K=KIND")
     args = p.parse_args(argv)
     config = StubConfig(
@@ -628,6 +636,7 @@ def main(argv=None) -> int:
         graph_sizes=[int(s) for s in args.graph_sizes.split(",")] if args.graph_sizes else None,
         max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
         dev_mode=not args.no_dev_mode, step_delay=args.step_delay, slowdown=args.slowdown,
+        jitter=args.jitter, seed=args.seed,
         faults=parse_faults(args.fault))
     server = StubHTTPServer(config)
     print("stub %s server (flag %s) on http://%s:%d" % (

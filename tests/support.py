@@ -1,0 +1,129 @@
+"""Shared helpers for the lab's tests: run run.py in-process, and derive expectations
+from the stub's arithmetic without using any of run.py's own code."""
+
+import contextlib
+import io
+import json
+import os
+import random
+import struct
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+FIXTURES = os.path.join(HERE, "fixtures", "vllm-0.26.0")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+import run  # noqa: E402
+import stub_server  # noqa: E402
+from stub_server import StubConfig, StubServer  # noqa: E402,F401
+
+
+def fixture(name):
+    with open(os.path.join(FIXTURES, name), encoding="utf-8") as f:
+        return json.load(f)
+
+
+class Result:
+    def __init__(self, code, stdout, stderr):
+        self.code, self.stdout, self.stderr = code, stdout, stderr
+
+    def json(self):
+        return json.loads(self.stdout)
+
+    def __repr__(self):
+        return "Result(code=%r, stdout=%r..., stderr=%r)" % (self.code, self.stdout[:300], self.stderr[-500:])
+
+
+def run_lab(*argv, env=None):
+    """run.main(argv) in this process, with stdout and stderr captured."""
+    out, err = io.StringIO(), io.StringIO()
+    saved = dict(os.environ)
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = run.main([str(a) for a in argv])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return Result(code, out.getvalue(), err.getvalue())
+
+
+class TempDirTest(unittest.TestCase):
+    def setUp(self):
+        self._tmp = tempfile.TemporaryDirectory()
+        self.tmp = self._tmp.name
+
+    def tearDown(self):
+        self._tmp.cleanup()
+
+    def path(self, name):
+        return os.path.join(self.tmp, name)
+
+    def load(self, name):
+        with open(self.path(name), encoding="utf-8") as f:
+            return json.load(f)
+
+
+# ----------------------------------------------------------------------------
+# Independent expectations from the stub's arithmetic
+
+
+def ulps32(a, b):
+    """float32 ULPs between a and b, by the unsigned bit pattern (a second formulation)."""
+    def key(x):
+        u = struct.unpack("<I", struct.pack("<f", x))[0]
+        return u if u < 0x80000000 else 0x80000000 - u
+    return abs(key(a) - key(b))
+
+
+def stub_completion(engine, prompt, batch_size, max_tokens, k, temperature=0.0, seed=None,
+                    invariant=False, graph_sizes=None):
+    """(token ids, chosen logprobs, top dict per step) as the stub computes them for a batch."""
+    sizes = graph_sizes or (stub_server.VLLM_GRAPH_SIZES if engine == "vllm" else stub_server.SGLANG_GRAPH_SIZES)
+    plan = stub_server.reduction_plan(batch_size, sizes, invariant)
+    rng = random.Random(seed) if seed is not None else None
+    out = stub_server.generate(prompt, max_tokens, plan, temperature, 1.0, rng)
+    chosen = [step[v] for v, step in zip(out["ids"], out["logprobs"])]
+    tops = []
+    for v, step in zip(out["ids"], out["logprobs"]):
+        ranked = sorted(range(len(step)), key=lambda t: (-step[t], t))[:k]
+        keep = ([v] + ranked) if engine == "vllm" else ranked
+        tops.append({t: step[t] for t in keep})
+    text = "".join(stub_server.token_text(v) for v in out["ids"])
+    return out["ids"], chosen, tops, text
+
+
+def expected_row(base, other):
+    """(first token divergence, max ULP) of `other` against `base`, by the lab's stated rule."""
+    ids_a, lp_a, top_a, _ = base
+    ids_b, lp_b, top_b, _ = other
+    n = min(len(ids_a), len(ids_b))
+    div = next((t for t in range(n) if ids_a[t] != ids_b[t]), None)
+    if div is None and len(ids_a) != len(ids_b):
+        div = n
+    worst = 0
+    for t in range(n):
+        if div is not None and t > div:
+            break
+        if div is None or t < div:
+            worst = max(worst, ulps32(lp_a[t], lp_b[t]))
+        for tok in set(top_a[t]) & set(top_b[t]):
+            worst = max(worst, ulps32(top_a[t][tok], top_b[t][tok]))
+    return div, worst
+
+
+def expected_sweep(engine, prompt, sizes, max_tokens, k, **kw):
+    """Per size (divergence, max ULP), and the unique completion count, from the stub alone."""
+    base = stub_completion(engine, prompt, 1, max_tokens, k, **kw)
+    rows, texts = {}, {base[3]}
+    for n in sizes:
+        other = stub_completion(engine, prompt, n, max_tokens, k, **kw)
+        rows[n] = expected_row(base, other)
+        texts.add(other[3])
+    return rows, len(texts)

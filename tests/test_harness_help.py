@@ -1,0 +1,188 @@
+"""--mode harness (offline), --mode help, --help and the argument-free default."""
+
+import os
+import socket
+import subprocess
+import sys
+import unittest
+from unittest import mock
+
+from support import ROOT, run, run_lab
+
+# Lines that must survive in the harness output: one per excerpt, its provenance, the commands.
+EXCERPT_LINES = {
+    "vllm": [
+        "def enable_batch_invariant_mode(monkeypatch: pytest.MonkeyPatch):",
+        'monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")',
+        "def test_logprobs_without_batch_invariance_should_fail(",
+        "The test will FAIL if everything matches (suggesting batch invariance isn't needed).",
+        "# CRITICAL: Disable batch invariance for this test",
+        'DEFAULT_MODEL = "Qwen/Qwen3-1.7B"',
+        'TEST_MODEL = os.getenv("VLLM_TEST_MODEL", DEFAULT_MODEL)',
+        '"temperature": 0.6,',
+        '"--max-num-seqs=32",',
+        "with RemoteOpenAIServer(TEST_MODEL, server_args) as server:",
+        'f"Prompt {i} Step {t}: Bitwise mismatch "',
+        "baseline_text = baseline_out[0].outputs[0].text",
+        "assert needle_output.prompt == needle_prompt",
+    ],
+    "sglang": [
+        'if args.test_mode == "single":',
+        'print(f"Total samples: {len(texts)}, Unique samples: {len(set(texts))}")',
+        'DEFAULT_MODEL = "Qwen/Qwen3-8B"',
+        '"--cuda-graph-max-bs-decode",',
+        "Attention backend not specified. Falling back to '{backend}' for deterministic inference.",
+        "return {\"attention_backend\": backend}",
+    ],
+}
+PROVENANCE = {
+    "vllm": [
+        "tests/v1/determinism/conftest.py, lines 8-12, vLLM upstream commit 9aaf83ef",
+        "tests/v1/determinism/test_batch_invariance.py, lines 432-446",
+        "tests/v1/determinism/utils.py, lines 23-24",
+        "tests/v1/determinism/test_online_batch_invariance.py, lines 144-161",
+        "tests/v1/determinism/test_online_batch_invariance.py, lines 126-133",
+        "benchmarks/benchmark_batch_invariance.py, lines 149-152 and 191-192",
+    ],
+    "sglang": [
+        "python/sglang/test/test_deterministic.py, lines 460-471, SGLang 0.5.23",
+        "python/sglang/test/test_deterministic_utils.py, lines 12-18",
+        "python/sglang/srt/arg_groups/overrides.py, lines 1112-1123",
+    ],
+}
+COMMANDS = {
+    "vllm": [
+        'pytest -v -s tests/v1/determinism/test_batch_invariance.py -k "bs1_vs_bsN and 16-16-FLASH_ATTN"',
+        'pytest -v -s tests/v1/determinism/test_batch_invariance.py -k "without_batch_invariance and TRITON_ATTN"',
+        "VLLM_TEST_MODEL=Qwen/Qwen3-1.7B VLLM_TP_SIZE=1 pytest -v -s "
+        'tests/v1/determinism/test_online_batch_invariance.py -k "FLASH_ATTN and not MLA"',
+        "VLLM_BENCH_MODEL=Qwen/Qwen3-1.7B VLLM_BENCH_BACKEND=FLASH_ATTN python benchmarks/benchmark_batch_invariance.py",
+        "VLLM_TEST_TP_SIZE",
+        "python3 run.py --mode sweep --engine vllm --url http://localhost:8000",
+        "python3 run.py --mode cost --url http://localhost:8000",
+    ],
+    "sglang": [
+        "python3 -m sglang.launch_server --model-path Qwen/Qwen3-8B",
+        "--attention-backend triton --cuda-graph-max-bs-decode 32 \\\n      --enable-deterministic-inference",
+        "python3 -m sglang.test.test_deterministic --n-trials 50 --test-mode single",
+        "python3 run.py --mode sweep --engine sglang --url http://localhost:30000",
+        "--sizes 1,15,16,17,23,24,25 --temperature 0.0",
+        "python3 run.py --mode cost --engine sglang",
+    ],
+}
+NOTES = [
+    "has to switch it off itself",
+    "baseline_text is printed but never compared",
+    "holds by construction",
+    "FIRST completion of each batch",
+    "no logprobs",
+    "above 32 there is no graph to pad into",
+    "A comparison hazard",
+    "match none of the releases checked",
+    "L1879-1883",
+]
+
+
+def no_network(*args, **kwargs):
+    raise AssertionError("harness mode tried to open a socket")
+
+
+class Harness(unittest.TestCase):
+    def test_prints_every_excerpt_provenance_and_command_with_no_network(self):
+        with mock.patch.object(socket, "socket", no_network), \
+                mock.patch.object(socket, "create_connection", no_network):
+            r = run_lab("--mode", "harness")
+        self.assertEqual(r.code, 0, r)
+        for engine in ("vllm", "sglang"):
+            for line in EXCERPT_LINES[engine]:
+                self.assertIn(line, r.stdout)
+            for line in PROVENANCE[engine]:
+                self.assertIn(line, r.stdout)
+            for line in COMMANDS[engine]:
+                self.assertIn(line, r.stdout)
+        for note in NOTES:
+            self.assertIn(note, r.stdout)
+
+    def test_excerpts_are_marked_as_quotations_under_their_header(self):
+        r = run_lab("--mode", "harness")
+        lines = r.stdout.splitlines()
+        for ex in run.HARNESS_EXCERPTS:
+            header = next(i for i, line in enumerate(lines) if ex.source in line)
+            self.assertTrue(lines[header].startswith("Quoted from "))
+            first = ex.text.splitlines()[0]
+            self.assertEqual(lines[header + 2], "    > " + first)
+
+    def test_engine_filter(self):
+        r = run_lab("--mode", "harness", "--engine", "sglang")
+        self.assertEqual(r.code, 0)
+        self.assertIn(EXCERPT_LINES["sglang"][0], r.stdout)
+        self.assertNotIn(EXCERPT_LINES["vllm"][0], r.stdout)
+        r = run_lab("--mode", "harness", "--engine", "vllm")
+        self.assertNotIn(EXCERPT_LINES["sglang"][0], r.stdout)
+
+    def test_plain_text_unless_a_terminal(self):
+        r = run_lab("--mode", "harness")
+        self.assertNotIn("\033[", r.stdout)
+
+    def test_colour_on_a_terminal_but_not_with_no_color(self):
+        class Tty:
+            def isatty(self):
+                return True
+        with mock.patch.dict(os.environ, {}, clear=False):
+            os.environ.pop("NO_COLOR", None)
+            self.assertTrue(run.Out(Tty(), Tty()).colour)
+            os.environ["NO_COLOR"] = "1"
+            self.assertFalse(run.Out(Tty(), Tty()).colour)
+
+    def test_runs_in_a_fresh_process_with_no_proxy_or_network_settings(self):
+        env = {"PATH": os.environ.get("PATH", ""), "http_proxy": "http://10.255.255.1:9"}
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "run.py"), "--mode", "harness"],
+                           env=env, capture_output=True, text=True, timeout=60)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn("CRITICAL: Disable batch invariance", p.stdout)
+
+
+class HelpAndDefaults(unittest.TestCase):
+    def test_help_names_every_mode_and_option(self):
+        parser = run.build_parser()
+        text = parser.format_help()
+        for mode in run.MODES:
+            self.assertIn(mode, text)
+        for action in parser._actions:
+            for opt in action.option_strings:
+                self.assertIn(opt, text)
+        for group in ("all modes", "sweep and cost", "sweep:", "cost:"):
+            self.assertIn(group, text)
+        self.assertIn("130", text)
+
+    def test_dash_dash_help_exits_zero_in_a_process(self):
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "run.py"), "--help"],
+                           capture_output=True, text=True, timeout=60)
+        self.assertEqual(p.returncode, 0)
+        for word in ("--mode", "--invariant", "--sizes", "--expect", "--workload", "exit codes"):
+            self.assertIn(word, p.stdout)
+
+    def test_no_arguments_is_the_guide(self):
+        self.assertEqual(run_lab().stdout, run_lab("--mode", "help").stdout)
+
+    def test_guide_covers_what_a_reader_needs(self):
+        r = run_lab("--mode", "help")
+        self.assertEqual(r.code, 0)
+        for phrase in ("Unique completions across batch sizes, flag OFF", "flag ON", "costs",
+                       "ULP", "weaker claim", "--mode harness", "--mode sweep", "--mode cost",
+                       "confident", "same kernel configuration or the same CUDA-graph bucket",
+                       "max-num-seqs", "already on", "fused-MoE", "top-k stays unsorted", "Mamba",
+                       "TP=1 x cold", "TP=k x shared-prefix", "single-channel NCCL", "prefix-cache",
+                       "report all four or none"):
+            self.assertIn(phrase, r.stdout)
+        self.assertLess(len(r.stdout.split()), 1400)  # five minutes of reading
+
+    def test_unknown_mode_is_a_usage_error(self):
+        r = run_lab("--mode", "nope")
+        self.assertEqual(r.code, 2)
+        self.assertEqual(len(r.stderr.strip().splitlines()), 1)
+        self.assertIn("--mode", r.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()

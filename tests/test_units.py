@@ -1,0 +1,229 @@
+"""Pure functions of run.py: ULPs, comparisons, ladders, statistics, workloads, request bodies."""
+
+import math
+import struct
+import unittest
+
+from support import run, ulps32
+
+Completion = run.Completion
+
+
+def next_f32(x, steps=1):
+    """The float32 `steps` representable values above x (x a positive float32)."""
+    bits = struct.unpack("<I", struct.pack("<f", x))[0]
+    return struct.unpack("<f", struct.pack("<I", bits + steps))[0]
+
+
+class UlpDistance(unittest.TestCase):
+    def test_adjacent_float32_values_are_one_apart(self):
+        self.assertEqual(run.ulp_distance(1.0, next_f32(1.0)), 1)
+        self.assertEqual(run.ulp_distance(-4.645697593688965, -next_f32(4.645697593688965, 7)), 7)
+
+    def test_signed_zeros_are_zero_apart_and_order_crosses_the_sign(self):
+        self.assertEqual(run.ulp_distance(-0.0, 0.0), 0)
+        tiny = struct.unpack("<f", struct.pack("<I", 1))[0]  # smallest subnormal
+        self.assertEqual(run.ulp_distance(-tiny, tiny), 2)
+        self.assertEqual(run.ulp_distance(-tiny, 0.0), 1)
+
+    def test_agrees_with_an_independent_formulation(self):
+        values = [-9.5, -4.645697593688965, -1e-30, -0.0, 0.0, 3e-39, 1.0, 123.25]
+        for a in values:
+            for b in values:
+                self.assertEqual(run.ulp_distance(a, b), ulps32(a, b), (a, b))
+
+    def test_float64_width(self):
+        self.assertEqual(run.ulp_distance(1.0, math.nextafter(1.0, 2.0) if hasattr(math, "nextafter")
+                                          else 1.0 + 2.0 ** -52, 64), 1)
+
+    def test_clamp_and_non_finite_are_reported_not_crashed(self):
+        self.assertEqual(run.logprob_distance(-9999.0, -9999.0), (0, "float32"))
+        self.assertEqual(run.logprob_distance(-9999.0, -12.5), (None, "clamped"))
+        self.assertEqual(run.logprob_distance(float("-inf"), -1.0), (None, "non-finite"))
+        self.assertEqual(run.logprob_distance(float("nan"), float("nan"))[0], None)
+
+    def test_values_that_are_not_float32_are_measured_in_float64(self):
+        a = -0.1  # not a float32 value
+        ulps, unit = run.logprob_distance(a, a * (1 + 2 ** -50))
+        self.assertEqual(unit, "float64")
+        self.assertGreater(ulps, 0)
+        self.assertTrue(run.is_float32_exact(-4.645697593688965))
+        self.assertFalse(run.is_float32_exact(-0.1))
+
+
+def comp(tokens, logprobs, tops, text=None):
+    return Completion(text if text is not None else "".join(tokens), list(tokens), list(logprobs),
+                      [dict(t) for t in tops])
+
+
+class CompareCompletions(unittest.TestCase):
+    def setUp(self):
+        self.lp = [-1.25, -2.5, -0.75, -3.0]
+        self.base = comp("abcd", self.lp, [{"a": -1.25, "x": -2.0}, {"b": -2.5, "y": -2.75},
+                                           {"c": -0.75, "z": -4.0}, {"d": -3.0}])
+
+    def test_identical(self):
+        d = run.compare_completions(self.base, comp("abcd", self.lp, self.base.top_logprobs))
+        self.assertEqual((d.first_token_divergence, d.max_ulp, d.first_ulp_step), (None, 0, None))
+
+    def test_before_divergence_chosen_and_shared_topk_count(self):
+        other = comp("abcd", [-1.25, -next_f32(2.5, 3), -0.75, -3.0],
+                     [{"a": -1.25, "x": -next_f32(2.0, 9)}, {"b": -next_f32(2.5, 3), "y": -2.75},
+                      {"c": -0.75, "q": -1.0}, {"d": -3.0}])
+        d = run.compare_completions(self.base, other)
+        self.assertEqual(d.first_token_divergence, None)
+        self.assertEqual(d.max_ulp, 9)       # the shared top-k token "x" at step 0
+        self.assertEqual(d.first_ulp_step, 0)
+
+    def test_at_divergence_only_shared_topk_after_it_nothing(self):
+        # Step 1 diverges: the chosen logprobs there (-2.5 vs -7.0) are NOT compared, the
+        # shared top-k token "y" is; step 2's huge difference is after the divergence.
+        other = comp("aYcd", [-1.25, -7.0, -0.1, -9.0],
+                     [{"a": -1.25, "x": -2.0}, {"Y": -7.0, "y": -next_f32(2.75, 5)},
+                      {"c": -0.1}, {"d": -9.0}])
+        d = run.compare_completions(self.base, other)
+        self.assertEqual(d.first_token_divergence, 1)
+        self.assertEqual(d.max_ulp, 5)
+        self.assertEqual(d.first_ulp_step, 1)
+
+    def test_an_early_end_is_a_divergence(self):
+        other = comp("ab", self.lp[:2], self.base.top_logprobs[:2])
+        d = run.compare_completions(self.base, other)
+        self.assertEqual(d.first_token_divergence, 2)
+        self.assertEqual(d.max_ulp, 0)
+
+    def test_clamped_value_is_flagged(self):
+        other = comp("abcd", [-9999.0] + self.lp[1:], self.base.top_logprobs)
+        d = run.compare_completions(self.base, other)
+        self.assertIn("clamped", d.units)
+        self.assertEqual(d.first_ulp_step, 0)
+        self.assertEqual(run.verdict(1, 0, False, unmeasured=True), "logprobs moved but tokens held")
+
+
+class LaddersAndBuckets(unittest.TestCase):
+    def test_vllm_capture_sizes(self):
+        self.assertEqual(run.vllm_capture_sizes(32), [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64])
+        big = run.vllm_capture_sizes(512)
+        self.assertEqual(big[-3:], [480, 496, 512])
+        self.assertIn(256, big)
+        self.assertNotIn(264, big)
+
+    def test_ladder_straddles_every_capture_size(self):
+        ladder = run.straddling_ladder(32, run.vllm_capture_sizes(32))
+        self.assertEqual(ladder, [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 23, 24, 25, 31, 32])
+        self.assertEqual(run.straddling_ladder(25, run.SGLANG_GRAPH_SIZES),
+                         [1, 2, 3, 4, 5, 7, 8, 9, 11, 12, 13, 15, 16, 17, 23, 24, 25])
+
+    def test_bucket_padding_and_none_above_the_largest(self):
+        sizes = run.vllm_capture_sizes(32)
+        self.assertEqual([run.graph_bucket(n, sizes) for n in (15, 17, 23, 25)], [16, 24, 24, 32])
+        self.assertIsNone(run.graph_bucket(65, sizes))
+        self.assertEqual(run.graph_bucket(9, run.SGLANG_GRAPH_SIZES), 12)
+
+    def test_parse_sizes(self):
+        self.assertEqual(run.parse_sizes("1,15, 16,17"), [1, 15, 16, 17])
+        for bad in ("", "1,,2", "0,1", "-3", "a,b", "1,2,1", "1.5"):
+            with self.assertRaises(run.UsageError, msg=bad):
+                run.parse_sizes(bad)
+
+    def test_verdict_words(self):
+        self.assertEqual(run.verdict(1, 0, False), "invariant")
+        self.assertEqual(run.verdict(1, 3, False), "logprobs moved but tokens held")
+        self.assertEqual(run.verdict(2, 3, True), "tokens diverged")
+
+
+class Statistics(unittest.TestCase):
+    def test_median_and_mad(self):
+        self.assertEqual(run.median([3.0, 1.0, 2.0]), 2.0)
+        self.assertEqual(run.mad([1.0, 2.0, 3.0, 4.0, 100.0]), 1.0)
+
+    def test_known_overhead_is_recovered_with_an_interval_around_it(self):
+        off = [1.0, 1.1, 0.9, 1.05, 0.95, 1.02, 0.98, 1.01]
+        noise = [1.01, 0.99, 1.02, 0.98, 1.0, 1.01, 0.99, 1.0]
+        on = [a * 1.3 * n for a, n in zip(off, noise)]
+        stats = run.overhead_stats(off, on)
+        self.assertAlmostEqual(stats["overhead_pct"], 30.0, delta=0.5)
+        lo, hi = stats["ci95_pct"]
+        self.assertTrue(lo <= 30.0 <= hi, (lo, hi))
+        self.assertTrue(stats["significant"])
+
+    def test_no_overhead_is_not_significant(self):
+        off = [1.0, 1.1, 0.9, 1.05, 0.95, 1.02, 0.98, 1.01]
+        on = [a * n for a, n in zip(off, [1.03, 0.97, 1.02, 0.98, 1.01, 0.99, 1.04, 0.96])]
+        stats = run.overhead_stats(off, on)
+        self.assertFalse(stats["significant"])
+        self.assertLessEqual(stats["ci95_pct"][0], 0.0)
+
+    def test_bootstrap_is_reproducible(self):
+        data = [1.1, 1.3, 1.2, 1.25, 1.4, 1.15]
+        self.assertEqual(run.bootstrap_median_ci(data), run.bootstrap_median_ci(data))
+
+    def test_noise_flag(self):
+        self.assertTrue(run.arm_stats([1.0, 1.6], [10, 10])["noisy"])
+        self.assertFalse(run.arm_stats([1.0, 1.4], [10, 10])["noisy"])
+
+
+class Workloads(unittest.TestCase):
+    def test_cold_openings_are_distinct_across_prompts_and_trials(self):
+        openings = set()
+        for trial in range(-2, 5):
+            for p in run.workload_prompts("cold", 8, trial, "abcd1234"):
+                openings.add(p.split("]")[0])
+        self.assertEqual(len(openings), 7 * 8)
+        other_run = run.workload_prompts("cold", 8, 0, "ffff0000")
+        self.assertTrue(openings.isdisjoint(p.split("]")[0] for p in other_run))
+
+    def test_shared_prefix_is_the_same_for_every_prompt_and_trial(self):
+        prompts = run.workload_prompts("shared-prefix", 4, 0, "x", 1000) + \
+            run.workload_prompts("shared-prefix", 4, 7, "y", 1000)
+        prefixes = {p.split("\nQuestion")[0] for p in prompts}
+        self.assertEqual(len(prefixes), 1)
+        self.assertGreaterEqual(len(prefixes.pop().split()), 1000)
+        self.assertEqual(len(set(prompts)), 8)
+
+    def test_bodies_are_byte_identical_between_arms(self):
+        sampling = run.Sampling(0.0, 1.0, 128, None, ignore_eos=True)
+        for adapter in run.ADAPTERS.values():
+            a = adapter.body("m", run.workload_prompts("cold", 4, 3, "r"), sampling)
+            b = adapter.body("m", run.workload_prompts("cold", 4, 3, "r"), sampling)
+            self.assertEqual(__import__("json").dumps(a).encode(), __import__("json").dumps(b).encode())
+
+    def test_request_bodies_carry_what_the_engines_need(self):
+        s = run.Sampling(0.6, 1.0, 8, 5, seed=42, ignore_eos=True)
+        v = run.ADAPTERS["vllm"].body("m", ["p", "p"], s)
+        self.assertEqual(v, {"model": "m", "prompt": ["p", "p"], "max_tokens": 8, "temperature": 0.6,
+                             "top_p": 1.0, "logprobs": 5, "return_tokens_as_token_ids": True,
+                             "seed": 42, "ignore_eos": True})
+        g = run.ADAPTERS["sglang"].body("m", ["p", "p"], s)
+        self.assertEqual(g, {"text": ["p", "p"], "stream": False, "return_logprob": True,
+                             "top_logprobs_num": 5,
+                             "sampling_params": {"temperature": 0.6, "top_p": 1.0, "max_new_tokens": 8,
+                                                 "sampling_seed": 42, "ignore_eos": True}})
+
+
+class Adapters(unittest.TestCase):
+    def test_real_vllm_answer_becomes_completion_records(self):
+        from support import fixture
+        answer = fixture("completions_two_prompts_logprobs3_token_ids.json")
+        comps = run.ADAPTERS["vllm"].completions(answer, 2, True)
+        self.assertEqual(len(comps), 2)
+        self.assertEqual(comps[0].text, "outvarianimport {}varian")
+        self.assertEqual(comps[0].tokens[:2], ["token_id:403", "token_id:481"])
+        self.assertEqual(comps[0].top_logprobs[1]["token_id:1651"], -5.111370086669922)
+        self.assertIs(run.compare_completions(comps[0], comps[1]), run.IDENTICAL)
+        self.assertTrue(all(run.is_float32_exact(x) for x in comps[0].logprobs))
+
+    def test_sglang_answer_becomes_the_same_record(self):
+        answer = [{"text": " a b", "output_ids": [7, 9], "meta_info": {
+            "finish_reason": {"type": "length", "length": 2}, "completion_tokens": 2,
+            "output_token_logprobs": [[-0.5, 7, None], [-1.25, 9, None]],
+            "output_top_logprobs": [[[-0.5, 7, None], [-1.5, 3, None]], None]}}]
+        c = run.ADAPTERS["sglang"].completions(answer, 1, True)[0]
+        self.assertEqual(c.tokens, ["token_id:7", "token_id:9"])
+        self.assertEqual(c.logprobs, [-0.5, -1.25])
+        self.assertEqual(c.top_logprobs, [{"token_id:7": -0.5, "token_id:3": -1.5}, {}])
+        self.assertEqual(c.finish_reason, "length")
+
+
+if __name__ == "__main__":
+    unittest.main()
