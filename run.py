@@ -1564,10 +1564,10 @@ def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
         text("The server reports the flag ON, yet results moved.")
         text(COVERAGE_CHECKLIST)
         text("If none applies, this is worth a bug report: attach the --save file.")
-    if not moved and doc["server"].get("flag") is not True:
+    if not moved and (doc["server"].get("flag") is not True or cfg.expect == "variant"):
         text("Nothing moved. With the flag off that usually means no near-tie was met: try more "
-                 "prompts (--prompt-file), longer generations (--max-tokens 256) or --temperature 0.6; "
-                 "see --mode help.")
+             "prompts (--prompt-file), longer generations (--max-tokens 256) or --temperature 0.6; "
+             "see --mode help.")
     if cfg.expect == "invariant" and moved:
         text("expectation failed: --expect invariant, but the result is: %s" % sm["verdict"])
         return EXIT_EXPECTATION

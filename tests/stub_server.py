@@ -207,6 +207,7 @@ class StubConfig:
     faults: Dict[int, str] = field(default_factory=dict)  # k-th generation request -> fault
     seed: int = 0                            # the shared generator used when no seed is sent
     float64: bool = False                    # send logprobs as float64 (a server that rounds)
+    coverage_gap: bool = False               # flag on, but one kernel ignores it (an uncovered MoE)
 
     def sizes(self) -> List[int]:
         if self.graph_sizes is not None:
@@ -232,7 +233,7 @@ def run_batch(config: StubConfig, prompts: List[str], max_tokens: int, temperatu
               shared_rng: random.Random, timing_rng: random.Random) -> List[Dict]:
     """Every prompt of one request, scheduled together as one batch."""
     started = time.perf_counter()
-    plan = reduction_plan(len(prompts), config.sizes(), config.invariant)
+    plan = reduction_plan(len(prompts), config.sizes(), config.invariant and not config.coverage_gap)
     memo = {}
     results = []
     for prompt in prompts:
