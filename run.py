@@ -502,33 +502,37 @@ class VllmAdapter:
     def read_facts(self, client: HttpClient, model: Optional[str]) -> Dict[str, Any]:
         version = dig(client.request("/version"), "version")
         models = client.request("/v1/models")
-        ids = [m.get("id") for m in dig(models, "data") or [] if isinstance(m, dict)]
-        if not ids:
-            raise ServerError("/v1/models lists no model")
-        if model is not None and model not in ids:
-            raise UsageError("the server does not serve %s; it serves: %s" % (model, ", ".join(ids)))
-        model = model or ids[0]
-        entry = next(m for m in models["data"] if m.get("id") == model)
-        facts = {"engine": self.name, "version": version, "model": model,
-                 "max_model_len": entry.get("max_model_len"), "flag": None,
-                 "attention_backend": None, "tp": None, "graph_sizes": None,
-                 "max_num_seqs": None, "load_format": None, "settings": {"engine version": version},
-                 "info_source": None}
         try:
             info = client.request("/server_info?config_format=json")
         except ServerError:
             info = None  # only served with VLLM_SERVER_DEV_MODE=1
+        return self.facts(version, models, info, model)
+
+    def facts(self, version: Any, models: Any, info: Any, model: Optional[str]) -> Dict[str, Any]:
+        """The common facts record from /version, /v1/models and (dev mode) /server_info."""
+        entries = [m for m in dig(models, "data") or [] if isinstance(m, dict) and m.get("id")]
+        if not entries:
+            raise ServerError("/v1/models lists no model")
+        ids = [m["id"] for m in entries]
+        if model is not None and model not in ids:
+            raise UsageError("the server does not serve %s; it serves: %s" % (model, ", ".join(ids)))
+        entry = entries[ids.index(model)] if model is not None else entries[0]
+        facts = {"engine": self.name, "version": version, "model": entry["id"],
+                 "max_model_len": entry.get("max_model_len"), "flag": None,
+                 "attention_backend": None, "tp": None, "graph_sizes": None,
+                 "max_num_seqs": None, "load_format": None, "settings": {"engine version": version},
+                 "info_source": None}
         if isinstance(info, dict) and isinstance(info.get("vllm_config"), dict):
-            facts["info_source"] = "/server_info"
-            facts["flag"] = dig(info, "vllm_env", "VLLM_BATCH_INVARIANT")
-            facts["attention_backend"] = short_backend(dig(info, "vllm_config", "attention_config", "backend"))
-            facts["tp"] = dig(info, "vllm_config", "parallel_config", "tensor_parallel_size")
-            facts["graph_sizes"] = dig(info, "vllm_config", "compilation_config", "cudagraph_capture_sizes")
-            facts["max_num_seqs"] = dig(info, "vllm_config", "scheduler_config", "max_num_seqs")
-            facts["load_format"] = dig(info, "vllm_config", "load_config", "load_format")
+            config = info["vllm_config"]
+            facts.update(
+                info_source="/server_info", flag=dig(info, "vllm_env", self.flag_name),
+                attention_backend=short_backend(dig(config, "attention_config", "backend")),
+                tp=dig(config, "parallel_config", "tensor_parallel_size"),
+                graph_sizes=([] if dig(config, "model_config", "enforce_eager")
+                             else dig(config, "compilation_config", "cudagraph_capture_sizes")),
+                max_num_seqs=dig(config, "scheduler_config", "max_num_seqs"),
+                load_format=dig(config, "load_config", "load_format"))
             facts["settings"].update({label: dig(info, *path) for label, path in self.SETTINGS})
-            if dig(info, "vllm_config", "model_config", "enforce_eager"):
-                facts["graph_sizes"] = []
         return facts
 
     def flag_consequence(self, label: str, off: Dict[str, Any], on: Dict[str, Any]) -> bool:
@@ -569,11 +573,9 @@ class VllmAdapter:
             out.append(Completion(c["text"], tokens, values, [d or {} for d in top], c.get("finish_reason")))
         return out
 
-    def output_tokens(self, answer: Any) -> List[int]:
-        """Completion tokens per prompt, counted from the logprob-free answer's usage."""
-        total = dig(answer, "usage", "completion_tokens")
-        n = len(dig(answer, "choices") or []) or 1
-        return [int(total or 0) // n] * n
+    def output_tokens(self, answer: Any) -> int:
+        """Completion tokens of the whole batch (usage; a logprob-free answer has no per-choice count)."""
+        return int(dig(answer, "usage", "completion_tokens") or 0)
 
 
 class SglangAdapter:
@@ -602,11 +604,15 @@ class SglangAdapter:
             if "HTTP 404" not in str(err):
                 raise
             info = client.request("/get_server_info")  # SGLang before /server_info existed
+        return self.facts(info, model)
+
+    def facts(self, info: Any, model: Optional[str]) -> Dict[str, Any]:
+        """The common facts record from /server_info's flat server arguments."""
         if not isinstance(info, dict):
             raise shape_error("server info is not an object")
-        served = info.get("served_model_name") or info.get("model_path")
-        if model is not None and model not in (info.get("model_path"), info.get("served_model_name")):
-            raise UsageError("the server serves %s, not %s" % (served, model))
+        served = [m for m in (info.get("model_path"), info.get("served_model_name")) if m]
+        if model is not None and model not in served:
+            raise UsageError("the server serves %s, not %s" % (served[-1] if served else "?", model))
         graph = dig(info, "cuda_graph_config", "decode", "bs")
         if graph is None and info.get("cuda_graph_max_bs_decode", info.get("cuda_graph_max_bs")) == 32:
             graph = SGLANG_GRAPH_SIZES
@@ -665,8 +671,8 @@ class SglangAdapter:
             out.append(Completion(item["text"], tokens, values, tops, finish))
         return out
 
-    def output_tokens(self, answer: Any) -> List[int]:
-        return [int(dig(item, "meta_info", "completion_tokens") or 0) for item in answer or []]
+    def output_tokens(self, answer: Any) -> int:
+        return sum(int(dig(item, "meta_info", "completion_tokens") or 0) for item in answer or [])
 
 
 ADAPTERS = {"vllm": VllmAdapter(), "sglang": SglangAdapter()}
@@ -1668,7 +1674,7 @@ def cell_label(cell: Dict[str, Any]) -> Tuple:
 
 
 def timed_trial(client: HttpClient, adapter: Any, model: str, prompts: List[str],
-                sampling: Sampling) -> Tuple[float, List[int]]:
+                sampling: Sampling) -> Tuple[float, int]:
     answer, seconds = generate(client, adapter, model, prompts, sampling)
     adapter.completions(answer, len(prompts), False)  # the shape must hold even when timing
     return seconds, adapter.output_tokens(answer)
@@ -1768,13 +1774,13 @@ def run_cost(cfg: Config, out: Out) -> int:
                         raise KeyboardInterrupt
                     out.progress("trial %d/%d, %s arm" % (trial + 1, cfg.trials, arm))
                     try:
-                        seconds, counts = timed_trial(clients[arm], adapter, model, prompts(trial), sampling)
+                        seconds, count = timed_trial(clients[arm], adapter, model, prompts(trial), sampling)
                     except ServerError as err:
                         raise ServerError("trial %d, %s arm: %s" % (trial + 1, arm, err)) from None
-                    if min(counts or [0]) < cfg.max_tokens:
-                        short.append((trial + 1, arm, min(counts or [0])))
+                    if count < cfg.batch * cfg.max_tokens:
+                        short.append((trial + 1, arm, count))
                     samples[arm].append(seconds)
-                    tokens[arm].append(sum(counts))
+                    tokens[arm].append(count)
         except ServerError as err:
             state, code = "stopped: server error", EXIT_SERVER
             out.progress_done()
@@ -1785,8 +1791,8 @@ def run_cost(cfg: Config, out: Out) -> int:
             out.stderr.write("run.py: interrupted; showing what was measured\n")
     out.progress_done()
     for trial, arm, got in short[:3]:
-        out.warn("trial %d, %s arm: a completion had %d tokens, not %d (the server did not honour "
-                 "ignore_eos?)" % (trial, arm, got, cfg.max_tokens))
+        out.warn("trial %d, %s arm: %d output tokens, not %d x %d (the server stopped early: is "
+                 "ignore_eos honoured?)" % (trial, arm, got, cfg.batch, cfg.max_tokens))
     pairs = min(len(samples["off"]), len(samples["on"]))
     if pairs == 0:
         out.stderr.write("run.py: no complete trial pair; nothing to report\n")

@@ -208,6 +208,7 @@ class StubConfig:
     seed: int = 0                            # the shared generator used when no seed is sent
     float64: bool = False                    # send logprobs as float64 (a server that rounds)
     coverage_gap: bool = False               # flag on, but one kernel ignores it (an uncovered MoE)
+    honour_ignore_eos: bool = True           # False: every completion stops at half length
 
     def sizes(self) -> List[int]:
         if self.graph_sizes is not None:
@@ -233,6 +234,8 @@ def run_batch(config: StubConfig, prompts: List[str], max_tokens: int, temperatu
               shared_rng: random.Random, timing_rng: random.Random) -> List[Dict]:
     """Every prompt of one request, scheduled together as one batch."""
     started = time.perf_counter()
+    if not config.honour_ignore_eos:
+        max_tokens = max(1, max_tokens // 2)  # as if each completion met its end early
     plan = reduction_plan(len(prompts), config.sizes(), config.invariant and not config.coverage_gap)
     memo = {}
     results = []
@@ -472,10 +475,10 @@ class StubHandler(BaseHTTPRequestHandler):
         self.send_json(404, {"detail": "Not Found"})
 
     def do_POST(self):
-        self.server.record(self)
         path = urlsplit(self.path).path
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length)
+        self.server.record(self, raw)
         if self.config.engine == "sglang" and path == "/flush_cache":
             return self.send_json(200, None, raw=b"Cache flushed.\n")
         handlers = {"vllm": {"/v1/completions": vllm_completions},
@@ -558,11 +561,13 @@ class StubHTTPServer(ThreadingHTTPServer):
         self.lock = threading.Lock()
         self.generation_requests = 0
         self.requests = []  # (method, path, headers) of every request, for tests
+        self.bodies = []    # and the raw body of each
         super().__init__((config.host, config.port), StubHandler)
 
-    def record(self, handler: BaseHTTPRequestHandler) -> None:
+    def record(self, handler: BaseHTTPRequestHandler, body: bytes = b"") -> None:
         with self.lock:
             self.requests.append((handler.command, handler.path, dict(handler.headers)))
+            self.bodies.append(body)
 
     def next_fault(self) -> Optional[str]:
         with self.lock:
@@ -587,6 +592,11 @@ class StubServer:
     @property
     def requests(self):
         return self.httpd.requests
+
+    def generation_bodies(self) -> List[bytes]:
+        """Raw bodies of the POSTs to the engine's generation endpoint, in order."""
+        path = "/v1/completions" if self.config.engine == "vllm" else "/generate"
+        return [b for (m, p, _), b in zip(self.httpd.requests, self.httpd.bodies) if m == "POST" and p == path]
 
     def start(self) -> "StubServer":
         self.thread.start()

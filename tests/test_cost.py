@@ -1,0 +1,181 @@
+"""--mode cost: the hazard check, the request bodies, and the overhead against slowed stubs."""
+
+import copy
+import json
+import unittest
+
+from support import StubConfig, StubServer, TempDirTest, fixture, run, run_lab
+
+DELAY = 0.005   # seconds per decode step in the timed stubs
+TOKENS = 16     # tokens per completion in the timed runs
+JITTER = 0.1    # +-10% seeded timing noise, so the interval has a width to contain the truth
+
+
+def vllm_facts(info):
+    models = fixture("v1_models.json")
+    return run.ADAPTERS["vllm"].facts(fixture("version.json")["version"], models, info, None)
+
+
+class HazardCheckOnRealServers(unittest.TestCase):
+    """The real vLLM 0.26.0 flag-off / flag-on pair: only the flag and its consequences differ."""
+
+    def setUp(self):
+        self.off_info = fixture("server_info_flag_off.json")
+        self.on_info = fixture("server_info_flag_on.json")
+
+    def test_the_real_pair_passes(self):
+        off, on = vllm_facts(self.off_info), vllm_facts(self.on_info)
+        self.assertEqual((off["flag"], on["flag"]), (False, True))
+        self.assertEqual(run.comparison_hazards(run.ADAPTERS["vllm"], off, on), [])
+        self.assertEqual(off["attention_backend"], "FlashAttentionBackend")
+        self.assertEqual(off["graph_sizes"][-1], 128)
+        self.assertEqual(off["load_format"], "dummy")
+
+    def test_editing_any_listed_setting_fails_it(self):
+        edits = {
+            "max num seqs": ("scheduler_config", "max_num_seqs", 32),
+            "attention backend": ("attention_config", "backend", "vllm.v1.attention.backends.triton_attn.TritonAttentionBackend"),
+            "TP size": ("parallel_config", "tensor_parallel_size", 2),
+            "prefix caching": ("cache_config", "enable_prefix_caching", False),
+            "dtype": ("model_config", "dtype", "torch.float16"),
+            "CUDA-graph sizes": ("compilation_config", "cudagraph_capture_sizes", [1, 2, 4]),
+            "chunked prefill": ("scheduler_config", "enable_chunked_prefill", False),
+            "KV-cache dtype": ("cache_config", "cache_dtype", "fp8"),
+            "max model length": ("model_config", "max_model_len", 4096),
+            "enforce eager": ("model_config", "enforce_eager", True),
+            "quantization": ("model_config", "quantization", "fp8"),
+            "max num batched tokens": ("scheduler_config", "max_num_batched_tokens", 4096),
+            "CUDA-graph mode": ("compilation_config", "cudagraph_mode", [1, 1]),
+        }
+        for label, (section, key, value) in edits.items():
+            on_info = copy.deepcopy(self.on_info)
+            on_info["vllm_config"][section][key] = value
+            hazards = run.comparison_hazards(run.ADAPTERS["vllm"], vllm_facts(self.off_info), vllm_facts(on_info))
+            self.assertEqual([h["setting"] for h in hazards], [label])
+
+    def test_prefix_cache_switched_off_by_the_flag_is_not_a_hazard(self):
+        off_info, on_info = copy.deepcopy(self.off_info), copy.deepcopy(self.on_info)
+        for info in (off_info, on_info):
+            info["vllm_config"]["attention_config"]["backend"] = "vllm.v1.attention.backends.flashinfer.FlashInferBackend"
+        on_info["vllm_config"]["cache_config"]["enable_prefix_caching"] = False
+        self.assertEqual(run.comparison_hazards(run.ADAPTERS["vllm"], vllm_facts(off_info), vllm_facts(on_info)), [])
+
+    def test_sglang_flag_consequences_are_not_hazards(self):
+        from stub_server import sglang_server_info
+        a = run.ADAPTERS["sglang"]
+        off = a.facts(sglang_server_info(StubConfig(engine="sglang"), 30000), None)
+        on = a.facts(sglang_server_info(StubConfig(engine="sglang", invariant=True), 30001), None)
+        self.assertEqual(run.comparison_hazards(a, off, on), [])  # sampling backend: set by the flag
+        on_info = sglang_server_info(StubConfig(engine="sglang", invariant=True, attention_backend="fa3"), 30001)
+        self.assertEqual([h["setting"] for h in run.comparison_hazards(a, off, a.facts(on_info, None))],
+                         ["attention backend"])
+
+
+class CostAgainstStubs(TempDirTest):
+    def cost(self, off, on, *extra):
+        return run_lab("--mode", "cost", "--engine", off.config.engine, "--url", off.url,
+                       "--invariant", on.url, "--batch", 4, "--trials", 8, "--warmup", 1,
+                       "--max-tokens", TOKENS, *extra)
+
+    def test_known_slowdown_lies_inside_the_interval(self):
+        with StubServer(StubConfig(step_delay=DELAY, jitter=JITTER, seed=1)) as off, \
+                StubServer(StubConfig(invariant=True, step_delay=DELAY, slowdown=1.3, jitter=JITTER, seed=2)) as on:
+            r = self.cost(off, on, "--json")
+        self.assertEqual(r.code, 0, r)
+        cell = r.json()
+        lo, hi = cell["ci95_pct"]
+        self.assertTrue(lo <= 30.0 <= hi, (lo, hi))
+        self.assertTrue(cell["significant"])
+        self.assertEqual(cell["trials"], 8)
+        self.assertEqual(len(cell["off"]["samples_s"]), 8)
+        self.assertEqual(cell["off"]["output_tokens"], [4 * TOKENS] * 8)
+
+    def test_identical_servers_are_not_significant(self):
+        with StubServer(StubConfig(step_delay=DELAY, jitter=JITTER, seed=1)) as off, \
+                StubServer(StubConfig(invariant=True, step_delay=DELAY, jitter=JITTER, seed=2)) as on:
+            r = self.cost(off, on)
+        self.assertEqual(r.code, 0, r)
+        self.assertIn("not significant", r.stdout)
+
+    def test_both_arms_get_byte_identical_bodies_interleaved(self):
+        with StubServer() as off, StubServer(StubConfig(invariant=True)) as on:
+            r = self.cost(off, on, "--json")
+            self.assertEqual(r.code, 0, r)
+            a, b = off.generation_bodies(), on.generation_bodies()
+        self.assertEqual(len(a), 9)
+        self.assertEqual(a, b)
+        body = json.loads(a[1])
+        self.assertTrue(body["ignore_eos"])
+        self.assertEqual((body["temperature"], body["max_tokens"]), (0.0, TOKENS))
+        openings = {p.split("]")[0] for raw in a for p in json.loads(raw)["prompt"]}
+        self.assertEqual(len(openings), 9 * 4)  # cold: no prompt shares an opening
+
+    def test_sglang_arms_and_shared_prefix_workload(self):
+        with StubServer(StubConfig(engine="sglang")) as off, \
+                StubServer(StubConfig(engine="sglang", invariant=True)) as on:
+            r = self.cost(off, on, "--workload", "shared-prefix", "--prefix-tokens", 50, "--json")
+            self.assertEqual(r.code, 0, r)
+            bodies = off.generation_bodies()
+            self.assertEqual(bodies, on.generation_bodies())
+        prefixes = {t.split("\nQuestion")[0] for raw in bodies for t in json.loads(raw)["text"]}
+        self.assertEqual(len(prefixes), 1)
+        self.assertEqual(r.json()["workload"], "shared-prefix")
+        self.assertTrue(json.loads(bodies[0])["sampling_params"]["ignore_eos"])
+
+    def test_mismatched_backends_are_refused_naming_the_setting(self):
+        with StubServer() as off, StubServer(StubConfig(invariant=True, attention_backend="TritonAttentionBackend")) as on:
+            r = self.cost(off, on)
+            self.assertEqual(r.code, 2)
+            self.assertIn("attention backend", r.stderr)
+            self.assertEqual(len(r.stderr.strip().splitlines()), 1)
+            self.assertEqual(off.generation_bodies(), [])
+            r = self.cost(off, on, "--allow-mismatch", "--json")
+        self.assertEqual(r.code, 0, r)
+        self.assertEqual([d["setting"] for d in r.json()["differences"]], ["attention backend"])
+
+    def test_arms_the_wrong_way_round_are_refused(self):
+        with StubServer() as off, StubServer(StubConfig(invariant=True)) as on:
+            r = run_lab("--mode", "cost", "--url", on.url, "--invariant", off.url)
+            self.assertEqual(r.code, 2)
+            self.assertIn("wrong way round", r.stderr)
+            self.assertEqual(off.generation_bodies() + on.generation_bodies(), [])
+
+    def test_short_completions_are_warned_about(self):
+        with StubServer(StubConfig(honour_ignore_eos=False)) as off, \
+                StubServer(StubConfig(invariant=True, honour_ignore_eos=False)) as on:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", 2,
+                        "--trials", 2, "--warmup", 0, "--max-tokens", 8)
+        self.assertEqual(r.code, 0, r)
+        self.assertIn("ignore_eos", r.stderr)
+
+    def test_save_replaces_same_cell_adds_others_and_prints_the_table(self):
+        with StubServer() as off, StubServer(StubConfig(invariant=True)) as on:
+            save = ("--save", self.path("cost.json"), "--trials", 2, "--warmup", 0)
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", 2,
+                        "--max-tokens", 4, *save)
+            self.assertEqual(r.code, 0, r)
+            self.assertIn("One cell alone is not a result", r.stdout)
+            self.assertIn("missing", r.stdout)
+            run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", 2,
+                    "--max-tokens", 4, *save)
+            self.assertEqual(len(self.load("cost.json")["cells"]), 1)
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", 2,
+                        "--max-tokens", 4, "--workload", "shared-prefix", "--prefix-tokens", 20, *save)
+        doc = self.load("cost.json")
+        self.assertEqual(doc["schema"], "batch-invariance-lab/cost/1")
+        self.assertEqual(sorted(c["workload"] for c in doc["cells"]), ["cold", "shared-prefix"])
+        cell = doc["cells"][0]
+        for key in ("tp", "workload", "batch", "max_tokens", "trials", "model", "off", "on",
+                    "overhead_pct", "ci95_pct", "significant", "servers", "differences"):
+            self.assertIn(key, cell)
+        self.assertIn("samples_s", cell["on"])
+        self.assertIn("median_s", cell["off"])
+        self.assertEqual(cell["servers"]["on"]["flag"], True)
+        table = r.stdout[r.stdout.index("cost cells"):]
+        tp1 = next(line for line in table.splitlines() if line.strip().startswith("TP=1"))
+        self.assertNotIn("missing", tp1)
+        self.assertIn("TP=k", table)
+
+
+if __name__ == "__main__":
+    unittest.main()
