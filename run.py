@@ -1008,16 +1008,20 @@ class Out:
 def write_json_atomic(path: str, doc: Dict[str, Any]) -> None:
     """Write through a temporary file and a rename: a crash never leaves half a file."""
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".run-", suffix=".json", dir=folder)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".run-", suffix=".json", dir=folder)
+    except OSError as err:
+        raise UsageError("--save: cannot write in %s (%s)" % (folder, err.strerror)) from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=1)
             f.write("\n")
         os.replace(tmp, path)
-    except BaseException:
+    except OSError as err:
+        raise UsageError("--save: cannot write %s (%s)" % (path, err.strerror)) from None
+    finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        raise
 
 
 class DeferredInterrupt:
@@ -1583,14 +1587,32 @@ def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
     return EXIT_OK
 
 
-def run_sweep(cfg: Config, out: Out) -> int:
-    client = cfg.client(cfg.url)
-    adapter = cfg.adapter
+def read_facts(cfg: Config, url: str, arm: str = "the server") -> Dict[str, Any]:
     try:
-        facts = adapter.read_facts(client, cfg.model)
+        return cfg.adapter.read_facts(cfg.client(url), cfg.model)
     except ServerError as err:
-        out.stderr.write("run.py: cannot read the server's facts at %s: %s\n" % (cfg.url, err))
-        return EXIT_SERVER
+        raise ServerError("cannot read the facts of %s at %s: %s" % (arm, url, err)) from None
+
+
+def measure_until_stopped(out: Out, what: str, loop: Callable[[DeferredInterrupt], None]) -> Tuple[str, int]:
+    """Run a measuring loop. A server error or Ctrl-C ends it early; either way the caller
+    keeps, reports and saves what was measured. Returns (state, exit code)."""
+    with DeferredInterrupt(out) as interrupt:
+        try:
+            loop(interrupt)
+            return "complete", EXIT_OK
+        except ServerError as err:
+            state, code, message = "stopped: server error", EXIT_SERVER, "%s stopped at %s" % (what, err)
+        except KeyboardInterrupt:
+            state, code, message = "interrupted", EXIT_INTERRUPTED, "interrupted; showing what was measured"
+    out.progress_done()
+    out.stderr.write("run.py: %s\n" % message)
+    return state, code
+
+
+def run_sweep(cfg: Config, out: Out) -> int:
+    client, adapter = cfg.client(cfg.url), cfg.adapter
+    facts = read_facts(cfg, cfg.url)
     if cfg.baseline is not None and cfg.baseline.get("model") != facts["model"]:
         raise UsageError("--baseline: %s was recorded for model %s, this server serves %s"
                          % (cfg.baseline_path, cfg.baseline.get("model"), facts["model"]))
@@ -1600,59 +1622,49 @@ def run_sweep(cfg: Config, out: Out) -> int:
     sampling = Sampling(cfg.temperature, DEFAULT_TOP_P, cfg.max_tokens, cfg.logprobs,
                         seed=cfg.seed if cfg.temperature > 0 else None)
     results: List[PromptSweep] = []
-    state, code = "complete", EXIT_OK
 
-    def save() -> Dict[str, Any]:
+    def save(state: str) -> Dict[str, Any]:
         doc = sweep_document(cfg, facts, results, sizes, state)
         if cfg.save:
             write_json_atomic(cfg.save, doc)
         return doc
 
-    with DeferredInterrupt(out) as interrupt:
-        try:
-            for pi, prompt in enumerate(cfg.prompts, 1):
-                run = PromptSweep(prompt)
-                results.append(run)
-                if cfg.baseline is not None:
-                    run.baseline = baseline_from_file(cfg, prompt)
-                    run.baseline_source = cfg.baseline_path
+    def measure(interrupt: DeferredInterrupt) -> None:
+        for pi, prompt in enumerate(cfg.prompts, 1):
+            run = PromptSweep(prompt)
+            results.append(run)
+            if cfg.baseline is not None:
+                run.baseline = baseline_from_file(cfg, prompt)
+                run.baseline_source = cfg.baseline_path
+                run.texts.add(run.baseline.text)
+            for n in sizes:
+                if interrupt.requested:
+                    raise KeyboardInterrupt
+                out.progress("prompt %d/%d, batch %d ..." % (pi, len(cfg.prompts), n))
+                try:
+                    answer, seconds = generate(client, adapter, facts["model"], [prompt] * n, sampling)
+                    completions = adapter.completions(answer, n, True)
+                except ServerError as err:
+                    raise ServerError("batch size %d%s: %s" % (
+                        n, " (prompt %d)" % pi if len(cfg.prompts) > 1 else "", err)) from None
+                if run.baseline is None:
+                    run.baseline = completions[0]
                     run.texts.add(run.baseline.text)
-                for n in sizes:
-                    if interrupt.requested:
-                        raise KeyboardInterrupt
-                    out.progress("prompt %d/%d, batch %d ..." % (pi, len(cfg.prompts), n))
-                    try:
-                        answer, seconds = generate(client, adapter, facts["model"], [prompt] * n, sampling)
-                        completions = adapter.completions(answer, n, True)
-                    except ServerError as err:
-                        raise ServerError("batch size %d%s: %s" % (
-                            n, " (prompt %d)" % pi if len(cfg.prompts) > 1 else "", err)) from None
-                    if run.baseline is None:
-                        run.baseline = completions[0]
-                        run.texts.add(run.baseline.text)
-                    bucket = graph_bucket(n, graph) if graph is not None else "?"
-                    run.sizes.append(measure_size(n, completions, run.baseline, seconds, bucket))
-                    run.texts.update(c.text for c in completions)
-                    save()
-        except ServerError as err:
-            state, code = "stopped: server error", EXIT_SERVER
-            out.progress_done()
-            out.stderr.write("run.py: sweep stopped at %s\n" % err)
-        except KeyboardInterrupt:
-            state, code = "interrupted", EXIT_INTERRUPTED
-            out.progress_done()
-            out.stderr.write("run.py: interrupted; showing what was measured\n")
+                bucket = graph_bucket(n, graph) if graph is not None else "?"
+                run.sizes.append(measure_size(n, completions, run.baseline, seconds, bucket))
+                run.texts.update(c.text for c in completions)
+                save("running")
+
+    state, code = measure_until_stopped(out, "sweep", measure)
     out.progress_done()
-    doc = save()
+    doc = save(state)
     if cfg.save:
         out.stderr.write("run.py: saved %s\n" % cfg.save)
     if cfg.json_out:
         out.line(json.dumps(doc, indent=1))
     else:
         print_sweep_table(doc, cfg, out)
-    if code != EXIT_OK:
-        return code
-    return sweep_outcome(cfg, doc, out)
+    return code if code != EXIT_OK else sweep_outcome(cfg, doc, out)
 
 
 # ----------------------------------------------------------------------------
@@ -1715,9 +1727,9 @@ def cost_table_lines(doc: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
         for workload in ("cold", "shared-prefix"):
             cell = next((c for c in same if c["tp"] == tp and c["workload"] == workload), None)
             filled += cell is not None
-            row.append("missing" if cell is None else "%+.1f%% [%+.1f, %+.1f]%s" % (
+            row.append("missing" if cell is None else "%+.1f%% [%+.1f, %+.1f]%s%s" % (
                 cell["overhead_pct"], cell["ci95_pct"][0], cell["ci95_pct"][1],
-                "" if cell["significant"] else " n.s."))
+                "" if cell["significant"] else " n.s.", "" if cell.get("state") == "complete" else " partial"))
         lines.append("  %-8s %-28s %-28s" % ("TP=%s" % tp, row[0], row[1]))
     if filled < 4:
         lines.append("One cell alone is not a result: report all four (TP=1 and your real TP, cold and "
@@ -1728,13 +1740,8 @@ def cost_table_lines(doc: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
 def run_cost(cfg: Config, out: Out) -> int:
     adapter = cfg.adapter
     clients = {"off": cfg.client(cfg.url), "on": cfg.client(cfg.invariant_url)}
-    facts = {}
-    for arm, client in clients.items():
-        try:
-            facts[arm] = adapter.read_facts(client, cfg.model)
-        except ServerError as err:
-            out.stderr.write("run.py: cannot read the %s arm's facts at %s: %s\n" % (arm, client.base_url, err))
-            return EXIT_SERVER
+    facts = {"off": read_facts(cfg, cfg.url, "the flag-off arm (--url)"),
+             "on": read_facts(cfg, cfg.invariant_url, "the flag-on arm (--invariant)")}
     if facts["off"].get("flag") is True or facts["on"].get("flag") is False:
         raise UsageError("the arms are the wrong way round: --url reports the flag %s and --invariant "
                          "reports it %s" % (describe_flag(facts["off"], adapter), describe_flag(facts["on"], adapter)))
@@ -1755,74 +1762,93 @@ def run_cost(cfg: Config, out: Out) -> int:
     samples: Dict[str, List[float]] = {"off": [], "on": []}
     tokens: Dict[str, List[int]] = {"off": [], "on": []}
     short = []
-    state, code = "complete", EXIT_OK
-    with DeferredInterrupt(out) as interrupt:
-        try:
-            for w in range(cfg.warmup):
-                for arm in ("off", "on"):
-                    out.progress("warm-up %d/%d, %s arm" % (w + 1, cfg.warmup, arm))
+    cfg.existing = cfg.existing or {"schema": COST_SCHEMA, "cells": []}
+
+    def save_cell(state: str) -> Dict[str, Any]:
+        """The cell so far, written to --save after every trial pair so a crash loses none."""
+        cell = cost_cell(cfg, facts, tp, samples, tokens, hazards, state)
+        if cfg.save:
+            write_json_atomic(cfg.save, add_cell(cfg.existing, cell))
+        return cell
+
+    def measure(interrupt: DeferredInterrupt) -> None:
+        for w in range(cfg.warmup):
+            for arm in ("off", "on"):
+                out.progress("warm-up %d/%d, %s arm" % (w + 1, cfg.warmup, arm))
+                try:
+                    timed_trial(clients[arm], adapter, model, prompts(-1 - w), sampling)
+                except ServerError as err:
+                    out.warn("warm-up request failed on the %s arm (%s); retrying once, as only "
+                             "warm-up may" % (arm, err))
                     try:
                         timed_trial(clients[arm], adapter, model, prompts(-1 - w), sampling)
-                    except ServerError as err:
-                        out.warn("warm-up request failed on the %s arm (%s); retrying once, as only "
-                                 "warm-up may" % (arm, err))
-                        timed_trial(clients[arm], adapter, model, prompts(-1 - w), sampling)
-            for trial in range(cfg.trials):
-                order = ("off", "on") if trial % 2 == 0 else ("on", "off")  # A B B A A B ...
-                for arm in order:
-                    if interrupt.requested:
-                        raise KeyboardInterrupt
-                    out.progress("trial %d/%d, %s arm" % (trial + 1, cfg.trials, arm))
-                    try:
-                        seconds, count = timed_trial(clients[arm], adapter, model, prompts(trial), sampling)
-                    except ServerError as err:
-                        raise ServerError("trial %d, %s arm: %s" % (trial + 1, arm, err)) from None
-                    if count < cfg.batch * cfg.max_tokens:
-                        short.append((trial + 1, arm, count))
-                    samples[arm].append(seconds)
-                    tokens[arm].append(count)
-        except ServerError as err:
-            state, code = "stopped: server error", EXIT_SERVER
-            out.progress_done()
-            out.stderr.write("run.py: cost stopped at %s\n" % err)
-        except KeyboardInterrupt:
-            state, code = "interrupted", EXIT_INTERRUPTED
-            out.progress_done()
-            out.stderr.write("run.py: interrupted; showing what was measured\n")
+                    except ServerError as again:
+                        raise ServerError("warm-up %d, %s arm: %s" % (w + 1, arm, again)) from None
+        for trial in range(cfg.trials):
+            order = ("off", "on") if trial % 2 == 0 else ("on", "off")  # A B B A A B ...
+            for arm in order:
+                if interrupt.requested:
+                    raise KeyboardInterrupt
+                out.progress("trial %d/%d, %s arm" % (trial + 1, cfg.trials, arm))
+                try:
+                    seconds, count = timed_trial(clients[arm], adapter, model, prompts(trial), sampling)
+                except ServerError as err:
+                    raise ServerError("trial %d, %s arm: %s" % (trial + 1, arm, err)) from None
+                if count < cfg.batch * cfg.max_tokens:
+                    short.append((trial + 1, arm, count))
+                samples[arm].append(seconds)
+                tokens[arm].append(count)
+            save_cell("running")
+
+    state, code = measure_until_stopped(out, "cost", measure)
     out.progress_done()
     for trial, arm, got in short[:3]:
         out.warn("trial %d, %s arm: %d output tokens, not %d x %d (the server stopped early: is "
                  "ignore_eos honoured?)" % (trial, arm, got, cfg.batch, cfg.max_tokens))
-    pairs = min(len(samples["off"]), len(samples["on"]))
-    if pairs == 0:
+    if not samples["off"] or not samples["on"]:
         out.stderr.write("run.py: no complete trial pair; nothing to report\n")
         return code or EXIT_SERVER
+    cell = save_cell(state)
+    if cfg.json_out:
+        out.line(json.dumps(cell, indent=1))
+    else:
+        print_cost_report(cell, out)
+        if cfg.save:
+            out.line("")
+            for line in cost_table_lines(cfg.existing, cell):
+                out.line(line)
+    if cfg.save:
+        out.stderr.write("run.py: saved %s\n" % cfg.save)
+    return code
+
+
+def cost_cell(cfg: Config, facts: Dict[str, Any], tp: Any, samples: Dict[str, List[float]],
+              tokens: Dict[str, List[int]], hazards: List[Dict[str, Any]], state: str) -> Dict[str, Any]:
+    """One labelled cell of the 2x2 table, from the trials measured so far."""
+    pairs = min(len(samples["off"]), len(samples["on"]))
     cell = {"tp": tp, "workload": cfg.workload, "batch": cfg.batch, "max_tokens": cfg.max_tokens,
-            "trials": pairs, "warmup": cfg.warmup, "model": model, "engine": cfg.engine,
+            "trials": pairs, "warmup": cfg.warmup, "model": facts["off"]["model"], "engine": cfg.engine,
             "prefix_tokens": cfg.prefix_tokens if cfg.workload == "shared-prefix" else None,
-            "off": arm_stats(samples["off"][:pairs], tokens["off"][:pairs]),
-            "on": arm_stats(samples["on"][:pairs], tokens["on"][:pairs]),
+            "off": arm_stats(samples["off"], tokens["off"]),
+            "on": arm_stats(samples["on"], tokens["on"]),
             "servers": {"off": dict(facts["off"], url=cfg.url), "on": dict(facts["on"], url=cfg.invariant_url)},
             "differences": hazards, "state": state,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     cell.update(overhead_stats(samples["off"][:pairs], samples["on"][:pairs]))
     cell["ratios"] = [round(r, 6) for r in cell["ratios"]]
-    doc = None
-    if cfg.save:
-        doc = cfg.existing or {"schema": COST_SCHEMA, "cells": []}
-        doc["cells"] = [c for c in doc.get("cells", []) if cell_label(c) != cell_label(cell)] + [cell]
-        write_json_atomic(cfg.save, doc)
-    if cfg.json_out:
-        out.line(json.dumps(cell, indent=1))
-    else:
-        print_cost_report(cell, out)
-        if doc is not None:
-            out.line("")
-            for line in cost_table_lines(doc, cell):
-                out.line(line)
-    if cfg.save:
-        out.stderr.write("run.py: saved %s\n" % cfg.save)
-    return code
+    return cell
+
+
+def add_cell(doc: Dict[str, Any], cell: Dict[str, Any]) -> Dict[str, Any]:
+    """Put a cell in the cost file, replacing the one with the same label; an unfinished
+    run never replaces a finished cell (it is kept under "incomplete_cells" instead)."""
+    label = cell_label(cell)
+    doc.setdefault("cells", [])
+    finished = any(cell_label(c) == label and c.get("state") == "complete" for c in doc["cells"])
+    key = "incomplete_cells" if finished and cell["state"] != "complete" else "cells"
+    kept = [c for c in doc.get(key, []) if cell_label(c) != label]
+    doc[key] = kept + [cell]
+    return doc
 
 
 def print_cost_report(cell: Dict[str, Any], out: Out) -> None:
@@ -1855,10 +1881,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = Out()
     try:
         cfg = configure(argv)
-        return RUNNERS[cfg.mode](cfg, out)
+        code = RUNNERS[cfg.mode](cfg, out)
+        out.stdout.flush()  # a closed pipe shows up here, not in the interpreter's last flush
+        return code
     except UsageError as err:
         sys.stderr.write("run.py: %s\n" % err)
         return EXIT_USAGE
+    except ServerError as err:
+        sys.stderr.write("run.py: %s\n" % err)
+        return EXIT_SERVER
     except KeyboardInterrupt:
         sys.stderr.write("run.py: interrupted\n")
         return EXIT_INTERRUPTED

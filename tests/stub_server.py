@@ -187,7 +187,8 @@ def top_entries(logprobs: List[float], chosen: int, k: int) -> List[Tuple[int, f
 VLLM_GRAPH_SIZES = [1, 2, 4] + list(range(8, 129, 8))   # vLLM with --max-num-seqs 64
 SGLANG_GRAPH_SIZES = [1, 2, 4, 8, 12, 16, 24, 32]       # SGLang with --cuda-graph-max-bs-decode 32
 FAULTS = ("http500", "drop", "badjson", "nochoices", "fewer", "nulllogprobs", "ragged",
-          "clamp", "redirect", "huge")
+          "clamp", "redirect", "huge", "stall")
+STALL_SECONDS = 3.0             # how long the "stall" fault keeps a request waiting
 
 
 @dataclass
@@ -209,6 +210,8 @@ class StubConfig:
     float64: bool = False                    # send logprobs as float64 (a server that rounds)
     coverage_gap: bool = False               # flag on, but one kernel ignores it (an uncovered MoE)
     honour_ignore_eos: bool = True           # False: every completion stops at half length
+    max_logprobs: int = 20                   # vLLM's --max-logprobs
+    redirect_get_to: Optional[str] = None    # answer every GET with a redirect to this base URL
 
     def sizes(self) -> List[int]:
         if self.graph_sizes is not None:
@@ -275,9 +278,10 @@ def vllm_completions(config: StubConfig, body: Dict, rngs: Tuple[random.Random, 
     if not prompts or not all(isinstance(p, str) for p in prompts):
         raise BadRequest(400, "prompt must be a string or a list of strings", param="prompt")
     k = body.get("logprobs")
-    if k is not None and (not isinstance(k, int) or k > 20 or k < 0):
+    if k is not None and (not isinstance(k, int) or k > config.max_logprobs or k < 0):
         raise BadRequest(400, "Requested sample logprobs of %s, which is greater than max "
-                         "allowed: 20 (parameter=logprobs, value=%s)" % (k, k), param="logprobs")
+                         "allowed: %d (parameter=logprobs, value=%s)" % (k, config.max_logprobs, k),
+                         param="logprobs")
     max_tokens = int(body.get("max_tokens") or 16)
     temperature = float(body.get("temperature", 1.0))
     outs = run_batch(config, prompts, max_tokens, temperature, float(body.get("top_p", 1.0)),
@@ -459,6 +463,12 @@ class StubHandler(BaseHTTPRequestHandler):
     def do_GET(self):
         self.server.record(self)
         path = urlsplit(self.path).path
+        if self.config.redirect_get_to:
+            self.send_response(302)
+            self.send_header("Location", self.config.redirect_get_to + self.path)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         port = self.server.server_address[1]
         if path == "/health":
             return self.send_json(200, None, raw=b"")
@@ -490,6 +500,8 @@ class StubHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
             return
+        if fault == "stall":
+            time.sleep(STALL_SECONDS)
         if fault == "http500":
             return self.send_error_body(BadRequest(500, "EngineCore encountered an issue.",
                                                    "InternalServerError"))
