@@ -36,9 +36,12 @@ pipe closed (e.g. `| head`).
 from __future__ import annotations
 
 import argparse
+import array
+import bisect
 import ipaddress
 import json
 import math
+import operator
 import os
 import random
 import signal
@@ -201,24 +204,60 @@ def compare_completions(base: Completion, other: Completion) -> Delta:
     if diverged is None and len(base.tokens) != len(other.tokens):
         diverged = steps  # one ended early: its end is the divergence
     last = steps - 1 if diverged is None else min(diverged, steps - 1)
-    worst, first, units = 0, None, set()
+    # Every comparable pair of values, flattened: first the chosen tokens' logprobs of the
+    # steps before the divergence, then each step's shared top-k entries (ends[t] is where
+    # step t's entries end). Built with C-level extends, since a sweep compares thousands.
+    chosen = last + 1 if diverged is None else diverged
+    xs, ys = base.logprobs[:chosen], other.logprobs[:chosen]
+    ends: List[int] = []
     for t in range(last + 1):
-        pairs = []
-        if diverged is None or t < diverged:
-            pairs.append((base.logprobs[t], other.logprobs[t]))
         bt, ot = base.top_logprobs[t], other.top_logprobs[t]
-        pairs.extend((bt[k], ot[k]) for k in bt.keys() & ot.keys())
-        for a, b in pairs:
-            if a == b:
-                continue
-            ulps, unit = logprob_distance(a, b)
-            if first is None:
-                first = t
-            if unit != "float32":
-                units.add(unit)
-            if ulps is not None and ulps > worst:
-                worst = ulps
+        keys = bt if bt.keys() == ot.keys() else bt.keys() & ot.keys()
+        xs.extend(map(bt.__getitem__, keys))
+        ys.extend(map(ot.__getitem__, keys))
+        ends.append(len(xs))
+
+    def step_of(i: int) -> int:
+        return i if i < chosen else bisect.bisect_right(ends, i)
+
+    ulps = _negative_float32_ulps(xs, ys)
+    if ulps is not None:
+        worst = max(ulps, default=0)
+        if not worst:
+            return Delta(diverged, 0, None, ())
+        first_chosen = next((i for i in range(chosen) if ulps[i]), None)
+        first_top = next((step_of(i) for i in range(chosen, len(ulps)) if ulps[i]), None)
+        first = min(s for s in (first_chosen, first_top) if s is not None)
+        return Delta(diverged, worst, first, ())
+    worst, first, units = 0, None, set()
+    for i, (a, b) in enumerate(zip(xs, ys)):
+        if a == b:
+            continue
+        distance, unit = logprob_distance(a, b)
+        first = step_of(i) if first is None else min(first, step_of(i))
+        if unit != "float32":
+            units.add(unit)
+        if distance is not None and distance > worst:
+            worst = distance
     return Delta(diverged, worst, first, tuple(sorted(units)))
+
+
+def _negative_float32_ulps(xs: List[float], ys: List[float]) -> Optional[List[int]]:
+    """ULPs of each pair, computed in C, for the common case: every value a finite float32
+    at or below zero (then the bit patterns order like the values and a plain difference
+    counts ULPs).
+    None when any value falls outside that case; the caller then goes pair by pair."""
+    if not xs or max(xs) > 0.0 or max(ys) > 0.0:
+        return None
+    if 0.0 in xs or 0.0 in ys:  # a certain token: write +0.0 as -0.0, so every sign bit is set
+        xs, ys = [v or -0.0 for v in xs], [v or -0.0 for v in ys]
+    if VLLM_LOGPROB_CLAMP in xs or VLLM_LOGPROB_CLAMP in ys or -math.inf in xs or -math.inf in ys:
+        return None
+    fx, fy = array.array("f", xs), array.array("f", ys)
+    if fx.tolist() != xs or fy.tolist() != ys:  # not float32 values, or NaN
+        return None
+    bx, by = array.array("i", fx.tobytes()), array.array("i", fy.tobytes())
+    return list(map(abs, map(operator.sub, bx, by)))
 
 
 def count_unique(texts: Sequence[str]) -> int:

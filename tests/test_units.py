@@ -92,12 +92,60 @@ class CompareCompletions(unittest.TestCase):
         self.assertEqual(d.first_token_divergence, 2)
         self.assertEqual(d.max_ulp, 0)
 
+    def test_zero_logprobs_and_signed_zeros(self):
+        tiny = struct.unpack("<f", struct.pack("<I", 1))[0]
+        base = comp("ab", [0.0, -1.5], [{}, {}])
+        self.assertEqual(run.compare_completions(base, comp("ab", [-0.0, -1.5], [{}, {}])).max_ulp, 0)
+        d = run.compare_completions(base, comp("ab", [-tiny, -1.5], [{}, {}]))
+        self.assertEqual((d.max_ulp, d.first_ulp_step), (1, 0))
+        d = run.compare_completions(base, comp("ab", [tiny, -1.5], [{}, {}]))  # a positive one: slow path
+        self.assertEqual((d.max_ulp, d.first_ulp_step), (1, 0))
+
     def test_clamped_value_is_flagged(self):
         other = comp("abcd", [-9999.0] + self.lp[1:], self.base.top_logprobs)
         d = run.compare_completions(self.base, other)
         self.assertIn("clamped", d.units)
         self.assertEqual(d.first_ulp_step, 0)
         self.assertEqual(run.verdict(1, 0, False, unmeasured=True), "logprobs moved but tokens held")
+
+
+class FastPathAgreesWithThePairByPairRule(unittest.TestCase):
+    """compare_completions counts most ULPs in bulk; it must agree with ulp_distance pair by pair."""
+
+    def random_completion(self, rng, steps, shift=0, zero_at=None):
+        lps, tops = [], []
+        for t in range(steps):
+            vals = sorted((-rng.uniform(0.0, 6.0) for _ in range(4)), reverse=True)
+            vals = [struct.unpack("<f", struct.pack("<f", v))[0] for v in vals]
+            if t == zero_at:
+                vals[0] = 0.0
+            vals = [v if shift == 0 or v == 0.0 else -next_f32(-v, rng.randrange(shift + 1)) for v in vals]
+            lps.append(vals[0])
+            tops.append({"t%d" % k: v for k, v in enumerate(vals)})
+        return comp(["x"] * steps, lps, tops, text="x")
+
+    def slow(self, base, other):
+        worst, first = 0, None
+        for t in range(len(base.tokens)):
+            pairs = [(base.logprobs[t], other.logprobs[t])] + [
+                (base.top_logprobs[t][k], other.top_logprobs[t][k]) for k in base.top_logprobs[t]]
+            for a, b in pairs:
+                d = ulps32(a, b)
+                worst = max(worst, d)
+                if d and first is None:
+                    first = t
+        return worst, first
+
+    def test_random_completions(self):
+        import random
+        rng = random.Random(3)
+        for trial in range(200):
+            steps = rng.randrange(1, 12)
+            zero_at = rng.choice([None, 0, steps - 1])
+            base = self.random_completion(random.Random(trial), steps, 0, zero_at)
+            other = self.random_completion(random.Random(trial), steps, rng.choice([0, 1, 3, 40]), zero_at)
+            d = run.compare_completions(base, other)
+            self.assertEqual((d.max_ulp, d.first_ulp_step), self.slow(base, other), trial)
 
 
 class LaddersAndBuckets(unittest.TestCase):

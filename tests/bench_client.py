@@ -1,0 +1,180 @@
+"""Benchmark: what run.py's sweep costs on the client, next to the least a client must do.
+
+A server in another process answers instantly with large prerecorded vLLM answers: batch
+sizes 1, 64, 128 and 256, 128 tokens each, top-5 logprobs, the logprobs a few float32 ULPs
+apart between sizes (as with the flag off). Two clients fetch exactly the same bytes:
+
+  lab   python3 run.py --mode sweep ... (parse, compare every completion, print the table)
+  bare  urllib + json.loads, nothing else
+
+Each runs in a fresh process; the figures are its CPU time for the work (best of --repeat)
+and its peak resident memory. Targets: lab/bare CPU ratio at most 1.5, peak under 300 MB.
+
+    python3 tests/bench_client.py [--repeat 3] [--distinct]
+
+Not collected by the test suite (its name does not start with test_); it prints figures
+and asserts nothing about time.
+"""
+
+import argparse
+import json
+import os
+import random
+import resource
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SIZES = [1, 64, 128, 256]
+TOKENS = 128
+TOP_K = 5
+MODEL = "bench/model"
+_F32 = struct.Struct("<f")
+_U32 = struct.Struct("<I")
+
+
+def nudge(x, ulps):
+    """x moved by `ulps` float32 steps (x a negative float32)."""
+    bits = _U32.unpack(_F32.pack(x))[0] + ulps
+    return _F32.unpack(_U32.pack(bits))[0]
+
+
+def answer_for(batch_size, distinct=False):
+    """A vLLM /v1/completions answer, logprobs shifted by size; with distinct, every choice
+    of the batch is shifted again by its index (the worst case: no two copies alike)."""
+    shift = {1: 0, 64: 2, 128: 3, 256: 5}[batch_size]
+    choices = [choice_for(shift + (i % 4 if distinct else 0), i) for i in range(batch_size)]
+    return json.dumps({"id": "cmpl-bench", "object": "text_completion", "created": 0, "model": MODEL,
+                       "choices": choices, "usage": {"prompt_tokens": batch_size, "completion_tokens":
+                                                     batch_size * TOKENS, "total_tokens": 0}}).encode()
+
+
+def choice_for(shift, index):
+    rng = random.Random(7)
+    steps = []
+    for _ in range(TOKENS):
+        ids = rng.sample(range(150000), TOP_K)
+        lps = sorted((_F32.unpack(_F32.pack(-rng.uniform(0.01, 9.0)))[0] for _ in ids), reverse=True)
+        steps.append([("token_id:%d" % i, nudge(lp, shift)) for i, lp in zip(ids, lps)])
+    return {
+        "index": index,
+        "text": "".join(" w%s" % tok[0][0][9:] for tok in steps),
+        "logprobs": {
+            "text_offset": list(range(0, 13 * TOKENS, 13)),
+            "token_logprobs": [s[0][1] for s in steps],
+            "tokens": [s[0][0] for s in steps],
+            "top_logprobs": [dict(s) for s in steps],
+        },
+        "finish_reason": "length", "stop_reason": None, "token_ids": None,
+        "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None,
+    }
+
+
+def serve(port_file, distinct):
+    answers = {n: answer_for(n, distinct) for n in SIZES}
+    info = {"/version": b'{"version": "0.26.0"}',
+            "/v1/models": json.dumps({"data": [{"id": MODEL, "max_model_len": 4096}]}).encode()}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def reply(self, status, data):
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self.reply(200, info[self.path]) if self.path in info else self.reply(404, b"{}")
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self.reply(200, answers[len(body["prompt"])])
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    with open(port_file, "w") as f:
+        f.write(str(httpd.server_address[1]))
+    httpd.serve_forever()
+
+
+def worker(kind, url):
+    """Do the work once in this process; print CPU seconds and peak memory as JSON."""
+    sys.path.insert(0, ROOT)
+    import run  # noqa: E402  (imported before timing, as a user's process would have it)
+    start = time.process_time()
+    if kind == "lab":
+        with open(os.devnull, "w") as devnull:
+            saved, sys.stdout = sys.stdout, devnull
+            try:
+                code = run.main(["--mode", "sweep", "--url", url, "--sizes", ",".join(map(str, SIZES)),
+                                 "--max-tokens", str(TOKENS), "--logprobs", str(TOP_K)])
+            finally:
+                sys.stdout = saved
+        assert code == 0, code
+    else:
+        for n in SIZES:
+            body = json.dumps({"model": MODEL, "prompt": [run.DEFAULT_PROMPT] * n, "max_tokens": TOKENS,
+                               "temperature": 0.0, "top_p": 1.0, "logprobs": TOP_K,
+                               "return_tokens_as_token_ids": True}).encode()
+            req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req) as resp:
+                json.loads(resp.read())
+    cpu = time.process_time() - start
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    print(json.dumps({"cpu_s": cpu, "peak_mb": peak_mb}))
+
+
+def measure(kind, url, repeat):
+    runs = []
+    for _ in range(repeat):
+        out = subprocess.run([sys.executable, __file__, "--worker", kind, url], capture_output=True,
+                             text=True, check=True)
+        runs.append(json.loads(out.stdout))
+    return min(r["cpu_s"] for r in runs), max(r["peak_mb"] for r in runs)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--distinct", action="store_true", help="no two completions of a batch alike")
+    p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--serve", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.serve:
+        return serve(args.serve, args.distinct)
+    if args.worker:
+        return worker(*args.worker)
+    port_file = os.path.join(os.environ.get("TMPDIR", "/tmp"), "bench-client-%d.port" % os.getpid())
+    server = subprocess.Popen([sys.executable, __file__, "--serve", port_file] +
+                              (["--distinct"] if args.distinct else []))
+    try:
+        while not os.path.exists(port_file) or not open(port_file).read():
+            time.sleep(0.05)
+        url = "http://127.0.0.1:%s" % open(port_file).read()
+        sizes = {n: len(answer_for(n, args.distinct)) for n in SIZES}
+        print("answers: %s bytes for batch sizes %s (%d tokens, top-%d, %s)" % (
+            "/".join("%.1fM" % (b / 1e6) for b in sizes.values()), ",".join(map(str, SIZES)), TOKENS, TOP_K,
+            "every completion different" if args.distinct else "copies in a batch alike"))
+        lab_cpu, lab_peak = measure("lab", url, args.repeat)
+        bare_cpu, bare_peak = measure("bare", url, args.repeat)
+        print("bare urllib + json.loads: CPU %.3f s, peak %.0f MB" % (bare_cpu, bare_peak))
+        print("run.py --mode sweep:      CPU %.3f s, peak %.0f MB" % (lab_cpu, lab_peak))
+        print("ratio lab/bare: %.2f (target <= 1.5); peak %s 300 MB" % (
+            lab_cpu / bare_cpu, "under" if lab_peak < 300 else "OVER"))
+    finally:
+        server.terminate()
+        server.wait()
+        if os.path.exists(port_file):
+            os.unlink(port_file)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
