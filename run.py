@@ -1055,12 +1055,23 @@ def write_json_atomic(path: str, doc: Dict[str, Any]) -> None:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=1)
             f.write("\n")
+        os.chmod(tmp, _file_mode(path))
         os.replace(tmp, path)
     except OSError as err:
         raise UsageError("--save: cannot write %s (%s)" % (path, err.strerror)) from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _file_mode(path: str) -> int:
+    """The mode the file would have had if written in place: its own, or 0666 less the umask."""
+    try:
+        return os.stat(path).st_mode & 0o777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 class DeferredInterrupt:

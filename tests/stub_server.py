@@ -211,6 +211,7 @@ class StubConfig:
     coverage_gap: bool = False               # flag on, but one kernel ignores it (an uncovered MoE)
     honour_ignore_eos: bool = True           # False: every completion stops at half length
     max_logprobs: int = 20                   # vLLM's --max-logprobs
+    tp_size: int = 1                         # the TP degree reported (nothing is sharded)
     redirect_get_to: Optional[str] = None    # answer every GET with a redirect to this base URL
 
     def sizes(self) -> List[int]:
@@ -346,6 +347,7 @@ def vllm_server_info(config: StubConfig) -> Dict:
     vc["compilation_config"]["cudagraph_capture_sizes"] = config.sizes()
     vc["compilation_config"]["max_cudagraph_capture_size"] = max(config.sizes())
     vc["parallel_config"]["disable_custom_all_reduce"] = config.invariant
+    vc["parallel_config"]["tensor_parallel_size"] = config.tp_size
     vc["instance_id"] = str(random.getrandbits(60))
     info["vllm_env"]["VLLM_BATCH_INVARIANT"] = config.invariant
     info["vllm_env"]["VLLM_TEST_FORCE_LOAD_FORMAT"] = None
@@ -419,7 +421,7 @@ def sglang_server_info(config: StubConfig, port: int) -> Dict:
         "model_path": config.model, "tokenizer_path": config.model, "served_model_name": config.model,
         "host": config.host, "port": port, "dtype": "bfloat16", "kv_cache_dtype": "auto",
         "quantization": None, "load_format": "stub", "context_length": 2048,
-        "tp_size": 1, "pp_size": 1, "dp_size": 1, "attention_backend": config.backend(),
+        "tp_size": config.tp_size, "pp_size": 1, "dp_size": 1, "attention_backend": config.backend(),
         "sampling_backend": "pytorch" if config.invariant else "flashinfer",
         "enable_deterministic_inference": config.invariant, "disable_radix_cache": False,
         "chunked_prefill_size": 8192, "max_prefill_tokens": 16384,
@@ -655,6 +657,7 @@ def main(argv=None) -> int:
     p.add_argument("--step-delay", type=float, default=0.0, help="seconds per decode step")
     p.add_argument("--slowdown", type=float, default=1.0, help="delay factor with --invariant")
     p.add_argument("--jitter", type=float, default=0.0, help="+- share of the delay, seeded")
+    p.add_argument("--tp-size", type=int, default=1, help="TP degree to report")
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling and of the jitter")
     p.add_argument("--fault", action="append", default=[], metavar="K=KIND")
     args = p.parse_args(argv)
@@ -664,7 +667,7 @@ def main(argv=None) -> int:
         graph_sizes=[int(s) for s in args.graph_sizes.split(",")] if args.graph_sizes else None,
         max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
         dev_mode=not args.no_dev_mode, step_delay=args.step_delay, slowdown=args.slowdown,
-        jitter=args.jitter, seed=args.seed,
+        jitter=args.jitter, seed=args.seed, tp_size=args.tp_size,
         faults=parse_faults(args.fault))
     server = StubHTTPServer(config)
     print("stub %s server (flag %s) on http://%s:%d" % (

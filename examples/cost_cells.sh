@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The four cost cells: TP=1 and TP=k, each on a cold and a shared-prefix workload.
+# One cell alone is not a result; this fills the 2x2 table in cost.json.
+#
+#   1. Start both arms at TP=1 (e.g. TP=1 examples/vllm_flag_off.sh and
+#      TP=1 PORT=8001 examples/vllm_flag_on.sh), then:   examples/cost_cells.sh 1
+#   2. Restart both arms at your real TP degree k, then: examples/cost_cells.sh k
+#   3. python3 examples/plot_cost.py cost.json -o cost.png
+#
+# For SGLang: ENGINE=sglang OFF=http://localhost:30000 ON=http://localhost:30001 examples/cost_cells.sh 1
+set -euo pipefail
+TP=${1:?usage: examples/cost_cells.sh TP   (the TP degree both arms were started with)}
+ENGINE=${ENGINE:-vllm}                     # vllm or sglang
+OFF=${OFF:-http://localhost:8000}          # the flag-off arm
+ON=${ON:-http://localhost:8001}            # the flag-on arm
+SAVE=${SAVE:-cost.json}                    # the cells accumulate here, one per TP x workload
+HERE=$(cd "$(dirname "$0")" && pwd)
+
+for WORKLOAD in cold shared-prefix; do
+    # --batch 32 --trials 20: the seed's cell; --tp labels the cell if the server does not report it.
+    python3 "$HERE/../run.py" --mode cost --engine "$ENGINE" --url "$OFF" --invariant "$ON" \
+        --batch 32 --trials 20 --workload "$WORKLOAD" --tp "$TP" --save "$SAVE"
+done

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Plot a cost file (run.py --mode cost --save FILE) as the 2x2 overhead table.
+
+    python3 examples/plot_cost.py cost.json -o cost.png
+
+One group of bars per TP degree (TP=1 and every other degree in the file), one bar per
+workload (cold, shared-prefix): the flag's overhead in percent with its 95% interval.
+A missing cell is drawn as an empty slot labelled "missing", because one cell alone is
+not a result. With several models, batches or lengths in the file, --model, --batch and
+--max-tokens pick one (default: those of the newest cell).
+
+Needs matplotlib (pip install matplotlib); run.py itself does not.
+"""
+
+import argparse
+import json
+import sys
+
+COST_SCHEMA = "batch-invariance-lab/cost/1"
+WORKLOADS = ("cold", "shared-prefix")
+
+
+def load(path):
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    if doc.get("schema") != COST_SCHEMA:
+        raise ValueError("%s is not a cost file (schema %r)" % (path, doc.get("schema")))
+    if not doc.get("cells"):
+        raise ValueError("%s holds no cell yet" % path)
+    return doc
+
+
+def select(doc, model=None, batch=None, max_tokens=None):
+    newest = max(doc["cells"], key=lambda c: c.get("created", ""))
+    key = (model or newest["model"], batch or newest["batch"], max_tokens or newest["max_tokens"])
+    cells = [c for c in doc["cells"] if (c["model"], c["batch"], c["max_tokens"]) == key]
+    return key, cells
+
+
+def plot(path, out, model=None, batch=None, max_tokens=None):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    (model, batch, max_tokens), cells = select(load(path), model, batch, max_tokens)
+    others = sorted({c["tp"] for c in cells if c["tp"] != 1}, key=str)
+    tps = [1] + (others or ["k"])
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    width = 0.36
+    for w, workload in enumerate(WORKLOADS):
+        for t, tp in enumerate(tps):
+            x = t + (w - 0.5) * width
+            cell = next((c for c in cells if c["tp"] == tp and c["workload"] == workload), None)
+            if cell is None:
+                ax.bar(x, 0, width, color="none", edgecolor="0.6", ls="--")
+                ax.text(x, 0.5, "missing", ha="center", va="bottom", fontsize=8, color="0.4", rotation=90)
+                continue
+            lo, hi = cell["ci95_pct"]
+            value = cell["overhead_pct"]
+            ax.bar(x, value, width, color="C%d" % w, alpha=0.85 if cell["significant"] else 0.35)
+            ax.errorbar(x, value, yerr=[[value - lo], [hi - value]], color="k", capsize=4, lw=1)
+            ax.text(x, max(hi, 0) + 0.5, "%+.1f%%%s" % (value, "" if cell["significant"] else "\nn.s."),
+                    ha="center", va="bottom", fontsize=8)
+    ax.axhline(0, color="0.3", lw=0.8)
+    ax.set_xticks(range(len(tps)))
+    ax.set_xticklabels(["TP=%s" % tp for tp in tps])
+    ax.set_ylabel("overhead of the flag (%), 95% interval")
+    ax.set_title("Cost of batch invariance: %s, batch %d, %d tokens" % (model, batch, max_tokens), fontsize=10)
+    handles = [Patch(color="C%d" % w, label=workload) for w, workload in enumerate(WORKLOADS)]
+    handles.append(Patch(color="0.7", alpha=0.35, label="pale: not significant"))
+    ax.legend(handles=handles, fontsize=8, title="workload", title_fontsize=8, loc="upper left")
+    ax.margins(y=0.25)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Plot a cost file as the 2x2 overhead table.")
+    p.add_argument("file", help="a cost file written by run.py --mode cost --save")
+    p.add_argument("-o", "--output", required=True, help="the PNG to write")
+    p.add_argument("--model")
+    p.add_argument("--batch", type=int)
+    p.add_argument("--max-tokens", type=int)
+    args = p.parse_args(argv)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        sys.stderr.write("plot_cost.py: needs matplotlib: pip install matplotlib\n")
+        return 2
+    try:
+        plot(args.file, args.output, args.model, args.batch, args.max_tokens)
+    except (OSError, ValueError, KeyError) as err:
+        sys.stderr.write("plot_cost.py: %s\n" % err)
+        return 2
+    print("wrote %s" % args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

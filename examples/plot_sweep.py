@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Plot one or more sweep files (run.py --mode sweep --save FILE) into one PNG.
+
+    python3 examples/plot_sweep.py off.json on.json -o sweep.png
+
+Top: the largest float32 ULP distance from batch 1's logprobs, per batch size, on a log
+scale; a size whose logprobs matched bit for bit is drawn on the bottom line as an open
+marker labelled 0. Bottom: the first step whose token differed from batch 1's ("held"
+when none did). The CUDA-graph buckets reported by the first file's server are shaded:
+sizes in one band pad to the same graph; past the last band there is no graph.
+
+Needs matplotlib (pip install matplotlib); run.py itself does not.
+"""
+
+import argparse
+import json
+import sys
+
+SWEEP_SCHEMA = "batch-invariance-lab/sweep/1"
+ZERO_LINE = 0.5    # where "0 ULP" is drawn on the log axis
+
+
+def load(path):
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    if doc.get("schema") != SWEEP_SCHEMA:
+        raise ValueError("%s is not a sweep file (schema %r)" % (path, doc.get("schema")))
+    return doc
+
+
+def label(doc, path):
+    server = doc.get("server") or {}
+    flag = {True: "flag on", False: "flag off"}.get(server.get("flag"), "flag unknown")
+    return "%s %s, %s, %s (%s)" % (doc.get("engine"), server.get("version") or "?", doc.get("model"), flag, path)
+
+
+def per_size(doc):
+    """(batch size, max ULP, first token divergence) over every prompt of the file."""
+    rows = {}
+    for prompt in doc["prompts"]:
+        for s in prompt["sizes"]:
+            ulp, div = rows.get(s["batch_size"], (0, None))
+            d = s["first_token_divergence"]
+            rows[s["batch_size"]] = (max(ulp, s["max_ulp"]),
+                                     d if div is None else (div if d is None else min(div, d)))
+    return sorted((n, u, d) for n, (u, d) in rows.items())
+
+
+def shade_buckets(ax, graph_sizes, top):
+    previous = 0
+    for i, b in enumerate(sorted(graph_sizes or [])):
+        if b > top:
+            break
+        ax.axvspan(previous + 0.5, b + 0.5, color="0.9" if i % 2 else "0.82", zorder=0, lw=0)
+        previous = b
+
+
+def plot(paths, out):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    docs = [load(p) for p in paths]
+    fig, (ax_ulp, ax_div) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True,
+                                         gridspec_kw={"height_ratios": [3, 2]})
+    top = max(n for doc in docs for n, _, _ in per_size(doc))
+    for ax in (ax_ulp, ax_div):
+        shade_buckets(ax, (docs[0].get("server") or {}).get("graph_sizes"), top)
+    max_tokens = max(doc["params"]["max_tokens"] for doc in docs)
+    for i, (doc, path) in enumerate(zip(docs, paths)):
+        # Files side by side within a size, so one file's markers never hide another's.
+        rows = [(n + 0.22 * (i - (len(docs) - 1) / 2.0), u, d) for n, u, d in per_size(doc)]
+        colour = "C%d" % i
+        sizes = [n for n, _, _ in rows]
+        ulps = [u if u > 0 else ZERO_LINE for _, u, _ in rows]
+        ax_ulp.plot(sizes, ulps, "-", color=colour, alpha=0.5)
+        ax_ulp.plot([n for n, u, _ in rows if u > 0], [u for _, u, _ in rows if u > 0], "o", color=colour,
+                    label=label(doc, path))
+        ax_ulp.plot([n for n, u, _ in rows if u == 0], [ZERO_LINE] * sum(1 for _, u, _ in rows if u == 0),
+                    "o", mfc="white", color=colour)
+        held = [n for n, _, d in rows if d is None]
+        ax_div.plot([n for n, _, d in rows if d is not None], [d for _, _, d in rows if d is not None],
+                    "s", color=colour)
+        ax_div.plot(held, [max_tokens] * len(held), "s", mfc="white", color=colour)
+    ax_ulp.set_yscale("log", base=2)
+    ax_ulp.yaxis.set_major_formatter(FuncFormatter(lambda v, _: "0" if v == ZERO_LINE else "%g" % v))
+    ax_ulp.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    ax_ulp.axhline(ZERO_LINE, color="0.5", lw=0.6, ls=":")
+    ax_ulp.text(0.6, ZERO_LINE * 1.1, "bit-identical", fontsize=8, color="0.35")
+    ax_ulp.set_ylabel("max ULP vs batch 1 (float32)")
+    ax_ulp.set_title("Batch invariance sweep: logprob distance and token divergence per batch size")
+    ax_ulp.set_ylim(ZERO_LINE / 1.5, max([2.0] + [u for doc in docs for _, u, _ in per_size(doc)]) * 2.5)
+    ax_ulp.legend(fontsize=8, loc="upper right")
+    ax_div.set_ylim(-2, max_tokens + 4)
+    ax_div.text(0.6, max_tokens - 6, "open: every token held", fontsize=8, color="0.35")
+    ax_div.set_ylabel("first token divergence (step)")
+    ax_div.set_xlabel("batch size (shaded: CUDA-graph buckets of %s)" % label(docs[0], paths[0]).split(" (")[0])
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Plot sweep files into one PNG.")
+    p.add_argument("files", nargs="+", help="sweep files written by run.py --mode sweep --save")
+    p.add_argument("-o", "--output", required=True, help="the PNG to write")
+    args = p.parse_args(argv)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        sys.stderr.write("plot_sweep.py: needs matplotlib: pip install matplotlib\n")
+        return 2
+    try:
+        plot(args.files, args.output)
+    except (OSError, ValueError, KeyError) as err:
+        sys.stderr.write("plot_sweep.py: %s\n" % err)
+        return 2
+    print("wrote %s" % args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
