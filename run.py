@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Batch-invariance lab: does your vLLM or SGLang server give the same answer for the
 same prompt whatever else shares its batch, and what does it cost to make it so?
 
@@ -533,7 +534,7 @@ class VllmAdapter:
         ("KV-cache dtype", ("vllm_config", "cache_config", "cache_dtype")),
         ("CUDA-graph mode", ("vllm_config", "compilation_config", "cudagraph_mode")),
         ("CUDA-graph sizes", ("vllm_config", "compilation_config", "cudagraph_capture_sizes")),
-        ("sampling backend", ("vllm_env", "VLLM_USE_FLASHINFER_SAMPLER")),
+        ("FlashInfer sampler", ("vllm_env", "VLLM_USE_FLASHINFER_SAMPLER")),
     ]
     # With the flag on, vLLM turns prefix caching off for these backends itself.
     FLAG_DISABLES_PREFIX_CACHE = ("FlashInferBackend", "TritonMLABackend")

@@ -8,7 +8,10 @@ STUB="python3 tests/stub_server.py"
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
 start() { $STUB "$@" >/dev/null & pids+=($!); }
-wait_for() { for _ in $(seq 50); do curl -sf "$1/version" >/dev/null && return; sleep 0.1; done; }
+wait_for() { python3 -c "import sys, time, urllib.request as u
+for _ in range(50):
+    try: u.urlopen(sys.argv[1] + '/version', timeout=1); break
+    except OSError: time.sleep(0.1)" "$1"; }
 
 # Sweeps: the default ladder, flag off and flag on.
 start --port 18100

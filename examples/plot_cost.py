@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Plot a cost file (run.py --mode cost --save FILE) as the 2x2 overhead table.
 
     python3 examples/plot_cost.py cost.json -o cost.png

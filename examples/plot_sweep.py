@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Plot one or more sweep files (run.py --mode sweep --save FILE) into one PNG.
 
     python3 examples/plot_sweep.py off.json on.json -o sweep.png

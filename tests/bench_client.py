@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Benchmark: what run.py's sweep costs on the client, next to the least a client must do.
 
 A server in another process answers instantly with large prerecorded vLLM answers: batch

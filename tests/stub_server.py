@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A practice engine for the batch-invariance lab: vLLM's or SGLang's wire format, no GPU.
 
 It serves a tiny "model" whose logits are sums of float32 terms. With the flag off,
