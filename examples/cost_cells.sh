@@ -2,8 +2,8 @@
 # The four cost cells: TP=1 and TP=k, each on a cold and a shared-prefix workload.
 # One cell alone is not a result; this fills the 2x2 table in cost.json.
 #
-#   1. Start both arms at TP=1 (e.g. TP=1 examples/vllm_flag_off.sh and
-#      TP=1 PORT=8001 examples/vllm_flag_on.sh), then:   examples/cost_cells.sh 1
+#   1. Start both arms at TP=1 (e.g. TP=1 examples/vllm_serve.sh off and
+#      TP=1 examples/vllm_serve.sh on), then:     examples/cost_cells.sh 1
 #   2. Restart both arms at your real TP degree k, then: examples/cost_cells.sh k
 #   3. python3 examples/plot_cost.py cost.json -o cost.png
 #

@@ -18,9 +18,8 @@ try:
 except ImportError:
     HAVE_MATPLOTLIB = False
 
-# Flags and variables the engines document (the lab's FACTS sheet), per launch script family.
+# Flags the engines document (the lab's facts sheet), per launch script.
 VLLM_FLAGS = {"--port", "--attention-backend", "--max-num-seqs", "--max-model-len", "--tensor-parallel-size"}
-VLLM_ENV = {"VLLM_BATCH_INVARIANT", "VLLM_SERVER_DEV_MODE"}
 VLLM_BACKENDS = {"FLASH_ATTN", "FLEX_ATTENTION", "TRITON_ATTN", "FLASH_ATTN_MLA", "TRITON_MLA"}
 SGLANG_FLAGS = {"--model-path", "--port", "--attention-backend", "--cuda-graph-max-bs-decode",
                 "--tp-size", "--enable-deterministic-inference"}
@@ -32,41 +31,67 @@ def read(name):
         return f.read()
 
 
-def command_flags(script):
-    """Flags on the exec'd command (comments stripped)."""
-    command = script[script.index("\nexec "):].replace("python3 -m sglang.launch_server", "")
-    return set(re.findall(r"(?<![\w-])(--?[a-z][a-z0-9-]*)", command))
+def launch(script, arm, tmp):
+    """Run a launch script with stand-ins for `vllm` and `sglang.launch_server` that print
+    the arguments and flag variables they were started with, instead of serving."""
+    bin_dir = os.path.join(tmp, "bin")
+    pkg = os.path.join(tmp, "py", "sglang")
+    os.makedirs(bin_dir, exist_ok=True)
+    os.makedirs(pkg, exist_ok=True)
+    echo = ("import json, os, sys\nprint(json.dumps({'argv': sys.argv[1:], 'env': {k: os.environ.get(k) "
+            "for k in ('VLLM_BATCH_INVARIANT', 'VLLM_SERVER_DEV_MODE')}}))\n")
+    with open(os.path.join(bin_dir, "vllm"), "w") as f:
+        f.write("#!%s\n%s" % (sys.executable, echo))
+    os.chmod(os.path.join(bin_dir, "vllm"), 0o755)
+    open(os.path.join(pkg, "__init__.py"), "w").close()
+    with open(os.path.join(pkg, "launch_server.py"), "w") as f:
+        f.write(echo)
+    env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"], PYTHONPATH=os.path.join(tmp, "py"))
+    env.pop("VLLM_BATCH_INVARIANT", None)
+    p = subprocess.run(["bash", os.path.join(EXAMPLES, script), arm], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert p.returncode == 0, p.stderr
+    import json
+    return json.loads(p.stdout)
 
 
-def default(script, var):
-    return re.search(r"^%s=\$\{%s:-([^}]*)\}" % (var, var), script, re.M).group(1)
+def flags(argv):
+    return {a for a in argv if a.startswith("-")}
+
+
+def value(argv, flag):
+    return argv[argv.index(flag) + 1]
 
 
 class LaunchScripts(unittest.TestCase):
-    def test_vllm_arms(self):
-        off, on = read("vllm_flag_off.sh"), read("vllm_flag_on.sh")
-        for script in (off, on):
-            self.assertEqual(command_flags(script), VLLM_FLAGS)
-            self.assertIn("export VLLM_SERVER_DEV_MODE=1", script)
-            self.assertIn(default(script, "BACKEND"), VLLM_BACKENDS)
-            self.assertTrue(set(re.findall(r"export (\w+)=", script)) <= VLLM_ENV)
-        self.assertIn("export VLLM_BATCH_INVARIANT=0", off)
-        self.assertIn("export VLLM_BATCH_INVARIANT=1", on)
-        self.assertEqual(default(off, "BACKEND"), default(on, "BACKEND"))  # pinned alike
-        self.assertEqual(default(off, "MODEL"), default(on, "MODEL"))
-        self.assertEqual(off[off.index("\nexec "):], on[on.index("\nexec "):])  # only the flag differs
+    def test_vllm_arms_differ_in_the_flag_only(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            off, on = launch("vllm_serve.sh", "off", tmp), launch("vllm_serve.sh", "on", tmp)
+        self.assertEqual(off["argv"][0], "serve")
+        self.assertEqual(flags(off["argv"]), VLLM_FLAGS)
+        self.assertEqual((off["env"]["VLLM_BATCH_INVARIANT"], on["env"]["VLLM_BATCH_INVARIANT"]), ("0", "1"))
+        self.assertEqual(off["env"]["VLLM_SERVER_DEV_MODE"], "1")
+        self.assertIn(value(off["argv"], "--attention-backend"), VLLM_BACKENDS)
+        self.assertEqual((value(off["argv"], "--port"), value(on["argv"], "--port")), ("8000", "8001"))
+        strip = lambda argv: [a for a in argv if a not in ("8000", "8001")]
+        self.assertEqual(strip(off["argv"]), strip(on["argv"]))
+        self.assertEqual(value(off["argv"], "--max-num-seqs"), "32")
 
-    def test_sglang_arms(self):
-        off, on = read("sglang_flag_off.sh"), read("sglang_flag_on.sh")
-        self.assertEqual(command_flags(off), SGLANG_FLAGS - {"--enable-deterministic-inference"})
-        self.assertEqual(command_flags(on), SGLANG_FLAGS)
-        for script in (off, on):
-            self.assertIn("--cuda-graph-max-bs-decode 32", script)
-            self.assertIn(default(script, "BACKEND"), SGLANG_BACKENDS)
-        self.assertEqual(default(off, "BACKEND"), default(on, "BACKEND"))
-        command_off = off[off.index("\nexec "):]
-        command_on = on[on.index("\nexec "):].replace(" \\\n    --enable-deterministic-inference", "")
-        self.assertEqual(command_off, command_on)
+    def test_sglang_arms_differ_in_the_flag_only(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            off, on = launch("sglang_serve.sh", "off", tmp), launch("sglang_serve.sh", "on", tmp)
+        self.assertEqual(flags(off["argv"]), SGLANG_FLAGS - {"--enable-deterministic-inference"})
+        self.assertEqual(flags(on["argv"]), SGLANG_FLAGS)
+        self.assertEqual(value(off["argv"], "--cuda-graph-max-bs-decode"), "32")
+        self.assertIn(value(off["argv"], "--attention-backend"), SGLANG_BACKENDS)
+        self.assertEqual((value(off["argv"], "--port"), value(on["argv"], "--port")), ("30000", "30001"))
+        strip = lambda argv: [a for a in argv if a not in ("30000", "30001", "--enable-deterministic-inference")]
+        self.assertEqual(strip(off["argv"]), strip(on["argv"]))
+
+    def test_an_unknown_arm_is_refused(self):
+        p = subprocess.run(["bash", os.path.join(EXAMPLES, "vllm_serve.sh"), "maybe"], capture_output=True, text=True)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("usage", p.stderr)
 
     def test_cost_cells_script_runs_both_workloads_with_the_lab(self):
         script = read("cost_cells.sh")

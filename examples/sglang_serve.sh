@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# SGLang, one arm of the experiment:  examples/sglang_serve.sh off   (port 30000)
+#                                     examples/sglang_serve.sh on    (port 30001)
+# Then:  python3 run.py --mode sweep --engine sglang --url http://localhost:30000 --save off.json
+#        python3 run.py --mode sweep --engine sglang --url http://localhost:30001 --save on.json --expect invariant
+# Both arms run this same command, so they differ in the flag only (run.py --mode cost
+# refuses a pair that differs in more). Edit the variables, not the command.
+set -euo pipefail
+ARM=${1:?usage: examples/sglang_serve.sh off|on}
+MODEL=${MODEL:-Qwen/Qwen3-8B}         # the weights under test (the upstream test class's default)
+BACKEND=${BACKEND:-triton}            # fa3, flashinfer or triton (the deterministic choices)
+TP=${TP:-1}                           # tensor-parallel degree; run the cost cells at 1 and at your real TP
+
+case "$ARM" in
+    # --enable-deterministic-inference: the flag. Batch-invariant matmul, log_softmax and
+    # RMSNorm, per-request sampling seeds, fixed attention split sizes; at TP > 1 a fixed
+    # NCCL algorithm and channel count, and no custom all-reduce.
+    off) FLAG=();                                   PORT=${PORT:-30000} ;;
+    on)  FLAG=(--enable-deterministic-inference);   PORT=${PORT:-30001} ;;
+    *)   echo "usage: examples/sglang_serve.sh off|on" >&2; exit 2 ;;
+esac
+
+# --attention-backend:           pinned, the same in both arms. Left out, the flag-on arm
+#                                falls back to a backend of its own choosing (fa3, flashinfer
+#                                or triton by GPU) and the arms no longer compare.
+# --cuda-graph-max-bs-decode 32: the upstream test class's value; fixes the decode buckets
+#                                1,2,4,8,12,16,24,32. Above 32 there is no graph to pad into.
+#                                (0.5.18 and later; older releases spelled it --cuda-graph-max-bs.)
+# --tp-size:                     TP degree.
+exec python3 -m sglang.launch_server \
+    --model-path "$MODEL" \
+    --port "$PORT" \
+    --attention-backend "$BACKEND" \
+    --cuda-graph-max-bs-decode 32 \
+    --tp-size "$TP" \
+    ${FLAG[@]+"${FLAG[@]}"}

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# vLLM, one arm of the experiment:  examples/vllm_serve.sh off   (port 8000)
+#                                   examples/vllm_serve.sh on    (port 8001)
+# Then:  python3 run.py --mode sweep --engine vllm --url http://localhost:8000 --save off.json
+#        python3 run.py --mode sweep --engine vllm --url http://localhost:8001 --save on.json --expect invariant
+# Both arms run this same command, so they differ in the flag only (run.py --mode cost
+# refuses a pair that differs in more). Edit the variables, not the command.
+set -euo pipefail
+ARM=${1:?usage: examples/vllm_serve.sh off|on}
+MODEL=${MODEL:-Qwen/Qwen3-1.7B}       # the weights under test (the upstream suite's default)
+BACKEND=${BACKEND:-FLASH_ATTN}        # one of FLASH_ATTN, FLEX_ATTENTION, TRITON_ATTN (supported with the flag on)
+TP=${TP:-1}                           # tensor-parallel degree; run the cost cells at 1 and at your real TP
+
+case "$ARM" in
+    # The flag is an environment variable read at start-up: set it explicitly, never inherit it.
+    off) export VLLM_BATCH_INVARIANT=0; PORT=${PORT:-8000} ;;
+    on)  export VLLM_BATCH_INVARIANT=1; PORT=${PORT:-8001} ;;
+    *)   echo "usage: examples/vllm_serve.sh off|on" >&2; exit 2 ;;
+esac
+# Exposes GET /server_info, so the lab can read the flag, the backend and the graph sizes.
+export VLLM_SERVER_DEV_MODE=1
+
+# --attention-backend:  pinned, the same in both arms; otherwise each arm may pick its own.
+# --max-num-seqs 32:    what the server batches together at most (the upstream online test's
+#                       value); it also sets the CUDA-graph capture sizes 1,2,4,8,16,24,...,64.
+# --max-model-len 8192: the upstream online test's value; keeps the KV cache small enough.
+# --tensor-parallel-size: TP degree; at TP > 1 the flag also pins NCCL to one channel and
+#                       tree all-reduce, and turns custom all-reduce off.
+exec vllm serve "$MODEL" \
+    --port "$PORT" \
+    --attention-backend "$BACKEND" \
+    --max-num-seqs 32 \
+    --max-model-len 8192 \
+    --tensor-parallel-size "$TP"
