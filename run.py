@@ -1003,8 +1003,10 @@ def configure_cost(cfg: Config, args: argparse.Namespace) -> None:
     for name in ("batch", "trials"):
         if getattr(args, name) < 1:
             raise UsageError("--%s: give at least 1" % name)
-    if args.warmup < 0 or args.prefix_tokens < 1:
-        raise UsageError("--warmup: give 0 or more; --prefix-tokens: at least 1")
+    if args.warmup < 0:
+        raise UsageError("--warmup: give 0 or more")
+    if args.prefix_tokens < 1:
+        raise UsageError("--prefix-tokens: give at least 1")
     if args.tp is not None and args.tp < 1:
         raise UsageError("--tp: give at least 1")
     cfg.batch, cfg.trials, cfg.warmup = args.batch, args.trials, args.warmup
@@ -1013,7 +1015,7 @@ def configure_cost(cfg: Config, args: argparse.Namespace) -> None:
 
 
 # ----------------------------------------------------------------------------
-# Output helpers
+# Shared by the modes: output, saving, stopping cleanly, server facts
 
 
 class Out:
@@ -1099,6 +1101,29 @@ class DeferredInterrupt:
     def __exit__(self, *exc) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
+
+
+def read_facts(cfg: Config, url: str, arm: str = "the server") -> Dict[str, Any]:
+    try:
+        return cfg.adapter.read_facts(cfg.client(url), cfg.model)
+    except ServerError as err:
+        raise ServerError("cannot read the facts of %s at %s: %s" % (arm, url, err)) from None
+
+
+def measure_until_stopped(out: Out, what: str, loop: Callable[[DeferredInterrupt], None]) -> Tuple[str, int]:
+    """Run a measuring loop. A server error or Ctrl-C ends it early; either way the caller
+    keeps, reports and saves what was measured. Returns (state, exit code)."""
+    with DeferredInterrupt(out) as interrupt:
+        try:
+            loop(interrupt)
+            return "complete", EXIT_OK
+        except ServerError as err:
+            state, code, message = "stopped: server error", EXIT_SERVER, "%s stopped at %s" % (what, err)
+        except KeyboardInterrupt:
+            state, code, message = "interrupted", EXIT_INTERRUPTED, "interrupted; showing what was measured"
+    out.progress_done()
+    out.stderr.write("run.py: %s\n" % message)
+    return state, code
 
 
 def fmt_opt(value: Any, none: str = "-") -> str:
@@ -1636,29 +1661,6 @@ def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
         text("expectation failed: --expect variant, but nothing moved")
         return EXIT_EXPECTATION
     return EXIT_OK
-
-
-def read_facts(cfg: Config, url: str, arm: str = "the server") -> Dict[str, Any]:
-    try:
-        return cfg.adapter.read_facts(cfg.client(url), cfg.model)
-    except ServerError as err:
-        raise ServerError("cannot read the facts of %s at %s: %s" % (arm, url, err)) from None
-
-
-def measure_until_stopped(out: Out, what: str, loop: Callable[[DeferredInterrupt], None]) -> Tuple[str, int]:
-    """Run a measuring loop. A server error or Ctrl-C ends it early; either way the caller
-    keeps, reports and saves what was measured. Returns (state, exit code)."""
-    with DeferredInterrupt(out) as interrupt:
-        try:
-            loop(interrupt)
-            return "complete", EXIT_OK
-        except ServerError as err:
-            state, code, message = "stopped: server error", EXIT_SERVER, "%s stopped at %s" % (what, err)
-        except KeyboardInterrupt:
-            state, code, message = "interrupted", EXIT_INTERRUPTED, "interrupted; showing what was measured"
-    out.progress_done()
-    out.stderr.write("run.py: %s\n" % message)
-    return state, code
 
 
 def run_sweep(cfg: Config, out: Out) -> int:

@@ -20,8 +20,9 @@ From tests:
 
 Fault switches (for the lab's own fault tests) apply to the k-th generation request,
 counting from 1: --fault 3=http500, drop, badjson, nochoices, fewer, nulllogprobs,
-ragged, clamp, redirect, huge. --step-delay S sleeps S seconds per decode step and
---slowdown F multiplies that delay when --invariant is on.
+ragged, clamp, redirect, huge, stall. --step-delay S makes each decode step take S
+seconds, --slowdown F multiplies that when --invariant is on, and --jitter J adds
+seeded noise of +-J of it.
 """
 
 import argparse
