@@ -560,8 +560,9 @@ class VllmAdapter:
         facts = {"engine": self.name, "version": version, "model": entry["id"],
                  "max_model_len": entry.get("max_model_len"), "flag": None,
                  "attention_backend": None, "tp": None, "graph_sizes": None,
-                 "max_num_seqs": None, "load_format": None, "settings": {"engine version": version},
-                 "info_source": None}
+                 "max_num_seqs": None, "load_format": None, "info_source": None,
+                 "settings": {"engine version": version, "served model": entry["id"],
+                              "max model length": entry.get("max_model_len")}}
         if isinstance(info, dict) and isinstance(info.get("vllm_config"), dict):
             config = info["vllm_config"]
             facts.update(
@@ -1799,6 +1800,10 @@ def run_cost(cfg: Config, out: Out) -> int:
         raise UsageError("the arms are the wrong way round: --url reports the flag %s and --invariant "
                          "reports it %s" % (describe_flag(facts["off"], adapter), describe_flag(facts["on"], adapter)))
     hazards = comparison_hazards(adapter, facts["off"], facts["on"])
+    for arm in ("off", "on"):
+        if facts[arm]["info_source"] is None:
+            out.warn("the %s arm does not expose its settings, so the lab cannot check that the arms "
+                     "differ in the flag only (start vLLM with VLLM_SERVER_DEV_MODE=1)" % arm)
     if not cfg.json_out:
         print_cost_servers(facts["off"], facts["on"], hazards, adapter, out)
     if hazards and not cfg.allow_mismatch:

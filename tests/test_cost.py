@@ -140,6 +140,14 @@ class CostAgainstStubs(TempDirTest):
             self.assertIn("wrong way round", r.stderr)
             self.assertEqual(off.generation_bodies() + on.generation_bodies(), [])
 
+    def test_servers_that_hide_their_settings_are_timed_with_a_warning(self):
+        with StubServer(StubConfig(dev_mode=False)) as off, StubServer(StubConfig(invariant=True, dev_mode=False)) as on:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", 1,
+                        "--trials", 1, "--warmup", 0, "--max-tokens", 2, "--tp", 4, "--json")
+        self.assertEqual(r.code, 0, r)
+        self.assertIn("VLLM_SERVER_DEV_MODE=1", r.stderr)
+        self.assertEqual(r.json()["tp"], 4)  # the label falls back to --tp
+
     def test_short_completions_are_warned_about(self):
         with StubServer(StubConfig(honour_ignore_eos=False)) as off, \
                 StubServer(StubConfig(invariant=True, honour_ignore_eos=False)) as on:
