@@ -1288,11 +1288,11 @@ COMMON_SERVER_ARGS = [
             "which batch sizes can differ at all. It is defined in 0.5.18 python/sglang/srt/server_args.py "
             "L1879-1883 and resolved at L4524-4525; in 0.5.23 in srt/arg_groups/fields/exec_.py L629-631 "
             "and srt/arg_groups/cuda_graph_hook.py L72-73. (Line numbers L1906-L1910 / L4561-L4562, "
-            "quoted elsewhere, match none of the releases checked.) Versions before 0.5.18 spelled it "
-            "--cuda-graph-max-bs; from 0.5.20 on that spelling is rejected as ambiguous."),
+            "quoted elsewhere, match none of the releases checked.) Older versions of this test class used "
+            "--cuda-graph-max-bs 32; from 0.5.20 on that spelling is rejected as ambiguous."),
     Excerpt("sglang", "the deterministic attention-backend fallback",
-            "python/sglang/srt/arg_groups/overrides.py, lines 1112-1123 (the function spans 1093-1123), "
-            + SGLANG_REV + "; in 0.5.18 lines 2097-2108 of the same file",
+            "python/sglang/srt/arg_groups/overrides.py, lines 1112-1123, SGLang 0.5.23 (the function "
+            "spans 1093-1123; in 0.5.18 it spans 2078-2108 of the same file)",
             '''        logger.warning(
             f"Attention backend not specified. Falling back to '{backend}' for deterministic inference. "
             f"You can explicitly set --attention-backend to one of {DETERMINISTIC_ATTENTION_BACKEND_CHOICES}."
@@ -1459,7 +1459,7 @@ A CLEAN FLAG-OFF RESULT IS NOT A FAILED EXPERIMENT. It usually means one of:
     n (the lab warns), or the flag was already on in the server's environment (the lab
     prints what the server reports).
 
-A FLAG-ON DIVERGENCE
+A FLAG-ON DIVERGENCE: rule out the documented coverage gaps before filing a bug
 %s
 
 WHAT THE COST MEANS

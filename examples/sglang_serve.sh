@@ -25,7 +25,7 @@ esac
 #                                or triton by GPU) and the arms no longer compare.
 # --cuda-graph-max-bs-decode 32: the upstream test class's value; fixes the decode buckets
 #                                1,2,4,8,12,16,24,32. Above 32 there is no graph to pad into.
-#                                (0.5.18 and later; older releases spelled it --cuda-graph-max-bs.)
+#                                (as in 0.5.18-0.5.23; older test classes used --cuda-graph-max-bs.)
 # --tp-size:                     TP degree.
 exec python3 -m sglang.launch_server \
     --model-path "$MODEL" \
