@@ -501,13 +501,16 @@ def shape_error(what: str) -> ServerError:
     return ServerError("answer of the wrong shape: " + what)
 
 
-def check_steps(i: int, tokens: List[Any], logprobs: List[Any], top: List[Any]) -> None:
+def check_steps(i: int, tokens: Any, logprobs: Any, top: Any) -> None:
+    """Refuse per-step lists that downstream code could not compare."""
     if not isinstance(logprobs, list) or not isinstance(tokens, list):
         raise shape_error("completion %d has no logprobs" % i)
-    if not (len(tokens) == len(logprobs) == len(top)):
+    if not isinstance(top, list) or not (len(tokens) == len(logprobs) == len(top)):
         raise shape_error("completion %d has %d tokens but %d logprobs" % (i, len(tokens), len(logprobs)))
     if not all(isinstance(x, (int, float)) for x in logprobs):
         raise shape_error("completion %d has a logprob that is not a number" % i)
+    if not all(isinstance(d, dict) and all(isinstance(v, (int, float)) for v in d.values()) for d in top):
+        raise shape_error("completion %d has malformed top logprobs" % i)
 
 
 class VllmAdapter:
@@ -610,8 +613,9 @@ class VllmAdapter:
             if not isinstance(lp, dict):
                 raise shape_error("completion %d has no logprobs" % i)
             tokens, values, top = lp.get("tokens"), lp.get("token_logprobs"), lp.get("top_logprobs")
-            check_steps(i, tokens, values, top if isinstance(top, list) else [])
-            out.append(Completion(c["text"], tokens, values, [d or {} for d in top], c.get("finish_reason")))
+            top = [d or {} for d in top] if isinstance(top, list) else top
+            check_steps(i, tokens, values, top)
+            out.append(Completion(c["text"], tokens, values, top, c.get("finish_reason")))
         return out
 
     def output_tokens(self, answer: Any) -> int:
@@ -702,14 +706,17 @@ class SglangAdapter:
             top = dig(item, "meta_info", "output_top_logprobs") or []
             if not isinstance(steps, list) or not all(isinstance(s, list) and len(s) >= 2 for s in steps):
                 raise shape_error("completion %d has no logprobs" % i)
-            ids = item.get("output_ids") or [s[1] for s in steps]
-            if len(ids) != len(steps):
+            ids = item.get("output_ids")
+            if isinstance(ids, list) and len(ids) != len(steps):
                 raise shape_error("completion %d has %d tokens but %d logprobs" % (i, len(ids), len(steps)))
-            tokens = ["token_id:%d" % s[1] for s in steps]
-            values = [s[0] for s in steps]
-            tops = [{"token_id:%d" % e[1]: e[0] for e in (step or [])} for step in top] or [{} for _ in steps]
-            check_steps(i, tokens, values, tops)
-            out.append(Completion(item["text"], tokens, values, tops, finish))
+            try:  # entries are [logprob, token id, text or null]
+                tokens = ["token_id:%d" % s[1] for s in steps]
+                tops = ([{"token_id:%d" % e[1]: e[0] for e in (step or [])} for step in top]
+                        if isinstance(top, list) and top else [{} for _ in steps])
+            except (TypeError, IndexError, KeyError):
+                raise shape_error("completion %d has malformed logprob entries" % i) from None
+            check_steps(i, tokens, [s[0] for s in steps], tops)
+            out.append(Completion(item["text"], tokens, [s[0] for s in steps], tops, finish))
         return out
 
     def output_tokens(self, answer: Any) -> int:

@@ -110,6 +110,53 @@ class ServerFaultsInASweep(TempDirTest):
         self.assertEqual(len(r.stderr.strip().splitlines()), 1)
 
 
+class MangledAnswers(unittest.TestCase):
+    """Any mangling of a real answer is either parsed or refused as a wrong shape: no crash."""
+
+    JUNK = (None, "x", 7, -1.5, [], {}, [None], [[1]], True)
+
+    def mangle(self, value, rng, depth=0):
+        if depth > 6 or rng.random() < 0.25:
+            return rng.choice(self.JUNK)
+        if isinstance(value, dict):
+            value = dict(value)
+            if value and rng.random() < 0.3:
+                value.pop(rng.choice(sorted(value, key=str)))
+            elif value:
+                key = rng.choice(sorted(value, key=str))
+                value[key] = self.mangle(value[key], rng, depth + 1)
+            return value
+        if isinstance(value, list):
+            value = list(value)
+            if value and rng.random() < 0.3:
+                value.pop(rng.randrange(len(value)))
+            elif value:
+                i = rng.randrange(len(value))
+                value[i] = self.mangle(value[i], rng, depth + 1)
+            return value
+        return rng.choice(self.JUNK)
+
+    def test_parse_or_refuse(self):
+        import random
+        from stub_server import StubConfig as C, sglang_generate, vllm_completions
+        rng = random.Random(11)
+        for engine, make in (("vllm", vllm_completions), ("sglang", sglang_generate)):
+            body = ({"model": "stub/tiny-f32", "prompt": ["p", "p"], "max_tokens": 4, "temperature": 0,
+                     "logprobs": 3, "return_tokens_as_token_ids": True} if engine == "vllm" else
+                    {"text": ["p", "p"], "sampling_params": {"temperature": 0, "max_new_tokens": 4},
+                     "return_logprob": True, "top_logprobs_num": 3})
+            good = make(C(engine=engine), body, (random.Random(0), random.Random(0)))
+            adapter = run.ADAPTERS[engine]
+            base = adapter.completions(good, 2, True)[0]
+            for _ in range(400):
+                bad = self.mangle(good, rng)
+                try:
+                    comps = adapter.completions(bad, 2, True)
+                except run.ServerError:
+                    continue
+                run.measure_size(2, comps, base, 0.0, None)
+
+
 class ServerFaultsInCost(TempDirTest):
     def test_trial_failure_keeps_the_trials_before_it(self):
         # generation requests per arm: 1 warm-up, then trials; the 4th on the flag-on arm is trial 3
