@@ -326,7 +326,7 @@ def arm_stats(samples_s: Sequence[float], tokens: Sequence[int]) -> Dict[str, An
     tps = [t / s for t, s in zip(tokens, samples_s) if s > 0]
     return {"median_s": median(samples_s), "mad_s": mad(samples_s), "min_s": min(samples_s),
             "max_s": max(samples_s), "samples_s": list(samples_s), "output_tokens": list(tokens),
-            "median_tokens_per_s": median(tps) if tps else None,
+            "tokens_per_s": [round(x, 3) for x in tps], "median_tokens_per_s": median(tps) if tps else None,
             "noisy": max(samples_s) / min(samples_s) > NOISE_SPREAD if min(samples_s) > 0 else True}
 
 

@@ -89,6 +89,8 @@ class CostAgainstStubs(TempDirTest):
         self.assertEqual(cell["trials"], 8)
         self.assertEqual(len(cell["off"]["samples_s"]), 8)
         self.assertEqual(cell["off"]["output_tokens"], [4 * TOKENS] * 8)
+        self.assertEqual(len(cell["on"]["tokens_per_s"]), 8)
+        self.assertAlmostEqual(cell["on"]["tokens_per_s"][0], 4 * TOKENS / cell["on"]["samples_s"][0], places=2)
 
     def test_identical_servers_are_not_significant(self):
         with StubServer(StubConfig(step_delay=DELAY, jitter=JITTER, seed=1)) as off, \
