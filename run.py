@@ -871,8 +871,20 @@ def parse_sizes(text: str) -> List[int]:
     return sizes
 
 
+def server_address(url: str) -> Tuple[str, str, int]:
+    """(scheme, host, port) with loopback names folded together, to tell two URLs' servers apart."""
+    parts = urllib.parse.urlsplit(url)
+    host = (parts.hostname or "").lower()
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return parts.scheme, "loopback" if is_loopback(host) else host, port
+
+
 def check_url(url: str, option: str) -> str:
     parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port  # raises on a port that is not a number
+    except ValueError:
+        raise UsageError("%s: %r has a port that is not a number" % (option, url)) from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UsageError("%s: %r is not an http:// or https:// URL" % (option, url))
     return url.rstrip("/")
@@ -1006,7 +1018,7 @@ def configure_cost(cfg: Config, args: argparse.Namespace) -> None:
     if not args.invariant:
         raise UsageError("cost mode needs --invariant URL, the flag-on server")
     cfg.invariant_url = check_url(args.invariant, "--invariant")
-    if cfg.invariant_url == cfg.url:
+    if server_address(cfg.invariant_url) == server_address(cfg.url):
         raise UsageError("--url and --invariant are the same server; cost compares two")
     for name in ("batch", "trials"):
         if getattr(args, name) < 1:

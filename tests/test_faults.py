@@ -313,6 +313,10 @@ class BadArguments(TempDirTest):
         base = ("--mode", "cost", "--url", self.stub.url)
         self.refused(*base, message="needs --invariant")
         self.refused(*base, "--invariant", self.stub.url + "/", message="the same server")
+        port = self.stub.url.rsplit(":", 1)[1]
+        self.refused("--mode", "cost", "--url", "http://localhost:" + port, "--invariant",
+                     "http://127.0.0.1:" + port, message="the same server")
+        self.refused(*base, "--invariant", "http://127.0.0.1:80x", message="port that is not a number")
         self.refused(*base, "--invariant", "http://127.0.0.1:1", "--trials", "0", message="--trials")
         self.refused(*base, "--invariant", "http://127.0.0.1:1", "--batch", "0", message="--batch")
         self.refused(*base, "--invariant", "http://127.0.0.1:1", "--save", self.path("sweep.json"),
