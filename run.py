@@ -384,7 +384,7 @@ class _NoForeignRedirect(urllib.request.HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
-def server_message(status: int, body: bytes) -> str:
+def server_message(body: bytes) -> str:
     """The server's own error text: vLLM and SGLang both send {"error": {"message": ...}}."""
     try:
         data = json.loads(body)
@@ -414,9 +414,6 @@ class HttpClient:
 
     def request(self, path: str, body: Optional[Dict[str, Any]] = None) -> Any:
         """GET (body None) or POST JSON; returns the decoded JSON answer or raises ServerError."""
-        return self.request_raw(path, body)[0]
-
-    def request_raw(self, path: str, body: Optional[Dict[str, Any]] = None) -> Tuple[Any, int]:
         url = self.base_url + path
         data = None if body is None else json.dumps(body).encode("utf-8")
         req = urllib.request.Request(url, data=data, method="GET" if data is None else "POST")
@@ -429,15 +426,15 @@ class HttpClient:
                 raw = self._read_capped(resp)
         except urllib.error.HTTPError as err:
             raise ServerError("HTTP %d from %s: %s" % (err.code, path, server_message(
-                err.code, self._read_capped(err) if err.fp else b""))) from None
+                self._read_capped(err) if err.fp else b""))) from None
         except urllib.error.URLError as err:
             raise ServerError(describe_network_error(err.reason, self.base_url, self.timeout)) from None
-        except (socket.timeout, TimeoutError):
-            raise ServerError("no answer from %s within %gs (--timeout)" % (url, self.timeout)) from None
+        except (socket.timeout, TimeoutError) as err:  # a read that timed out, past the connect
+            raise ServerError(describe_network_error(err, self.base_url, self.timeout)) from None
         except (HTTPException, ConnectionError, OSError) as err:
             raise ServerError("connection to %s dropped (%s)" % (url, type(err).__name__)) from None
         try:
-            return json.loads(raw), len(raw)
+            return json.loads(raw)
         except ValueError:
             raise ServerError("invalid JSON from %s (%d bytes)" % (path, len(raw))) from None
 
@@ -1530,10 +1527,10 @@ class PromptSweep:
     baseline: Optional[Completion] = None
     baseline_source: str = "batch 1"
     sizes: List[Dict[str, Any]] = field(default_factory=list)
-    texts: set = field(default_factory=set)
+    texts: set = field(default_factory=set)  # every distinct completion text, baseline included
 
     def unique(self) -> int:
-        return len(self.texts)
+        return count_unique(self.texts)
 
     def total(self) -> int:
         return sum(s["completions"] for s in self.sizes)
@@ -1634,7 +1631,7 @@ def print_sweep_table(doc: Dict[str, Any], cfg: Config, out: Out) -> None:
             r["prompt"][:70] + ("..." if len(r["prompt"]) > 70 else "")), r["baseline_source"]))
         out.line("  batch  bucket  distinct  same/all  first token  max ULP  first ULP step  seconds")
         for s in r["sizes"]:
-            bucket = "?" if s["bucket"] == "?" else fmt_opt(s["bucket"], "none")
+            bucket = fmt_opt(s["bucket"], "none")
             ulp = str(s["max_ulp"]) + ("*" if s["ulp_notes"] else "")
             out.line("  %5d  %6s  %8d  %8s  %11s  %7s  %14s  %7.2f" % (
                 s["batch_size"], bucket, s["distinct_in_batch"],

@@ -14,18 +14,16 @@ Needs matplotlib (pip install matplotlib); run.py itself does not.
 """
 
 import argparse
-import json
 import sys
+
+import labplot
 
 COST_SCHEMA = "batch-invariance-lab/cost/1"
 WORKLOADS = ("cold", "shared-prefix")
 
 
 def load(path):
-    with open(path, encoding="utf-8") as f:
-        doc = json.load(f)
-    if doc.get("schema") != COST_SCHEMA:
-        raise ValueError("%s is not a cost file (schema %r)" % (path, doc.get("schema")))
+    doc = labplot.load(path, COST_SCHEMA, "cost")
     if not doc.get("cells"):
         raise ValueError("%s holds no cell yet" % path)
     return doc
@@ -39,9 +37,7 @@ def select(doc, model=None, batch=None, max_tokens=None):
 
 
 def plot(path, out, model=None, batch=None, max_tokens=None):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = labplot.pyplot()
     from matplotlib.patches import Patch
 
     (model, batch, max_tokens), cells = select(load(path), model, batch, max_tokens)
@@ -85,18 +81,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int)
     p.add_argument("--max-tokens", type=int)
     args = p.parse_args(argv)
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        sys.stderr.write("plot_cost.py: needs matplotlib: pip install matplotlib\n")
-        return 2
-    try:
-        plot(args.file, args.output, args.model, args.batch, args.max_tokens)
-    except (OSError, ValueError, KeyError) as err:
-        sys.stderr.write("plot_cost.py: %s\n" % err)
-        return 2
-    print("wrote %s" % args.output)
-    return 0
+    return labplot.run("plot_cost.py", args.output, lambda: plot(
+        args.file, args.output, args.model, args.batch, args.max_tokens))
 
 
 if __name__ == "__main__":

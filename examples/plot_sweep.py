@@ -14,19 +14,12 @@ Needs matplotlib (pip install matplotlib); run.py itself does not.
 """
 
 import argparse
-import json
 import sys
+
+import labplot
 
 SWEEP_SCHEMA = "batch-invariance-lab/sweep/1"
 ZERO_LINE = 0.5    # where "0 ULP" is drawn on the log axis
-
-
-def load(path):
-    with open(path, encoding="utf-8") as f:
-        doc = json.load(f)
-    if doc.get("schema") != SWEEP_SCHEMA:
-        raise ValueError("%s is not a sweep file (schema %r)" % (path, doc.get("schema")))
-    return doc
 
 
 def label(doc, path):
@@ -57,12 +50,10 @@ def shade_buckets(ax, graph_sizes, top):
 
 
 def plot(paths, out):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = labplot.pyplot()
     from matplotlib.ticker import FuncFormatter
 
-    docs = [load(p) for p in paths]
+    docs = [labplot.load(p, SWEEP_SCHEMA, "sweep") for p in paths]
     fig, (ax_ulp, ax_div) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True,
                                          gridspec_kw={"height_ratios": [3, 2]})
     top = max(n for doc in docs for n, _, _ in per_size(doc))
@@ -107,18 +98,7 @@ def main(argv=None):
     p.add_argument("files", nargs="+", help="sweep files written by run.py --mode sweep --save")
     p.add_argument("-o", "--output", required=True, help="the PNG to write")
     args = p.parse_args(argv)
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        sys.stderr.write("plot_sweep.py: needs matplotlib: pip install matplotlib\n")
-        return 2
-    try:
-        plot(args.files, args.output)
-    except (OSError, ValueError, KeyError) as err:
-        sys.stderr.write("plot_sweep.py: %s\n" % err)
-        return 2
-    print("wrote %s" % args.output)
-    return 0
+    return labplot.run("plot_sweep.py", args.output, lambda: plot(args.files, args.output))
 
 
 if __name__ == "__main__":

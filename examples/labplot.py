@@ -1,0 +1,39 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What plot_sweep.py and plot_cost.py share: reading a lab file of the right kind, the
+matplotlib check with its install hint, and one-line errors with exit code 2."""
+
+import json
+import sys
+
+
+def load(path, schema, kind):
+    """A lab save file, refused unless it holds `kind` results (its "schema" field)."""
+    with open(path, encoding="utf-8") as f:
+        doc = json.load(f)
+    if doc.get("schema") != schema:
+        raise ValueError("%s is not a %s file (schema %r)" % (path, kind, doc.get("schema")))
+    return doc
+
+
+def pyplot():
+    """matplotlib.pyplot drawing to files only (no screen needed)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def run(name, output, draw):
+    """Call draw(); report success, a missing matplotlib or a bad input file; return the exit code."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        sys.stderr.write("%s: needs matplotlib: pip install matplotlib\n" % name)
+        return 2
+    try:
+        draw()
+    except (OSError, ValueError, KeyError) as err:
+        sys.stderr.write("%s: %s\n" % (name, err))
+        return 2
+    print("wrote %s" % output)
+    return 0
