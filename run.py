@@ -15,7 +15,7 @@ Usage:
   python3 run.py --mode harness                      # upstream harnesses + commands, offline
   python3 run.py --mode harness --engine sglang      # one engine only
   python3 run.py --mode help                         # the five-minute guide
-  python3 run.py --help                              # every option of every mode
+  python3 run.py --help                              # every option of every mode, and the exit codes
 
   python3 run.py --mode sweep --engine vllm --url http://localhost:8000 \\
       --model Qwen/Qwen3-1.7B --max-batch 32 --save off.json
@@ -28,10 +28,20 @@ Usage:
 
 No GPU at hand? Start the practice engine: python3 tests/stub_server.py --port 8000
 
-Exit codes: 0 ran (and any --expect held); 1 an --expect failed; 2 usage or input
-error, before any request; 3 the server or network failed before the run completed
-(what was measured is kept in --save); 130 interrupted (likewise); 141 the output
-pipe closed (e.g. `| head`).
+Sections, in the order they appear:
+  Constants            schemas, exit codes, every default with why
+  Pure functions       float32 ULPs, comparable logprob pairs, completion comparison, ladders,
+                       verdicts, statistics, workload prompts (no I/O)
+  Transport            HttpClient: the one guarded HTTP path; network errors as one line
+  Engine adapters      Sampling, ServerFacts, the EngineAdapter protocol, VllmAdapter,
+                       SglangAdapter: all that is known of each engine lives here
+  Configuration        argparse types and parser, Config, every check made before any request
+  Shared by the modes  output, atomic saves, deferred Ctrl-C, the stop path, table headers
+  --mode harness       the quoted upstream excerpts, their provenance, the commands
+  --mode help          the guide
+  --mode sweep         ladders, traffic, per-size rows, the saved document, the table
+  --mode cost          arms, the hazard check, warm-up, trials, cells, the 2x2 table
+  main                 main(argv) -> exit code
 """
 
 from __future__ import annotations
@@ -39,12 +49,14 @@ from __future__ import annotations
 import argparse
 import array
 import bisect
+import copy
 import ipaddress
 import json
 import math
 import operator
 import os
 import random
+import re
 import signal
 import socket
 import statistics
@@ -55,25 +67,31 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from http.client import HTTPException
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set, Tuple, Union
 
 # ----------------------------------------------------------------------------
 # Constants
 
 SWEEP_SCHEMA = "batch-invariance-lab/sweep/1"   # the "schema" field of sweep save files
 COST_SCHEMA = "batch-invariance-lab/cost/1"     # the "schema" field of cost save files
-ENGINES = ("vllm", "sglang")                     # the engines the lab speaks to
-DEFAULT_PORT = {"vllm": 8000, "sglang": 30000}   # each engine's own default port
 MODES = ("harness", "sweep", "cost", "help")
 
-EXIT_OK = 0            # ran, and any --expect held
-EXIT_EXPECTATION = 1   # an --expect did not hold
-EXIT_USAGE = 2         # bad arguments or input files, found before any request
-EXIT_SERVER = 3        # the server or the network failed before the run completed
+EXIT_OK = 0             # ran, and any --expect held
+EXIT_EXPECTATION = 1    # an --expect did not hold
+EXIT_USAGE = 2          # bad arguments or input files, found before any request
+EXIT_SERVER = 3         # the server or the network failed before the run completed
 EXIT_INTERRUPTED = 130  # Ctrl-C; what was measured is saved
 EXIT_BROKEN_PIPE = 141  # stdout closed under us (`run.py ... | head`)
+EXIT_CODES = [          # what each exit code means, as --help and the guide print it
+    (EXIT_OK, "ran, and any --expect held"),
+    (EXIT_EXPECTATION, "an --expect did not hold"),
+    (EXIT_USAGE, "usage or input error, found before any request"),
+    (EXIT_SERVER, "the server or network failed before the run completed (--save keeps what was measured)"),
+    (EXIT_INTERRUPTED, "interrupted by Ctrl-C (--save keeps what was measured)"),
+    (EXIT_BROKEN_PIPE, "the output pipe closed (e.g. `run.py ... | head`)"),
+]
 
 # Sweep defaults
 DEFAULT_PROMPT = ("Explain, step by step, why adding the same floating-point numbers in a "
@@ -90,6 +108,7 @@ DEFAULT_SEED = 42             # sent whenever temperature > 0; unseeded sampling
 DEFAULT_BATCH = 32            # prompts per timed request
 DEFAULT_TRIALS = 20           # timed requests per arm
 DEFAULT_WARMUP = 2            # discarded requests per arm before timing
+WARMUP_ATTEMPTS = 2           # a warm-up request may fail once (a cold server); a trial may not
 DEFAULT_COST_TOKENS = 128     # fixed output length per prompt (ignore_eos)
 DEFAULT_PREFIX_TOKENS = 1000  # about this many tokens of shared prefix
 BOOTSTRAP_RESAMPLES = 4000    # resamples of the paired ratios for the 95% interval
@@ -99,11 +118,7 @@ NOISE_SPREAD = 1.5            # an arm whose max/min exceeds this is flagged noi
 # Transport defaults
 DEFAULT_TIMEOUT_S = 600.0     # per request: a 256-wide batch of long completions on a busy GPU is slow
 DEFAULT_MAX_RESPONSE_MB = 512  # a larger answer is refused rather than held in memory
-
-# Wire facts
-VLLM_LOGPROB_CLAMP = -9999.0  # vLLM's stand-in for -inf in logprobs
-SGLANG_GRAPH_SIZES = [1, 2, 4, 8, 12, 16, 24, 32]  # decode graphs with --cuda-graph-max-bs-decode 32
-VLLM_DEFAULT_MAX_NUM_SEQS = 32  # used to guess capture sizes when the server does not say
+CLOCK = time.perf_counter     # what requests are timed with (the tests swap in a virtual clock)
 
 
 # ----------------------------------------------------------------------------
@@ -140,16 +155,16 @@ def ulp_distance(a: float, b: float, width: int = 32) -> int:
     return abs(_ordered(ia, 1 << 63) - _ordered(ib, 1 << 63))
 
 
-def logprob_distance(a: float, b: float) -> Tuple[Optional[int], str]:
+def logprob_distance(a: float, b: float, clamps: Sequence[float] = ()) -> Tuple[Optional[int], str]:
     """(ULPs, unit) between two logprobs; ULPs is None where no distance means anything.
 
     unit is "float32" normally, "float64" when either value is not float32-exact (a server
-    that rounds or computes in double), "clamped" when exactly one is vLLM's -9999.0, and
-    "non-finite" for inf or NaN on either side.
+    that rounds or computes in double), "clamped" when exactly one is one of `clamps` (the
+    engine's stand-ins for -inf), and "non-finite" for inf or NaN on either side.
     """
     if a == b:
         return 0, "float32"
-    if VLLM_LOGPROB_CLAMP in (a, b):
+    if a in clamps or b in clamps:
         return None, "clamped"
     if not (math.isfinite(a) and math.isfinite(b)):
         return None, "non-finite"
@@ -178,36 +193,47 @@ class Completion:
                    rec.get("finish_reason"))
 
 
+def same_completion(a: Completion, b: Completion) -> bool:
+    """Equal tokens, logprobs and top-k lists: nothing a comparison could tell apart."""
+    return a.tokens == b.tokens and a.logprobs == b.logprobs and a.top_logprobs == b.top_logprobs
+
+
 @dataclass
 class Delta:
     """How one completion differs from the baseline."""
     first_token_divergence: Optional[int] = None  # first step whose token differs
     max_ulp: int = 0                              # over every comparable logprob
     first_ulp_step: Optional[int] = None          # first step with a non-zero distance
-    units: Tuple[str, ...] = ()                   # "float64", "clamped", "non-finite" if seen
+    ulp_notes: Tuple[str, ...] = ()               # "float64", "clamped", "non-finite" if seen
 
 
 IDENTICAL = Delta()
 
 
-def compare_completions(base: Completion, other: Completion) -> Delta:
-    """Compare a completion with the baseline, step by step.
+@dataclass
+class ComparablePairs:
+    """The logprob pairs of two completions that share a context, flattened: first the chosen
+    tokens' logprobs of the steps before the divergence (one per step), then each step's
+    top-k entries present on both sides (step t's end at ends[t])."""
+    diverged: Optional[int]
+    xs: List[float]
+    ys: List[float]
+    chosen: int
+    ends: List[int]
 
-    Before the first token divergence: the chosen token's logprob and every token in both
+    def step_of(self, i: int) -> int:
+        return i if i < self.chosen else bisect.bisect_right(self.ends, i)
+
+
+def comparable_pairs(base: Completion, other: Completion) -> ComparablePairs:
+    """Before the first token divergence: the chosen token's logprob and every token in both
     top-k lists. At the divergence step: only tokens in both top-k lists. After it: nothing,
-    because the two contexts differ.
-    """
-    if (other.tokens == base.tokens and other.logprobs == base.logprobs
-            and other.top_logprobs == base.top_logprobs):
-        return IDENTICAL
+    because the two contexts differ. Built with C-level extends: a sweep compares thousands."""
     steps = min(len(base.tokens), len(other.tokens))
     diverged = next((t for t in range(steps) if base.tokens[t] != other.tokens[t]), None)
     if diverged is None and len(base.tokens) != len(other.tokens):
         diverged = steps  # one ended early: its end is the divergence
     last = steps - 1 if diverged is None else min(diverged, steps - 1)
-    # Every comparable pair of values, flattened: first the chosen tokens' logprobs of the
-    # steps before the divergence, then each step's shared top-k entries (ends[t] is where
-    # step t's entries end). Built with C-level extends, since a sweep compares thousands.
     chosen = last + 1 if diverged is None else diverged
     xs, ys = base.logprobs[:chosen], other.logprobs[:chosen]
     ends: List[int] = []
@@ -217,42 +243,34 @@ def compare_completions(base: Completion, other: Completion) -> Delta:
         xs.extend(map(bt.__getitem__, keys))
         ys.extend(map(ot.__getitem__, keys))
         ends.append(len(xs))
+    return ComparablePairs(diverged, xs, ys, chosen, ends)
 
-    def step_of(i: int) -> int:
-        return i if i < chosen else bisect.bisect_right(ends, i)
 
-    ulps = _negative_float32_ulps(xs, ys)
-    if ulps is not None:
-        worst = max(ulps, default=0)
-        if not worst:
-            return Delta(diverged, 0, None, ())
-        first_chosen = next((i for i in range(chosen) if ulps[i]), None)
-        first_top = next((step_of(i) for i in range(chosen, len(ulps)) if ulps[i]), None)
-        first = min(s for s in (first_chosen, first_top) if s is not None)
-        return Delta(diverged, worst, first, ())
-    worst, first, units = 0, None, set()
-    for i, (a, b) in enumerate(zip(xs, ys)):
-        if a == b:
-            continue
-        distance, unit = logprob_distance(a, b)
-        first = step_of(i) if first is None else min(first, step_of(i))
+def pair_ulps(xs: List[float], ys: List[float], clamps: Sequence[float]) -> Tuple[List[Optional[int]], Set[str]]:
+    """The ULP distance of every pair (None: moved, but no distance means anything), and the
+    notes on units met. The common case is counted in C; the rest pair by pair."""
+    bulk = _negative_float32_ulps(xs, ys, clamps)
+    if bulk is not None:
+        return bulk, set()
+    ulps: List[Optional[int]] = []
+    notes: Set[str] = set()
+    for a, b in zip(xs, ys):
+        distance, unit = logprob_distance(a, b, clamps)
+        ulps.append(distance)
         if unit != "float32":
-            units.add(unit)
-        if distance is not None and distance > worst:
-            worst = distance
-    return Delta(diverged, worst, first, tuple(sorted(units)))
+            notes.add(unit)
+    return ulps, notes
 
 
-def _negative_float32_ulps(xs: List[float], ys: List[float]) -> Optional[List[int]]:
+def _negative_float32_ulps(xs: List[float], ys: List[float], clamps: Sequence[float]) -> Optional[List[int]]:
     """ULPs of each pair, computed in C, for the common case: every value a finite float32
-    at or below zero (then the bit patterns order like the values and a plain difference
-    counts ULPs).
-    None when any value falls outside that case; the caller then goes pair by pair."""
+    at or below zero and none a clamp (then the bit patterns order like the values and a
+    plain difference counts ULPs). None when any value falls outside that case."""
     if not xs or max(xs) > 0.0 or max(ys) > 0.0:
         return None
     if 0.0 in xs or 0.0 in ys:  # a certain token: write +0.0 as -0.0, so every sign bit is set
         xs, ys = [v or -0.0 for v in xs], [v or -0.0 for v in ys]
-    if VLLM_LOGPROB_CLAMP in xs or VLLM_LOGPROB_CLAMP in ys or -math.inf in xs or -math.inf in ys:
+    if any(c in xs or c in ys for c in clamps) or -math.inf in xs or -math.inf in ys:
         return None
     fx, fy = array.array("f", xs), array.array("f", ys)
     if fx.tolist() != xs or fy.tolist() != ys:  # not float32 values, or NaN
@@ -261,20 +279,26 @@ def _negative_float32_ulps(xs: List[float], ys: List[float]) -> Optional[List[in
     return list(map(abs, map(operator.sub, bx, by)))
 
 
-def count_unique(texts: Sequence[str]) -> int:
-    return len(set(texts))
+def compare_completions(base: Completion, other: Completion, clamps: Sequence[float] = ()) -> Delta:
+    """Compare a completion with the baseline, step by step (see comparable_pairs for which
+    values count); clamps are the engine's stand-ins for -inf."""
+    if same_completion(base, other):
+        return IDENTICAL
+    pairs = comparable_pairs(base, other)
+    ulps, notes = pair_ulps(pairs.xs, pairs.ys, clamps)
+    worst = max((u for u in ulps if u), default=0)
+    first_chosen = next((i for i in range(pairs.chosen) if ulps[i] != 0), None)
+    first_top = next((pairs.step_of(i) for i in range(pairs.chosen, len(ulps)) if ulps[i] != 0), None)
+    moved = [s for s in (first_chosen, first_top) if s is not None]
+    return Delta(pairs.diverged, worst, min(moved) if moved else None, tuple(sorted(notes)))
+
+
+Bucket = Union[int, str, None]  # a graph size; None above the largest (no graph); "?" sizes unknown
 
 
 def graph_bucket(batch_size: int, graph_sizes: Sequence[int]) -> Optional[int]:
     """The CUDA-graph size a decode batch pads up to; None above the largest (no graph)."""
     return next((b for b in sorted(graph_sizes) if b >= batch_size), None)
-
-
-def vllm_capture_sizes(max_num_seqs: int) -> List[int]:
-    """vLLM's default capture sizes: 1, 2, 4, then steps of 8 (16 above 256), to min(2*seqs, 512)."""
-    top = min(2 * max_num_seqs, 512)
-    sizes = [1, 2, 4] + list(range(8, min(top, 256) + 1, 8)) + list(range(272, top + 1, 16))
-    return [s for s in sizes if s <= top]
 
 
 def straddling_ladder(max_batch: int, graph_sizes: Sequence[int]) -> List[int]:
@@ -293,14 +317,10 @@ def verdict(unique: int, max_ulp: int, tokens_diverged: bool, unmeasured: bool =
     return "invariant"
 
 
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values)
-
-
 def mad(values: Sequence[float]) -> float:
     """Median absolute deviation: a spread that one slow outlier cannot inflate."""
-    m = median(values)
-    return median([abs(v - m) for v in values])
+    m = statistics.median(values)
+    return statistics.median([abs(v - m) for v in values])
 
 
 def bootstrap_median_ci(values: Sequence[float], resamples: int = BOOTSTRAP_RESAMPLES,
@@ -308,7 +328,7 @@ def bootstrap_median_ci(values: Sequence[float], resamples: int = BOOTSTRAP_RESA
     """Percentile bootstrap interval of the median; seeded, so the same data give the same interval."""
     rng = random.Random(seed)
     n = len(values)
-    meds = sorted(median([values[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples))
+    meds = sorted(statistics.median([values[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples))
     tail = (1.0 - level) / 2.0
     return meds[int(tail * (resamples - 1))], meds[int(math.ceil((1.0 - tail) * (resamples - 1)))]
 
@@ -318,15 +338,16 @@ def overhead_stats(off_s: Sequence[float], on_s: Sequence[float]) -> Dict[str, A
     ratios = [b / a for a, b in zip(off_s, on_s)]
     lo, hi = bootstrap_median_ci(ratios)
     ci = [round((lo - 1.0) * 100.0, 3), round((hi - 1.0) * 100.0, 3)]
-    return {"overhead_pct": round((median(ratios) - 1.0) * 100.0, 3), "ci95_pct": ci,
-            "significant": not (ci[0] <= 0.0 <= ci[1]), "ratios": ratios}
+    return {"overhead_pct": round((statistics.median(ratios) - 1.0) * 100.0, 3), "ci95_pct": ci,
+            "significant": not (ci[0] <= 0.0 <= ci[1]), "ratios": [round(r, 6) for r in ratios]}
 
 
 def arm_stats(samples_s: Sequence[float], tokens: Sequence[int]) -> Dict[str, Any]:
     tps = [t / s for t, s in zip(tokens, samples_s) if s > 0]
-    return {"median_s": median(samples_s), "mad_s": mad(samples_s), "min_s": min(samples_s),
+    return {"median_s": statistics.median(samples_s), "mad_s": mad(samples_s), "min_s": min(samples_s),
             "max_s": max(samples_s), "samples_s": list(samples_s), "output_tokens": list(tokens),
-            "tokens_per_s": [round(x, 3) for x in tps], "median_tokens_per_s": median(tps) if tps else None,
+            "tokens_per_s": [round(x, 3) for x in tps],
+            "median_tokens_per_s": statistics.median(tps) if tps else None,
             "noisy": max(samples_s) / min(samples_s) > NOISE_SPREAD if min(samples_s) > 0 else True}
 
 
@@ -385,7 +406,7 @@ class _NoForeignRedirect(urllib.request.HTTPRedirectHandler):
 
 
 def server_message(body: bytes) -> str:
-    """The server's own error text: vLLM and SGLang both send {"error": {"message": ...}}."""
+    """The server's own error text: {"error": {"message": ...}}, {"error": "..."}, {"message": ...}."""
     try:
         data = json.loads(body)
     except ValueError:
@@ -429,9 +450,9 @@ class HttpClient:
                 self._read_capped(err) if err.fp else b""))) from None
         except urllib.error.URLError as err:
             raise ServerError(describe_network_error(err.reason, self.base_url, self.timeout)) from None
-        except (socket.timeout, TimeoutError) as err:  # a read that timed out, past the connect
+        except TimeoutError as err:  # a read that timed out, past the connect
             raise ServerError(describe_network_error(err, self.base_url, self.timeout)) from None
-        except (HTTPException, ConnectionError, OSError) as err:
+        except (HTTPException, OSError) as err:
             raise ServerError("connection to %s dropped (%s)" % (url, type(err).__name__)) from None
         try:
             return json.loads(raw)
@@ -452,46 +473,93 @@ class HttpClient:
 
 
 def describe_network_error(reason: Any, base_url: str, timeout: float) -> str:
-    if isinstance(reason, ServerError):
-        return str(reason)
     if isinstance(reason, ConnectionRefusedError):
         return "connection refused by %s: is the server running?" % base_url
     if isinstance(reason, socket.gaierror):
         return "cannot resolve the host of %s" % base_url
-    if isinstance(reason, (socket.timeout, TimeoutError)):
+    if isinstance(reason, TimeoutError):
         return "no answer from %s within %gs (--timeout)" % (base_url, timeout)
     return "cannot reach %s: %s" % (base_url, reason)
 
 
 # ----------------------------------------------------------------------------
-# Engine adapters: each engine's wire format in, Completion records out
+# Engine adapters: each engine's wire format in, Completion and ServerFacts records out.
+# Nothing below this section knows which engine answered.
 
 
-@dataclass
+@dataclass(frozen=True)
 class Sampling:
+    """What every generation request asks for; the saved params are derived from it too."""
     temperature: float
     top_p: float
     max_tokens: int
     logprobs: Optional[int]       # top-k per step; None asks for none
-    seed: Optional[int] = None
+    seed: Optional[int] = None    # sent only when temperature > 0 (see of())
     ignore_eos: bool = False
 
+    @classmethod
+    def of(cls, temperature: float, max_tokens: int, logprobs: Optional[int], seed: int,
+           ignore_eos: bool = False) -> "Sampling":
+        """The seed is sent only when sampling: greedy needs none, and an unseeded sample
+        would draw from a generator the whole batch shares."""
+        return cls(temperature, DEFAULT_TOP_P, max_tokens, logprobs,
+                   seed if temperature > 0 else None, ignore_eos)
 
-def dig(data: Any, *keys: Any) -> Any:
-    """data[k1][k2]... or None when any step is missing."""
+    def params(self) -> Dict[str, Any]:
+        return {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens,
+                "logprobs": self.logprobs, "seed": self.seed}
+
+
+@dataclass
+class ServerFacts:
+    """What the lab knows of one server, in one shape whichever engine runs it."""
+    engine: str                               # the adapter's name
+    model: str                                # the served model the lab will ask for
+    version: Any = None
+    flag: Optional[bool] = None               # the batch-invariance flag; None: the server does not say
+    max_model_len: Any = None
+    attention_backend: Any = None             # as the adapter spells it (vLLM: the class name)
+    tp: Any = None
+    max_num_seqs: Any = None                  # the most requests the server runs together
+    load_format: Any = None
+    graph_sizes: List[int] = field(default_factory=list)  # decode CUDA-graph sizes; [] when none run
+    graph_source: str = "assumed"             # reported, derived (from reported settings) or assumed
+    default_graph_sizes: List[int] = field(default_factory=list)  # the engine's own; ladders use them without graphs
+    info_source: Optional[str] = None         # the endpoint the settings came from; None: hidden
+    settings_hint: Optional[str] = None       # how to make a server that hides its settings show them
+    settings: Dict[str, Any] = field(default_factory=dict)   # label -> value, compared between arms
+    flag_sets: Dict[str, Any] = field(default_factory=dict)  # label -> the value the flag itself gives it here
+
+    def bucket(self, batch_size: int) -> Bucket:
+        return "?" if self.graph_source == "assumed" else graph_bucket(batch_size, self.graph_sizes)
+
+    def to_record(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+class EngineAdapter(Protocol):
+    """Everything the modes know of an engine."""
+    name: str                          # as --engine spells it
+    label: str                         # as printed
+    default_port: int
+    generate_path: str
+    flag_name: str
+    logprob_clamps: Tuple[float, ...]  # the engine's stand-ins for a -inf logprob
+
+    def read_facts(self, client: HttpClient, model: Optional[str]) -> ServerFacts: ...
+
+    def body(self, model: str, prompts: List[str], sampling: Sampling) -> Dict[str, Any]: ...
+
+    def completions(self, answer: Any, n: int, with_logprobs: bool) -> List[Completion]: ...
+
+    def output_tokens(self, answer: Any) -> int: ...
+
+
+def dig(data: Any, *keys: str) -> Any:
+    """data[k1][k2]... through nested objects, or None when any step is missing."""
     for key in keys:
-        if isinstance(data, dict):
-            data = data.get(key)
-        elif isinstance(data, list) and isinstance(key, int) and -len(data) <= key < len(data):
-            data = data[key]
-        else:
-            return None
+        data = data.get(key) if isinstance(data, dict) else None
     return data
-
-
-def short_backend(name: Any) -> Any:
-    """vllm.v1.attention.backends.flash_attn.FlashAttentionBackend -> FlashAttentionBackend."""
-    return name.rsplit(".", 1)[-1] if isinstance(name, str) else name
 
 
 def shape_error(what: str) -> ServerError:
@@ -512,8 +580,13 @@ def check_steps(i: int, tokens: Any, logprobs: Any, top: Any) -> None:
 
 class VllmAdapter:
     name = "vllm"
+    label = "vLLM"
+    default_port = 8000
     generate_path = "/v1/completions"
     flag_name = "VLLM_BATCH_INVARIANT"
+    logprob_clamps = (-9999.0,)        # vLLM writes -inf logprobs as -9999.0
+    DEFAULT_MAX_NUM_SEQS = 32          # assumed when the server does not say (upstream's test value)
+    SETTINGS_HINT = "start vLLM with VLLM_SERVER_DEV_MODE=1 to expose /server_info"
 
     # (label, path in /server_info) of every setting that changes the arithmetic or the batching
     SETTINGS = [
@@ -539,7 +612,19 @@ class VllmAdapter:
     # With the flag on, vLLM turns prefix caching off for these backends itself.
     FLAG_DISABLES_PREFIX_CACHE = ("FlashInferBackend", "TritonMLABackend")
 
-    def read_facts(self, client: HttpClient, model: Optional[str]) -> Dict[str, Any]:
+    @staticmethod
+    def capture_sizes(max_num_seqs: int) -> List[int]:
+        """vLLM's default capture sizes: 1, 2, 4, then steps of 8 (16 above 256), to min(2*seqs, 512)."""
+        top = min(2 * max_num_seqs, 512)
+        sizes = [1, 2, 4] + list(range(8, min(top, 256) + 1, 8)) + list(range(272, top + 1, 16))
+        return [s for s in sizes if s <= top]
+
+    @staticmethod
+    def short_backend(name: Any) -> Any:
+        """vllm.v1.attention.backends.flash_attn.FlashAttentionBackend -> FlashAttentionBackend."""
+        return name.rsplit(".", 1)[-1] if isinstance(name, str) else name
+
+    def read_facts(self, client: HttpClient, model: Optional[str]) -> ServerFacts:
         version = dig(client.request("/version"), "version")
         models = client.request("/v1/models")
         try:
@@ -548,38 +633,42 @@ class VllmAdapter:
             info = None  # only served with VLLM_SERVER_DEV_MODE=1
         return self.facts(version, models, info, model)
 
-    def facts(self, version: Any, models: Any, info: Any, model: Optional[str]) -> Dict[str, Any]:
+    def facts(self, version: Any, models: Any, info: Any, model: Optional[str]) -> ServerFacts:
         """The common facts record from /version, /v1/models and (dev mode) /server_info."""
-        entries = [m for m in dig(models, "data") or [] if isinstance(m, dict) and m.get("id")]
+        entries = dig(models, "data")
+        entries = [m for m in entries if isinstance(m, dict) and m.get("id")] if isinstance(entries, list) else []
         if not entries:
             raise ServerError("/v1/models lists no model")
         ids = [m["id"] for m in entries]
         if model is not None and model not in ids:
             raise UsageError("the server does not serve %s; it serves: %s" % (model, ", ".join(ids)))
         entry = entries[ids.index(model)] if model is not None else entries[0]
-        facts = {"engine": self.name, "version": version, "model": entry["id"],
-                 "max_model_len": entry.get("max_model_len"), "flag": None,
-                 "attention_backend": None, "tp": None, "graph_sizes": None,
-                 "max_num_seqs": None, "load_format": None, "info_source": None,
-                 "settings": {"engine version": version, "served model": entry["id"],
-                              "max model length": entry.get("max_model_len")}}
-        if isinstance(info, dict) and isinstance(info.get("vllm_config"), dict):
-            config = info["vllm_config"]
-            facts.update(
-                info_source="/server_info", flag=dig(info, "vllm_env", self.flag_name),
-                attention_backend=short_backend(dig(config, "attention_config", "backend")),
-                tp=dig(config, "parallel_config", "tensor_parallel_size"),
-                graph_sizes=([] if dig(config, "model_config", "enforce_eager")
-                             else dig(config, "compilation_config", "cudagraph_capture_sizes")),
-                max_num_seqs=dig(config, "scheduler_config", "max_num_seqs"),
-                load_format=dig(config, "load_config", "load_format"))
-            facts["settings"].update({label: dig(info, *path) for label, path in self.SETTINGS})
-        return facts
-
-    def flag_consequence(self, label: str, off: Dict[str, Any], on: Dict[str, Any]) -> bool:
-        backend = short_backend(on["settings"].get("attention backend"))
-        return (label == "prefix caching" and backend in self.FLAG_DISABLES_PREFIX_CACHE
-                and not on["settings"].get(label))
+        listed = {"engine version": version, "served model": entry["id"],
+                  "max model length": entry.get("max_model_len")}
+        config = dig(info, "vllm_config")
+        if not isinstance(config, dict):
+            sizes = self.capture_sizes(self.DEFAULT_MAX_NUM_SEQS)
+            return ServerFacts(self.name, entry["id"], version, max_model_len=entry.get("max_model_len"),
+                               graph_sizes=sizes, graph_source="assumed", default_graph_sizes=sizes,
+                               settings_hint=self.SETTINGS_HINT, settings=listed)
+        settings = dict(listed, **{label: dig(info, *path) for label, path in self.SETTINGS})
+        settings["attention backend"] = backend = self.short_backend(settings["attention backend"])
+        max_num_seqs = settings["max num seqs"]
+        defaults = self.capture_sizes(max_num_seqs if isinstance(max_num_seqs, int) else self.DEFAULT_MAX_NUM_SEQS)
+        reported = settings["CUDA-graph sizes"]
+        if settings["enforce eager"]:
+            graph, source = [], "reported"
+        elif isinstance(reported, list):
+            graph, source = reported, "reported"
+        else:
+            graph, source = defaults, "assumed"
+        return ServerFacts(
+            self.name, entry["id"], version, flag=dig(info, "vllm_env", self.flag_name),
+            max_model_len=entry.get("max_model_len"), attention_backend=backend,
+            tp=settings["TP size"], max_num_seqs=max_num_seqs, load_format=settings["load format"],
+            graph_sizes=graph, graph_source=source, default_graph_sizes=defaults,
+            info_source="/server_info", settings=settings,
+            flag_sets={"prefix caching": False} if backend in self.FLAG_DISABLES_PREFIX_CACHE else {})
 
     def body(self, model: str, prompts: List[str], s: Sampling) -> Dict[str, Any]:
         body: Dict[str, Any] = {"model": model, "prompt": prompts, "max_tokens": s.max_tokens,
@@ -622,8 +711,12 @@ class VllmAdapter:
 
 class SglangAdapter:
     name = "sglang"
+    label = "SGLang"
+    default_port = 30000
     generate_path = "/generate"
     flag_name = "--enable-deterministic-inference"
+    logprob_clamps = ()
+    GRAPH_SIZES = [1, 2, 4, 8, 12, 16, 24, 32]  # decode graphs with --cuda-graph-max-bs-decode 32
 
     SETTINGS = [(label, (key,)) for label, key in [
         ("model", "model_path"), ("dtype", "dtype"), ("quantization", "quantization"),
@@ -635,11 +728,8 @@ class SglangAdapter:
         ("CUDA graph disabled", "disable_cuda_graph"), ("sampling backend", "sampling_backend"),
         ("CUDA-graph max bs", "cuda_graph_max_bs_decode"), ("CUDA-graph max bs (old)", "cuda_graph_max_bs"),
     ]] + [("CUDA-graph sizes", ("cuda_graph_config", "decode", "bs"))]
-    # With the flag on, SGLang switches these itself (pytorch sampling; no radix cache with flashinfer).
-    FLAG_SETS = {"sampling backend": lambda on: on == "pytorch",
-                 "radix cache disabled": lambda on: bool(on)}
 
-    def read_facts(self, client: HttpClient, model: Optional[str]) -> Dict[str, Any]:
+    def read_facts(self, client: HttpClient, model: Optional[str]) -> ServerFacts:
         try:
             info = client.request("/server_info")
         except ServerError as err:
@@ -648,30 +738,37 @@ class SglangAdapter:
             info = client.request("/get_server_info")  # SGLang before /server_info existed
         return self.facts(info, model)
 
-    def facts(self, info: Any, model: Optional[str]) -> Dict[str, Any]:
+    def facts(self, info: Any, model: Optional[str]) -> ServerFacts:
         """The common facts record from /server_info's flat server arguments."""
         if not isinstance(info, dict):
             raise shape_error("server info is not an object")
         served = [m for m in (info.get("model_path"), info.get("served_model_name")) if m]
         if model is not None and model not in served:
             raise UsageError("the server serves %s, not %s" % (served[-1] if served else "?", model))
-        graph = dig(info, "cuda_graph_config", "decode", "bs")
-        if graph is None and info.get("cuda_graph_max_bs_decode", info.get("cuda_graph_max_bs")) == 32:
-            graph = SGLANG_GRAPH_SIZES
-        return {"engine": self.name, "version": info.get("version"), "model": model or info.get("model_path"),
-                "max_model_len": info.get("context_length"), "flag": info.get("enable_deterministic_inference"),
-                "attention_backend": info.get("attention_backend"), "tp": info.get("tp_size"),
-                "graph_sizes": [] if info.get("disable_cuda_graph") else graph,
-                "max_num_seqs": info.get("max_running_requests"), "load_format": info.get("load_format"),
-                "settings": dict([("engine version", info.get("version"))] +
-                                 [(label, dig(info, *path)) for label, path in self.SETTINGS]),
-                "info_source": "/server_info"}
-
-    def flag_consequence(self, label: str, off: Dict[str, Any], on: Dict[str, Any]) -> bool:
-        check = self.FLAG_SETS.get(label)
-        if label == "radix cache disabled" and on["settings"].get("attention backend") != "flashinfer":
-            return False
-        return bool(check and check(on["settings"].get(label)))
+        settings = dict([("engine version", info.get("version"))] +
+                        [(label, dig(info, *path)) for label, path in self.SETTINGS])
+        reported = settings["CUDA-graph sizes"]
+        if info.get("disable_cuda_graph"):
+            graph, source = [], "reported"
+        elif isinstance(reported, list):
+            graph, source = reported, "reported"
+        elif info.get("cuda_graph_max_bs_decode", info.get("cuda_graph_max_bs")) == max(self.GRAPH_SIZES):
+            graph, source = self.GRAPH_SIZES, "derived"
+        else:
+            graph, source = self.GRAPH_SIZES, "assumed"
+        backend = info.get("attention_backend")
+        # With the flag on, SGLang switches these itself: pytorch sampling, and no radix cache
+        # with flashinfer.
+        flag_sets: Dict[str, Any] = {"sampling backend": "pytorch"}
+        if backend == "flashinfer":
+            flag_sets["radix cache disabled"] = True
+        return ServerFacts(
+            self.name, model or info.get("model_path"), info.get("version"),
+            flag=info.get("enable_deterministic_inference"), max_model_len=info.get("context_length"),
+            attention_backend=backend, tp=info.get("tp_size"), max_num_seqs=info.get("max_running_requests"),
+            load_format=info.get("load_format"), graph_sizes=graph, graph_source=source,
+            default_graph_sizes=self.GRAPH_SIZES, info_source="/server_info", settings=settings,
+            flag_sets=flag_sets)
 
     def body(self, model: str, prompts: List[str], s: Sampling) -> Dict[str, Any]:
         params: Dict[str, Any] = {"temperature": s.temperature, "top_p": s.top_p,
@@ -720,15 +817,15 @@ class SglangAdapter:
         return sum(int(dig(item, "meta_info", "completion_tokens") or 0) for item in answer or [])
 
 
-ADAPTERS = {"vllm": VllmAdapter(), "sglang": SglangAdapter()}
+ADAPTERS: Dict[str, EngineAdapter] = {a.name: a for a in (VllmAdapter(), SglangAdapter())}
 
 
-def generate(client: HttpClient, adapter: Any, model: str, prompts: List[str],
+def generate(client: HttpClient, adapter: EngineAdapter, model: str, prompts: List[str],
              sampling: Sampling) -> Tuple[Any, float]:
     """One request carrying every prompt, so that the engine schedules them as one batch."""
-    start = time.perf_counter()
+    start = CLOCK()
     answer = client.request(adapter.generate_path, adapter.body(model, prompts, sampling))
-    return answer, time.perf_counter() - start
+    return answer, CLOCK() - start
 
 
 # ----------------------------------------------------------------------------
@@ -738,7 +835,7 @@ def generate(client: HttpClient, adapter: Any, model: str, prompts: List[str],
 @dataclass
 class Config:
     mode: str
-    engine: Optional[str] = None
+    engine: Optional[str] = None   # harness: the part to print (None: both); sweep and cost: the adapter
     url: Optional[str] = None
     model: Optional[str] = None
     api_key: Optional[str] = field(default=None, repr=False)
@@ -746,14 +843,12 @@ class Config:
     max_response_bytes: int = DEFAULT_MAX_RESPONSE_MB << 20
     json_out: bool = False
     save: Optional[str] = None
+    prior_save: Optional[Dict[str, Any]] = None  # the document already at --save (cost adds to it)
+    sampling: Optional[Sampling] = None
     # sweep
     sizes: Optional[List[int]] = None
     max_batch: int = DEFAULT_MAX_BATCH
     prompts: List[str] = field(default_factory=list)
-    temperature: float = DEFAULT_TEMPERATURE
-    max_tokens: int = DEFAULT_SWEEP_TOKENS
-    logprobs: int = DEFAULT_LOGPROBS
-    seed: int = DEFAULT_SEED
     baseline: Optional[Dict[str, Any]] = None
     baseline_path: Optional[str] = None
     expect: Optional[str] = None
@@ -766,12 +861,10 @@ class Config:
     prefix_tokens: int = DEFAULT_PREFIX_TOKENS
     tp: Optional[int] = None
     allow_mismatch: bool = False
-    # the saved document already at --save (cost mode adds to it)
-    existing: Optional[Dict[str, Any]] = None
 
     @property
-    def adapter(self):
-        return ADAPTERS[self.engine or "vllm"]
+    def adapter(self) -> EngineAdapter:
+        return ADAPTERS[self.engine]
 
     def client(self, url: str) -> HttpClient:
         return HttpClient(url, self.api_key, self.timeout, self.max_response_bytes)
@@ -782,44 +875,83 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+_WHOLE = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: int() also takes other scripts' digits
+
+
+def parse_whole(text: str) -> Optional[int]:
+    return int(text) if _WHOLE.fullmatch(text.strip()) else None
+
+
+def whole_number(low: int, high: Optional[int] = None) -> Callable[[str], int]:
+    """An argparse type: a whole number from low (to high); its error is one line."""
+    def parse(text: str) -> int:
+        value = parse_whole(text)
+        if value is None:
+            raise argparse.ArgumentTypeError("%r is not a whole number" % text)
+        if value < low or (high is not None and value > high):
+            wanted = "at least %d" % low if high is None else "%d to %d" % (low, high)
+            raise argparse.ArgumentTypeError("give %s (got %d)" % (wanted, value))
+        return value
+    return parse
+
+
+def real_number(low: float, above: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number at least low (or above it, with above)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or not text.strip().isascii():
+            raise argparse.ArgumentTypeError("%r is not a finite number" % text)
+        if value < low or (above and value == low):
+            raise argparse.ArgumentTypeError("give %s %g (got %g)" % ("a number above" if above else "at least", low, value))
+        return value
+    return parse
+
+
+def exit_codes_text(indent: str = "  ") -> str:
+    return "\n".join("%s%-4d %s" % (indent, code, meaning) for code, meaning in EXIT_CODES)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="run.py", formatter_class=argparse.RawDescriptionHelpFormatter,
                 description="Batch-invariance lab for vLLM and SGLang servers, over plain HTTP.",
-                epilog=EXIT_CODES_TEXT)
+                epilog="exit codes:\n" + exit_codes_text())
     p.add_argument("--mode", choices=MODES, default="help",
                    help="harness: upstream harnesses and commands (offline); sweep: unique completions "
                         "and logprob ULPs across batch sizes; cost: the flag's overhead; help: the guide")
     common = p.add_argument_group("all modes")
-    common.add_argument("--engine", choices=ENGINES, help="vllm (default for sweep and cost) or sglang; "
-                        "harness: print only this engine's part")
+    common.add_argument("--engine", choices=sorted(ADAPTERS), help="vllm (default for sweep and cost) or "
+                        "sglang; harness: print only this engine's part")
     sweep_cost = p.add_argument_group("sweep and cost")
     sweep_cost.add_argument("--url", help="the server (cost: the flag-off arm); default "
                             "http://localhost:8000 for vllm, :30000 for sglang")
     sweep_cost.add_argument("--model", help="served model; default: the first of /v1/models (vllm), "
                             "model_path of /server_info (sglang)")
     sweep_cost.add_argument("--api-key", help="bearer token (default: $OPENAI_API_KEY); never printed or saved")
-    sweep_cost.add_argument("--max-tokens", type=int, help="tokens per completion (default: sweep %d, "
-                            "cost %d)" % (DEFAULT_SWEEP_TOKENS, DEFAULT_COST_TOKENS))
+    sweep_cost.add_argument("--max-tokens", type=whole_number(1), help="tokens per completion (default: "
+                            "sweep %d, cost %d)" % (DEFAULT_SWEEP_TOKENS, DEFAULT_COST_TOKENS))
     sweep_cost.add_argument("--save", metavar="PATH", help="write the result as JSON (sweep: rewritten "
                             "after every batch size; cost: adds its cell to the file)")
     sweep_cost.add_argument("--json", action="store_true", help="print the result as JSON, not a table")
-    sweep_cost.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+    sweep_cost.add_argument("--timeout", type=real_number(0.0, above=True), default=DEFAULT_TIMEOUT_S,
                             help="seconds to wait for one answer (default %g)" % DEFAULT_TIMEOUT_S)
-    sweep_cost.add_argument("--max-response-mb", type=int, default=DEFAULT_MAX_RESPONSE_MB,
+    sweep_cost.add_argument("--max-response-mb", type=whole_number(1), default=DEFAULT_MAX_RESPONSE_MB,
                             help="refuse a larger answer (default %d)" % DEFAULT_MAX_RESPONSE_MB)
     sweep = p.add_argument_group("sweep")
     sweep.add_argument("--sizes", help="batch sizes, e.g. 1,15,16,17 (default: a ladder to --max-batch "
                        "that straddles every CUDA-graph size)")
-    sweep.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+    sweep.add_argument("--max-batch", type=whole_number(1), default=DEFAULT_MAX_BATCH,
                        help="largest batch of the default ladder (default %d)" % DEFAULT_MAX_BATCH)
     sweep.add_argument("--prompt", action="append", default=[], metavar="TEXT",
                        help="a prompt; repeat for more (each gets its own sweep)")
     sweep.add_argument("--prompt-file", metavar="PATH", help="prompts, one per line")
-    sweep.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
+    sweep.add_argument("--temperature", type=real_number(0.0), default=DEFAULT_TEMPERATURE,
                        help="default %g (greedy); above 0 a --seed is always sent" % DEFAULT_TEMPERATURE)
-    sweep.add_argument("--seed", type=int, default=DEFAULT_SEED, help="sampling seed when temperature > 0 "
-                       "(default %d)" % DEFAULT_SEED)
-    sweep.add_argument("--logprobs", type=int, default=DEFAULT_LOGPROBS,
+    sweep.add_argument("--seed", type=whole_number(0), default=DEFAULT_SEED, help="sampling seed when "
+                       "temperature > 0 (default %d)" % DEFAULT_SEED)
+    sweep.add_argument("--logprobs", type=whole_number(0, MAX_LOGPROBS), default=DEFAULT_LOGPROBS,
                        help="top-k logprobs per step, 0..%d (default %d)" % (MAX_LOGPROBS, DEFAULT_LOGPROBS))
     sweep.add_argument("--baseline", metavar="PATH", help="compare with the batch-1 completions of an "
                        "earlier sweep's --save file (same model and prompts)")
@@ -827,40 +959,31 @@ def build_parser() -> argparse.ArgumentParser:
                        "invariant (flag on) or shows a difference (flag off, the negative control)")
     cost = p.add_argument_group("cost")
     cost.add_argument("--invariant", metavar="URL", help="the flag-on arm (required)")
-    cost.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="prompts per timed request "
-                      "(default %d)" % DEFAULT_BATCH)
-    cost.add_argument("--trials", type=int, default=DEFAULT_TRIALS, help="timed requests per arm "
-                      "(default %d)" % DEFAULT_TRIALS)
-    cost.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="discarded requests per arm "
-                      "(default %d)" % DEFAULT_WARMUP)
+    cost.add_argument("--batch", type=whole_number(1), default=DEFAULT_BATCH, help="prompts per timed "
+                      "request (default %d)" % DEFAULT_BATCH)
+    cost.add_argument("--trials", type=whole_number(1), default=DEFAULT_TRIALS, help="timed requests per "
+                      "arm (default %d)" % DEFAULT_TRIALS)
+    cost.add_argument("--warmup", type=whole_number(0), default=DEFAULT_WARMUP, help="discarded requests "
+                      "per arm (default %d)" % DEFAULT_WARMUP)
     cost.add_argument("--workload", choices=("cold", "shared-prefix"), default="cold",
                       help="cold: no prefix can be cached; shared-prefix: one long prefix for all")
-    cost.add_argument("--prefix-tokens", type=int, default=DEFAULT_PREFIX_TOKENS,
+    cost.add_argument("--prefix-tokens", type=whole_number(1), default=DEFAULT_PREFIX_TOKENS,
                       help="length of the shared prefix (default about %d tokens)" % DEFAULT_PREFIX_TOKENS)
-    cost.add_argument("--tp", type=int, help="TP degree for the label when the server does not report it")
+    cost.add_argument("--tp", type=whole_number(1), help="TP degree for the label when the server does "
+                      "not report it")
     cost.add_argument("--allow-mismatch", action="store_true", help="time even when the two servers "
                       "differ in more than the flag (the result records the differences)")
     return p
-
-
-EXIT_CODES_TEXT = """exit codes:
-  0    ran, and any --expect held
-  1    an --expect did not hold
-  2    usage or input error, found before any request
-  3    the server or network failed before the run completed (--save keeps what was measured)
-  130  interrupted by Ctrl-C (--save keeps what was measured)
-  141  the output pipe closed (e.g. `run.py ... | head`)
-"""
 
 
 def parse_sizes(text: str) -> List[int]:
     parts = [p.strip() for p in text.split(",")]
     if not text.strip() or any(not p for p in parts):
         raise UsageError("--sizes: give comma-separated batch sizes, e.g. 1,15,16,17")
-    try:
-        sizes = [int(p) for p in parts]
-    except ValueError:
-        raise UsageError("--sizes: %r is not a whole number" % next(p for p in parts if not p.lstrip("-").isdigit())) from None
+    bad = next((p for p in parts if parse_whole(p) is None), None)
+    if bad is not None:
+        raise UsageError("--sizes: %r is not a whole number" % bad)
+    sizes = [int(p) for p in parts]
     if any(s < 1 for s in sizes):
         raise UsageError("--sizes: batch sizes start at 1 (got %d)" % min(sizes))
     if len(set(sizes)) != len(sizes):
@@ -935,22 +1058,14 @@ def configure(argv: Optional[Sequence[str]]) -> Config:
     if args.mode in ("harness", "help"):
         return cfg
     cfg.engine = args.engine or "vllm"
-    cfg.url = check_url(args.url or "http://localhost:%d" % DEFAULT_PORT[cfg.engine], "--url")
+    cfg.url = check_url(args.url or "http://localhost:%d" % cfg.adapter.default_port, "--url")
     cfg.model = args.model
     cfg.api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or None
-    if args.timeout <= 0:
-        raise UsageError("--timeout: give a positive number of seconds")
-    if args.max_response_mb < 1:
-        raise UsageError("--max-response-mb: give at least 1")
     cfg.timeout, cfg.max_response_bytes = args.timeout, args.max_response_mb << 20
     cfg.json_out = args.json
-    default_tokens = DEFAULT_SWEEP_TOKENS if args.mode == "sweep" else DEFAULT_COST_TOKENS
-    cfg.max_tokens = default_tokens if args.max_tokens is None else args.max_tokens
-    if cfg.max_tokens < 1:
-        raise UsageError("--max-tokens: give at least 1")
     if args.save:
         cfg.save = args.save
-        cfg.existing = check_save_target(args.save, SWEEP_SCHEMA if args.mode == "sweep" else COST_SCHEMA)
+        cfg.prior_save = check_save_target(args.save, SWEEP_SCHEMA if args.mode == "sweep" else COST_SCHEMA)
     if args.mode == "sweep":
         configure_sweep(cfg, args)
     else:
@@ -959,13 +1074,9 @@ def configure(argv: Optional[Sequence[str]]) -> Config:
 
 
 def configure_sweep(cfg: Config, args: argparse.Namespace) -> None:
-    if not 0 <= args.logprobs <= MAX_LOGPROBS:
-        raise UsageError("--logprobs: give 0 to %d (got %d)" % (MAX_LOGPROBS, args.logprobs))
-    if args.temperature < 0 or not math.isfinite(args.temperature):
-        raise UsageError("--temperature: give 0 (greedy) or more")
-    if args.max_batch < 1:
-        raise UsageError("--max-batch: give at least 1")
-    cfg.logprobs, cfg.temperature, cfg.seed, cfg.max_batch = args.logprobs, args.temperature, args.seed, args.max_batch
+    max_tokens = DEFAULT_SWEEP_TOKENS if args.max_tokens is None else args.max_tokens
+    cfg.sampling = Sampling.of(args.temperature, max_tokens, args.logprobs, args.seed)
+    cfg.max_batch = args.max_batch
     cfg.sizes = parse_sizes(args.sizes) if args.sizes is not None else None
     cfg.prompts = list(args.prompt) + (read_prompt_file(args.prompt_file) if args.prompt_file else [])
     if any(not p.strip() for p in cfg.prompts):
@@ -980,12 +1091,6 @@ def configure_sweep(cfg: Config, args: argparse.Namespace) -> None:
         check_baseline(cfg)
 
 
-def sweep_params(cfg: Config) -> Dict[str, Any]:
-    """What a sweep sent, as saved: a baseline must have been made with the same."""
-    return {"temperature": cfg.temperature, "top_p": DEFAULT_TOP_P, "max_tokens": cfg.max_tokens,
-            "logprobs": cfg.logprobs, "seed": cfg.seed if cfg.temperature > 0 else None}
-
-
 def check_baseline(cfg: Config) -> None:
     """Refuse a baseline recorded for another engine, model, prompt or sampling."""
     doc, path = cfg.baseline, cfg.baseline_path
@@ -995,7 +1100,7 @@ def check_baseline(cfg: Config) -> None:
         raise UsageError("--baseline: %s was recorded on %s, this sweep is on %s" % (path, doc.get("engine"), cfg.engine))
     if cfg.model is not None and doc.get("model") != cfg.model:
         raise UsageError("--baseline: %s was recorded for model %s, not %s" % (path, doc.get("model"), cfg.model))
-    mine, theirs = sweep_params(cfg), doc.get("params") or {}
+    mine, theirs = cfg.sampling.params(), doc.get("params") or {}
     for key in ("temperature", "top_p", "max_tokens", "seed"):
         if theirs.get(key) != mine[key]:
             raise UsageError("--baseline: %s was recorded with %s=%s, this sweep uses %s"
@@ -1017,15 +1122,8 @@ def configure_cost(cfg: Config, args: argparse.Namespace) -> None:
     cfg.invariant_url = check_url(args.invariant, "--invariant")
     if server_address(cfg.invariant_url) == server_address(cfg.url):
         raise UsageError("--url and --invariant are the same server; cost compares two")
-    for name in ("batch", "trials"):
-        if getattr(args, name) < 1:
-            raise UsageError("--%s: give at least 1" % name)
-    if args.warmup < 0:
-        raise UsageError("--warmup: give 0 or more")
-    if args.prefix_tokens < 1:
-        raise UsageError("--prefix-tokens: give at least 1")
-    if args.tp is not None and args.tp < 1:
-        raise UsageError("--tp: give at least 1")
+    max_tokens = DEFAULT_COST_TOKENS if args.max_tokens is None else args.max_tokens
+    cfg.sampling = Sampling.of(0.0, max_tokens, None, DEFAULT_SEED, ignore_eos=True)
     cfg.batch, cfg.trials, cfg.warmup = args.batch, args.trials, args.warmup
     cfg.workload, cfg.prefix_tokens, cfg.tp = args.workload, args.prefix_tokens, args.tp
     cfg.allow_mismatch = args.allow_mismatch
@@ -1119,8 +1217,13 @@ class DeferredInterrupt:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
 
+    def check(self) -> None:
+        """Between requests: stop here if a stop was asked for."""
+        if self.requested:
+            raise KeyboardInterrupt
 
-def read_facts(cfg: Config, url: str, arm: str = "the server") -> Dict[str, Any]:
+
+def read_facts(cfg: Config, url: str, arm: str = "the server") -> ServerFacts:
     try:
         return cfg.adapter.read_facts(cfg.client(url), cfg.model)
     except ServerError as err:
@@ -1130,16 +1233,17 @@ def read_facts(cfg: Config, url: str, arm: str = "the server") -> Dict[str, Any]
 def measure_until_stopped(out: Out, what: str, loop: Callable[[DeferredInterrupt], None]) -> Tuple[str, int]:
     """Run a measuring loop. A server error or Ctrl-C ends it early; either way the caller
     keeps, reports and saves what was measured. Returns (state, exit code)."""
+    state, code, message = "complete", EXIT_OK, None
     with DeferredInterrupt(out) as interrupt:
         try:
             loop(interrupt)
-            return "complete", EXIT_OK
         except ServerError as err:
             state, code, message = "stopped: server error", EXIT_SERVER, "%s stopped at %s" % (what, err)
         except KeyboardInterrupt:
             state, code, message = "interrupted", EXIT_INTERRUPTED, "interrupted; showing what was measured"
     out.progress_done()
-    out.stderr.write("run.py: %s\n" % message)
+    if message:
+        out.stderr.write("run.py: %s\n" % message)
     return state, code
 
 
@@ -1147,32 +1251,30 @@ def fmt_opt(value: Any, none: str = "-") -> str:
     return none if value is None else str(value)
 
 
-def fmt_sizes(sizes: Optional[Sequence[int]]) -> str:
-    if sizes is None:
+def fmt_graph_sizes(facts: Dict[str, Any]) -> str:
+    if facts.get("graph_source") == "assumed" or facts.get("graph_sizes") is None:
         return "unknown"
-    if not sizes:
+    if not facts["graph_sizes"]:
         return "none (eager)"
-    return ",".join(str(s) for s in sizes)
+    return ",".join(str(s) for s in facts["graph_sizes"])
 
 
-def describe_flag(facts: Dict[str, Any], adapter: Any) -> str:
-    flag = facts.get("flag")
+def describe_flag(flag: Optional[bool], adapter: EngineAdapter) -> str:
     if flag is None:
         return "flag unknown (the server does not say)"
     return "flag %s (%s=%s)" % ("on" if flag else "off", adapter.flag_name, str(flag).lower())
 
 
-def server_lines(facts: Dict[str, Any], adapter: Any) -> List[str]:
+def server_lines(facts: Dict[str, Any], adapter: EngineAdapter) -> List[str]:
+    """The header of a table, from a saved facts record."""
     return [
         "server: %s %s, model %s, %s" % (facts["engine"], fmt_opt(facts.get("version"), "?"),
-                                         facts.get("model"), describe_flag(facts, adapter)),
+                                         facts.get("model"), describe_flag(facts.get("flag"), adapter)),
         "        attention %s, TP %s, max-num-seqs %s, max model length %s, graph sizes %s" % (
             fmt_opt(facts.get("attention_backend"), "?"), fmt_opt(facts.get("tp"), "?"),
             fmt_opt(facts.get("max_num_seqs"), "?"), fmt_opt(facts.get("max_model_len"), "?"),
-            fmt_sizes(facts.get("graph_sizes"))),
+            fmt_graph_sizes(facts)),
     ]
-
-
 # ----------------------------------------------------------------------------
 # --mode harness: the upstream harnesses, quoted, with what each one does not tell you
 
@@ -1476,7 +1578,7 @@ A CLEAN FLAG-OFF RESULT IS NOT A FAILED EXPERIMENT. It usually means one of:
     prints what the server reports).
 
 A FLAG-ON DIVERGENCE: rule out the documented coverage gaps before filing a bug
-%s
+%(checklist)s
 
 WHAT THE COST MEANS
   Forcing one attention split and one GEMM tile is nearly free at small batch: those
@@ -1490,10 +1592,8 @@ WHAT THE COST MEANS
   compares the servers' settings and refuses to time a mismatched pair.
 
 EXIT CODES
-  0 ran (and any --expect held); 1 an --expect failed; 2 usage or input error, before
-  any request; 3 the server or network failed (what was measured is kept in --save);
-  130 interrupted (likewise); 141 the output pipe closed.
-""" % COVERAGE_CHECKLIST.split("\n", 1)[1]
+%(exit_codes)s
+""" % {"checklist": COVERAGE_CHECKLIST.split("\n", 1)[1], "exit_codes": exit_codes_text()}
 
 
 def run_help(cfg: Config, out: Out) -> int:
@@ -1501,20 +1601,18 @@ def run_help(cfg: Config, out: Out) -> int:
     return EXIT_OK
 
 
+
 # ----------------------------------------------------------------------------
 # --mode sweep
 
 
-def sweep_ladder(cfg: Config, facts: Dict[str, Any]) -> List[int]:
-    """The batch sizes to run: --sizes, else a ladder straddling the server's graph sizes."""
+def sweep_ladder(cfg: Config, facts: ServerFacts) -> List[int]:
+    """The batch sizes to run: --sizes, else a ladder straddling the server's graph sizes
+    (the engine's own when the server runs none)."""
     if cfg.sizes is not None:
         sizes = list(cfg.sizes)
     else:
-        graph = facts.get("graph_sizes")
-        if not graph:
-            graph = (vllm_capture_sizes(facts.get("max_num_seqs") or VLLM_DEFAULT_MAX_NUM_SEQS)
-                     if cfg.engine == "vllm" else SGLANG_GRAPH_SIZES)
-        sizes = straddling_ladder(cfg.max_batch, graph)
+        sizes = straddling_ladder(cfg.max_batch, facts.graph_sizes or facts.default_graph_sizes)
     if 1 not in sizes:
         sizes.insert(0, 1)  # batch 1 is the baseline, and the stored baseline's peer
     return sizes
@@ -1527,10 +1625,14 @@ class PromptSweep:
     baseline: Optional[Completion] = None
     baseline_source: str = "batch 1"
     sizes: List[Dict[str, Any]] = field(default_factory=list)
-    texts: set = field(default_factory=set)  # every distinct completion text, baseline included
+    texts: Set[str] = field(default_factory=set)  # every distinct completion text, baseline included
+
+    def set_baseline(self, baseline: Completion, source: str) -> None:
+        self.baseline, self.baseline_source = baseline, source
+        self.texts.add(baseline.text)
 
     def unique(self) -> int:
-        return count_unique(self.texts)
+        return len(self.texts)
 
     def total(self) -> int:
         return sum(s["completions"] for s in self.sizes)
@@ -1555,29 +1657,25 @@ class PromptSweep:
                 "max_ulp": self.max_ulp(), "verdict": self.verdict()}
 
 
-def measure_size(batch_size: int, completions: List[Completion], baseline: Completion,
-                 seconds: float, bucket: Optional[int]) -> Dict[str, Any]:
-    """One batch size's row: every completion against the baseline."""
+def compare_batch(completions: List[Completion], baseline: Completion, clamps: Sequence[float]) -> Dict[str, Any]:
+    """What one batch's completions show against the baseline, as a table row holds it."""
     deltas, previous, last = [], None, IDENTICAL
     for c in completions:
         # Copies of one completion are common; compare each distinct one once.
-        if previous is None or not (c.tokens == previous.tokens and c.logprobs == previous.logprobs
-                                    and c.top_logprobs == previous.top_logprobs):
-            last = compare_completions(baseline, c)
+        if previous is None or not same_completion(c, previous):
+            last = compare_completions(baseline, c, clamps)
         deltas.append(last)
         previous = c
     divergences = [d.first_token_divergence for d in deltas if d.first_token_divergence is not None]
     ulp_steps = [d.first_ulp_step for d in deltas if d.first_ulp_step is not None]
     texts = [c.text for c in completions]
-    return {"batch_size": batch_size, "bucket": bucket, "completions": len(completions),
-            "distinct_in_batch": count_unique(texts),
+    return {"completions": len(completions), "distinct_in_batch": len(set(texts)),
             "same_as_baseline": sum(1 for c, d in zip(completions, deltas)
                                     if d.first_token_divergence is None and c.text == baseline.text),
             "first_token_divergence": min(divergences) if divergences else None,
             "first_ulp_step": min(ulp_steps) if ulp_steps else None,
             "max_ulp": max(d.max_ulp for d in deltas),
-            "ulp_notes": sorted({u for d in deltas for u in d.units}),
-            "seconds": round(seconds, 4),
+            "ulp_notes": sorted({u for d in deltas for u in d.ulp_notes}),
             "distinct_texts": sorted(set(texts))}
 
 
@@ -1586,40 +1684,38 @@ def baseline_from_file(cfg: Config, prompt: str) -> Completion:
     return Completion.from_record(entry["baseline"])
 
 
-def sweep_document(cfg: Config, facts: Dict[str, Any], results: List[PromptSweep],
+def sweep_document(cfg: Config, facts: ServerFacts, sweeps: List[PromptSweep],
                    sizes: List[int], state: str) -> Dict[str, Any]:
-    summary = {"unique_completions": max((r.unique() for r in results), default=0),
-               "total_completions": max((r.total() for r in results), default=0),
-               "max_ulp": max((r.max_ulp() for r in results), default=0)}
-    diverged = any(r.diverged() for r in results)
-    summary["verdict"] = verdict(summary["unique_completions"], summary["max_ulp"], diverged,
-                                 any(r.unmeasured() for r in results))
-    summary["ulp_notes"] = sorted({u for r in results for s in r.sizes for u in s["ulp_notes"]})
+    summary = {"unique_completions": max((s.unique() for s in sweeps), default=0),
+               "total_completions": max((s.total() for s in sweeps), default=0),
+               "max_ulp": max((s.max_ulp() for s in sweeps), default=0)}
+    summary["verdict"] = verdict(summary["unique_completions"], summary["max_ulp"],
+                                 any(s.diverged() for s in sweeps), any(s.unmeasured() for s in sweeps))
+    summary["ulp_notes"] = sorted({u for s in sweeps for row in s.sizes for u in row["ulp_notes"]})
     summary["state"] = state
-    params = dict(sweep_params(cfg), sizes=sizes, prompts=len(cfg.prompts))
+    params = dict(cfg.sampling.params(), sizes=sizes, prompts=len(cfg.prompts))
     if cfg.baseline_path:
         params["baseline_file"] = cfg.baseline_path
-    return {"schema": SWEEP_SCHEMA, "engine": cfg.engine, "url": cfg.url, "model": facts.get("model"),
-            "server": facts, "params": params, "prompts": [r.to_record() for r in results],
+    return {"schema": SWEEP_SCHEMA, "engine": cfg.engine, "url": cfg.url, "model": facts.model,
+            "server": facts.to_record(), "params": params, "prompts": [s.to_record() for s in sweeps],
             "summary": summary, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
-def sweep_warnings(cfg: Config, facts: Dict[str, Any], sizes: List[int], out: Out) -> None:
-    limit = facts.get("max_num_seqs")
-    if limit and max(sizes) > limit:
+def sweep_warnings(facts: ServerFacts, sizes: List[int], out: Out) -> None:
+    limit = facts.max_num_seqs
+    if isinstance(limit, int) and max(sizes) > limit:
         out.warn("batch sizes above %d exceed the server's max-num-seqs: those requests are not "
                  "all scheduled together" % limit)
-    if facts.get("load_format") == "dummy":
+    if facts.load_format == "dummy":
         out.warn("the server runs dummy weights (--load-format dummy): flat logits have no near-ties, "
                  "so a clean flag-off result is expected and means nothing")
-    if facts.get("flag") is None:
+    if facts.flag is None:
         out.warn("the server does not say whether the flag is on%s" % (
-            " (start vLLM with VLLM_SERVER_DEV_MODE=1 to expose /server_info)" if cfg.engine == "vllm" else ""))
+            " (%s)" % facts.settings_hint if facts.settings_hint else ""))
 
 
 def print_sweep_table(doc: Dict[str, Any], cfg: Config, out: Out) -> None:
-    facts = doc["server"]
-    for line in server_lines(facts, cfg.adapter):
+    for line in server_lines(doc["server"], cfg.adapter):
         out.line(line)
     p = doc["params"]
     sampling = "greedy" if p["temperature"] == 0 else "temperature %g, seed %s" % (p["temperature"], p["seed"])
@@ -1651,8 +1747,8 @@ def print_sweep_table(doc: Dict[str, Any], cfg: Config, out: Out) -> None:
 ULP_NOTE_TEXT = {
     "float64": "some logprobs were not float32-exact (a server that rounds or works in float64): "
                "those distances are float64 ULPs",
-    "clamped": "a logprob was vLLM's -9999.0 (a clamped -inf) on one side only: no distance, "
-               "counted as moved",
+    "clamped": "a logprob was a clamped -inf (the engine's stand-in value) on one side only: "
+               "no distance, counted as moved",
     "non-finite": "a logprob was inf or NaN on one side: no distance, counted as moved",
 }
 
@@ -1683,50 +1779,43 @@ def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
 def run_sweep(cfg: Config, out: Out) -> int:
     client, adapter = cfg.client(cfg.url), cfg.adapter
     facts = read_facts(cfg, cfg.url)
-    if cfg.baseline is not None and cfg.baseline.get("model") != facts["model"]:
+    if cfg.baseline is not None and cfg.baseline.get("model") != facts.model:
         raise UsageError("--baseline: %s was recorded for model %s, this server serves %s"
-                         % (cfg.baseline_path, cfg.baseline.get("model"), facts["model"]))
+                         % (cfg.baseline_path, cfg.baseline.get("model"), facts.model))
     sizes = sweep_ladder(cfg, facts)
-    sweep_warnings(cfg, facts, sizes, out)
-    graph = facts.get("graph_sizes")
-    sampling = Sampling(cfg.temperature, DEFAULT_TOP_P, cfg.max_tokens, cfg.logprobs,
-                        seed=cfg.seed if cfg.temperature > 0 else None)
-    results: List[PromptSweep] = []
+    sweep_warnings(facts, sizes, out)
+    sweeps: List[PromptSweep] = []
 
     def save(state: str) -> Dict[str, Any]:
-        doc = sweep_document(cfg, facts, results, sizes, state)
+        doc = sweep_document(cfg, facts, sweeps, sizes, state)
         if cfg.save:
             write_json_atomic(cfg.save, doc)
         return doc
 
     def measure(interrupt: DeferredInterrupt) -> None:
         for pi, prompt in enumerate(cfg.prompts, 1):
-            run = PromptSweep(prompt)
-            results.append(run)
+            sweep = PromptSweep(prompt)
+            sweeps.append(sweep)
             if cfg.baseline is not None:
-                run.baseline = baseline_from_file(cfg, prompt)
-                run.baseline_source = cfg.baseline_path
-                run.texts.add(run.baseline.text)
+                sweep.set_baseline(baseline_from_file(cfg, prompt), cfg.baseline_path)
             for n in sizes:
-                if interrupt.requested:
-                    raise KeyboardInterrupt
+                interrupt.check()
                 out.progress("prompt %d/%d, batch %d ..." % (pi, len(cfg.prompts), n))
                 try:
-                    answer, seconds = generate(client, adapter, facts["model"], [prompt] * n, sampling)
+                    answer, seconds = generate(client, adapter, facts.model, [prompt] * n, cfg.sampling)
                     completions = adapter.completions(answer, n, True)
                 except ServerError as err:
                     raise ServerError("batch size %d%s: %s" % (
                         n, " (prompt %d)" % pi if len(cfg.prompts) > 1 else "", err)) from None
-                if run.baseline is None:
-                    run.baseline = completions[0]
-                    run.texts.add(run.baseline.text)
-                bucket = graph_bucket(n, graph) if graph is not None else "?"
-                run.sizes.append(measure_size(n, completions, run.baseline, seconds, bucket))
-                run.texts.update(c.text for c in completions)
+                if sweep.baseline is None:
+                    sweep.set_baseline(completions[0], "batch 1")
+                row = compare_batch(completions, sweep.baseline, adapter.logprob_clamps)
+                sweep.sizes.append(dict({"batch_size": n, "bucket": facts.bucket(n)}, **row,
+                                        seconds=round(seconds, 4)))
+                sweep.texts.update(c.text for c in completions)
                 save("running")
 
     state, code = measure_until_stopped(out, "sweep", measure)
-    out.progress_done()
     doc = save(state)
     if cfg.save:
         out.stderr.write("run.py: saved %s\n" % cfg.save)
@@ -1741,39 +1830,75 @@ def run_sweep(cfg: Config, out: Out) -> int:
 # --mode cost
 
 
-def comparison_hazards(adapter: Any, off: Dict[str, Any], on: Dict[str, Any]) -> List[Dict[str, Any]]:
-    """Settings that differ between the arms, other than the flag and what the flag itself changes."""
+@dataclass
+class Arm:
+    """One server of a cost comparison, and what was timed on it."""
+    name: str                 # "off" or "on": the flag it should report
+    option: str               # the option that named it
+    url: str
+    client: HttpClient
+    facts: ServerFacts
+    samples: List[float] = field(default_factory=list)  # seconds of each timed trial
+    tokens: List[int] = field(default_factory=list)     # output tokens of each timed trial
+
+    @classmethod
+    def open(cls, cfg: Config, name: str, option: str, url: str) -> "Arm":
+        facts = read_facts(cfg, url, "the flag-%s arm (%s)" % (name, option))
+        return cls(name, option, url, cfg.client(url), facts)
+
+    def trial(self, adapter: EngineAdapter, prompts: List[str], sampling: Sampling) -> Tuple[float, int]:
+        """One timed request: (seconds, output tokens). The answer's shape must hold even when timing."""
+        answer, seconds = generate(self.client, adapter, self.facts.model, prompts, sampling)
+        adapter.completions(answer, len(prompts), False)
+        return seconds, adapter.output_tokens(answer)
+
+
+def comparison_hazards(off: ServerFacts, on: ServerFacts) -> List[Dict[str, Any]]:
+    """Settings that differ between the arms, other than the flag and what the flag itself sets."""
     hazards = []
-    for label in off["settings"].keys() | on["settings"].keys():
-        a, b = off["settings"].get(label), on["settings"].get(label)
-        if a != b and not adapter.flag_consequence(label, off, on):
+    for label in off.settings.keys() | on.settings.keys():
+        a, b = off.settings.get(label), on.settings.get(label)
+        set_by_flag = label in on.flag_sets and b == on.flag_sets[label]
+        if a != b and not set_by_flag:
             hazards.append({"setting": label, "off": a, "on": b})
     return sorted(hazards, key=lambda h: h["setting"])
 
 
-def cell_label(cell: Dict[str, Any]) -> Tuple:
+def cell_key(cell: Dict[str, Any]) -> Tuple:
+    """What makes two cells the same measurement: a newer one replaces the older."""
     return (cell["tp"], cell["workload"], cell["batch"], cell["max_tokens"], cell["model"])
 
 
-def timed_trial(client: HttpClient, adapter: Any, model: str, prompts: List[str],
-                sampling: Sampling) -> Tuple[float, int]:
-    answer, seconds = generate(client, adapter, model, prompts, sampling)
-    adapter.completions(answer, len(prompts), False)  # the shape must hold even when timing
-    return seconds, adapter.output_tokens(answer)
+def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[Dict[str, Any]]:
+    """Refuse arms the wrong way round or differing in more than the flag; print their settings."""
+    adapter = cfg.adapter
+    if off.facts.flag is True or on.facts.flag is False:
+        raise UsageError("the arms are the wrong way round: --url reports the %s and --invariant "
+                         "reports the %s" % (describe_flag(off.facts.flag, adapter), describe_flag(on.facts.flag, adapter)))
+    hazards = comparison_hazards(off.facts, on.facts)
+    for arm in (off, on):
+        if arm.facts.info_source is None:
+            out.warn("the %s arm does not expose its settings, so the lab cannot check that the arms "
+                     "differ in the flag only (%s)" % (arm.name, arm.facts.settings_hint))
+    if not cfg.json_out:
+        print_cost_servers(off.facts, on.facts, hazards, adapter, out)
+    if hazards and not cfg.allow_mismatch:
+        raise UsageError("the two servers differ in more than the flag (%s); pin them equal, or "
+                         "pass --allow-mismatch to time them anyway" % ", ".join(h["setting"] for h in hazards))
+    return hazards
 
 
-def print_cost_servers(off: Dict[str, Any], on: Dict[str, Any], hazards, adapter, out: Out) -> None:
+def print_cost_servers(off: ServerFacts, on: ServerFacts, hazards: List[Dict[str, Any]],
+                       adapter: EngineAdapter, out: Out) -> None:
     hazard_labels = {h["setting"] for h in hazards}
     row = "%-24s %-26s %-26s%s"
-    show = lambda facts: {None: "unknown", True: "on", False: "off"}.get(facts.get("flag"), str(facts.get("flag")))
+    show = {None: "unknown", True: "on", False: "off"}
     out.line(row % ("setting", "--url (flag off)", "--invariant (flag on)", ""))
-    out.line(row % (adapter.flag_name[:24], show(off), show(on), ""))
-    for label in sorted(off["settings"].keys() | on["settings"].keys()):
-        a, b = off["settings"].get(label), on["settings"].get(label)
+    out.line(row % (adapter.flag_name[:24], show.get(off.flag, str(off.flag)), show.get(on.flag, str(on.flag)), ""))
+    for label in sorted(off.settings.keys() | on.settings.keys()):
+        a, b = off.settings.get(label), on.settings.get(label)
         if a is None and b is None:
             continue
-        if label == "attention backend":
-            a, b = short_backend(a), short_backend(b)
         mark = "  <- differs" if label in hazard_labels else ("  (set by the flag)" if a != b else "")
         out.line(row % (label, fmt_setting(a), fmt_setting(b), mark))
 
@@ -1807,79 +1932,64 @@ def cost_table_lines(doc: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
     return lines
 
 
+def warm_up(cfg: Config, arms: Sequence[Arm], prompts: Callable[[int], List[str]],
+            interrupt: DeferredInterrupt, out: Out) -> None:
+    """Untimed requests on both arms; each may fail once (a server still settling)."""
+    for w in range(cfg.warmup):
+        for arm in arms:
+            for attempt in range(1, WARMUP_ATTEMPTS + 1):
+                interrupt.check()
+                out.progress("warm-up %d/%d, %s arm" % (w + 1, cfg.warmup, arm.name))
+                try:
+                    arm.trial(cfg.adapter, prompts(-1 - w), cfg.sampling)
+                    break
+                except ServerError as err:
+                    if attempt == WARMUP_ATTEMPTS:
+                        raise ServerError("warm-up %d, %s arm: %s" % (w + 1, arm.name, err)) from None
+                    out.warn("warm-up request failed on the %s arm (%s); retrying once, as only "
+                             "warm-up may" % (arm.name, err))
+
+
 def run_cost(cfg: Config, out: Out) -> int:
-    adapter = cfg.adapter
-    clients = {"off": cfg.client(cfg.url), "on": cfg.client(cfg.invariant_url)}
-    facts = {"off": read_facts(cfg, cfg.url, "the flag-off arm (--url)"),
-             "on": read_facts(cfg, cfg.invariant_url, "the flag-on arm (--invariant)")}
-    if facts["off"].get("flag") is True or facts["on"].get("flag") is False:
-        raise UsageError("the arms are the wrong way round: --url reports the flag %s and --invariant "
-                         "reports it %s" % (describe_flag(facts["off"], adapter), describe_flag(facts["on"], adapter)))
-    hazards = comparison_hazards(adapter, facts["off"], facts["on"])
-    for arm in ("off", "on"):
-        if facts[arm]["info_source"] is None:
-            out.warn("the %s arm does not expose its settings, so the lab cannot check that the arms "
-                     "differ in the flag only (start vLLM with VLLM_SERVER_DEV_MODE=1)" % arm)
-    if not cfg.json_out:
-        print_cost_servers(facts["off"], facts["on"], hazards, adapter, out)
-    if hazards and not cfg.allow_mismatch:
-        raise UsageError("the two servers differ in more than the flag (%s); pin them equal, or "
-                         "pass --allow-mismatch to time them anyway" % ", ".join(h["setting"] for h in hazards))
-    model = facts["off"]["model"]
-    tp = facts["off"].get("tp") or cfg.tp
-    sampling = Sampling(0.0, DEFAULT_TOP_P, cfg.max_tokens, None, ignore_eos=True)
+    off = Arm.open(cfg, "off", "--url", cfg.url)
+    on = Arm.open(cfg, "on", "--invariant", cfg.invariant_url)
+    hazards = check_arms(cfg, off, on, out)
     run_id = "%08x" % random.SystemRandom().getrandbits(32)  # no prefix cache hit across runs either
+    doc = copy.deepcopy(cfg.prior_save) if cfg.prior_save else {"schema": COST_SCHEMA, "cells": []}
+    short: List[Tuple[int, str, int]] = []  # (trial, arm, tokens) of trials that stopped early
+    expected_tokens = cfg.batch * cfg.sampling.max_tokens
 
     def prompts(trial: int) -> List[str]:
         return workload_prompts(cfg.workload, cfg.batch, trial, run_id, cfg.prefix_tokens)
 
-    samples: Dict[str, List[float]] = {"off": [], "on": []}
-    tokens: Dict[str, List[int]] = {"off": [], "on": []}
-    short = []
-    cfg.existing = cfg.existing or {"schema": COST_SCHEMA, "cells": []}
-
     def save_cell(state: str) -> Dict[str, Any]:
         """The cell so far, written to --save after every trial pair so a crash loses none."""
-        cell = cost_cell(cfg, facts, tp, samples, tokens, hazards, state)
+        cell = cost_cell(cfg, (off, on), hazards, state)
         if cfg.save:
-            write_json_atomic(cfg.save, add_cell(cfg.existing, cell))
+            write_json_atomic(cfg.save, add_cell(doc, cell))
         return cell
 
     def measure(interrupt: DeferredInterrupt) -> None:
-        for w in range(cfg.warmup):
-            for arm in ("off", "on"):
-                out.progress("warm-up %d/%d, %s arm" % (w + 1, cfg.warmup, arm))
-                try:
-                    timed_trial(clients[arm], adapter, model, prompts(-1 - w), sampling)
-                except ServerError as err:
-                    out.warn("warm-up request failed on the %s arm (%s); retrying once, as only "
-                             "warm-up may" % (arm, err))
-                    try:
-                        timed_trial(clients[arm], adapter, model, prompts(-1 - w), sampling)
-                    except ServerError as again:
-                        raise ServerError("warm-up %d, %s arm: %s" % (w + 1, arm, again)) from None
+        warm_up(cfg, (off, on), prompts, interrupt, out)
         for trial in range(cfg.trials):
-            order = ("off", "on") if trial % 2 == 0 else ("on", "off")  # A B B A A B ...
-            for arm in order:
-                if interrupt.requested:
-                    raise KeyboardInterrupt
-                out.progress("trial %d/%d, %s arm" % (trial + 1, cfg.trials, arm))
+            for arm in ((off, on) if trial % 2 == 0 else (on, off)):  # A B B A A B ...
+                interrupt.check()
+                out.progress("trial %d/%d, %s arm" % (trial + 1, cfg.trials, arm.name))
                 try:
-                    seconds, count = timed_trial(clients[arm], adapter, model, prompts(trial), sampling)
+                    seconds, count = arm.trial(cfg.adapter, prompts(trial), cfg.sampling)
                 except ServerError as err:
-                    raise ServerError("trial %d, %s arm: %s" % (trial + 1, arm, err)) from None
-                if count < cfg.batch * cfg.max_tokens:
-                    short.append((trial + 1, arm, count))
-                samples[arm].append(seconds)
-                tokens[arm].append(count)
+                    raise ServerError("trial %d, %s arm: %s" % (trial + 1, arm.name, err)) from None
+                if count < expected_tokens:
+                    short.append((trial + 1, arm.name, count))
+                arm.samples.append(seconds)
+                arm.tokens.append(count)
             save_cell("running")
 
     state, code = measure_until_stopped(out, "cost", measure)
-    out.progress_done()
-    for trial, arm, got in short[:3]:
+    for trial, arm_name, got in short[:3]:
         out.warn("trial %d, %s arm: %d output tokens, not %d x %d (the server stopped early: is "
-                 "ignore_eos honoured?)" % (trial, arm, got, cfg.batch, cfg.max_tokens))
-    if not samples["off"] or not samples["on"]:
+                 "ignore_eos honoured?)" % (trial, arm_name, got, cfg.batch, cfg.sampling.max_tokens))
+    if not off.samples or not on.samples:
         out.stderr.write("run.py: no complete trial pair; nothing to report\n")
         return code or EXIT_SERVER
     cell = save_cell(state)
@@ -1889,39 +1999,37 @@ def run_cost(cfg: Config, out: Out) -> int:
         print_cost_report(cell, out)
         if cfg.save:
             out.line("")
-            for line in cost_table_lines(cfg.existing, cell):
+            for line in cost_table_lines(doc, cell):
                 out.line(line)
     if cfg.save:
         out.stderr.write("run.py: saved %s\n" % cfg.save)
     return code
 
 
-def cost_cell(cfg: Config, facts: Dict[str, Any], tp: Any, samples: Dict[str, List[float]],
-              tokens: Dict[str, List[int]], hazards: List[Dict[str, Any]], state: str) -> Dict[str, Any]:
+def cost_cell(cfg: Config, arms: Tuple[Arm, Arm], hazards: List[Dict[str, Any]], state: str) -> Dict[str, Any]:
     """One labelled cell of the 2x2 table, from the trials measured so far."""
-    pairs = min(len(samples["off"]), len(samples["on"]))
-    cell = {"tp": tp, "workload": cfg.workload, "batch": cfg.batch, "max_tokens": cfg.max_tokens,
-            "trials": pairs, "warmup": cfg.warmup, "model": facts["off"]["model"], "engine": cfg.engine,
+    off, on = arms
+    pairs = min(len(off.samples), len(on.samples))
+    cell = {"tp": off.facts.tp or cfg.tp, "workload": cfg.workload, "batch": cfg.batch,
+            "max_tokens": cfg.sampling.max_tokens, "trials": pairs, "warmup": cfg.warmup,
+            "model": off.facts.model, "engine": cfg.engine,
             "prefix_tokens": cfg.prefix_tokens if cfg.workload == "shared-prefix" else None,
-            "off": arm_stats(samples["off"], tokens["off"]),
-            "on": arm_stats(samples["on"], tokens["on"]),
-            "servers": {"off": dict(facts["off"], url=cfg.url), "on": dict(facts["on"], url=cfg.invariant_url)},
+            "off": arm_stats(off.samples, off.tokens), "on": arm_stats(on.samples, on.tokens),
+            "servers": {arm.name: dict(arm.facts.to_record(), url=arm.url) for arm in arms},
             "differences": hazards, "state": state,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    cell.update(overhead_stats(samples["off"][:pairs], samples["on"][:pairs]))
-    cell["ratios"] = [round(r, 6) for r in cell["ratios"]]
+    cell.update(overhead_stats(off.samples[:pairs], on.samples[:pairs]))
     return cell
 
 
 def add_cell(doc: Dict[str, Any], cell: Dict[str, Any]) -> Dict[str, Any]:
-    """Put a cell in the cost file, replacing the one with the same label; an unfinished
-    run never replaces a finished cell (it is kept under "incomplete_cells" instead)."""
-    label = cell_label(cell)
+    """Put a cell in the cost file, replacing the one with the same key; an unfinished run
+    never replaces a finished cell (it is kept under "incomplete_cells" instead)."""
+    key = cell_key(cell)
     doc.setdefault("cells", [])
-    finished = any(cell_label(c) == label and c.get("state") == "complete" for c in doc["cells"])
-    key = "incomplete_cells" if finished and cell["state"] != "complete" else "cells"
-    kept = [c for c in doc.get(key, []) if cell_label(c) != label]
-    doc[key] = kept + [cell]
+    finished = any(cell_key(c) == key and c.get("state") == "complete" for c in doc["cells"])
+    section = "incomplete_cells" if finished and cell["state"] != "complete" else "cells"
+    doc[section] = [c for c in doc.get(section, []) if cell_key(c) != key] + [cell]
     return doc
 
 

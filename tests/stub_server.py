@@ -215,6 +215,7 @@ class StubConfig:
     max_logprobs: int = 20                   # vLLM's --max-logprobs
     tp_size: int = 1                         # the TP degree reported (nothing is sharded)
     redirect_get_to: Optional[str] = None    # answer every GET with a redirect to this base URL
+    clock: Optional["VirtualClock"] = None   # in-process tests: emulated time advances this, no sleep
 
     def sizes(self) -> List[int]:
         if self.graph_sizes is not None:
@@ -227,6 +228,24 @@ class StubConfig:
         if self.engine == "vllm":
             return "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend"
         return "triton"
+
+
+class VirtualClock:
+    """Emulated GPU time for in-process tests. A request's step delay advances this clock
+    instead of sleeping; a test hands it to run.py as its clock (run.CLOCK), so timed results
+    are exact whatever else the machine is doing. Requests must not overlap in time (cost
+    trials are sequential)."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.lock = threading.Lock()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self.lock:
+            self.now += seconds
 
 
 class BadRequest(Exception):
@@ -260,7 +279,11 @@ def run_batch(config: StubConfig, prompts: List[str], max_tokens: int, temperatu
         steps = max(len(r["ids"]) for r in results)
         factor = config.slowdown if config.invariant else 1.0
         noise = 1.0 + config.jitter * (2.0 * timing_rng.random() - 1.0)
-        time.sleep(max(0.0, started + config.step_delay * factor * steps * noise - time.perf_counter()))
+        busy = config.step_delay * factor * steps * noise
+        if config.clock is not None:
+            config.clock.advance(busy)
+        else:
+            time.sleep(max(0.0, started + busy - time.perf_counter()))
     return results
 
 
@@ -482,8 +505,7 @@ class StubHandler(BaseHTTPRequestHandler):
             if self.config.dev_mode:
                 routes["/server_info"] = lambda: vllm_server_info(self.config)
         else:
-            routes = {"/server_info": lambda: sglang_server_info(self.config, port),
-                      "/model_info": lambda: {"model_path": self.config.model, "is_generation": True}}
+            routes = {"/server_info": lambda: sglang_server_info(self.config, port)}
         if path in routes:
             return self.send_json(200, routes[path]())
         self.send_json(404, {"detail": "Not Found"})

@@ -9,6 +9,7 @@ import random
 import struct
 import sys
 import tempfile
+import time
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -25,6 +26,16 @@ from stub_server import StubConfig, StubServer  # noqa: E402,F401
 def fixture(name):
     with open(os.path.join(FIXTURES, name), encoding="utf-8") as f:
         return json.load(f)
+
+
+def wait_for(condition, seconds, poll=0.02):
+    """Poll condition() until it holds or the deadline passes; True if it held."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(poll)
+    return bool(condition())
 
 
 class Result:

@@ -3,8 +3,10 @@
 import copy
 import json
 import unittest
+from unittest import mock
 
 from support import StubConfig, StubServer, TempDirTest, fixture, run, run_lab
+from stub_server import VirtualClock
 
 DELAY = 0.005   # seconds per decode step in the timed stubs
 TOKENS = 16     # tokens per completion in the timed runs
@@ -25,11 +27,11 @@ class HazardCheckOnRealServers(unittest.TestCase):
 
     def test_the_real_pair_passes(self):
         off, on = vllm_facts(self.off_info), vllm_facts(self.on_info)
-        self.assertEqual((off["flag"], on["flag"]), (False, True))
-        self.assertEqual(run.comparison_hazards(run.ADAPTERS["vllm"], off, on), [])
-        self.assertEqual(off["attention_backend"], "FlashAttentionBackend")
-        self.assertEqual(off["graph_sizes"][-1], 128)
-        self.assertEqual(off["load_format"], "dummy")
+        self.assertEqual((off.flag, on.flag), (False, True))
+        self.assertEqual(run.comparison_hazards(off, on), [])
+        self.assertEqual(off.attention_backend, "FlashAttentionBackend")
+        self.assertEqual((off.graph_sizes[-1], off.graph_source), (128, "reported"))
+        self.assertEqual(off.load_format, "dummy")
 
     def test_editing_any_listed_setting_fails_it(self):
         edits = {
@@ -48,26 +50,27 @@ class HazardCheckOnRealServers(unittest.TestCase):
             "CUDA-graph mode": ("compilation_config", "cudagraph_mode", [1, 1]),
         }
         for label, (section, key, value) in edits.items():
-            on_info = copy.deepcopy(self.on_info)
-            on_info["vllm_config"][section][key] = value
-            hazards = run.comparison_hazards(run.ADAPTERS["vllm"], vllm_facts(self.off_info), vllm_facts(on_info))
-            self.assertEqual([h["setting"] for h in hazards], [label])
+            with self.subTest(setting=label):
+                on_info = copy.deepcopy(self.on_info)
+                on_info["vllm_config"][section][key] = value
+                hazards = run.comparison_hazards(vllm_facts(self.off_info), vllm_facts(on_info))
+                self.assertEqual([h["setting"] for h in hazards], [label])
 
     def test_prefix_cache_switched_off_by_the_flag_is_not_a_hazard(self):
         off_info, on_info = copy.deepcopy(self.off_info), copy.deepcopy(self.on_info)
         for info in (off_info, on_info):
             info["vllm_config"]["attention_config"]["backend"] = "vllm.v1.attention.backends.flashinfer.FlashInferBackend"
         on_info["vllm_config"]["cache_config"]["enable_prefix_caching"] = False
-        self.assertEqual(run.comparison_hazards(run.ADAPTERS["vllm"], vllm_facts(off_info), vllm_facts(on_info)), [])
+        self.assertEqual(run.comparison_hazards(vllm_facts(off_info), vllm_facts(on_info)), [])
 
     def test_sglang_flag_consequences_are_not_hazards(self):
         from stub_server import sglang_server_info
         a = run.ADAPTERS["sglang"]
         off = a.facts(sglang_server_info(StubConfig(engine="sglang"), 30000), None)
         on = a.facts(sglang_server_info(StubConfig(engine="sglang", invariant=True), 30001), None)
-        self.assertEqual(run.comparison_hazards(a, off, on), [])  # sampling backend: set by the flag
+        self.assertEqual(run.comparison_hazards(off, on), [])  # sampling backend: set by the flag
         on_info = sglang_server_info(StubConfig(engine="sglang", invariant=True, attention_backend="fa3"), 30001)
-        self.assertEqual([h["setting"] for h in run.comparison_hazards(a, off, a.facts(on_info, None))],
+        self.assertEqual([h["setting"] for h in run.comparison_hazards(off, a.facts(on_info, None))],
                          ["attention backend"])
 
 
@@ -77,10 +80,18 @@ class CostAgainstStubs(TempDirTest):
                        "--invariant", on.url, "--batch", 4, "--trials", 8, "--warmup", 1,
                        "--max-tokens", TOKENS, *extra)
 
+    def timed(self, slowdown, *extra):
+        """A cost run on emulated time: both stubs advance one virtual clock, which the lab
+        reads as its own, so the figures are exact and no loaded machine can move them."""
+        clock = VirtualClock()
+        with mock.patch.object(run, "CLOCK", clock), \
+                StubServer(StubConfig(step_delay=DELAY, jitter=JITTER, seed=1, clock=clock)) as off, \
+                StubServer(StubConfig(invariant=True, step_delay=DELAY, slowdown=slowdown, jitter=JITTER,
+                                      seed=2, clock=clock)) as on:
+            return self.cost(off, on, *extra)
+
     def test_known_slowdown_lies_inside_the_interval(self):
-        with StubServer(StubConfig(step_delay=DELAY, jitter=JITTER, seed=1)) as off, \
-                StubServer(StubConfig(invariant=True, step_delay=DELAY, slowdown=1.3, jitter=JITTER, seed=2)) as on:
-            r = self.cost(off, on, "--json")
+        r = self.timed(1.3, "--json")
         self.assertEqual(r.code, 0, r)
         cell = r.json()
         lo, hi = cell["ci95_pct"]
@@ -93,9 +104,7 @@ class CostAgainstStubs(TempDirTest):
         self.assertAlmostEqual(cell["on"]["tokens_per_s"][0], 4 * TOKENS / cell["on"]["samples_s"][0], places=2)
 
     def test_identical_servers_are_not_significant(self):
-        with StubServer(StubConfig(step_delay=DELAY, jitter=JITTER, seed=1)) as off, \
-                StubServer(StubConfig(invariant=True, step_delay=DELAY, jitter=JITTER, seed=2)) as on:
-            r = self.cost(off, on)
+        r = self.timed(1.0)
         self.assertEqual(r.code, 0, r)
         self.assertIn("not significant", r.stdout)
 

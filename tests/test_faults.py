@@ -4,15 +4,16 @@ Each test here backs one row of the README's reliability table."""
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
-import time
 import unittest
 from unittest import mock
 
-from support import ROOT, StubConfig, StubServer, TempDirTest, run, run_lab
+from stub_server import sglang_generate, vllm_completions
+from support import ROOT, StubConfig, StubServer, TempDirTest, run, run_lab, wait_for
 
 SIZES = "1,2,4,8"   # the fault is injected at the 3rd generation request: batch size 4
 
@@ -45,9 +46,10 @@ class ServerFaultsInASweep(TempDirTest):
 
     def test_http_500_shows_the_servers_message(self):
         for engine in ("vllm", "sglang"):
-            r, doc = self.sweep_with_fault("http500", engine)
-            self.assert_stopped_at_size_4(r, doc, "HTTP 500")
-            self.assertIn("EngineCore encountered an issue.", r.stderr)
+            with self.subTest(engine=engine):
+                r, doc = self.sweep_with_fault("http500", engine)
+                self.assert_stopped_at_size_4(r, doc, "HTTP 500")
+                self.assertIn("EngineCore encountered an issue.", r.stderr)
 
     def test_http_4xx_shows_the_servers_message(self):
         with StubServer(StubConfig(max_logprobs=3)) as stub:
@@ -72,13 +74,15 @@ class ServerFaultsInASweep(TempDirTest):
                   "nulllogprobs": "completion 3 has no logprobs",
                   "ragged": "completion 3 has 8 tokens but 7 logprobs"}
         for fault, cause in causes.items():
-            r, doc = self.sweep_with_fault(fault)
-            self.assert_stopped_at_size_4(r, doc, "wrong shape: " + cause)
+            with self.subTest(engine="vllm", fault=fault):
+                r, doc = self.sweep_with_fault(fault)
+                self.assert_stopped_at_size_4(r, doc, "wrong shape: " + cause)
         sglang = {"nochoices": "expected a list", "fewer": "3 completions for 4 prompts",
                   "nulllogprobs": "completion 3 has no logprobs", "ragged": "7 tokens but 8 logprobs"}
         for fault, cause in sglang.items():
-            r, doc = self.sweep_with_fault(fault, "sglang")
-            self.assert_stopped_at_size_4(r, doc, cause)
+            with self.subTest(engine="sglang", fault=fault):
+                r, doc = self.sweep_with_fault(fault, "sglang")
+                self.assert_stopped_at_size_4(r, doc, cause)
 
     def test_timeout(self):
         r, doc = self.sweep_with_fault("stall", "vllm", "--timeout", "0.5")
@@ -136,25 +140,27 @@ class MangledAnswers(unittest.TestCase):
             return value
         return rng.choice(self.JUNK)
 
+    BODIES = {
+        "vllm": {"model": "stub/tiny-f32", "prompt": ["p", "p"], "max_tokens": 4, "temperature": 0,
+                 "logprobs": 3, "return_tokens_as_token_ids": True},
+        "sglang": {"text": ["p", "p"], "sampling_params": {"temperature": 0, "max_new_tokens": 4},
+                   "return_logprob": True, "top_logprobs_num": 3},
+    }
+
     def test_parse_or_refuse(self):
-        import random
-        from stub_server import StubConfig as C, sglang_generate, vllm_completions
         rng = random.Random(11)
         for engine, make in (("vllm", vllm_completions), ("sglang", sglang_generate)):
-            body = ({"model": "stub/tiny-f32", "prompt": ["p", "p"], "max_tokens": 4, "temperature": 0,
-                     "logprobs": 3, "return_tokens_as_token_ids": True} if engine == "vllm" else
-                    {"text": ["p", "p"], "sampling_params": {"temperature": 0, "max_new_tokens": 4},
-                     "return_logprob": True, "top_logprobs_num": 3})
-            good = make(C(engine=engine), body, (random.Random(0), random.Random(0)))
-            adapter = run.ADAPTERS[engine]
-            base = adapter.completions(good, 2, True)[0]
-            for _ in range(400):
-                bad = self.mangle(good, rng)
-                try:
-                    comps = adapter.completions(bad, 2, True)
-                except run.ServerError:
-                    continue
-                run.measure_size(2, comps, base, 0.0, None)
+            with self.subTest(engine=engine):
+                good = make(StubConfig(engine=engine), self.BODIES[engine], (random.Random(0), random.Random(0)))
+                adapter = run.ADAPTERS[engine]
+                base = adapter.completions(good, 2, True)[0]
+                for _ in range(400):
+                    bad = self.mangle(good, rng)
+                    try:
+                        comps = adapter.completions(bad, 2, True)
+                    except run.ServerError:
+                        continue
+                    run.compare_batch(comps, base, adapter.logprob_clamps)
 
 
 class ServerFaultsInCost(TempDirTest):
@@ -201,23 +207,31 @@ class ServerFaultsInCost(TempDirTest):
 
 
 class Interruption(TempDirTest):
-    def run_and_interrupt(self, args, saved):
-        """Start run.py, wait until its --save file shows progress, then press Ctrl-C."""
+    def run_and_interrupt(self, args, progressed):
+        """Start run.py, wait until progressed() says its --save file shows measured progress,
+        then press Ctrl-C."""
         p = subprocess.Popen([sys.executable, os.path.join(ROOT, "run.py")] + args,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 60
-        while not os.path.exists(saved) and time.monotonic() < deadline and p.poll() is None:
-            time.sleep(0.05)
-        time.sleep(0.3)  # a little more progress, so the interrupt lands mid-run
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=60)
+        try:
+            self.assertTrue(wait_for(lambda: p.poll() is not None or progressed(), 60), "no progress")
+        finally:
+            p.send_signal(signal.SIGINT)
+            out, err = p.communicate(timeout=60)
         return p.returncode, out, err
+
+    def saved(self, name):
+        """The --save file as it stands, or None while it is absent."""
+        try:
+            return self.load(name)
+        except (OSError, ValueError):
+            return None
 
     def test_ctrl_c_stops_after_the_current_request_saves_and_summarises(self):
         with StubServer(StubConfig(step_delay=0.02)) as stub:  # 8 tokens: 0.16 s a request
             code, out, err = self.run_and_interrupt(
                 ["--mode", "sweep", "--url", stub.url, "--sizes", ",".join(str(n) for n in range(1, 40)),
-                 "--max-tokens", "8", "--save", self.path("s.json")], self.path("s.json"))
+                 "--max-tokens", "8", "--save", self.path("s.json")],
+                lambda: len((self.saved("s.json") or {"prompts": [{"sizes": []}]})["prompts"][0]["sizes"]) >= 2)
         self.assertEqual(code, 130, err)
         self.assertIn("stopping after the current request", err)
         self.assertNotIn("Traceback", err)
@@ -235,7 +249,7 @@ class Interruption(TempDirTest):
             code, out, err = self.run_and_interrupt(
                 ["--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", "2",
                  "--trials", "50", "--warmup", "0", "--max-tokens", "8", "--save", self.path("c.json")],
-                self.path("c.json"))
+                lambda: (self.saved("c.json") or {"cells": [{"trials": 0}]})["cells"][0]["trials"] >= 2)
         self.assertEqual(code, 130, err)
         cell = self.load("c.json")["cells"][0]
         self.assertEqual(cell["state"], "interrupted")
@@ -300,12 +314,14 @@ class BadArguments(TempDirTest):
             (("--save", self.path("broken.json")), "not valid JSON"),
         ]
         for extra, message in cases:
-            self.refused("--mode", "sweep", *url, *extra, message=message)
+            with self.subTest(args=extra):
+                self.refused("--mode", "sweep", *url, *extra, message=message)
 
     def test_engine_and_url(self):
         self.refused("--mode", "sweep", "--engine", "tgi", message="--engine")
         for url in ("file:///etc/passwd", "ftp://host/x", "localhost:8000", "http://"):
-            self.refused("--mode", "sweep", "--url", url, message="not an http:// or https:// URL")
+            with self.subTest(url=url):
+                self.refused("--mode", "sweep", "--url", url, message="not an http:// or https:// URL")
         self.refused("--mode", "cost", "--url", self.stub.url, "--invariant", "file:///x",
                      message="--invariant")
 

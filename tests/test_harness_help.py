@@ -94,23 +94,22 @@ class Harness(unittest.TestCase):
             r = run_lab("--mode", "harness")
         self.assertEqual(r.code, 0, r)
         for engine in ("vllm", "sglang"):
-            for line in EXCERPT_LINES[engine]:
-                self.assertIn(line, r.stdout)
-            for line in PROVENANCE[engine]:
-                self.assertIn(line, r.stdout)
-            for line in COMMANDS[engine]:
-                self.assertIn(line, r.stdout)
+            for line in EXCERPT_LINES[engine] + PROVENANCE[engine] + COMMANDS[engine]:
+                with self.subTest(engine=engine, line=line):
+                    self.assertIn(line, r.stdout)
         for note in NOTES:
-            self.assertIn(note, r.stdout)
+            with self.subTest(note=note):
+                self.assertIn(note, r.stdout)
 
     def test_excerpts_are_marked_as_quotations_under_their_header(self):
         r = run_lab("--mode", "harness")
         lines = r.stdout.splitlines()
         for ex in run.HARNESS_EXCERPTS:
-            header = next(i for i, line in enumerate(lines) if ex.source in line)
-            self.assertTrue(lines[header].startswith("Quoted from "))
-            first = ex.text.splitlines()[0]
-            self.assertEqual(lines[header + 2], "    > " + first)
+            with self.subTest(excerpt=ex.title):
+                header = next(i for i, line in enumerate(lines) if ex.source in line)
+                self.assertTrue(lines[header].startswith("Quoted from "))
+                first = ex.text.splitlines()[0]
+                self.assertEqual(lines[header + 2], "    > " + first)
 
     def test_engine_filter(self):
         r = run_lab("--mode", "harness", "--engine", "sglang")
@@ -143,17 +142,27 @@ class Harness(unittest.TestCase):
 
 
 class HelpAndDefaults(unittest.TestCase):
-    def test_help_names_every_mode_and_option(self):
-        parser = run.build_parser()
-        text = parser.format_help()
-        for mode in run.MODES:
-            self.assertIn(mode, text)
-        for action in parser._actions:
-            for opt in action.option_strings:
-                self.assertIn(opt, text)
+    OPTIONS = ("--mode", "--engine", "--url", "--model", "--api-key", "--max-tokens", "--save", "--json",
+               "--timeout", "--max-response-mb", "--sizes", "--max-batch", "--prompt", "--prompt-file",
+               "--temperature", "--seed", "--logprobs", "--baseline", "--expect", "--invariant", "--batch",
+               "--trials", "--warmup", "--workload", "--prefix-tokens", "--tp", "--allow-mismatch")
+
+    def test_help_names_every_mode_option_and_exit_code(self):
+        text = run.build_parser().format_help()
+        for word in ("harness", "sweep", "cost", "help") + self.OPTIONS:
+            with self.subTest(word=word):
+                self.assertIn(word, text)
         for group in ("all modes", "sweep and cost", "sweep:", "cost:"):
             self.assertIn(group, text)
-        self.assertIn("130", text)
+        for code in ("0", "1", "2", "3", "130", "141"):
+            self.assertRegex(text, r"\n  %s +\S" % code)
+
+    def test_exit_codes_read_the_same_in_help_and_guide(self):
+        guide = run_lab("--mode", "help").stdout
+        helptext = run.build_parser().format_help()
+        for line in ("130  interrupted by Ctrl-C", "3    the server or network failed"):
+            self.assertIn(line, guide)
+            self.assertIn(line, helptext)
 
     def test_dash_dash_help_exits_zero_in_a_process(self):
         p = subprocess.run([sys.executable, os.path.join(ROOT, "run.py"), "--help"],
@@ -174,7 +183,8 @@ class HelpAndDefaults(unittest.TestCase):
                        "max-num-seqs", "already on", "fused-MoE", "top-k stays unsorted", "Mamba",
                        "TP=1 x cold", "TP=k x shared-prefix", "single-channel NCCL", "prefix-cache",
                        "report all four or none"):
-            self.assertIn(phrase, r.stdout)
+            with self.subTest(phrase=phrase):
+                self.assertIn(phrase, r.stdout)
         self.assertLess(len(r.stdout.split()), 1400)  # five minutes of reading
 
     def test_unknown_mode_is_a_usage_error(self):

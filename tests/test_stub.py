@@ -1,6 +1,7 @@
 """The stub server: the real wire formats, and real float32 divergences with the flag off."""
 
 import json
+import struct
 import threading
 import unittest
 import urllib.error
@@ -159,18 +160,19 @@ class Divergence(unittest.TestCase):
 
     def test_flag_off_shows_both_kinds_on_both_wire_formats(self):
         for engine in ("vllm", "sglang"):
-            kinds = self.sweep(engine, False)
-            self.assertIn("tokens", kinds.values(), engine)
-            self.assertIn("logprobs", kinds.values(), engine)
+            with self.subTest(engine=engine):
+                kinds = self.sweep(engine, False)
+                self.assertIn("tokens", kinds.values())
+                self.assertIn("logprobs", kinds.values())
 
     def test_flag_on_shows_neither(self):
         for engine in ("vllm", "sglang"):
-            kinds = self.sweep(engine, True)
-            self.assertEqual(set(kinds.values()), {"same"}, engine)
+            with self.subTest(engine=engine):
+                kinds = self.sweep(engine, True)
+                self.assertEqual(set(kinds.values()), {"same"})
 
     def test_logprobs_are_float32_values(self):
         ids, lps, tops, _ = stub_completion("vllm", PROMPT, 17, 16, 5)
-        import struct
         for x in lps:
             self.assertEqual(struct.unpack("<f", struct.pack("<f", x))[0], x)
 

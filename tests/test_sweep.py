@@ -1,6 +1,7 @@
 """--mode sweep against the stub, with expectations derived from the stub's arithmetic alone."""
 
 import json
+import os
 import unittest
 
 from support import StubConfig, StubServer, TempDirTest, expected_sweep, run, run_lab
@@ -32,29 +33,32 @@ class AgainstTheStubsArithmetic(TempDirTest):
 
     def test_flag_off_reproduces_the_effect_on_both_wire_formats_greedy(self):
         for engine in ("vllm", "sglang"):
-            r, doc, rows = self.check(engine, invariant=False)
-            self.assertEqual(r.code, 0)
-            self.assertGreater(doc["summary"]["unique_completions"], 1)
-            self.assertGreater(doc["summary"]["max_ulp"], 0)
-            self.assertEqual(doc["summary"]["verdict"], "tokens diverged")
-            # some size kept every token while its logprobs moved
-            held = [n for n, (div, ulp) in rows.items() if div is None and ulp > 0]
-            self.assertTrue(held, engine)
-            self.assertIn("tokens diverged", r.stdout)
+            with self.subTest(engine=engine):
+                r, doc, rows = self.check(engine, invariant=False)
+                self.assertEqual(r.code, 0)
+                self.assertGreater(doc["summary"]["unique_completions"], 1)
+                self.assertGreater(doc["summary"]["max_ulp"], 0)
+                self.assertEqual(doc["summary"]["verdict"], "tokens diverged")
+                # some size kept every token while its logprobs moved
+                held = [n for n, (div, ulp) in rows.items() if div is None and ulp > 0]
+                self.assertTrue(held)
+                self.assertIn("tokens diverged", r.stdout)
 
     def test_flag_off_seeded_sampling(self):
         for engine in ("vllm", "sglang"):
-            r, doc, _ = self.check(engine, invariant=False, temperature=0.6)
-            self.assertGreater(doc["summary"]["max_ulp"], 0)
-            self.assertEqual(doc["params"]["seed"], 42)
+            with self.subTest(engine=engine):
+                r, doc, _ = self.check(engine, invariant=False, temperature=0.6)
+                self.assertGreater(doc["summary"]["max_ulp"], 0)
+                self.assertEqual(doc["params"]["seed"], 42)
 
     def test_flag_on_gives_exactly_one_completion_and_zero_ulp(self):
         for engine in ("vllm", "sglang"):
             for temperature in (0.0, 0.6):
-                r, doc, _ = self.check(engine, invariant=True, temperature=temperature)
-                self.assertEqual(doc["summary"]["unique_completions"], 1)
-                self.assertEqual(doc["summary"]["max_ulp"], 0)
-                self.assertEqual(doc["summary"]["verdict"], "invariant")
+                with self.subTest(engine=engine, temperature=temperature):
+                    r, doc, _ = self.check(engine, invariant=True, temperature=temperature)
+                    self.assertEqual(doc["summary"]["unique_completions"], 1)
+                    self.assertEqual(doc["summary"]["max_ulp"], 0)
+                    self.assertEqual(doc["summary"]["verdict"], "invariant")
 
     def test_a_run_where_tokens_hold_and_logprobs_move(self):
         rows, unique = expected_sweep("vllm", PROMPT, [1, 2, 3, 4], TOKENS, 5)
@@ -98,7 +102,7 @@ class SweepBehaviour(TempDirTest):
 
     def test_api_key_from_the_environment(self):
         with StubServer() as stub:
-            env = dict(__import__("os").environ, OPENAI_API_KEY="env-key-9")
+            env = dict(os.environ, OPENAI_API_KEY="env-key-9")
             r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1", "--max-tokens", 4, env=env)
             self.assertEqual(r.code, 0, r)
             self.assertTrue(any(h.get("Authorization") == "Bearer env-key-9" for _, _, h in stub.requests))
@@ -145,11 +149,12 @@ class SweepBehaviour(TempDirTest):
                      (("--temperature", "0.5"), "temperature"),
                      (("--engine", "sglang"), "recorded on vllm")]
             for extra, message in cases:
-                r = run_lab("--mode", "sweep", "--url", on.url, "--sizes", "1", "--max-tokens", 8,
-                            "--baseline", self.path("b.json"), *extra)
-                self.assertEqual(r.code, 2, extra)
-                self.assertIn(message, r.stderr)
-                self.assertEqual(len(r.stderr.strip().splitlines()), 1)
+                with self.subTest(args=extra):
+                    r = run_lab("--mode", "sweep", "--url", on.url, "--sizes", "1", "--max-tokens", 8,
+                                "--baseline", self.path("b.json"), *extra)
+                    self.assertEqual(r.code, 2)
+                    self.assertIn(message, r.stderr)
+                    self.assertEqual(len(r.stderr.strip().splitlines()), 1)
         with StubServer(StubConfig(invariant=True, model="other/served")) as other:
             r = run_lab("--mode", "sweep", "--url", other.url, "--sizes", "1", "--max-tokens", 8,
                         "--baseline", self.path("b.json"))

@@ -1,10 +1,13 @@
 """Pure functions of run.py: ULPs, comparisons, ladders, statistics, workloads, request bodies."""
 
+import json
 import math
+import random
+import statistics
 import struct
 import unittest
 
-from support import run, ulps32
+from support import fixture, run, ulps32
 
 Completion = run.Completion
 
@@ -30,15 +33,17 @@ class UlpDistance(unittest.TestCase):
         values = [-9.5, -4.645697593688965, -1e-30, -0.0, 0.0, 3e-39, 1.0, 123.25]
         for a in values:
             for b in values:
-                self.assertEqual(run.ulp_distance(a, b), ulps32(a, b), (a, b))
+                with self.subTest(a=a, b=b):
+                    self.assertEqual(run.ulp_distance(a, b), ulps32(a, b))
 
     def test_float64_width(self):
         self.assertEqual(run.ulp_distance(1.0, math.nextafter(1.0, 2.0) if hasattr(math, "nextafter")
                                           else 1.0 + 2.0 ** -52, 64), 1)
 
     def test_clamp_and_non_finite_are_reported_not_crashed(self):
-        self.assertEqual(run.logprob_distance(-9999.0, -9999.0), (0, "float32"))
-        self.assertEqual(run.logprob_distance(-9999.0, -12.5), (None, "clamped"))
+        clamps = run.VllmAdapter.logprob_clamps
+        self.assertEqual(run.logprob_distance(-9999.0, -9999.0, clamps), (0, "float32"))
+        self.assertEqual(run.logprob_distance(-9999.0, -12.5, clamps), (None, "clamped"))
         self.assertEqual(run.logprob_distance(float("-inf"), -1.0), (None, "non-finite"))
         self.assertEqual(run.logprob_distance(float("nan"), float("nan"))[0], None)
 
@@ -103,8 +108,8 @@ class CompareCompletions(unittest.TestCase):
 
     def test_clamped_value_is_flagged(self):
         other = comp("abcd", [-9999.0] + self.lp[1:], self.base.top_logprobs)
-        d = run.compare_completions(self.base, other)
-        self.assertIn("clamped", d.units)
+        d = run.compare_completions(self.base, other, run.VllmAdapter.logprob_clamps)
+        self.assertIn("clamped", d.ulp_notes)
         self.assertEqual(d.first_ulp_step, 0)
         self.assertEqual(run.verdict(1, 0, False, unmeasured=True), "logprobs moved but tokens held")
 
@@ -137,41 +142,41 @@ class FastPathAgreesWithThePairByPairRule(unittest.TestCase):
         return worst, first
 
     def test_random_completions(self):
-        import random
         rng = random.Random(3)
         for trial in range(200):
             steps = rng.randrange(1, 12)
             zero_at = rng.choice([None, 0, steps - 1])
             base = self.random_completion(random.Random(trial), steps, 0, zero_at)
             other = self.random_completion(random.Random(trial), steps, rng.choice([0, 1, 3, 40]), zero_at)
-            d = run.compare_completions(base, other)
-            self.assertEqual((d.max_ulp, d.first_ulp_step), self.slow(base, other), trial)
+            with self.subTest(trial=trial):
+                d = run.compare_completions(base, other)
+                self.assertEqual((d.max_ulp, d.first_ulp_step), self.slow(base, other))
 
 
 class LaddersAndBuckets(unittest.TestCase):
     def test_vllm_capture_sizes(self):
-        self.assertEqual(run.vllm_capture_sizes(32), [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64])
-        big = run.vllm_capture_sizes(512)
+        self.assertEqual(run.VllmAdapter.capture_sizes(32), [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64])
+        big = run.VllmAdapter.capture_sizes(512)
         self.assertEqual(big[-3:], [480, 496, 512])
         self.assertIn(256, big)
         self.assertNotIn(264, big)
 
     def test_ladder_straddles_every_capture_size(self):
-        ladder = run.straddling_ladder(32, run.vllm_capture_sizes(32))
+        ladder = run.straddling_ladder(32, run.VllmAdapter.capture_sizes(32))
         self.assertEqual(ladder, [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 23, 24, 25, 31, 32])
-        self.assertEqual(run.straddling_ladder(25, run.SGLANG_GRAPH_SIZES),
+        self.assertEqual(run.straddling_ladder(25, run.SglangAdapter.GRAPH_SIZES),
                          [1, 2, 3, 4, 5, 7, 8, 9, 11, 12, 13, 15, 16, 17, 23, 24, 25])
 
     def test_bucket_padding_and_none_above_the_largest(self):
-        sizes = run.vllm_capture_sizes(32)
+        sizes = run.VllmAdapter.capture_sizes(32)
         self.assertEqual([run.graph_bucket(n, sizes) for n in (15, 17, 23, 25)], [16, 24, 24, 32])
         self.assertIsNone(run.graph_bucket(65, sizes))
-        self.assertEqual(run.graph_bucket(9, run.SGLANG_GRAPH_SIZES), 12)
+        self.assertEqual(run.graph_bucket(9, run.SglangAdapter.GRAPH_SIZES), 12)
 
     def test_parse_sizes(self):
         self.assertEqual(run.parse_sizes("1,15, 16,17"), [1, 15, 16, 17])
-        for bad in ("", "1,,2", "0,1", "-3", "a,b", "1,2,1", "1.5"):
-            with self.assertRaises(run.UsageError, msg=bad):
+        for bad in ("", "1,,2", "0,1", "-3", "a,b", "1,2,1", "1.5", "1,\u00b2", "\u0661"):
+            with self.subTest(bad=bad), self.assertRaises(run.UsageError):
                 run.parse_sizes(bad)
 
     def test_verdict_words(self):
@@ -182,8 +187,8 @@ class LaddersAndBuckets(unittest.TestCase):
 
 class Statistics(unittest.TestCase):
     def test_median_and_mad(self):
-        self.assertEqual(run.median([3.0, 1.0, 2.0]), 2.0)
         self.assertEqual(run.mad([1.0, 2.0, 3.0, 4.0, 100.0]), 1.0)
+        self.assertEqual(run.mad([5.0, 5.0, 5.0]), 0.0)
 
     def test_known_overhead_is_recovered_with_an_interval_around_it(self):
         off = [1.0, 1.1, 0.9, 1.05, 0.95, 1.02, 0.98, 1.01]
@@ -202,9 +207,13 @@ class Statistics(unittest.TestCase):
         self.assertFalse(stats["significant"])
         self.assertLessEqual(stats["ci95_pct"][0], 0.0)
 
-    def test_bootstrap_is_reproducible(self):
+    def test_bootstrap_follows_its_seed(self):
+        # The interval, recomputed here from the documented recipe: resample with
+        # random.Random(seed), take the medians' 2.5th and 97.5th percentiles.
         data = [1.1, 1.3, 1.2, 1.25, 1.4, 1.15]
-        self.assertEqual(run.bootstrap_median_ci(data), run.bootstrap_median_ci(data))
+        rng = random.Random(run.BOOTSTRAP_SEED)
+        meds = sorted(statistics.median([data[rng.randrange(6)] for _ in range(6)]) for _ in range(4000))
+        self.assertEqual(run.bootstrap_median_ci(data), (meds[int(0.025 * 3999)], meds[int(math.ceil(0.975 * 3999))]))
 
     def test_noise_flag(self):
         self.assertTrue(run.arm_stats([1.0, 1.6], [10, 10])["noisy"])
@@ -229,12 +238,26 @@ class Workloads(unittest.TestCase):
         self.assertGreaterEqual(len(prefixes.pop().split()), 1000)
         self.assertEqual(len(set(prompts)), 8)
 
-    def test_bodies_are_byte_identical_between_arms(self):
-        sampling = run.Sampling(0.0, 1.0, 128, None, ignore_eos=True)
-        for adapter in run.ADAPTERS.values():
-            a = adapter.body("m", run.workload_prompts("cold", 4, 3, "r"), sampling)
-            b = adapter.body("m", run.workload_prompts("cold", 4, 3, "r"), sampling)
-            self.assertEqual(__import__("json").dumps(a).encode(), __import__("json").dumps(b).encode())
+    def test_cost_bodies_are_exactly_these_bytes(self):
+        # Both arms are sent these bytes; nothing in them may vary between calls.
+        sampling = run.Sampling.of(0.0, 128, None, 42, ignore_eos=True)
+        prompts = run.workload_prompts("cold", 2, 3, "r")
+        self.assertEqual(prompts, ["[r.3.0] Write a short story about fox jumps over a lazy dog.",
+                                   "[r.3.1] Write a short story about jumps over a lazy dog while."])
+        expected = {
+            "vllm": '{"model": "m", "prompt": %s, "max_tokens": 128, "temperature": 0.0, "top_p": 1.0, '
+                    '"ignore_eos": true}' % json.dumps(prompts),
+            "sglang": '{"text": %s, "sampling_params": {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": '
+                      '128, "ignore_eos": true}, "stream": false}' % json.dumps(prompts)}
+        for name, adapter in run.ADAPTERS.items():
+            with self.subTest(engine=name):
+                self.assertEqual(json.dumps(adapter.body("m", prompts, sampling)), expected[name])
+
+    def test_the_seed_is_sent_only_when_sampling(self):
+        self.assertIsNone(run.Sampling.of(0.0, 8, 5, 42).seed)
+        self.assertEqual(run.Sampling.of(0.6, 8, 5, 42).seed, 42)
+        self.assertEqual(run.Sampling.of(0.6, 8, 5, 42).params(),
+                         {"temperature": 0.6, "top_p": 1.0, "max_tokens": 8, "logprobs": 5, "seed": 42})
 
     def test_request_bodies_carry_what_the_engines_need(self):
         s = run.Sampling(0.6, 1.0, 8, 5, seed=42, ignore_eos=True)
@@ -251,7 +274,6 @@ class Workloads(unittest.TestCase):
 
 class Adapters(unittest.TestCase):
     def test_real_vllm_answer_becomes_completion_records(self):
-        from support import fixture
         answer = fixture("completions_two_prompts_logprobs3_token_ids.json")
         comps = run.ADAPTERS["vllm"].completions(answer, 2, True)
         self.assertEqual(len(comps), 2)
