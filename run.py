@@ -50,6 +50,7 @@ import argparse
 import array
 import bisect
 import copy
+import http.client
 import ipaddress
 import json
 import math
@@ -63,6 +64,7 @@ import statistics
 import struct
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -74,7 +76,8 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set,
 # ----------------------------------------------------------------------------
 # Constants
 
-SWEEP_SCHEMA = "batch-invariance-lab/sweep/1"   # the "schema" field of sweep save files
+SWEEP_SCHEMA = "batch-invariance-lab/sweep/2"   # the "schema" field of sweep save files
+SWEEP_SCHEMAS_READ = ("batch-invariance-lab/sweep/1", SWEEP_SCHEMA)  # what --baseline reads
 COST_SCHEMA = "batch-invariance-lab/cost/1"     # the "schema" field of cost save files
 MODES = ("harness", "sweep", "cost", "help")
 
@@ -103,6 +106,11 @@ MAX_LOGPROBS = 20             # vLLM's default max_logprobs; it answers 400 abov
 DEFAULT_TEMPERATURE = 0.0     # greedy: a divergence is unarguable
 DEFAULT_TOP_P = 1.0           # always sent, or the model's generation_config decides
 DEFAULT_SEED = 42             # sent whenever temperature > 0; unseeded sampling depends on the batch
+TRAFFIC_SHAPES = ("copies", "concurrent", "mixed")  # how each batch size is sent (see --mode help)
+DEFAULT_REPEAT = 3            # passes through the ladder: a flag-off server is not repeatable run to run
+MAX_REPEAT = 100              # more passes than this is a soak test, not a sweep
+PREFIX_CACHE_CHOICES = ("bypass", "keep")  # bypass: no request is served from an earlier one's cache
+MIXED_FILLER_WORDS = (3, 12, 40, 120, 300, 600)  # filler prompt lengths (about tokens) of mixed traffic
 
 # Cost defaults
 DEFAULT_BATCH = 32            # prompts per timed request
@@ -309,12 +317,51 @@ def straddling_ladder(max_batch: int, graph_sizes: Sequence[int]) -> List[int]:
     return sorted(sizes)
 
 
-def verdict(unique: int, max_ulp: int, tokens_diverged: bool, unmeasured: bool = False) -> str:
+def verdict(unique: int, max_ulp: int, tokens_diverged: bool, unmeasured: bool = False,
+            batch1_repeatable: Optional[bool] = None) -> str:
+    if batch1_repeatable is False:
+        return NOT_REPEATABLE
     if tokens_diverged or unique > 1:
         return "tokens diverged"
     if max_ulp > 0 or unmeasured:
         return "logprobs moved but tokens held"
     return "invariant"
+
+
+NOT_REPEATABLE = "batch 1 not repeatable"  # the verdict when the run-to-run control fails
+
+
+def mixed_batch(prompt: str, n: int, seed: int) -> Tuple[List[str], int]:
+    """One batch of mixed traffic: the measured prompt once, at a position that varies with n,
+    among n-1 filler prompts of varied lengths; the same n and seed always give the same batch."""
+    rng = random.Random(seed * 1000003 + n)
+    position = rng.randrange(n)
+    fillers = []
+    while len(fillers) < n - 1:
+        words = rng.choice(MIXED_FILLER_WORDS)
+        text = "[%d.%d] %s" % (n, len(fillers), filler_words(words, rng.randrange(len(_FILLER))))
+        if text != prompt:
+            fillers.append(text)
+    return fillers[:position] + [prompt] + fillers[position:], position
+
+
+def aggregate_runs(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One batch size over all its runs, in the fields a single run has (plus how many runs
+    matched batch 1 bitwise): what the table prints and plots read."""
+    texts = sorted({t for r in runs for t in r["distinct_texts"]})
+    divergences = [r["first_token_divergence"] for r in runs if r["first_token_divergence"] is not None]
+    ulp_steps = [r["first_ulp_step"] for r in runs if r["first_ulp_step"] is not None]
+    cached = [r["cached_tokens"] for r in runs if r.get("cached_tokens") is not None]
+    return {"completions": sum(r["completions"] for r in runs), "distinct_in_batch": len(texts),
+            "same_as_baseline": sum(r["same_as_baseline"] for r in runs),
+            "first_token_divergence": min(divergences) if divergences else None,
+            "first_ulp_step": min(ulp_steps) if ulp_steps else None,
+            "max_ulp": max((r["max_ulp"] for r in runs), default=0),
+            "ulp_notes": sorted({u for r in runs for u in r["ulp_notes"]}),
+            "seconds": round(sum(r["seconds"] for r in runs), 4),
+            "runs_matched": sum(1 for r in runs if r["matched"]),
+            "cached_tokens": sum(cached) if cached else None,
+            "distinct_texts": texts}
 
 
 def mad(values: Sequence[float]) -> float:
@@ -433,8 +480,9 @@ class HttpClient:
             handlers.append(urllib.request.ProxyHandler({}))  # a proxy cannot reach our loopback
         self.opener = urllib.request.build_opener(*handlers)
 
-    def request(self, path: str, body: Optional[Dict[str, Any]] = None) -> Any:
-        """GET (body None) or POST JSON; returns the decoded JSON answer or raises ServerError."""
+    def request(self, path: str, body: Optional[Dict[str, Any]] = None, as_text: bool = False) -> Any:
+        """GET (body None) or POST JSON; returns the decoded JSON answer (or, with as_text, the
+        answer's text) or raises ServerError."""
         url = self.base_url + path
         data = None if body is None else json.dumps(body).encode("utf-8")
         req = urllib.request.Request(url, data=data, method="GET" if data is None else "POST")
@@ -446,18 +494,32 @@ class HttpClient:
             with self.opener.open(req, timeout=self.timeout) as resp:
                 raw = self._read_capped(resp)
         except urllib.error.HTTPError as err:
-            raise ServerError("HTTP %d from %s: %s" % (err.code, path, server_message(
-                self._read_capped(err) if err.fp else b""))) from None
+            raise self.http_error(err.code, path, self._read_capped(err) if err.fp else b"") from None
         except urllib.error.URLError as err:
             raise ServerError(describe_network_error(err.reason, self.base_url, self.timeout)) from None
-        except TimeoutError as err:  # a read that timed out, past the connect
-            raise ServerError(describe_network_error(err, self.base_url, self.timeout)) from None
-        except (HTTPException, OSError) as err:
-            raise ServerError("connection to %s dropped (%s)" % (url, type(err).__name__)) from None
+        except (OSError, HTTPException) as err:
+            raise self.transport_error(err, url) from None
+        return self.decode(raw, path, as_text)
+
+    def http_error(self, status: int, path: str, body: bytes) -> ServerError:
+        return ServerError("HTTP %d from %s: %s" % (status, path, server_message(body)))
+
+    def transport_error(self, err: BaseException, url: str) -> ServerError:
+        if isinstance(err, (TimeoutError, ConnectionRefusedError, socket.gaierror)):
+            return ServerError(describe_network_error(err, self.base_url, self.timeout))
+        return ServerError("connection to %s dropped (%s)" % (url, type(err).__name__))
+
+    @staticmethod
+    def decode(raw: bytes, path: str, as_text: bool = False) -> Any:
+        if as_text:
+            return raw.decode("utf-8", "replace")
         try:
             return json.loads(raw)
         except ValueError:
             raise ServerError("invalid JSON from %s (%d bytes)" % (path, len(raw))) from None
+
+    def prepare_post(self, path: str, body: Dict[str, Any]) -> "PreparedPost":
+        return PreparedPost(self, path, body)
 
     def _read_capped(self, resp) -> bytes:
         chunks, total = [], 0
@@ -470,6 +532,77 @@ class HttpClient:
                 raise ServerError("answer larger than %d MB refused (--max-response-mb)"
                                   % (self.max_bytes >> 20))
             chunks.append(chunk)
+
+
+class PreparedPost:
+    """A POST in three steps, so that many can be released together: connect() opens the
+    connection beforehand, send() writes the request, answer() reads and decodes the reply.
+    Many threads each holding one can send within moments of each other, because neither
+    connection set-up nor reading another request's answer falls between their sends.
+    (urllib cannot split a request so; the errors and the answer's handling are the client's.)"""
+
+    def __init__(self, client: HttpClient, path: str, body: Dict[str, Any]):
+        self.client, self.path = client, path
+        self.data = json.dumps(body).encode("utf-8")
+        parts = urllib.parse.urlsplit(client.base_url + path)
+        self.url, self.target = parts.geturl(), parts.path + ("?" + parts.query if parts.query else "")
+        host, port = parts.hostname or "", parts.port
+        proxy = urllib.request.getproxies().get(parts.scheme)
+        if proxy and not is_loopback(host) and not urllib.request.proxy_bypass(host):
+            proxy_parts = urllib.parse.urlsplit(proxy if "://" in proxy else "http://" + proxy)
+            host, port = proxy_parts.hostname or "", proxy_parts.port
+            if parts.scheme == "http":
+                self.target = self.url  # a plain proxy takes the absolute URL
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        self.conn = kind(host, port, timeout=client.timeout)
+        if proxy and parts.scheme == "https" and host != parts.hostname:
+            self.conn.set_tunnel(parts.hostname, parts.port)
+        head = ["POST %s HTTP/1.1" % self.target, "Host: %s" % parts.netloc.rsplit("@", 1)[-1],
+                "Content-Type: application/json", "Content-Length: %d" % len(self.data), "Connection: close"]
+        if client.api_key:
+            head.append("Authorization: Bearer " + client.api_key)
+        # The whole request, written in one call: the less each thread does between the
+        # barrier and the wire, the closer together the requests arrive.
+        self.raw = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + self.data
+
+    def _guard(self, step: Callable[[], Any]) -> Any:
+        try:
+            return step()
+        except (OSError, HTTPException) as err:
+            self.conn.close()
+            raise self.client.transport_error(err, self.url) from None
+
+    def connect(self) -> None:
+        self._guard(self.conn.connect)
+
+    def send(self) -> None:
+        self._guard(lambda: self.conn.sock.sendall(self.raw))
+
+    def answer(self) -> Any:
+        def read() -> Tuple[int, bytes]:
+            with http.client.HTTPResponse(self.conn.sock, method="POST") as resp:
+                resp.begin()
+                return resp.status, self.client._read_capped(resp)
+        try:
+            status, raw = self._guard(read)
+        finally:
+            self.conn.close()
+        if status >= 300:
+            raise self.client.http_error(status, self.path, raw)
+        return self.client.decode(raw, self.path)
+
+
+def allow_open_files(connections: int) -> None:
+    """Raise this process's open-file limit so that many connections can be open at once
+    (a common soft limit is 1024); where it cannot be raised, the connects fail one by one."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = connections + 256
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted if hard == resource.RLIM_INFINITY else min(wanted, hard), hard))
+    except (ImportError, ValueError, OSError):
+        pass
 
 
 def describe_network_error(reason: Any, base_url: str, timeout: float) -> str:
@@ -548,11 +681,18 @@ class EngineAdapter(Protocol):
 
     def read_facts(self, client: HttpClient, model: Optional[str]) -> ServerFacts: ...
 
-    def body(self, model: str, prompts: List[str], sampling: Sampling) -> Dict[str, Any]: ...
+    def body(self, model: str, prompts: List[str], sampling: Sampling, isolate: bool = False) -> Dict[str, Any]:
+        """The generation request; isolate: nothing an earlier request cached may serve it."""
+
+    def before_batch(self, client: HttpClient, isolate: bool) -> None:
+        """Called before every batch size is sent; isolate as in body()."""
 
     def completions(self, answer: Any, n: int, with_logprobs: bool) -> List[Completion]: ...
 
     def output_tokens(self, answer: Any) -> int: ...
+
+    def cached_tokens(self, answer: Any) -> Optional[int]:
+        """Prompt tokens the server says it served from its prefix cache; None: it does not say."""
 
 
 def dig(data: Any, *keys: str) -> Any:
@@ -670,9 +810,14 @@ class VllmAdapter:
             info_source="/server_info", settings=settings,
             flag_sets={"prefix caching": False} if backend in self.FLAG_DISABLES_PREFIX_CACHE else {})
 
-    def body(self, model: str, prompts: List[str], s: Sampling) -> Dict[str, Any]:
+    def body(self, model: str, prompts: List[str], s: Sampling, isolate: bool = False) -> Dict[str, Any]:
         body: Dict[str, Any] = {"model": model, "prompt": prompts, "max_tokens": s.max_tokens,
                                 "temperature": s.temperature, "top_p": s.top_p}
+        if isolate:
+            # A fresh salt puts the request's prefix-cache entries apart from every other's
+            # (CompletionRequest.cache_salt, vllm/entrypoints/openai/completion/protocol.py,
+            # lines 185-195 in vLLM 0.26.0; an empty salt is refused at lines 555-566).
+            body["cache_salt"] = "lab-" + os.urandom(12).hex()
         if s.logprobs is not None:
             body["logprobs"] = s.logprobs
             body["return_tokens_as_token_ids"] = True  # compare ids, not decoded text
@@ -704,9 +849,18 @@ class VllmAdapter:
             out.append(Completion(c["text"], tokens, values, top, c.get("finish_reason")))
         return out
 
+    def before_batch(self, client: HttpClient, isolate: bool) -> None:
+        pass  # the per-request salt does it
+
     def output_tokens(self, answer: Any) -> int:
         """Completion tokens of the whole batch (usage; a logprob-free answer has no per-choice count)."""
         return int(dig(answer, "usage", "completion_tokens") or 0)
+
+    def cached_tokens(self, answer: Any) -> Optional[int]:
+        # Only with --enable-prompt-tokens-details, and for a list prompt only the last
+        # prompt's count (vllm/entrypoints/openai/completion/serving.py, 0.26.0, lines 608-616).
+        value = dig(answer, "usage", "prompt_tokens_details", "cached_tokens")
+        return value if isinstance(value, int) else None
 
 
 class SglangAdapter:
@@ -770,7 +924,7 @@ class SglangAdapter:
             default_graph_sizes=self.GRAPH_SIZES, info_source="/server_info", settings=settings,
             flag_sets=flag_sets)
 
-    def body(self, model: str, prompts: List[str], s: Sampling) -> Dict[str, Any]:
+    def body(self, model: str, prompts: List[str], s: Sampling, isolate: bool = False) -> Dict[str, Any]:
         params: Dict[str, Any] = {"temperature": s.temperature, "top_p": s.top_p,
                                   "max_new_tokens": s.max_tokens}
         if s.seed is not None:
@@ -813,18 +967,33 @@ class SglangAdapter:
             out.append(Completion(item["text"], tokens, [s[0] for s in steps], tops, finish))
         return out
 
+    def before_batch(self, client: HttpClient, isolate: bool) -> None:
+        """Empty the radix cache, which is on by default: otherwise every size after batch 1
+        would be served the prompt's cached prefill."""
+        if not isolate:
+            return
+        text = client.request("/flush_cache", {}, as_text=True)
+        if not text.startswith("Cache flushed"):
+            raise ServerError("/flush_cache did not flush the radix cache: %s" % text.strip()[:120])
+
     def output_tokens(self, answer: Any) -> int:
         return sum(int(dig(item, "meta_info", "completion_tokens") or 0) for item in answer or [])
+
+    def cached_tokens(self, answer: Any) -> Optional[int]:
+        counts = [dig(item, "meta_info", "cached_tokens") for item in answer or [] if isinstance(item, dict)]
+        counts = [c for c in counts if isinstance(c, int)]
+        return sum(counts) if counts else None
 
 
 ADAPTERS: Dict[str, EngineAdapter] = {a.name: a for a in (VllmAdapter(), SglangAdapter())}
 
 
 def generate(client: HttpClient, adapter: EngineAdapter, model: str, prompts: List[str],
-             sampling: Sampling) -> Tuple[Any, float]:
+             sampling: Sampling, isolate: bool = False) -> Tuple[Any, float]:
     """One request carrying every prompt, so that the engine schedules them as one batch."""
+    body = adapter.body(model, prompts, sampling, isolate)
     start = CLOCK()
-    answer = client.request(adapter.generate_path, adapter.body(model, prompts, sampling))
+    answer = client.request(adapter.generate_path, body)
     return answer, CLOCK() - start
 
 
@@ -852,6 +1021,10 @@ class Config:
     baseline: Optional[Dict[str, Any]] = None
     baseline_path: Optional[str] = None
     expect: Optional[str] = None
+    traffic: str = "copies"
+    repeat: int = DEFAULT_REPEAT
+    prefix_cache: str = "bypass"
+    seed: int = DEFAULT_SEED       # also places mixed traffic's fillers
     # cost
     invariant_url: Optional[str] = None
     batch: int = DEFAULT_BATCH
@@ -953,6 +1126,16 @@ def build_parser() -> argparse.ArgumentParser:
                        "temperature > 0 (default %d)" % DEFAULT_SEED)
     sweep.add_argument("--logprobs", type=whole_number(0, MAX_LOGPROBS), default=DEFAULT_LOGPROBS,
                        help="top-k logprobs per step, 0..%d (default %d)" % (MAX_LOGPROBS, DEFAULT_LOGPROBS))
+    sweep.add_argument("--traffic", choices=TRAFFIC_SHAPES, default="copies",
+                       help="copies: one request of n copies of the prompt; concurrent: n one-prompt "
+                            "requests in flight at once; mixed: the prompt once among n-1 other prompts "
+                            "(default copies; see --mode help)")
+    sweep.add_argument("--repeat", type=whole_number(1, MAX_REPEAT), default=DEFAULT_REPEAT,
+                       help="passes through the whole ladder, batch 1 included; batch 1's passes are "
+                            "the run-to-run control (default %d)" % DEFAULT_REPEAT)
+    sweep.add_argument("--prefix-cache", choices=PREFIX_CACHE_CHOICES, default="bypass",
+                       help="bypass: no request may be served from an earlier one's prefix cache; keep: "
+                            "leave the cache alone and save the cached-token counts (default bypass)")
     sweep.add_argument("--baseline", metavar="PATH", help="compare with the batch-1 completions of an "
                        "earlier sweep's --save file (same model and prompts)")
     sweep.add_argument("--expect", choices=("invariant", "variant"), help="exit 1 unless the result is "
@@ -1023,7 +1206,7 @@ def read_json_file(path: str, option: str) -> Dict[str, Any]:
     return data
 
 
-def check_save_target(path: str, schema: str) -> Optional[Dict[str, Any]]:
+def check_save_target(path: str, schemas: Sequence[str]) -> Optional[Dict[str, Any]]:
     """The document already at --save (None if there is none); refuse a folder that does not
     exist, or a file that holds anything but this mode's results."""
     folder = os.path.dirname(os.path.abspath(path))
@@ -1032,9 +1215,9 @@ def check_save_target(path: str, schema: str) -> Optional[Dict[str, Any]]:
     if not os.path.exists(path):
         return None
     data = read_json_file(path, "--save")
-    if data.get("schema") != schema:
+    if data.get("schema") not in schemas:
         raise UsageError("--save: %s holds %s, not %s results; refusing to overwrite it"
-                         % (path, data.get("schema") or "something else", schema.split("/")[1]))
+                         % (path, data.get("schema") or "something else", schemas[0].split("/")[1]))
     return data
 
 
@@ -1065,7 +1248,7 @@ def configure(argv: Optional[Sequence[str]]) -> Config:
     cfg.json_out = args.json
     if args.save:
         cfg.save = args.save
-        cfg.prior_save = check_save_target(args.save, SWEEP_SCHEMA if args.mode == "sweep" else COST_SCHEMA)
+        cfg.prior_save = check_save_target(args.save, SWEEP_SCHEMAS_READ if args.mode == "sweep" else (COST_SCHEMA,))
     if args.mode == "sweep":
         configure_sweep(cfg, args)
     else:
@@ -1085,6 +1268,9 @@ def configure_sweep(cfg: Config, args: argparse.Namespace) -> None:
     if len(set(cfg.prompts)) != len(cfg.prompts):
         raise UsageError("--prompt: the same prompt is given twice")
     cfg.expect = args.expect
+    cfg.traffic, cfg.repeat, cfg.prefix_cache, cfg.seed = args.traffic, args.repeat, args.prefix_cache, args.seed
+    if cfg.traffic == "mixed" and (max(cfg.sizes) if cfg.sizes else cfg.max_batch) == 1:
+        raise UsageError("--traffic mixed: batch 1 has no room for other prompts; give sizes above 1")
     if args.baseline:
         cfg.baseline_path = args.baseline
         cfg.baseline = read_json_file(args.baseline, "--baseline")
@@ -1094,7 +1280,7 @@ def configure_sweep(cfg: Config, args: argparse.Namespace) -> None:
 def check_baseline(cfg: Config) -> None:
     """Refuse a baseline recorded for another engine, model, prompt or sampling."""
     doc, path = cfg.baseline, cfg.baseline_path
-    if doc.get("schema") != SWEEP_SCHEMA or not isinstance(doc.get("prompts"), list):
+    if doc.get("schema") not in SWEEP_SCHEMAS_READ or not isinstance(doc.get("prompts"), list):
         raise UsageError("--baseline: %s is not a sweep result" % path)
     if doc.get("engine") != cfg.engine:
         raise UsageError("--baseline: %s was recorded on %s, this sweep is on %s" % (path, doc.get("engine"), cfg.engine))
@@ -1549,10 +1735,18 @@ THE MODES
   --mode harness   Prints the upstream test harnesses verbatim, where each comes from,
                    what each does not tell you, and the commands to run them. Offline.
                      python3 run.py --mode harness --engine vllm
-  --mode sweep     Sends n copies of one prompt in ONE request for each batch size n,
-                   so the engine schedules them together; compares every completion
-                   with batch 1's: tokens, then logprobs in ULPs. The default ladder
-                   straddles every CUDA-graph size b with b-1, b, b+1.
+  --mode sweep     For each batch size n, sends traffic of one shape and compares the
+                   prompt's completions with batch 1's (the prompt sent alone): tokens,
+                   then logprobs in ULPs. The default ladder straddles every CUDA-graph
+                   size b with b-1, b, b+1. --traffic copies (default): n copies in ONE
+                   request, the upstream tests' shape. concurrent: n one-prompt requests
+                   in flight at once, as real clients send them; on a real server it
+                   diverges far more, because one request of n is not one batch of n.
+                   mixed: the prompt once among n-1 other prompts of varied lengths
+                   (vLLM's needle benchmark and SGLang's mixed mode are its upstream
+                   analogues). --repeat K (default 3) runs the whole ladder K times;
+                   batch 1's passes are the run-to-run control. --prefix-cache bypass
+                   (default) keeps every size from being served an earlier prefill.
                      python3 run.py --mode sweep --url http://localhost:8000 --save off.json
                      python3 run.py --mode sweep --url http://localhost:8001 --expect invariant
   --mode cost      Times the same workload on a flag-off and a flag-on server, arms
@@ -1565,6 +1759,8 @@ READING A SWEEP
   invariant                       one completion, max ULP 0: nothing moved.
   logprobs moved but tokens held  the arithmetic changed with the batch, no argmax flipped.
   tokens diverged                 an argmax flipped somewhere; "first token" says where.
+  batch 1 not repeatable          the prompt alone gave different answers on different
+                                  passes: something besides batching moves them.
 
 A CLEAN FLAG-OFF RESULT IS NOT A FAILED EXPERIMENT. It usually means one of:
   - The model was confident at every generated position: no near-tie, nothing to flip.
@@ -1619,42 +1815,146 @@ def sweep_ladder(cfg: Config, facts: ServerFacts) -> List[int]:
 
 
 @dataclass
+class SentBatch:
+    """What one batch size's traffic brought back: the completions to compare (the measured
+    prompt's only) and what the server said about them."""
+    completions: List[Completion]
+    seconds: float                  # from the first send to the last answer
+    cached_tokens: Optional[int]    # prompt tokens served from the prefix cache, if the server says
+    send_spread: Optional[float] = None  # concurrent: first to last request's send time
+
+
+@dataclass
+class Sender:
+    """How a sweep sends one batch size in each traffic shape, to one server."""
+    client: HttpClient
+    adapter: EngineAdapter
+    model: str
+    sampling: Sampling
+    isolate: bool  # bypass the prefix cache
+
+    def one_request(self, prompts: List[str]) -> Tuple[List[Completion], float, Optional[int]]:
+        answer, seconds = generate(self.client, self.adapter, self.model, prompts, self.sampling, self.isolate)
+        return self.adapter.completions(answer, len(prompts), True), seconds, self.adapter.cached_tokens(answer)
+
+    def copies(self, prompt: str, n: int, seed: int) -> SentBatch:
+        """n copies of the prompt in one request."""
+        return SentBatch(*self.one_request([prompt] * n))
+
+    def mixed(self, prompt: str, n: int, seed: int) -> SentBatch:
+        """The prompt once among n-1 fillers in one request; only its own completion counts."""
+        prompts, position = mixed_batch(prompt, n, seed)
+        completions, seconds, cached = self.one_request(prompts)
+        return SentBatch([completions[position]], seconds, cached)
+
+    def concurrent(self, prompt: str, n: int, seed: int) -> SentBatch:
+        """n one-prompt requests in flight at once, as independent clients send them. A thread
+        per request opens its connection; once every one is ready (a barrier that only the
+        sender waits at, so no thread wakes while the requests go out), every request is
+        written in one loop, each a single prebuilt write, so they reach the server within
+        milliseconds; then each thread reads its own answer."""
+        if n == 1:
+            return self.copies(prompt, 1, seed)
+        allow_open_files(n)
+        posts = [self.client.prepare_post(self.adapter.generate_path, self.adapter.body(
+            self.model, [prompt], self.sampling, self.isolate)) for _ in range(n)]
+        outcomes: List[Any] = [None] * n  # a ServerError, or (completion, cached tokens)
+        ready, all_sent = threading.Semaphore(0), threading.Event()
+
+        def client_thread(i: int) -> None:
+            try:
+                posts[i].connect()
+            except ServerError as err:
+                outcomes[i] = err
+            ready.release()
+            all_sent.wait()
+            if outcomes[i] is None:
+                try:
+                    answer = posts[i].answer()
+                    outcomes[i] = (self.adapter.completions(answer, 1, True)[0], self.adapter.cached_tokens(answer))
+                except ServerError as err:
+                    outcomes[i] = err
+
+        threads = [threading.Thread(target=client_thread, args=(i,), daemon=True) for i in range(n)]
+        for t in threads:
+            t.start()
+        for _ in range(n):
+            ready.acquire()
+        start = CLOCK()
+        sent = []
+        for i, post in enumerate(posts):
+            if outcomes[i] is None:
+                sent.append(CLOCK())
+                try:
+                    post.send()
+                except ServerError as err:
+                    outcomes[i] = err
+        all_sent.set()
+        for t in threads:
+            t.join()
+        seconds = CLOCK() - start
+        failed = [o for o in outcomes if isinstance(o, ServerError)]
+        if failed:
+            raise ServerError("%s (%d of %d concurrent requests failed)" % (failed[0], len(failed), n))
+        cached = [o[1] for o in outcomes if o[1] is not None]
+        return SentBatch([o[0] for o in outcomes], seconds, sum(cached) if cached else None,
+                         round(sent[-1] - sent[0], 6))
+
+
+@dataclass
 class PromptSweep:
-    """Everything measured for one prompt so far."""
+    """Everything measured for one prompt so far: per batch size, one row per pass."""
     prompt: str
     baseline: Optional[Completion] = None
     baseline_source: str = "batch 1"
-    sizes: List[Dict[str, Any]] = field(default_factory=list)
+    runs: Dict[int, List[Dict[str, Any]]] = field(default_factory=dict)  # batch size -> a row per pass
+    buckets: Dict[int, Bucket] = field(default_factory=dict)
     texts: Set[str] = field(default_factory=set)  # every distinct completion text, baseline included
+    batch1: List[Completion] = field(default_factory=list)  # batch 1's completion in every pass
 
     def set_baseline(self, baseline: Completion, source: str) -> None:
         self.baseline, self.baseline_source = baseline, source
         self.texts.add(baseline.text)
 
-    def unique(self) -> int:
-        return len(self.texts)
+    def add(self, n: int, bucket: Bucket, row: Dict[str, Any], completions: List[Completion]) -> None:
+        self.runs.setdefault(n, []).append(row)
+        self.buckets[n] = bucket
+        self.texts.update(c.text for c in completions)
+        if n == 1:
+            self.batch1.append(completions[0])
+
+    def sizes(self) -> List[Dict[str, Any]]:
+        return [dict({"batch_size": n, "bucket": self.buckets[n]}, **aggregate_runs(runs), runs=runs)
+                for n, runs in self.runs.items()]
+
+    def batch1_repeatable(self) -> Optional[bool]:
+        """Batch 1's passes against each other: None until there are two."""
+        if len(self.batch1) < 2:
+            return None
+        return all(same_completion(c, self.batch1[0]) and c.text == self.batch1[0].text for c in self.batch1[1:])
 
     def total(self) -> int:
-        return sum(s["completions"] for s in self.sizes)
+        return sum(r["completions"] for runs in self.runs.values() for r in runs)
 
     def max_ulp(self) -> int:
-        return max((s["max_ulp"] for s in self.sizes), default=0)
+        return max((r["max_ulp"] for runs in self.runs.values() for r in runs), default=0)
 
     def diverged(self) -> bool:
-        return any(s["first_token_divergence"] is not None for s in self.sizes)
+        return any(r["first_token_divergence"] is not None for runs in self.runs.values() for r in runs)
 
     def unmeasured(self) -> bool:
-        return any(u in ("clamped", "non-finite") for s in self.sizes for u in s["ulp_notes"])
+        return any(u in ("clamped", "non-finite") for runs in self.runs.values() for r in runs for u in r["ulp_notes"])
 
     def verdict(self) -> str:
-        return verdict(self.unique(), self.max_ulp(), self.diverged(), self.unmeasured())
+        return verdict(len(self.texts), self.max_ulp(), self.diverged(), self.unmeasured(), self.batch1_repeatable())
 
     def to_record(self) -> Dict[str, Any]:
         return {"prompt": self.prompt,
                 "baseline": self.baseline.to_record() if self.baseline else None,
-                "baseline_source": self.baseline_source, "sizes": self.sizes,
-                "unique_completions": self.unique(), "total_completions": self.total(),
-                "max_ulp": self.max_ulp(), "verdict": self.verdict()}
+                "baseline_source": self.baseline_source, "sizes": self.sizes(),
+                "unique_completions": len(self.texts), "total_completions": self.total(),
+                "max_ulp": self.max_ulp(), "batch1_repeatable": self.batch1_repeatable(),
+                "verdict": self.verdict()}
 
 
 def compare_batch(completions: List[Completion], baseline: Completion, clamps: Sequence[float]) -> Dict[str, Any]:
@@ -1669,13 +1969,13 @@ def compare_batch(completions: List[Completion], baseline: Completion, clamps: S
     divergences = [d.first_token_divergence for d in deltas if d.first_token_divergence is not None]
     ulp_steps = [d.first_ulp_step for d in deltas if d.first_ulp_step is not None]
     texts = [c.text for c in completions]
-    return {"completions": len(completions), "distinct_in_batch": len(set(texts)),
-            "same_as_baseline": sum(1 for c, d in zip(completions, deltas)
-                                    if d.first_token_divergence is None and c.text == baseline.text),
+    same = sum(1 for c, d in zip(completions, deltas) if d.first_token_divergence is None and c.text == baseline.text)
+    return {"completions": len(completions), "distinct_in_batch": len(set(texts)), "same_as_baseline": same,
             "first_token_divergence": min(divergences) if divergences else None,
             "first_ulp_step": min(ulp_steps) if ulp_steps else None,
             "max_ulp": max(d.max_ulp for d in deltas),
             "ulp_notes": sorted({u for d in deltas for u in d.ulp_notes}),
+            "matched": same == len(completions) and all(d is IDENTICAL or d == IDENTICAL for d in deltas),
             "distinct_texts": sorted(set(texts))}
 
 
@@ -1686,14 +1986,21 @@ def baseline_from_file(cfg: Config, prompt: str) -> Completion:
 
 def sweep_document(cfg: Config, facts: ServerFacts, sweeps: List[PromptSweep],
                    sizes: List[int], state: str) -> Dict[str, Any]:
-    summary = {"unique_completions": max((s.unique() for s in sweeps), default=0),
-               "total_completions": max((s.total() for s in sweeps), default=0),
-               "max_ulp": max((s.max_ulp() for s in sweeps), default=0)}
+    repeatable = [s.batch1_repeatable() for s in sweeps]
+    summary = {"unique_completions": max((len(s.texts) for s in sweeps), default=0),
+               "total_completions": sum(s.total() for s in sweeps),
+               "max_ulp": max((s.max_ulp() for s in sweeps), default=0),
+               "batch1_repeatable": False if False in repeatable else (True if repeatable and None not in repeatable else None),
+               "traffic": cfg.traffic, "repeat": cfg.repeat}
     summary["verdict"] = verdict(summary["unique_completions"], summary["max_ulp"],
-                                 any(s.diverged() for s in sweeps), any(s.unmeasured() for s in sweeps))
-    summary["ulp_notes"] = sorted({u for s in sweeps for row in s.sizes for u in row["ulp_notes"]})
+                                 any(s.diverged() for s in sweeps), any(s.unmeasured() for s in sweeps),
+                                 summary["batch1_repeatable"])
+    summary["ulp_notes"] = sorted({u for s in sweeps for runs in s.runs.values() for r in runs for u in r["ulp_notes"]})
     summary["state"] = state
-    params = dict(cfg.sampling.params(), sizes=sizes, prompts=len(cfg.prompts))
+    params = dict(cfg.sampling.params(), sizes=sizes, prompts=len(cfg.prompts), traffic=cfg.traffic,
+                  repeat=cfg.repeat, prefix_cache=cfg.prefix_cache)
+    if cfg.traffic == "mixed":
+        params["mixed_seed"] = cfg.seed
     if cfg.baseline_path:
         params["baseline_file"] = cfg.baseline_path
     return {"schema": SWEEP_SCHEMA, "engine": cfg.engine, "url": cfg.url, "model": facts.model,
@@ -1719,19 +2026,23 @@ def print_sweep_table(doc: Dict[str, Any], cfg: Config, out: Out) -> None:
         out.line(line)
     p = doc["params"]
     sampling = "greedy" if p["temperature"] == 0 else "temperature %g, seed %s" % (p["temperature"], p["seed"])
+    repeat = p.get("repeat", 1)
     out.line("params: %d tokens, %s, top-%d logprobs, sizes %s" % (
         p["max_tokens"], sampling, p["logprobs"], ",".join(str(s) for s in p["sizes"])))
+    out.line("        traffic %s, %d pass%s through the ladder, prefix cache %s" % (
+        p.get("traffic", "copies"), repeat, "" if repeat == 1 else "es", p.get("prefix_cache", "keep")))
     for i, r in enumerate(doc["prompts"], 1):
         out.line("")
         out.line("prompt %d/%d: %s  (baseline: %s)" % (i, len(doc["prompts"]), json.dumps(
             r["prompt"][:70] + ("..." if len(r["prompt"]) > 70 else "")), r["baseline_source"]))
-        out.line("  batch  bucket  distinct  same/all  first token  max ULP  first ULP step  seconds")
+        out.line("  batch  bucket  distinct  same/all  runs matched  first token  max ULP  first ULP step  seconds")
         for s in r["sizes"]:
-            bucket = fmt_opt(s["bucket"], "none")
             ulp = str(s["max_ulp"]) + ("*" if s["ulp_notes"] else "")
-            out.line("  %5d  %6s  %8d  %8s  %11s  %7s  %14s  %7.2f" % (
-                s["batch_size"], bucket, s["distinct_in_batch"],
-                "%d/%d" % (s["same_as_baseline"], s["completions"]), fmt_opt(s["first_token_divergence"]),
+            runs = s.get("runs") or [s]
+            out.line("  %5d  %6s  %8d  %8s  %12s  %11s  %7s  %14s  %7.2f" % (
+                s["batch_size"], fmt_opt(s["bucket"], "none"), s["distinct_in_batch"],
+                "%d/%d" % (s["same_as_baseline"], s["completions"]),
+                "%d/%d" % (s.get("runs_matched", 0), len(runs)), fmt_opt(s["first_token_divergence"]),
                 ulp, fmt_opt(s["first_ulp_step"]), s["seconds"]))
         out.line("  unique completions %d of %d, max ULP %d: %s" % (
             r["unique_completions"], r["total_completions"], r["max_ulp"], r["verdict"]))
@@ -1739,8 +2050,10 @@ def print_sweep_table(doc: Dict[str, Any], cfg: Config, out: Out) -> None:
     out.line("")
     if sm["ulp_notes"]:
         out.line("* %s" % "; ".join(ULP_NOTE_TEXT[n] for n in sm["ulp_notes"]))
-    out.line(out.style("summary: unique completions %d, total %d, max ULP %d: %s%s" % (
-        sm["unique_completions"], sm["total_completions"], sm["max_ulp"], sm["verdict"],
+    control = {True: "batch 1 repeatable over %d passes" % repeat, False: "batch 1 NOT repeatable",
+               None: "no run-to-run control (one pass)"}[sm.get("batch1_repeatable")]
+    out.line(out.style("summary: unique completions %d, total %d, max ULP %d, %s: %s%s" % (
+        sm["unique_completions"], sm["total_completions"], sm["max_ulp"], control, sm["verdict"],
         "" if sm["state"] == "complete" else " (%s)" % sm["state"]), "1"))
 
 
@@ -1758,15 +2071,21 @@ def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
     sm = doc["summary"]
     moved = sm["verdict"] != "invariant"
     text = out.line if not cfg.json_out else (lambda line="": out.stderr.write(line + "\n"))
-    if moved and doc["server"].get("flag"):
+    if sm["verdict"] == NOT_REPEATABLE:
+        text("")
+        text("Batch 1 alone gave different answers on different passes: the server is not repeatable "
+             "even without other requests beside it, so differences at other sizes cannot be put down "
+             "to batching. Check for unseeded sampling, a server restarted between passes, or other "
+             "traffic on it.")
+    elif moved and doc["server"].get("flag"):
         text("")
         text("The server reports the flag ON, yet results moved.")
         text(COVERAGE_CHECKLIST)
         text("If none applies, this is worth a bug report: attach the --save file.")
     if not moved and (doc["server"].get("flag") is not True or cfg.expect == "variant"):
         text("Nothing moved. With the flag off that usually means no near-tie was met: try more "
-             "prompts (--prompt-file), longer generations (--max-tokens 256) or --temperature 0.6; "
-             "see --mode help.")
+             "prompts (--prompt-file), longer generations (--max-tokens 256), --temperature 0.6 or "
+             "--traffic concurrent; see --mode help.")
     if cfg.expect == "invariant" and moved:
         text("expectation failed: --expect invariant, but the result is: %s" % sm["verdict"])
         return EXIT_EXPECTATION
@@ -1784,6 +2103,9 @@ def run_sweep(cfg: Config, out: Out) -> int:
                          % (cfg.baseline_path, cfg.baseline.get("model"), facts.model))
     sizes = sweep_ladder(cfg, facts)
     sweep_warnings(facts, sizes, out)
+    isolate = cfg.prefix_cache == "bypass"
+    sender = Sender(client, adapter, facts.model, cfg.sampling, isolate)
+    send = getattr(sender, cfg.traffic)
     sweeps: List[PromptSweep] = []
 
     def save(state: str) -> Dict[str, Any]:
@@ -1798,22 +2120,26 @@ def run_sweep(cfg: Config, out: Out) -> int:
             sweeps.append(sweep)
             if cfg.baseline is not None:
                 sweep.set_baseline(baseline_from_file(cfg, prompt), cfg.baseline_path)
-            for n in sizes:
-                interrupt.check()
-                out.progress("prompt %d/%d, batch %d ..." % (pi, len(cfg.prompts), n))
-                try:
-                    answer, seconds = generate(client, adapter, facts.model, [prompt] * n, cfg.sampling)
-                    completions = adapter.completions(answer, n, True)
-                except ServerError as err:
-                    raise ServerError("batch size %d%s: %s" % (
-                        n, " (prompt %d)" % pi if len(cfg.prompts) > 1 else "", err)) from None
-                if sweep.baseline is None:
-                    sweep.set_baseline(completions[0], "batch 1")
-                row = compare_batch(completions, sweep.baseline, adapter.logprob_clamps)
-                sweep.sizes.append(dict({"batch_size": n, "bucket": facts.bucket(n)}, **row,
-                                        seconds=round(seconds, 4)))
-                sweep.texts.update(c.text for c in completions)
-                save("running")
+            for pass_no in range(1, cfg.repeat + 1):
+                for n in sizes:
+                    interrupt.check()
+                    out.progress("prompt %d/%d, pass %d/%d, batch %d ..." % (pi, len(cfg.prompts), pass_no, cfg.repeat, n))
+                    try:
+                        adapter.before_batch(client, isolate)
+                        batch = send(prompt, n, cfg.seed)
+                    except ServerError as err:
+                        raise ServerError("batch size %d%s%s: %s" % (
+                            n, " (prompt %d)" % pi if len(cfg.prompts) > 1 else "",
+                            ", pass %d" % pass_no if cfg.repeat > 1 else "", err)) from None
+                    if sweep.baseline is None:
+                        sweep.set_baseline(batch.completions[0], "batch 1")
+                    row = compare_batch(batch.completions, sweep.baseline, adapter.logprob_clamps)
+                    row.update({"pass": pass_no, "seconds": round(batch.seconds, 4), "cached_tokens": batch.cached_tokens})
+                    if batch.send_spread is not None:
+                        row["send_spread_s"] = batch.send_spread
+                    sweep.add(n, facts.bucket(n), row, batch.completions)
+                    if cfg.save:
+                        save("running")
 
     state, code = measure_until_stopped(out, "sweep", measure)
     doc = save(state)

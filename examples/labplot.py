@@ -6,11 +6,11 @@ import json
 import sys
 
 
-def load(path, schema, kind):
-    """A lab save file, refused unless it holds `kind` results (its "schema" field)."""
+def load(path, schemas, kind):
+    """A lab save file, refused unless it holds `kind` results (its "schema" field, one of schemas)."""
     with open(path, encoding="utf-8") as f:
         doc = json.load(f)
-    if doc.get("schema") != schema:
+    if doc.get("schema") not in schemas:
         raise ValueError("%s is not a %s file (schema %r)" % (path, kind, doc.get("schema")))
     return doc
 

@@ -18,12 +18,12 @@ import sys
 
 import labplot
 
-COST_SCHEMA = "batch-invariance-lab/cost/1"
+COST_SCHEMAS = ("batch-invariance-lab/cost/1",)
 WORKLOADS = ("cold", "shared-prefix")
 
 
 def load(path):
-    doc = labplot.load(path, COST_SCHEMA, "cost")
+    doc = labplot.load(path, COST_SCHEMAS, "cost")
     if not doc.get("cells"):
         raise ValueError("%s holds no cell yet" % path)
     return doc

@@ -18,7 +18,7 @@ import sys
 
 import labplot
 
-SWEEP_SCHEMA = "batch-invariance-lab/sweep/1"
+SWEEP_SCHEMAS = ("batch-invariance-lab/sweep/1", "batch-invariance-lab/sweep/2")  # both read alike
 ZERO_LINE = 0.5    # where "0 ULP" is drawn on the log axis
 
 
@@ -53,7 +53,7 @@ def plot(paths, out):
     plt = labplot.pyplot()
     from matplotlib.ticker import FuncFormatter
 
-    docs = [labplot.load(p, SWEEP_SCHEMA, "sweep") for p in paths]
+    docs = [labplot.load(p, SWEEP_SCHEMAS, "sweep") for p in paths]
     fig, (ax_ulp, ax_div) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True,
                                          gridspec_kw={"height_ratios": [3, 2]})
     top = max(n for doc in docs for n, _, _ in per_size(doc))

@@ -11,20 +11,29 @@ apart between sizes (as with the flag off). Two clients fetch exactly the same b
 Each runs in a fresh process; the figures are its CPU time for the work (best of --repeat)
 and its peak resident memory. Targets: lab/bare CPU ratio at most 1.5, peak under 300 MB.
 
-    python3 tests/bench_client.py [--repeat 3] [--distinct]
+With --traffic concurrent it measures the concurrent sweep instead, at n = 256 and 1000
+one-prompt requests in flight at once: the spread between the first and the last request's
+send time (target under 0.5 s at 1000), the client's CPU per request against a bare client
+that sends the same requests from threads released by one barrier (target at most 2x), and
+peak memory (under 300 MB).
+
+    python3 tests/bench_client.py [--repeat 3] [--distinct] [--traffic concurrent]
 
 Not collected by the test suite (its name does not start with test_); it prints figures
 and asserts nothing about time.
 """
 
 import argparse
+import io
 import json
 import os
 import random
 import resource
+import statistics
 import struct
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -99,22 +108,62 @@ def serve(port_file, distinct):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             self.reply(200, answers[len(body["prompt"])])
 
+    ThreadingHTTPServer.request_queue_size = 2048  # a real server's backlog: a thousand connect at once
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     with open(port_file, "w") as f:
         f.write(str(httpd.server_address[1]))
     httpd.serve_forever()
 
 
-def worker(kind, url):
+def concurrent_worker(kind, url, n):
+    """n one-prompt requests at once, by the lab or by bare threads; returns the send spread."""
+    import run  # noqa: E402
+    if kind == "lab":
+        out = io.StringIO()
+        saved, sys.stdout = sys.stdout, out
+        try:
+            code = run.main(["--mode", "sweep", "--url", url, "--sizes", "1,%d" % n, "--repeat", "1",
+                             "--traffic", "concurrent", "--max-tokens", str(TOKENS), "--logprobs", str(TOP_K),
+                             "--json"])
+        finally:
+            sys.stdout = saved
+        assert code == 0, code
+        return json.loads(out.getvalue())["prompts"][0]["sizes"][1]["runs"][0]["send_spread_s"]
+    body = json.dumps({"model": MODEL, "prompt": [run.DEFAULT_PROMPT], "max_tokens": TOKENS, "temperature": 0.0,
+                       "top_p": 1.0, "logprobs": TOP_K, "return_tokens_as_token_ids": True}).encode()
+    barrier, sent = threading.Barrier(n), [0.0] * n
+
+    def one(i):
+        req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+        barrier.wait()
+        sent[i] = time.perf_counter()
+        with urllib.request.urlopen(req) as resp:
+            json.loads(resp.read())
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return max(sent) - min(sent)
+
+
+def worker(kind, url, n=None):
     """Do the work once in this process; print CPU seconds and peak memory as JSON."""
     sys.path.insert(0, ROOT)
     import run  # noqa: E402  (imported before timing, as a user's process would have it)
     start = time.process_time()
+    if n is not None:
+        spread = concurrent_worker(kind, url, int(n))
+        cpu = time.process_time() - start
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+        print(json.dumps({"cpu_s": cpu, "peak_mb": peak_mb, "spread_s": spread}))
+        return 0
     if kind == "lab":
         with open(os.devnull, "w") as devnull:
             saved, sys.stdout = sys.stdout, devnull
             try:
-                code = run.main(["--mode", "sweep", "--url", url, "--sizes", ",".join(map(str, SIZES)),
+                code = run.main(["--mode", "sweep", "--url", url, "--sizes", ",".join(map(str, SIZES)), "--repeat", "1",
                                  "--max-tokens", str(TOKENS), "--logprobs", str(TOP_K)])
             finally:
                 sys.stdout = saved
@@ -132,20 +181,35 @@ def worker(kind, url):
     print(json.dumps({"cpu_s": cpu, "peak_mb": peak_mb}))
 
 
-def measure(kind, url, repeat):
+def measure(kind, url, repeat, n=None):
     runs = []
     for _ in range(repeat):
-        out = subprocess.run([sys.executable, __file__, "--worker", kind, url], capture_output=True,
-                             text=True, check=True)
+        out = subprocess.run([sys.executable, __file__, "--worker", kind, url] + ([str(n)] if n else []),
+                             capture_output=True, text=True, check=True)
         runs.append(json.loads(out.stdout))
+    if n:
+        return (min(r["cpu_s"] for r in runs), max(r["peak_mb"] for r in runs),
+                statistics.median(r["spread_s"] for r in runs))
     return min(r["cpu_s"] for r in runs), max(r["peak_mb"] for r in runs)
+
+
+def bench_concurrent(url, repeat):
+    for n in (256, 1000):
+        lab_cpu, lab_peak, lab_spread = measure("lab", url, repeat, n)
+        bare_cpu, bare_peak, bare_spread = measure("bare", url, repeat, n)
+        requests = n + 1  # the lab also sends batch 1 alone
+        print("n=%d: lab send spread %.3f s (bare %.3f s; target < 0.5 s at 1000)" % (n, lab_spread, bare_spread))
+        print("       CPU per request: lab %.2f ms, bare %.2f ms, ratio %.2f (target <= 2); peak lab %.0f MB, "
+              "bare %.0f MB" % (1000 * lab_cpu / requests, 1000 * bare_cpu / n,
+                                (lab_cpu / requests) / (bare_cpu / n), lab_peak, bare_peak))
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--distinct", action="store_true", help="no two completions of a batch alike")
-    p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--traffic", choices=("copies", "concurrent"), default="copies")
+    p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     p.add_argument("--serve", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve:
@@ -159,6 +223,10 @@ def main(argv=None):
         while not os.path.exists(port_file) or not open(port_file).read():
             time.sleep(0.05)
         url = "http://127.0.0.1:%s" % open(port_file).read()
+        if args.traffic == "concurrent":
+            print("one-prompt answers of %d tokens, top-%d, answered at once" % (TOKENS, TOP_K))
+            bench_concurrent(url, args.repeat)
+            return 0
         sizes = {n: len(answer_for(n, args.distinct)) for n in SIZES}
         print("answers: %s bytes for batch sizes %s (%d tokens, top-%d, %s)" % (
             "/".join("%.1fM" % (b / 1e6) for b in sizes.values()), ",".join(map(str, SIZES)), TOKENS, TOP_K,

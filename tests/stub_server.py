@@ -18,6 +18,10 @@ From tests:
     with StubServer(StubConfig(engine="sglang", invariant=True)) as stub:
         urllib.request.urlopen(stub.url + "/server_info")
 
+Requests that arrive within --scheduler-window seconds of each other are computed as one
+step batch, as a continuous-batching server schedules them; GET /stub/stats reports the
+largest step batch formed, the generation requests served and the distinct texts served.
+
 Fault switches (for the lab's own fault tests) apply to the k-th generation request,
 counting from 1: --fault 3=http500, drop, badjson, nochoices, fewer, nulllogprobs,
 ragged, clamp, redirect, huge, stall. --step-delay S makes each decode step take S
@@ -216,6 +220,9 @@ class StubConfig:
     tp_size: int = 1                         # the TP degree reported (nothing is sharded)
     redirect_get_to: Optional[str] = None    # answer every GET with a redirect to this base URL
     clock: Optional["VirtualClock"] = None   # in-process tests: emulated time advances this, no sleep
+    scheduler_window: float = 0.0            # seconds a step waits for more requests (0: each alone)
+    prompt_tokens_details: bool = False      # vLLM's --enable-prompt-tokens-details: cached-token counts
+    flush_refused: bool = False              # SGLang: answer /flush_cache as with requests in flight
 
     def sizes(self) -> List[int]:
         if self.graph_sizes is not None:
@@ -254,14 +261,87 @@ class BadRequest(Exception):
         self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
-def run_batch(config: StubConfig, prompts: List[str], max_tokens: int, temperature: float,
-              top_p: float, seed: Optional[int], ignore_eos: bool,
-              shared_rng: random.Random, timing_rng: random.Random) -> List[Dict]:
-    """Every prompt of one request, scheduled together as one batch."""
+class StepScheduler:
+    """Continuous batching, in small: the prompts of every request that arrives within
+    `window` seconds of the first one form one step batch, and every one of them is
+    computed with the arithmetic of that batch's total size. A window of 0 runs each
+    request alone."""
+
+    def __init__(self, window: float):
+        self.window = window
+        self.cond = threading.Condition()
+        self.open_step: Optional[Dict] = None
+        self.largest = 0
+
+    def join(self, prompts: int) -> int:
+        """Wait for the step this request falls in to close; return the step's batch size."""
+        if self.window <= 0:
+            with self.cond:
+                self.largest = max(self.largest, prompts)
+            return prompts
+        with self.cond:
+            step = self.open_step
+            leader = step is None
+            if leader:
+                step = self.open_step = {"size": 0, "closed": False}
+            step["size"] += prompts
+        if leader:
+            time.sleep(self.window)
+            with self.cond:
+                step["closed"] = True
+                self.open_step = None
+                self.largest = max(self.largest, step["size"])
+                self.cond.notify_all()
+        else:
+            with self.cond:
+                while not step["closed"]:
+                    self.cond.wait()
+        return step["size"]
+
+
+class EngineState:
+    """What a running engine keeps between requests: its shared generators, its scheduler,
+    its prefix cache, and what GET /stub/stats reports."""
+
+    def __init__(self, config: "StubConfig"):
+        self.shared_rng = random.Random(config.seed)
+        self.timing_rng = random.Random(config.seed + 1)
+        self.scheduler = StepScheduler(config.scheduler_window)
+        self.lock = threading.Lock()
+        self.prefix_cache = set()   # (salt, prompt) of every prompt prefilled since the last flush
+        self.served_requests = 0    # generation requests answered
+        self.served_texts = set()   # every distinct completion text answered
+
+    def cached_tokens(self, salt: Optional[str], prompt: str) -> int:
+        """The prompt's tokens served from the prefix cache; the prompt is cached from now on."""
+        with self.lock:
+            hit = (salt, prompt) in self.prefix_cache
+            self.prefix_cache.add((salt, prompt))
+        return prompt_token_count(prompt) - 1 if hit else 0
+
+    def flush(self) -> None:
+        with self.lock:
+            self.prefix_cache.clear()
+
+    def served(self, texts: List[str]) -> None:
+        with self.lock:
+            self.served_requests += 1
+            self.served_texts.update(texts)
+
+    def stats(self) -> Dict:
+        with self.lock:
+            return {"largest_step_batch": self.scheduler.largest, "generation_requests": self.served_requests,
+                    "distinct_texts": len(self.served_texts)}
+
+
+def run_batch(config: StubConfig, state: EngineState, prompts: List[str], max_tokens: int,
+              temperature: float, top_p: float, seed: Optional[int], ignore_eos: bool) -> List[Dict]:
+    """Every prompt of one request, computed with the arithmetic of the step batch it joined."""
+    step_size = state.scheduler.join(len(prompts))
     started = time.perf_counter()
     if not config.honour_ignore_eos:
         max_tokens = max(1, max_tokens // 2)  # as if each completion met its end early
-    plan = reduction_plan(len(prompts), config.sizes(), config.invariant and not config.coverage_gap)
+    plan = reduction_plan(step_size, config.sizes(), config.invariant and not config.coverage_gap)
     memo = {}
     results = []
     for prompt in prompts:
@@ -269,7 +349,7 @@ def run_batch(config: StubConfig, prompts: List[str], max_tokens: int, temperatu
         if reproducible and prompt in memo:
             results.append(memo[prompt])
             continue
-        rng = random.Random(seed) if seed is not None else shared_rng
+        rng = random.Random(seed) if seed is not None else state.shared_rng
         out = generate(prompt, max_tokens, plan, temperature, top_p, rng, ignore_eos)
         memo[prompt] = out
         results.append(out)
@@ -278,7 +358,7 @@ def run_batch(config: StubConfig, prompts: List[str], max_tokens: int, temperatu
         # however long the arithmetic above took, so the two arms differ by a known factor.
         steps = max(len(r["ids"]) for r in results)
         factor = config.slowdown if config.invariant else 1.0
-        noise = 1.0 + config.jitter * (2.0 * timing_rng.random() - 1.0)
+        noise = 1.0 + config.jitter * (2.0 * state.timing_rng.random() - 1.0)
         busy = config.step_delay * factor * steps * noise
         if config.clock is not None:
             config.clock.advance(busy)
@@ -295,7 +375,7 @@ def prompt_token_count(prompt: str) -> int:
 # vLLM wire format
 
 
-def vllm_completions(config: StubConfig, body: Dict, rngs: Tuple[random.Random, random.Random]) -> Dict:
+def vllm_completions(config: StubConfig, body: Dict, state: EngineState) -> Dict:
     if body.get("model") not in (None, config.model):
         raise BadRequest(404, "The model `%s` does not exist." % body.get("model"),
                          "NotFoundError", "model")
@@ -310,8 +390,14 @@ def vllm_completions(config: StubConfig, body: Dict, rngs: Tuple[random.Random, 
                          param="logprobs")
     max_tokens = int(body.get("max_tokens") or 16)
     temperature = float(body.get("temperature", 1.0))
-    outs = run_batch(config, prompts, max_tokens, temperature, float(body.get("top_p", 1.0)),
-                     body.get("seed"), bool(body.get("ignore_eos")), *rngs)
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise BadRequest(400, "1 validation error:\n  {'type': 'value_error', 'loc': ('body',), 'msg': \"Value "
+                         "error, Parameter 'cache_salt' must be a non-empty string if provided. "
+                         "(parameter=cache_salt)\"}", "Bad Request", "cache_salt")
+    cached = [state.cached_tokens(salt, p) for p in prompts]
+    outs = run_batch(config, state, prompts, max_tokens, temperature, float(body.get("top_p", 1.0)),
+                     body.get("seed"), bool(body.get("ignore_eos")))
     as_ids = bool(body.get("return_tokens_as_token_ids"))
     name = (lambda v: "token_id:%d" % v) if as_ids else token_text
     choices = []
@@ -341,6 +427,7 @@ def vllm_completions(config: StubConfig, body: Dict, rngs: Tuple[random.Random, 
             "prompt_token_ids": None,
             "routed_experts": None,
         })
+    state.served([c["text"] for c in choices])
     prompt_tokens = sum(prompt_token_count(p) for p in prompts)
     completion_tokens = sum(len(o["ids"]) for o in outs)
     return {
@@ -352,7 +439,10 @@ def vllm_completions(config: StubConfig, body: Dict, rngs: Tuple[random.Random, 
         "service_tier": None,
         "system_fingerprint": "vllm-0.26.0-stub",
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-                  "completion_tokens": completion_tokens, "prompt_tokens_details": None},
+                  "completion_tokens": completion_tokens,
+                  # as with --enable-prompt-tokens-details: the last prompt's count only
+                  "prompt_tokens_details": {"cached_tokens": cached[-1], "created_cache_tokens": None,
+                                            "multimodal_tokens": None} if config.prompt_tokens_details else None},
         "kv_transfer_params": None,
         "ec_transfer_params": None,
         "metrics": None,
@@ -398,7 +488,7 @@ SGLANG_SAMPLING_KEYS = {
 }
 
 
-def sglang_generate(config: StubConfig, body: Dict, rngs: Tuple[random.Random, random.Random]):
+def sglang_generate(config: StubConfig, body: Dict, state: EngineState):
     text = body.get("text")
     prompts = text if isinstance(text, list) else [text]
     if not prompts or not all(isinstance(p, str) for p in prompts):
@@ -413,21 +503,22 @@ def sglang_generate(config: StubConfig, body: Dict, rngs: Tuple[random.Random, r
     seed = sp.get("sampling_seed")
     if seed is None and config.invariant:
         seed = 42  # deterministic mode's default per-request seed
-    outs = run_batch(config, prompts, int(sp.get("max_new_tokens", 128)),
+    cached = [state.cached_tokens(None, p) for p in prompts]
+    outs = run_batch(config, state, prompts, int(sp.get("max_new_tokens", 128)),
                      float(sp.get("temperature", 1.0)), float(sp.get("top_p", 1.0)), seed,
-                     bool(sp.get("ignore_eos")), *rngs)
+                     bool(sp.get("ignore_eos")))
     with_logprobs = bool(body.get("return_logprob"))
     k = int(body.get("top_logprobs_num") or 0)
     show = (lambda v: token_text(v)) if body.get("return_text_in_logprobs") else (lambda v: None)
     answers = []
-    for out, prompt in zip(outs, prompts):
+    for out, prompt, hit in zip(outs, prompts, cached):
         meta = {
             "id": "%032x" % random.getrandbits(128),
             "finish_reason": ({"type": "length", "length": len(out["ids"])} if out["finish"] == "length"
                               else {"type": "stop", "matched": EOS_ID}),
             "prompt_tokens": prompt_token_count(prompt),
             "completion_tokens": len(out["ids"]),
-            "cached_tokens": 0,
+            "cached_tokens": hit,
         }
         if with_logprobs:
             meta["output_token_logprobs"] = [[step[v], v, show(v)]
@@ -437,6 +528,7 @@ def sglang_generate(config: StubConfig, body: Dict, rngs: Tuple[random.Random, r
                 for step in out["logprobs"]]
         answers.append({"text": "".join(token_text(v) for v in out["ids"]),
                         "output_ids": out["ids"], "meta_info": meta})
+    state.served([a["text"] for a in answers])
     return answers if isinstance(text, list) else answers[0]
 
 
@@ -499,6 +591,8 @@ class StubHandler(BaseHTTPRequestHandler):
         port = self.server.server_address[1]
         if path == "/health":
             return self.send_json(200, None, raw=b"")
+        if path == "/stub/stats":
+            return self.send_json(200, self.server.state.stats())
         if self.config.engine == "vllm":
             routes = {"/version": lambda: {"version": "0.26.0"},
                       "/v1/models": lambda: vllm_models(self.config)}
@@ -516,7 +610,12 @@ class StubHandler(BaseHTTPRequestHandler):
         raw = self.rfile.read(length)
         self.server.record(self, raw)
         if self.config.engine == "sglang" and path == "/flush_cache":
-            return self.send_json(200, None, raw=b"Cache flushed.\n")
+            if self.config.flush_refused:
+                return self.send_json(400, None, raw=b"Cache not flushed. Please check backend logs for more "
+                                      b"details. (When there are running or waiting requests, the operation "
+                                      b"will not be performed.)")
+            self.server.state.flush()
+            return self.send_json(200, None, raw=b"Cache flushed.\nPlease check backend logs for more details.")
         handlers = {"vllm": {"/v1/completions": vllm_completions},
                     "sglang": {"/generate": sglang_generate}}[self.config.engine]
         if path not in handlers:
@@ -543,7 +642,7 @@ class StubHandler(BaseHTTPRequestHandler):
             return self.send_json(200, None, raw=b'{"pad": "' + b"x" * (3 * 1024 * 1024) + b'"}')
         try:
             body = json.loads(raw or b"{}")
-            answer = handlers[path](self.config, body, (self.server.shared_rng, self.server.timing_rng))
+            answer = handlers[path](self.config, body, self.server.state)
         except BadRequest as err:
             return self.send_error_body(err)
         except (ValueError, TypeError) as err:
@@ -591,11 +690,11 @@ class StubHTTPServer(ThreadingHTTPServer):
     daemon_threads = False
     block_on_close = True
     allow_reuse_address = True
+    request_queue_size = 2048  # the listen backlog uvicorn gives vLLM and SGLang (socketserver's is 5)
 
     def __init__(self, config: StubConfig):
         self.config = config
-        self.shared_rng = random.Random(config.seed)
-        self.timing_rng = random.Random(config.seed + 1)
+        self.state = EngineState(config)
         self.lock = threading.Lock()
         self.generation_requests = 0
         self.requests = []  # (method, path, headers) of every request, for tests
@@ -683,6 +782,9 @@ def main(argv=None) -> int:
     p.add_argument("--jitter", type=float, default=0.0, help="+- share of the delay, seeded")
     p.add_argument("--tp-size", type=int, default=1, help="TP degree to report")
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling and of the jitter")
+    p.add_argument("--scheduler-window", type=float, default=0.05, help="seconds a step batch waits for "
+                   "more requests to join it (default 0.05; 0 runs every request alone)")
+    p.add_argument("--prompt-tokens-details", action="store_true", help="vLLM: report cached prompt tokens")
     p.add_argument("--fault", action="append", default=[], metavar="K=KIND")
     args = p.parse_args(argv)
     config = StubConfig(
@@ -691,7 +793,8 @@ def main(argv=None) -> int:
         graph_sizes=[int(s) for s in args.graph_sizes.split(",")] if args.graph_sizes else None,
         max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
         dev_mode=not args.no_dev_mode, step_delay=args.step_delay, slowdown=args.slowdown,
-        jitter=args.jitter, seed=args.seed, tp_size=args.tp_size,
+        jitter=args.jitter, seed=args.seed, tp_size=args.tp_size, scheduler_window=args.scheduler_window,
+        prompt_tokens_details=args.prompt_tokens_details,
         faults=parse_faults(args.fault))
     server = StubHTTPServer(config)
     print("stub %s server (flag %s) on http://%s:%d" % (

@@ -152,6 +152,19 @@ class PlotScripts(unittest.TestCase):
                 self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
 
     @unittest.skipUnless(HAVE_MATPLOTLIB, "matplotlib is not installed")
+    def test_plots_from_the_real_runs_in_the_older_schemas(self):
+        real = os.path.join(EXAMPLES, "real")
+        with tempfile.TemporaryDirectory() as tmp:
+            for script, files in (("plot_sweep.py", ["sweep_tp2_flag_off.json", "sweep_tp2_flag_on.json"]),
+                                  ("plot_cost.py", ["cost_4cells.json"])):
+                with self.subTest(script=script):
+                    out = os.path.join(tmp, script + ".png")
+                    p = self.plot(script, *[os.path.join(real, f) for f in files], "-o", out)
+                    self.assertEqual(p.returncode, 0, p.stderr)
+                    with open(out, "rb") as f:
+                        self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+
+    @unittest.skipUnless(HAVE_MATPLOTLIB, "matplotlib is not installed")
     def test_wrong_kind_of_file_is_refused(self):
         with tempfile.TemporaryDirectory() as tmp:
             p = self.plot("plot_sweep.py", os.path.join(EXAMPLES, "sample_cost.json"), "-o",

@@ -12,7 +12,7 @@ import sys
 import unittest
 from unittest import mock
 
-from stub_server import sglang_generate, vllm_completions
+from stub_server import EngineState, sglang_generate, vllm_completions
 from support import ROOT, StubConfig, StubServer, TempDirTest, run, run_lab, wait_for
 
 SIZES = "1,2,4,8"   # the fault is injected at the 3rd generation request: batch size 4
@@ -151,7 +151,8 @@ class MangledAnswers(unittest.TestCase):
         rng = random.Random(11)
         for engine, make in (("vllm", vllm_completions), ("sglang", sglang_generate)):
             with self.subTest(engine=engine):
-                good = make(StubConfig(engine=engine), self.BODIES[engine], (random.Random(0), random.Random(0)))
+                config = StubConfig(engine=engine)
+                good = make(config, self.BODIES[engine], EngineState(config))
                 adapter = run.ADAPTERS[engine]
                 base = adapter.completions(good, 2, True)[0]
                 for _ in range(400):

@@ -12,7 +12,8 @@ TOKENS = 64
 
 
 def sweep(stub, *extra):
-    return run_lab("--mode", "sweep", "--engine", stub.config.engine, "--url", stub.url,
+    """One pass of copies traffic: today's sweep, whose figures follow from the stub's arithmetic."""
+    return run_lab("--mode", "sweep", "--engine", stub.config.engine, "--url", stub.url, "--repeat", 1,
                    "--sizes", ",".join(map(str, SIZES)), "--max-tokens", TOKENS, *extra)
 
 
@@ -84,7 +85,7 @@ class SweepBehaviour(TempDirTest):
         self.assertNotIn("sekret", raw)
         self.assertNotIn("sekret", r.stdout + r.stderr)
         doc = json.loads(raw)
-        self.assertEqual(doc["schema"], "batch-invariance-lab/sweep/1")
+        self.assertEqual(doc["schema"], "batch-invariance-lab/sweep/2")
         for key in ("engine", "url", "model", "server", "params", "prompts", "summary"):
             self.assertIn(key, doc)
         p = doc["prompts"][0]
@@ -93,10 +94,16 @@ class SweepBehaviour(TempDirTest):
         for key in ("text", "tokens", "logprobs"):
             self.assertIn(key, p["baseline"])
         for key in ("batch_size", "completions", "distinct_in_batch", "same_as_baseline",
-                    "first_token_divergence", "first_ulp_step", "max_ulp", "seconds"):
+                    "first_token_divergence", "first_ulp_step", "max_ulp", "seconds", "runs", "runs_matched"):
             self.assertIn(key, p["sizes"][0])
-        for key in ("unique_completions", "total_completions", "max_ulp", "verdict"):
+        for key in ("completions", "distinct_in_batch", "same_as_baseline", "first_token_divergence",
+                    "first_ulp_step", "max_ulp", "seconds", "matched", "cached_tokens"):
+            self.assertIn(key, p["sizes"][0]["runs"][0])
+        for key in ("unique_completions", "total_completions", "max_ulp", "verdict", "state", "traffic",
+                    "repeat", "batch1_repeatable"):
             self.assertIn(key, doc["summary"])
+        for key in ("traffic", "repeat", "prefix_cache"):
+            self.assertIn(key, doc["params"])
         self.assertEqual(doc["model"], "stub/tiny-f32")  # from /v1/models
         self.assertFalse(doc["server"]["flag"])
 
