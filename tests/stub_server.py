@@ -223,6 +223,7 @@ class StubConfig:
     scheduler_window: float = 0.0            # seconds a step waits for more requests (0: each alone)
     prompt_tokens_details: bool = False      # vLLM's --enable-prompt-tokens-details: cached-token counts
     flush_refused: bool = False              # SGLang: answer /flush_cache as with requests in flight
+    decode_graphs: bool = True               # SGLang: False reports decode graphs switched off
 
     def sizes(self) -> List[int]:
         if self.graph_sizes is not None:
@@ -256,9 +257,10 @@ class VirtualClock:
 
 
 class BadRequest(Exception):
-    def __init__(self, status: int, message: str, kind: str = "BadRequestError", param=None):
+    def __init__(self, status: int, message: str, kind: str = "BadRequestError", param=None, body=None):
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.body = body  # the whole error body, where the engine answers in a shape of its own
 
 
 class StepScheduler:
@@ -470,9 +472,10 @@ def vllm_server_info(config: StubConfig) -> Dict:
     return info
 
 
-def vllm_models(config: StubConfig) -> Dict:
+def models_list(config: StubConfig) -> Dict:
+    """/v1/models, as both engines answer it; max_model_len is the context length in force."""
     return {"object": "list", "data": [{
-        "id": config.model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
+        "id": config.model, "object": "model", "created": int(time.time()), "owned_by": config.engine,
         "root": config.model, "parent": None, "max_model_len": 2048, "permission": []}]}
 
 
@@ -489,20 +492,28 @@ SGLANG_SAMPLING_KEYS = {
 
 
 def sglang_generate(config: StubConfig, body: Dict, state: EngineState):
-    text = body.get("text")
+    """SGLang 0.5.23's /generate: its error bodies, and sampling_seed honoured only with the flag."""
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if text is None and input_ids is not None:
+        # token ids in place of text: each id list stands for the prompt the ids spell
+        batch = isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list)
+        text = [" ".join(map(str, ids)) for ids in input_ids] if batch else " ".join(map(str, input_ids or []))
     prompts = text if isinstance(text, list) else [text]
     if not prompts or not all(isinstance(p, str) for p in prompts):
-        raise BadRequest(400, "text must be a string or a list of strings")
+        raise BadRequest(400, "text must be a string or a list of strings",
+                         body={"object": "error", "message": "1 validation error for GenerateReqInput: text "
+                                                              "must be a string or a list of strings"})
     sp = body.get("sampling_params") or {}
     unknown = sorted(set(sp) - SGLANG_SAMPLING_KEYS)
-    if unknown:
-        raise BadRequest(400, "SamplingParams.__init__() got an unexpected keyword argument '%s'"
-                         % unknown[0])
-    if sp.get("sampling_seed", 0) is None:
-        raise BadRequest(400, "sampling_seed must be an integer")
+    if unknown:  # 0.5.22-0.5.23: the request contract check answers with a bare string
+        raise BadRequest(400, "unknown field", body={"error": "unknown field `%s`, expected one of %s" % (
+            unknown[0], ", ".join("`%s`" % k for k in sorted(SGLANG_SAMPLING_KEYS)))})
     seed = sp.get("sampling_seed")
-    if seed is None and config.invariant:
-        seed = 42  # deterministic mode's default per-request seed
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise BadRequest(400, "sampling_seed must be an integer, got %s." % type(seed).__name__)
+    # Per-request seeds exist only with deterministic inference (sampling_batch_info.py,
+    # 0.5.23 lines 157-171): the seed, else 42. Flag off, every request samples unseeded.
+    seed = (42 if seed is None else seed) if config.invariant else None
     cached = [state.cached_tokens(None, p) for p in prompts]
     outs = run_batch(config, state, prompts, int(sp.get("max_new_tokens", 128)),
                      float(sp.get("temperature", 1.0)), float(sp.get("top_p", 1.0)), seed,
@@ -521,11 +532,13 @@ def sglang_generate(config: StubConfig, body: Dict, state: EngineState):
             "cached_tokens": hit,
         }
         if with_logprobs:
+            # logprob_start_len defaults to -1: no prompt positions, but the key is there
+            meta["input_token_logprobs"] = []
             meta["output_token_logprobs"] = [[step[v], v, show(v)]
                                              for v, step in zip(out["ids"], out["logprobs"])]
-            meta["output_top_logprobs"] = [
-                [[step[v], v, show(v)] for v in ranked_ids(step)[:k]] if k else None
-                for step in out["logprobs"]]
+            if k:  # only asked-for top-k lists appear at all
+                meta["output_top_logprobs"] = [[[step[v], v, show(v)] for v in ranked_ids(step)[:k]]
+                                               for step in out["logprobs"]]
         answers.append({"text": "".join(token_text(v) for v in out["ids"]),
                         "output_ids": out["ids"], "meta_info": meta})
     state.served([a["text"] for a in answers])
@@ -537,14 +550,18 @@ def sglang_server_info(config: StubConfig, port: int) -> Dict:
     return {
         "model_path": config.model, "tokenizer_path": config.model, "served_model_name": config.model,
         "host": config.host, "port": port, "dtype": "bfloat16", "kv_cache_dtype": "auto",
-        "quantization": None, "load_format": "stub", "context_length": 2048,
+        "quantization": None, "load_format": "stub",
         "tp_size": config.tp_size, "pp_size": 1, "dp_size": 1, "attention_backend": config.backend(),
         "sampling_backend": "pytorch" if config.invariant else "flashinfer",
         "enable_deterministic_inference": config.invariant, "disable_radix_cache": False,
         "chunked_prefill_size": 8192, "max_prefill_tokens": 16384,
-        "max_running_requests": config.max_num_seqs, "disable_cuda_graph": False,
-        "cuda_graph_max_bs_decode": max(sizes), "cuda_graph_config": {"decode": {"bs": sizes}},
+        # the raw flags, null unless passed; the limit in force is in internal_states
+        "max_running_requests": None, "context_length": None, "disable_cuda_graph": False,
+        "cuda_graph_max_bs_decode": max(sizes),
+        "cuda_graph_config": {"decode": {"bs": sizes, "backend": "full" if config.decode_graphs else "disabled"}},
         "random_seed": random.getrandbits(30), "max_total_num_tokens": 400000 + random.getrandbits(10),
+        "internal_states": [{"effective_max_running_requests_per_dp": config.max_num_seqs,
+                             "last_gen_throughput": 0.0, "startup_time": time.time()}],
         "version": "0.5.23+stub",
     }
 
@@ -572,7 +589,9 @@ class StubHandler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def send_error_body(self, err: BadRequest) -> None:
-        if self.config.engine == "vllm":
+        if err.body is not None:
+            payload = err.body
+        elif self.config.engine == "vllm":
             payload = {"error": {"message": err.message, "type": err.kind, "param": err.param,
                                  "code": err.status}}
         else:
@@ -595,11 +614,12 @@ class StubHandler(BaseHTTPRequestHandler):
             return self.send_json(200, self.server.state.stats())
         if self.config.engine == "vllm":
             routes = {"/version": lambda: {"version": "0.26.0"},
-                      "/v1/models": lambda: vllm_models(self.config)}
+                      "/v1/models": lambda: models_list(self.config)}
             if self.config.dev_mode:
                 routes["/server_info"] = lambda: vllm_server_info(self.config)
         else:
-            routes = {"/server_info": lambda: sglang_server_info(self.config, port)}
+            routes = {"/server_info": lambda: sglang_server_info(self.config, port),
+                      "/v1/models": lambda: models_list(self.config)}
         if path in routes:
             return self.send_json(200, routes[path]())
         self.send_json(404, {"detail": "Not Found"})
@@ -678,11 +698,12 @@ def corrupt(answer, fault: str, engine: str):
         else:
             items[-1]["output_ids"].pop()
     elif fault == "clamp":
-        # vLLM clamps -inf to -9999.0: put one in the last completion's first step.
+        # Each engine's stand-in for -inf (vLLM -9999.0, SGLang float32's lowest value) in
+        # the last completion's first step.
         if engine == "vllm":
             items[-1]["logprobs"]["token_logprobs"][0] = -9999.0
         else:
-            items[-1]["meta_info"]["output_token_logprobs"][0][0] = -9999.0
+            items[-1]["meta_info"]["output_token_logprobs"][0][0] = -3.4028234663852886e38
     return answer
 
 
@@ -785,6 +806,7 @@ def main(argv=None) -> int:
     p.add_argument("--scheduler-window", type=float, default=0.05, help="seconds a step batch waits for "
                    "more requests to join it (default 0.05; 0 runs every request alone)")
     p.add_argument("--prompt-tokens-details", action="store_true", help="vLLM: report cached prompt tokens")
+    p.add_argument("--no-decode-graphs", action="store_true", help="SGLang: report decode CUDA graphs as off")
     p.add_argument("--fault", action="append", default=[], metavar="K=KIND")
     args = p.parse_args(argv)
     config = StubConfig(
@@ -794,7 +816,7 @@ def main(argv=None) -> int:
         max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
         dev_mode=not args.no_dev_mode, step_delay=args.step_delay, slowdown=args.slowdown,
         jitter=args.jitter, seed=args.seed, tp_size=args.tp_size, scheduler_window=args.scheduler_window,
-        prompt_tokens_details=args.prompt_tokens_details,
+        prompt_tokens_details=args.prompt_tokens_details, decode_graphs=not args.no_decode_graphs,
         faults=parse_faults(args.fault))
     server = StubHTTPServer(config)
     print("stub %s server (flag %s) on http://%s:%d" % (
