@@ -4,22 +4,14 @@ and the practice engine's SGLang side, point by point."""
 
 import json
 import unittest
-import urllib.error
 import urllib.request
 
-from support import StubConfig, StubServer, TempDirTest, run, run_lab
+from support import StubConfig, StubServer, TempDirTest, post, run, run_lab
 from stub_server import sglang_server_info
 
 SGLANG_CLAMP = -3.4028234663852886e38  # torch.finfo(torch.float32).min
 
 
-def post(url, body):
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def sweep(stub, *extra):

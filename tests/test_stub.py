@@ -7,18 +7,11 @@ import unittest
 import urllib.error
 import urllib.request
 
-from support import StubConfig, StubServer, fixture, stub_completion, stub_server
+from support import StubConfig, StubServer, fixture, post, stub_completion, stub_server
 
 PROMPT = "The lab sends the same prompt at every batch size and counts what comes back:"
 
 
-def post(url, body):
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
 
 
 def get(url):
