@@ -50,6 +50,7 @@ import argparse
 import array
 import bisect
 import copy
+import dataclasses
 import http.client
 import ipaddress
 import json
@@ -127,6 +128,9 @@ NOISE_SPREAD = 1.5            # an arm whose max/min exceeds this is flagged noi
 DEFAULT_TIMEOUT_S = 600.0     # per request: a 256-wide batch of long completions on a busy GPU is slow
 DEFAULT_MAX_RESPONSE_MB = 512  # a larger answer is refused rather than held in memory
 CLOCK = time.perf_counter     # what requests are timed with (the tests swap in a virtual clock)
+PROGRESS_INTERVAL_S = 10.0    # off a terminal, at most one progress line this often (logs stay short)
+SAVE_INTERVAL_S = 1.0         # during a run --save is rewritten at most this often (and at every stop)
+SAVE_SHARE = 0.2              # ... and never so often that writing it takes more than this share of the run
 
 
 # ----------------------------------------------------------------------------
@@ -433,7 +437,12 @@ def workload_prompts(workload: str, batch: int, trial: int, run_id: str,
 
 
 class ServerError(Exception):
-    """The server or network failed; the message is one line, ready for the user."""
+    """The server or network failed; the message is one line, ready for the user. status is
+    the HTTP status when the server answered with an error."""
+
+    def __init__(self, message: str, status: Optional[int] = None):
+        super().__init__(message)
+        self.status = status
 
 
 class UsageError(Exception):
@@ -441,7 +450,7 @@ class UsageError(Exception):
 
 
 def is_loopback(host: str) -> bool:
-    if host in ("localhost", "localhost.localdomain"):
+    if host in ("localhost", "localhost.localdomain", "0.0.0.0", "::", "[::]"):
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
@@ -509,7 +518,7 @@ class HttpClient:
         return self.decode(raw, path, as_text)
 
     def http_error(self, status: int, path: str, body: bytes) -> ServerError:
-        return ServerError("HTTP %d from %s: %s" % (status, path, server_message(body)))
+        return ServerError("HTTP %d from %s: %s" % (status, path, server_message(body)), status)
 
     def transport_error(self, err: BaseException, url: str) -> ServerError:
         if isinstance(err, (TimeoutError, ConnectionRefusedError, socket.gaierror)):
@@ -690,6 +699,10 @@ class EngineAdapter(Protocol):
     flag_name: str
     logprob_clamps: Tuple[float, ...]  # the engine's stand-ins for a -inf logprob
 
+    def answers_like(self, client: HttpClient) -> bool:
+        """Does the server at client answer this engine's own info endpoint as this engine does?
+        A server that answers with an HTTP error does not; one that cannot be reached raises."""
+
     def read_facts(self, client: HttpClient, model: Optional[str]) -> ServerFacts: ...
 
     def body(self, model: str, prompts: List[str], sampling: Sampling, isolate: bool = False) -> Dict[str, Any]:
@@ -774,6 +787,9 @@ class VllmAdapter:
     def short_backend(name: Any) -> Any:
         """vllm.v1.attention.backends.flash_attn.FlashAttentionBackend -> FlashAttentionBackend."""
         return name.rsplit(".", 1)[-1] if isinstance(name, str) else name
+
+    def answers_like(self, client: HttpClient) -> bool:
+        return isinstance(dig(answer_or_none(client, "/version"), "version"), str)  # SGLang has no /version
 
     def read_facts(self, client: HttpClient, model: Optional[str]) -> ServerFacts:
         version = dig(client.request("/version"), "version")
@@ -902,6 +918,10 @@ class SglangAdapter:
     ]] + [("CUDA-graph sizes", ("cuda_graph_config", "decode", "bs")),
           ("CUDA-graph decode backend", ("cuda_graph_config", "decode", "backend"))]
 
+    def answers_like(self, client: HttpClient) -> bool:
+        info = answer_or_none(client, "/server_info")  # vLLM's (dev mode only) has no model_path
+        return isinstance(info, dict) and "model_path" in info
+
     def read_facts(self, client: HttpClient, model: Optional[str]) -> ServerFacts:
         try:
             info = client.request("/server_info")
@@ -941,8 +961,8 @@ class SglangAdapter:
 
     def facts(self, info: Any, model: Optional[str], models: Any = None) -> ServerFacts:
         """The common facts record from /server_info's flat server arguments."""
-        if not isinstance(info, dict):
-            raise shape_error("server info is not an object")
+        if not isinstance(info, dict) or "model_path" not in info:
+            raise shape_error("server info is not SGLang's (no model_path)")
         served = [m for m in (info.get("model_path"), info.get("served_model_name")) if m]
         if model is not None and model not in served:
             raise UsageError("the server serves %s, not %s" % (served[-1] if served else "?", model))
@@ -1041,6 +1061,27 @@ class SglangAdapter:
 ADAPTERS: Dict[str, EngineAdapter] = {a.name: a for a in (VllmAdapter(), SglangAdapter())}
 
 
+def answer_or_none(client: HttpClient, path: str) -> Any:
+    """The answer to a GET, or None when the server answers with an HTTP error or invalid JSON;
+    a server that cannot be reached still raises."""
+    try:
+        return client.request(path)
+    except ServerError as err:
+        if err.status is None and not str(err).startswith("invalid JSON"):
+            raise
+        return None
+
+
+def detect_engine(client: HttpClient) -> EngineAdapter:
+    """The adapter whose engine answers at client, asked through each adapter's own endpoint."""
+    found = next((a for a in ADAPTERS.values() if a.answers_like(client)), None)
+    if found is None:
+        raise ServerError("cannot tell which engine answers at %s: it answers neither %s; name it with "
+                          "--engine" % (client.base_url, " nor ".join(
+                              "like %s" % a.label for a in ADAPTERS.values())))
+    return found
+
+
 def generate(client: HttpClient, adapter: EngineAdapter, model: str, prompts: List[str],
              sampling: Sampling, isolate: bool = False) -> Tuple[Any, float]:
     """One request carrying every prompt, so that the engine schedules them as one batch."""
@@ -1057,13 +1098,15 @@ def generate(client: HttpClient, adapter: EngineAdapter, model: str, prompts: Li
 @dataclass
 class Config:
     mode: str
-    engine: Optional[str] = None   # harness: the part to print (None: both); sweep and cost: the adapter
+    engine: Optional[str] = None   # harness: the part to print (None: both); sweep and cost: the adapter (None: ask the server)
+    engine_detected: bool = False  # the engine was found by asking the server, not named
     url: Optional[str] = None
     model: Optional[str] = None
     api_key: Optional[str] = field(default=None, repr=False)
     timeout: float = DEFAULT_TIMEOUT_S
     max_response_bytes: int = DEFAULT_MAX_RESPONSE_MB << 20
     json_out: bool = False
+    quiet: bool = False            # no progress lines
     save: Optional[str] = None
     prior_save: Optional[Dict[str, Any]] = None  # the document already at --save (cost adds to it)
     sampling: Optional[Sampling] = None
@@ -1148,11 +1191,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="harness: upstream harnesses and commands (offline); sweep: unique completions "
                         "and logprob ULPs across batch sizes; cost: the flag's overhead; help: the guide")
     common = p.add_argument_group("all modes")
-    common.add_argument("--engine", choices=sorted(ADAPTERS), help="vllm (default for sweep and cost) or "
-                        "sglang; harness: print only this engine's part")
+    common.add_argument("--engine", choices=sorted(ADAPTERS) + ["auto"], help="sweep and cost: vllm, sglang "
+                        "or auto (the default: ask the server which it is); harness: print only this engine's part")
     sweep_cost = p.add_argument_group("sweep and cost")
-    sweep_cost.add_argument("--url", help="the server (cost: the flag-off arm); default "
-                            "http://localhost:8000 for vllm, :30000 for sglang")
+    sweep_cost.add_argument("--url", help="the server (cost: the flag-off arm), as the engine logs it or as "
+                            "OpenAI clients take it (a trailing /v1 is understood); default http://localhost:8000, "
+                            "or :30000 with --engine sglang")
     sweep_cost.add_argument("--model", help="served model; default: the first of /v1/models (vllm), "
                             "model_path of /server_info (sglang)")
     sweep_cost.add_argument("--api-key", help="bearer token (default: $OPENAI_API_KEY); never printed or saved")
@@ -1161,6 +1205,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep_cost.add_argument("--save", metavar="PATH", help="write the result as JSON (sweep: rewritten "
                             "after every batch size; cost: adds its cell to the file)")
     sweep_cost.add_argument("--json", action="store_true", help="print the result as JSON, not a table")
+    sweep_cost.add_argument("--quiet", action="store_true", help="no progress lines on stderr (warnings "
+                            "and errors still appear)")
     sweep_cost.add_argument("--timeout", type=real_number(0.0, above=True), default=DEFAULT_TIMEOUT_S,
                             help="seconds to wait for one answer (default %g)" % DEFAULT_TIMEOUT_S)
     sweep_cost.add_argument("--max-response-mb", type=whole_number(1), default=DEFAULT_MAX_RESPONSE_MB,
@@ -1236,6 +1282,8 @@ def server_address(url: str) -> Tuple[str, str, int]:
 
 
 def check_url(url: str, option: str) -> str:
+    """The server's base URL: as an engine logs it (http://0.0.0.0:8000, which is this machine)
+    or as OpenAI clients take it (ending in /v1, which the lab adds itself)."""
     parts = urllib.parse.urlsplit(url)
     try:
         parts.port  # raises on a port that is not a number
@@ -1243,7 +1291,14 @@ def check_url(url: str, option: str) -> str:
         raise UsageError("%s: %r has a port that is not a number" % (option, url)) from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UsageError("%s: %r is not an http:// or https:// URL" % (option, url))
-    return url.rstrip("/")
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[:-3]
+    netloc = parts.netloc
+    for any_address, local in (("0.0.0.0", "127.0.0.1"), ("[::]", "[::1]")):
+        if parts.hostname == any_address.strip("[]"):
+            netloc = netloc.replace(any_address, local)
+    return urllib.parse.urlunsplit((parts.scheme, netloc, path, parts.query, ""))
 
 
 def read_json_file(path: str, option: str) -> Dict[str, Any]:
@@ -1290,15 +1345,16 @@ def read_prompt_file(path: str) -> List[str]:
 def configure(argv: Optional[Sequence[str]]) -> Config:
     """Every check that needs no server, done before any request is sent."""
     args = build_parser().parse_args(argv)
-    cfg = Config(mode=args.mode, engine=args.engine)
+    engine = None if args.engine == "auto" else args.engine
+    cfg = Config(mode=args.mode, engine=engine)
     if args.mode in ("harness", "help"):
         return cfg
-    cfg.engine = args.engine or "vllm"
-    cfg.url = check_url(args.url or "http://localhost:%d" % cfg.adapter.default_port, "--url")
+    default_port = ADAPTERS[engine or "vllm"].default_port  # vLLM's port when the engine is to be found
+    cfg.url = check_url(args.url or "http://localhost:%d" % default_port, "--url")
     cfg.model = args.model
     cfg.api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or None
     cfg.timeout, cfg.max_response_bytes = args.timeout, args.max_response_mb << 20
-    cfg.json_out = args.json
+    cfg.json_out, cfg.quiet = args.json, args.quiet
     if args.save:
         cfg.save = args.save
         cfg.prior_save = check_save_target(args.save, SWEEP_SCHEMAS_READ if args.mode == "sweep" else (COST_SCHEMA,))
@@ -1335,8 +1391,8 @@ def check_baseline(cfg: Config) -> None:
     doc, path = cfg.baseline, cfg.baseline_path
     if doc.get("schema") not in SWEEP_SCHEMAS_READ or not isinstance(doc.get("prompts"), list):
         raise UsageError("--baseline: %s is not a sweep result" % path)
-    if doc.get("engine") != cfg.engine:
-        raise UsageError("--baseline: %s was recorded on %s, this sweep is on %s" % (path, doc.get("engine"), cfg.engine))
+    if cfg.engine is not None:
+        check_baseline_engine(cfg, cfg.engine)
     if cfg.model is not None and doc.get("model") != cfg.model:
         raise UsageError("--baseline: %s was recorded for model %s, not %s" % (path, doc.get("model"), cfg.model))
     mine, theirs = cfg.sampling.params(), doc.get("params") or {}
@@ -1353,6 +1409,12 @@ def check_baseline(cfg: Config) -> None:
             Completion.from_record(entry["baseline"])
         except (KeyError, TypeError, ValueError, AttributeError):
             raise UsageError("--baseline: %s has a malformed baseline for %r" % (path, prompt[:60])) from None
+
+
+def check_baseline_engine(cfg: Config, engine: str) -> None:
+    recorded = cfg.baseline.get("engine")
+    if recorded != engine:
+        raise UsageError("--baseline: %s was recorded on %s, this sweep is on %s" % (cfg.baseline_path, recorded, engine))
 
 
 def configure_cost(cfg: Config, args: argparse.Namespace) -> None:
@@ -1401,17 +1463,78 @@ class Out:
             self.stderr.flush()
 
 
+class Progress:
+    """Where a long run stands, on stderr. On a terminal: one live line, rewritten before every
+    step. Elsewhere (a log file, `| tee`): a plain line for the first finished step, then at most
+    one every PROGRESS_INTERVAL_S, and one for the last. Nothing with --quiet."""
+
+    def __init__(self, out: Out, total: int, unit: str, quiet: bool = False):
+        self.out, self.total, self.unit = out, total, unit
+        self.live = out.progress_on and not quiet
+        self.plain = not out.progress_on and not quiet
+        self.done = self.completions = 0
+        self.start = time.monotonic()
+        self.last_line: Optional[float] = None
+
+    def status(self) -> str:
+        elapsed = time.monotonic() - self.start
+        left = " ~%.0fs left" % (elapsed / self.done * (self.total - self.done)) if 0 < self.done < self.total else ""
+        return "%d/%d %s, %d completions, %.0fs elapsed%s" % (
+            self.done, self.total, self.unit, self.completions, elapsed, left)
+
+    def running(self, what: str) -> None:
+        if self.live:
+            self.out.progress("%s | %s" % (what, self.status()))
+
+    def finished(self, what: str, completions: int) -> None:
+        self.done += 1
+        self.completions += completions
+        now = time.monotonic()
+        due = self.last_line is None or now - self.last_line >= PROGRESS_INTERVAL_S or self.done == self.total
+        if self.plain and due:
+            self.out.stderr.write("run.py: progress: %s done | %s\n" % (what, self.status()))
+            self.last_line = now
+
+
+class ThrottledSave:
+    """Rewrites --save during a run at most once every SAVE_INTERVAL_S, and less often when the
+    file is large enough that writing it would take more than SAVE_SHARE of the run: a run's
+    saves cost time in proportion to the run, not to the square of what it measured. The
+    caller writes once more at the end and at every stop."""
+
+    def __init__(self, path: Optional[str]):
+        self.path = path
+        self.next_due = 0.0
+
+    def offer(self, build: Callable[[], Dict[str, Any]]) -> None:
+        """Write build()'s document if a write is due; it is built only then."""
+        if self.path and time.monotonic() >= self.next_due:
+            self.write(build)
+
+    def write(self, doc: Union[Dict[str, Any], Callable[[], Dict[str, Any]]]) -> None:
+        """Write the document (or what a builder makes) now; the time spent, building included,
+        sets when the next write is due."""
+        if not self.path:
+            return
+        start = time.monotonic()
+        write_json_atomic(self.path, doc() if callable(doc) else doc)
+        end = time.monotonic()
+        self.next_due = end + max(SAVE_INTERVAL_S, (end - start) * (1 - SAVE_SHARE) / SAVE_SHARE)
+
+
 def write_json_atomic(path: str, doc: Dict[str, Any]) -> None:
-    """Write through a temporary file and a rename: a crash never leaves half a file."""
+    """Write through a temporary file and a rename: a crash never leaves half a file. Compact
+    JSON, one line: only json.dumps without indent runs in C, ten times faster on a large sweep
+    (`python3 -m json.tool FILE` shows it indented)."""
     folder = os.path.dirname(os.path.abspath(path))
     try:
         fd, tmp = tempfile.mkstemp(prefix=".run-", suffix=".json", dir=folder)
     except OSError as err:
         raise UsageError("--save: cannot write in %s (%s)" % (folder, err.strerror)) from None
     try:
+        text = json.dumps(doc, separators=(",", ":"))
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
+            f.write(text + "\n")
         os.chmod(tmp, _file_mode(path))
         os.replace(tmp, path)
     except OSError as err:
@@ -1462,11 +1585,34 @@ class DeferredInterrupt:
             raise KeyboardInterrupt
 
 
+def resolve_engine(cfg: Config, servers: Sequence[Tuple[str, str]]) -> Config:
+    """The configuration with its engine named: as given, or found by asking every server
+    ((url, what it is) pairs), which must all run the same engine."""
+    if cfg.engine is not None:
+        return cfg
+    found = []
+    for url, what in servers:
+        try:
+            found.append(detect_engine(cfg.client(url)))
+        except ServerError as err:
+            raise ServerError("%s at %s: %s" % (what, url, err)) from None
+    if len({a.name for a in found}) > 1:
+        raise UsageError("the servers run different engines: %s" % ", ".join(
+            "%s answers like %s" % (what, a.label) for (url, what), a in zip(servers, found)))
+    return dataclasses.replace(cfg, engine=found[0].name, engine_detected=True)
+
+
 def read_facts(cfg: Config, url: str, arm: str = "the server") -> ServerFacts:
+    """The server's facts through the configured engine's adapter; when that fails and another
+    engine's adapter recognises the server, the error says so."""
+    client = cfg.client(url)
     try:
-        return cfg.adapter.read_facts(cfg.client(url), cfg.model)
+        return cfg.adapter.read_facts(client, cfg.model)
     except ServerError as err:
-        raise ServerError("cannot read the facts of %s at %s: %s" % (arm, url, err)) from None
+        others = [a for a in ADAPTERS.values() if a is not cfg.adapter]
+        other = next((a for a in others if a.answers_like(client)), None)
+        hint = "; it answers like %s: pass --engine %s, or leave --engine out" % (other.label, other.name) if other else ""
+        raise ServerError("cannot read the facts of %s at %s: %s%s" % (arm, url, err, hint)) from None
 
 
 def measure_until_stopped(out: Out, what: str, loop: Callable[[DeferredInterrupt], None]) -> Tuple[str, int]:
@@ -1504,11 +1650,12 @@ def describe_flag(flag: Optional[bool], adapter: EngineAdapter) -> str:
     return "flag %s (%s=%s)" % ("on" if flag else "off", adapter.flag_name, str(flag).lower())
 
 
-def server_lines(facts: Dict[str, Any], adapter: EngineAdapter) -> List[str]:
+def server_lines(facts: Dict[str, Any], adapter: EngineAdapter, detected: bool = False) -> List[str]:
     """The header of a table, from a saved facts record."""
     return [
-        "server: %s %s, model %s, %s" % (facts["engine"], fmt_opt(facts.get("version"), "?"),
-                                         facts.get("model"), describe_flag(facts.get("flag"), adapter)),
+        "server: %s %s%s, model %s, %s" % (adapter.label, fmt_opt(facts.get("version"), "?"),
+                                           " (found by asking the server)" if detected else "",
+                                           facts.get("model"), describe_flag(facts.get("flag"), adapter)),
         "        attention %s, TP %s, max-num-seqs %s, max model length %s, graph sizes %s" % (
             fmt_opt(facts.get("attention_backend"), "?"), fmt_opt(facts.get("tp"), "?"),
             fmt_opt(facts.get("max_num_seqs"), "?"), fmt_opt(facts.get("max_model_len"), "?"),
@@ -2066,7 +2213,8 @@ def sweep_document(cfg: Config, facts: ServerFacts, sweeps: List[PromptSweep],
         params["mixed_seed"] = cfg.seed
     if cfg.baseline_path:
         params["baseline_file"] = cfg.baseline_path
-    return {"schema": SWEEP_SCHEMA, "engine": cfg.engine, "url": cfg.url, "model": facts.model,
+    return {"schema": SWEEP_SCHEMA, "engine": cfg.engine, "engine_detected": cfg.engine_detected,
+            "url": cfg.url, "model": facts.model,
             "server": facts.to_record(), "params": params, "prompts": [s.to_record() for s in sweeps],
             "summary": summary, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
@@ -2094,7 +2242,7 @@ def sweep_warnings(facts: ServerFacts, sizes: List[int], sampling: Sampling, out
 
 
 def print_sweep_table(doc: Dict[str, Any], cfg: Config, out: Out) -> None:
-    for line in server_lines(doc["server"], cfg.adapter):
+    for line in server_lines(doc["server"], cfg.adapter, doc.get("engine_detected", False)):
         out.line(line)
     p = doc["params"]
     sampling = "greedy" if p["temperature"] == 0 else "temperature %g, seed %s%s" % (
@@ -2175,6 +2323,9 @@ def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
 
 
 def run_sweep(cfg: Config, out: Out) -> int:
+    cfg = resolve_engine(cfg, [(cfg.url, "the server")])
+    if cfg.baseline is not None:
+        check_baseline_engine(cfg, cfg.engine)
     client, adapter = cfg.client(cfg.url), cfg.adapter
     facts = read_facts(cfg, cfg.url)
     if cfg.baseline is not None and cfg.baseline.get("model") != facts.model:
@@ -2187,11 +2338,8 @@ def run_sweep(cfg: Config, out: Out) -> int:
     send = getattr(sender, cfg.traffic)
     sweeps: List[PromptSweep] = []
 
-    def save(state: str) -> Dict[str, Any]:
-        doc = sweep_document(cfg, facts, sweeps, sizes, state)
-        if cfg.save:
-            write_json_atomic(cfg.save, doc)
-        return doc
+    saves = ThrottledSave(cfg.save)
+    progress = Progress(out, len(cfg.prompts) * cfg.repeat * len(sizes), "batches", cfg.quiet)
 
     def measure(interrupt: DeferredInterrupt) -> None:
         for pi, prompt in enumerate(cfg.prompts, 1):
@@ -2202,7 +2350,8 @@ def run_sweep(cfg: Config, out: Out) -> int:
             for pass_no in range(1, cfg.repeat + 1):
                 for n in sizes:
                     interrupt.check()
-                    out.progress("prompt %d/%d, pass %d/%d, batch %d ..." % (pi, len(cfg.prompts), pass_no, cfg.repeat, n))
+                    step = "prompt %d/%d, pass %d/%d, batch %d" % (pi, len(cfg.prompts), pass_no, cfg.repeat, n)
+                    progress.running(step)
                     try:
                         adapter.before_batch(client, isolate)
                         batch = send(prompt, n, cfg.seed)
@@ -2217,18 +2366,20 @@ def run_sweep(cfg: Config, out: Out) -> int:
                     if batch.send_spread is not None:
                         row["send_spread_s"] = batch.send_spread
                     sweep.add(n, facts.bucket(n), row, batch.completions)
-                    if cfg.save:
-                        save("running")
+                    progress.finished(step, len(batch.completions))
+                    saves.offer(lambda: sweep_document(cfg, facts, sweeps, sizes, "running"))
 
     state, code = measure_until_stopped(out, "sweep", measure)
-    doc = save(state)
-    if cfg.save:
-        out.stderr.write("run.py: saved %s\n" % cfg.save)
+    doc = sweep_document(cfg, facts, sweeps, sizes, state)
+    saves.write(doc)
     if cfg.json_out:
         out.line(json.dumps(doc, indent=1))
     else:
         print_sweep_table(doc, cfg, out)
-    return code if code != EXIT_OK else sweep_outcome(cfg, doc, out)
+    outcome = code if code != EXIT_OK else sweep_outcome(cfg, doc, out)
+    if cfg.save:
+        out.stderr.write("run.py: saved %s\n" % cfg.save)
+    return outcome
 
 
 # ----------------------------------------------------------------------------
@@ -2338,24 +2489,26 @@ def cost_table_lines(doc: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
 
 
 def warm_up(cfg: Config, arms: Sequence[Arm], prompts: Callable[[int], List[str]],
-            interrupt: DeferredInterrupt, out: Out) -> None:
+            interrupt: DeferredInterrupt, progress: Progress) -> None:
     """Untimed requests on both arms; each may fail once (a server still settling)."""
     for w in range(cfg.warmup):
         for arm in arms:
             for attempt in range(1, WARMUP_ATTEMPTS + 1):
                 interrupt.check()
-                out.progress("warm-up %d/%d, %s arm" % (w + 1, cfg.warmup, arm.name))
+                progress.running("warm-up %d/%d, %s arm" % (w + 1, cfg.warmup, arm.name))
                 try:
                     arm.trial(cfg.adapter, prompts(-1 - w), cfg.sampling)
                     break
                 except ServerError as err:
                     if attempt == WARMUP_ATTEMPTS:
                         raise ServerError("warm-up %d, %s arm: %s" % (w + 1, arm.name, err)) from None
-                    out.warn("warm-up request failed on the %s arm (%s); retrying once, as only "
-                             "warm-up may" % (arm.name, err))
+                    progress.out.warn("warm-up request failed on the %s arm (%s); retrying once, as only "
+                                      "warm-up may" % (arm.name, err))
 
 
 def run_cost(cfg: Config, out: Out) -> int:
+    cfg = resolve_engine(cfg, [(cfg.url, "the flag-off arm (--url)"),
+                               (cfg.invariant_url, "the flag-on arm (--invariant)")])
     off = Arm.open(cfg, "off", "--url", cfg.url)
     on = Arm.open(cfg, "on", "--invariant", cfg.invariant_url)
     hazards = check_arms(cfg, off, on, out)
@@ -2367,19 +2520,15 @@ def run_cost(cfg: Config, out: Out) -> int:
     def prompts(trial: int) -> List[str]:
         return workload_prompts(cfg.workload, cfg.batch, trial, run_id, cfg.prefix_tokens)
 
-    def save_cell(state: str) -> Dict[str, Any]:
-        """The cell so far, written to --save after every trial pair so a crash loses none."""
-        cell = cost_cell(cfg, (off, on), hazards, state)
-        if cfg.save:
-            write_json_atomic(cfg.save, add_cell(doc, cell))
-        return cell
+    saves = ThrottledSave(cfg.save)
+    progress = Progress(out, cfg.trials, "trial pairs", cfg.quiet)
 
     def measure(interrupt: DeferredInterrupt) -> None:
-        warm_up(cfg, (off, on), prompts, interrupt, out)
+        warm_up(cfg, (off, on), prompts, interrupt, progress)
         for trial in range(cfg.trials):
             for arm in ((off, on) if trial % 2 == 0 else (on, off)):  # A B B A A B ...
                 interrupt.check()
-                out.progress("trial %d/%d, %s arm" % (trial + 1, cfg.trials, arm.name))
+                progress.running("trial %d/%d, %s arm" % (trial + 1, cfg.trials, arm.name))
                 try:
                     seconds, count = arm.trial(cfg.adapter, prompts(trial), cfg.sampling)
                 except ServerError as err:
@@ -2388,7 +2537,8 @@ def run_cost(cfg: Config, out: Out) -> int:
                     short.append((trial + 1, arm.name, count))
                 arm.samples.append(seconds)
                 arm.tokens.append(count)
-            save_cell("running")
+            saves.offer(lambda: add_cell(doc, cost_cell(cfg, (off, on), hazards, "running")))
+            progress.finished("trial %d/%d" % (trial + 1, cfg.trials), 2 * cfg.batch)
 
     state, code = measure_until_stopped(out, "cost", measure)
     for trial, arm_name, got in short[:3]:
@@ -2397,7 +2547,8 @@ def run_cost(cfg: Config, out: Out) -> int:
     if not off.samples or not on.samples:
         out.stderr.write("run.py: no complete trial pair; nothing to report\n")
         return code or EXIT_SERVER
-    cell = save_cell(state)
+    cell = cost_cell(cfg, (off, on), hazards, state)
+    saves.write(add_cell(doc, cell))
     if cfg.json_out:
         out.line(json.dumps(cell, indent=1))
     else:

@@ -25,8 +25,8 @@ rm -f examples/sample_cost.json
 port=18110
 for cell in "1 cold 1.03" "1 shared-prefix 1.22" "2 cold 1.18" "2 shared-prefix 1.35"; do
     set -- $cell
-    start --port $port --tp-size "$1" --step-delay 0.004 --jitter 0.05 --seed 1
-    start --port $((port + 1)) --tp-size "$1" --step-delay 0.004 --jitter 0.05 --seed 2 --invariant --slowdown "$3"
+    start --port $port --tp-size "$1" --step-delay 0.004 --jitter 0.05 --seed 1 --scheduler-window 0
+    start --port $((port + 1)) --tp-size "$1" --step-delay 0.004 --jitter 0.05 --seed 2 --scheduler-window 0 --invariant --slowdown "$3"
     wait_for http://127.0.0.1:$port; wait_for http://127.0.0.1:$((port + 1))
     python3 run.py --mode cost --url http://127.0.0.1:$port --invariant http://127.0.0.1:$((port + 1)) \
         --batch 8 --trials 10 --warmup 1 --max-tokens 32 --workload "$2" --prefix-tokens 200 \

@@ -36,28 +36,35 @@ def select(doc, model=None, batch=None, max_tokens=None):
     return key, cells
 
 
-def plot(path, out, model=None, batch=None, max_tokens=None):
+def figure(doc, model=None, batch=None, max_tokens=None):
+    """The chart as a matplotlib figure. Value labels sit above each interval, inside limits
+    that leave room for them, and the legend sits outside the axes: no label can overlap the
+    title, the legend or another label, whatever the sign of the overheads."""
     plt = labplot.pyplot()
     from matplotlib.patches import Patch
 
-    (model, batch, max_tokens), cells = select(load(path), model, batch, max_tokens)
+    (model, batch, max_tokens), cells = select(doc, model, batch, max_tokens)
     others = sorted({c["tp"] for c in cells if c["tp"] != 1}, key=str)
     tps = [1] + (others or ["k"])
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
     width = 0.36
+    low = min([0.0] + [c["ci95_pct"][0] for c in cells])
+    high = max([0.0] + [c["ci95_pct"][1] for c in cells])
+    span = max(high - low, 1.0)
+    room = 0.22 * span  # above the highest interval: two lines of label
     for w, workload in enumerate(WORKLOADS):
         for t, tp in enumerate(tps):
             x = t + (w - 0.5) * width
             cell = next((c for c in cells if c["tp"] == tp and c["workload"] == workload), None)
             if cell is None:
                 ax.bar(x, 0, width, color="none", edgecolor="0.6", ls="--")
-                ax.text(x, 0.5, "missing", ha="center", va="bottom", fontsize=8, color="0.4", rotation=90)
+                ax.text(x, 0.02 * span, "missing", ha="center", va="bottom", fontsize=8, color="0.4", rotation=90)
                 continue
             lo, hi = cell["ci95_pct"]
             value = cell["overhead_pct"]
             ax.bar(x, value, width, color="C%d" % w, alpha=0.85 if cell["significant"] else 0.35)
             ax.errorbar(x, value, yerr=[[value - lo], [hi - value]], color="k", capsize=4, lw=1)
-            ax.text(x, max(hi, 0) + 0.5, "%+.1f%%%s" % (value, "" if cell["significant"] else "\nn.s."),
+            ax.text(x, max(hi, 0) + 0.03 * span, "%+.1f%%%s" % (value, "" if cell["significant"] else "\nn.s."),
                     ha="center", va="bottom", fontsize=8)
     ax.axhline(0, color="0.3", lw=0.8)
     ax.set_xticks(range(len(tps)))
@@ -66,9 +73,17 @@ def plot(path, out, model=None, batch=None, max_tokens=None):
     ax.set_title("Cost of batch invariance: %s, batch %d, %d tokens" % (model, batch, max_tokens), fontsize=10)
     handles = [Patch(color="C%d" % w, label=workload) for w, workload in enumerate(WORKLOADS)]
     handles.append(Patch(color="0.7", alpha=0.35, label="pale: not significant"))
-    ax.legend(handles=handles, fontsize=8, title="workload", title_fontsize=8, loc="upper left")
-    ax.margins(y=0.25)
+    ax.legend(handles=handles, fontsize=8, title="workload", title_fontsize=8, loc="upper left",
+              bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    ax.set_ylim(low - 0.08 * span, high + room)
+    ax.set_xlim(-0.7, len(tps) - 0.3)
     fig.tight_layout()
+    return fig
+
+
+def plot(path, out, model=None, batch=None, max_tokens=None):
+    plt = labplot.pyplot()
+    fig = figure(load(path), model, batch, max_tokens)
     fig.savefig(out, dpi=110)
     plt.close(fig)
 

@@ -14,6 +14,7 @@ Needs matplotlib (pip install matplotlib); run.py itself does not.
 """
 
 import argparse
+import os
 import sys
 
 import labplot
@@ -25,7 +26,8 @@ ZERO_LINE = 0.5    # where "0 ULP" is drawn on the log axis
 def label(doc, path):
     server = doc.get("server") or {}
     flag = {True: "flag on", False: "flag off"}.get(server.get("flag"), "flag unknown")
-    return "%s %s, %s, %s (%s)" % (doc.get("engine"), server.get("version") or "?", doc.get("model"), flag, path)
+    return "%s %s, %s, %s (%s)" % (doc.get("engine"), server.get("version") or "?", doc.get("model"), flag,
+                                   os.path.basename(path))
 
 
 def per_size(doc):
@@ -49,11 +51,12 @@ def shade_buckets(ax, graph_sizes, top):
         previous = b
 
 
-def plot(paths, out):
+def figure(docs, paths):
+    """The chart as a matplotlib figure; the title and the legend (one line a file, named by
+    its base name) sit outside both axes, so neither covers a point or the other."""
     plt = labplot.pyplot()
     from matplotlib.ticker import FuncFormatter
 
-    docs = [labplot.load(p, SWEEP_SCHEMAS, "sweep") for p in paths]
     fig, (ax_ulp, ax_div) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True,
                                          gridspec_kw={"height_ratios": [3, 2]})
     top = max(n for doc in docs for n, _, _ in per_size(doc))
@@ -81,14 +84,20 @@ def plot(paths, out):
     ax_ulp.axhline(ZERO_LINE, color="0.5", lw=0.6, ls=":")
     ax_ulp.text(0.6, ZERO_LINE * 1.1, "bit-identical", fontsize=8, color="0.35")
     ax_ulp.set_ylabel("max ULP vs batch 1 (float32)")
-    ax_ulp.set_title("Batch invariance sweep: logprob distance and token divergence per batch size")
+    fig.suptitle("Batch invariance sweep: logprob distance and token divergence per batch size", fontsize=11)
     ax_ulp.set_ylim(ZERO_LINE / 1.5, max([2.0] + [u for doc in docs for _, u, _ in per_size(doc)]) * 2.5)
-    ax_ulp.legend(fontsize=8, loc="upper right")
+    fig.legend(*ax_ulp.get_legend_handles_labels(), fontsize=8, loc="lower center", frameon=False)
     ax_div.set_ylim(-2, max_tokens + 4)
     ax_div.text(0.6, max_tokens - 6, "open: every token held", fontsize=8, color="0.35")
     ax_div.set_ylabel("first token divergence (step)")
     ax_div.set_xlabel("batch size (shaded: CUDA-graph buckets of %s)" % label(docs[0], paths[0]).split(" (")[0])
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.035 * len(docs) + 0.01, 1, 1))
+    return fig
+
+
+def plot(paths, out):
+    plt = labplot.pyplot()
+    fig = figure([labplot.load(p, SWEEP_SCHEMAS, "sweep") for p in paths], paths)
     fig.savefig(out, dpi=110)
     plt.close(fig)
 

@@ -17,7 +17,10 @@ send time (target under 0.5 s at 1000), the client's CPU per request against a b
 that sends the same requests from threads released by one barrier (target at most 2x), and
 peak memory (under 300 MB).
 
-    python3 tests/bench_client.py [--repeat 3] [--distinct] [--traffic concurrent]
+With --many-prompts N it measures what saving costs: a sweep of N prompts at sizes 1 and 2,
+once with --save and once without (target: at most 1.5x the time without).
+
+    python3 tests/bench_client.py [--repeat 3] [--distinct] [--traffic concurrent] [--many-prompts 1000]
 
 Not collected by the test suite (its name does not start with test_); it prints figures
 and asserts nothing about time.
@@ -33,6 +36,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -57,7 +61,7 @@ def nudge(x, ulps):
 def answer_for(batch_size, distinct=False):
     """A vLLM /v1/completions answer, logprobs shifted by size; with distinct, every choice
     of the batch is shifted again by its index (the worst case: no two copies alike)."""
-    shift = {1: 0, 64: 2, 128: 3, 256: 5}[batch_size]
+    shift = {1: 0, 2: 1, 64: 2, 128: 3, 256: 5}[batch_size]
     choices = [choice_for(shift + (i % 4 if distinct else 0), i) for i in range(batch_size)]
     return json.dumps({"id": "cmpl-bench", "object": "text_completion", "created": 0, "model": MODEL,
                        "choices": choices, "usage": {"prompt_tokens": batch_size, "completion_tokens":
@@ -86,7 +90,7 @@ def choice_for(shift, index):
 
 
 def serve(port_file, distinct):
-    answers = {n: answer_for(n, distinct) for n in SIZES}
+    answers = {n: answer_for(n, distinct) for n in sorted(set(SIZES) | {2})}
     info = {"/version": b'{"version": "0.26.0"}',
             "/v1/models": json.dumps({"data": [{"id": MODEL, "max_model_len": 4096}]}).encode()}
 
@@ -148,11 +152,31 @@ def concurrent_worker(kind, url, n):
     return max(sent) - min(sent)
 
 
-def worker(kind, url, n=None):
+def many_prompts_worker(url, prompt_file, save):
+    """One sweep of every prompt in prompt_file at sizes 1 and 2, saving to `save` (or not)."""
+    import run  # noqa: E402
+    args = ["--mode", "sweep", "--url", url, "--sizes", "1,2", "--repeat", "1", "--max-tokens", str(TOKENS),
+            "--logprobs", str(TOP_K), "--prompt-file", prompt_file, "--quiet"] + (["--save", save] if save else [])
+    with open(os.devnull, "w") as devnull:
+        saved, sys.stdout = sys.stdout, devnull
+        try:
+            code = run.main(args)
+        finally:
+            sys.stdout = saved
+    assert code == 0, code
+
+
+def worker(kind, url, n=None, save=None):
     """Do the work once in this process; print CPU seconds and peak memory as JSON."""
     sys.path.insert(0, ROOT)
     import run  # noqa: E402  (imported before timing, as a user's process would have it)
     start = time.process_time()
+    if kind == "many":
+        wall = time.monotonic()
+        many_prompts_worker(url, n, save if save != "-" else None)
+        print(json.dumps({"cpu_s": time.process_time() - start, "wall_s": time.monotonic() - wall,
+                          "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}))
+        return 0
     if n is not None:
         spread = concurrent_worker(kind, url, int(n))
         cpu = time.process_time() - start
@@ -193,6 +217,23 @@ def measure(kind, url, repeat, n=None):
     return min(r["cpu_s"] for r in runs), max(r["peak_mb"] for r in runs)
 
 
+def bench_many_prompts(url, repeat, count):
+    with tempfile.TemporaryDirectory() as tmp:
+        prompt_file = os.path.join(tmp, "prompts.txt")
+        with open(prompt_file, "w") as f:
+            f.write("\n".join("Prompt number %d: why does the order of a sum matter?" % i for i in range(count)))
+        figures = {}
+        for label, save in (("without --save", "-"), ("with --save", os.path.join(tmp, "s.json"))):
+            runs = []
+            for _ in range(repeat):
+                out = subprocess.run([sys.executable, __file__, "--worker", "many", url, prompt_file, save],
+                                     capture_output=True, text=True, check=True)
+                runs.append(json.loads(out.stdout))
+            figures[label] = min(r["wall_s"] for r in runs), min(r["cpu_s"] for r in runs)
+            print("%d prompts x sizes 1,2 %-15s wall %.2f s, CPU %.2f s" % ((count, label) + figures[label]))
+        print("with/without --save: %.2fx wall (target <= 1.5)" % (figures["with --save"][0] / figures["without --save"][0]))
+
+
 def bench_concurrent(url, repeat):
     for n in (256, 1000):
         lab_cpu, lab_peak, lab_spread = measure("lab", url, repeat, n)
@@ -209,6 +250,7 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--distinct", action="store_true", help="no two completions of a batch alike")
     p.add_argument("--traffic", choices=("copies", "concurrent"), default="copies")
+    p.add_argument("--many-prompts", type=int, metavar="N", help="measure --save's cost on a sweep of N prompts")
     p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     p.add_argument("--serve", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -223,6 +265,9 @@ def main(argv=None):
         while not os.path.exists(port_file) or not open(port_file).read():
             time.sleep(0.05)
         url = "http://127.0.0.1:%s" % open(port_file).read()
+        if args.many_prompts:
+            bench_many_prompts(url, args.repeat, args.many_prompts)
+            return 0
         if args.traffic == "concurrent":
             print("one-prompt answers of %d tokens, top-%d, answered at once" % (TOKENS, TOP_K))
             bench_concurrent(url, args.repeat)

@@ -165,6 +165,40 @@ class PlotScripts(unittest.TestCase):
                         self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
 
     @unittest.skipUnless(HAVE_MATPLOTLIB, "matplotlib is not installed")
+    def test_no_label_overlaps_the_title_the_legend_or_another_label_for_any_sign(self):
+        sys.path.insert(0, EXAMPLES)
+        import plot_cost
+        import plot_sweep
+        base = json.loads(read("sample_cost.json"))
+        for signs in ((1, 1, 1, 1), (-1, -1, -1, -1), (-1, 1, -1, 1), (1, -1, 1, -1)):
+            with self.subTest(signs=signs):
+                doc = json.loads(json.dumps(base))
+                for cell, sign in zip(doc["cells"], signs):
+                    value = sign * abs(cell["overhead_pct"]) * 3
+                    cell["overhead_pct"], cell["ci95_pct"] = value, [value - 9.0, value + 9.0]
+                    cell["significant"] = sign > 0
+                fig = plot_cost.figure(doc)
+                fig.canvas.draw()
+                ax = fig.axes[0]
+                boxes = [t.get_window_extent() for t in ax.texts if t.get_text() != "missing"]
+                boxes += [ax.title.get_window_extent(), ax.get_legend().get_window_extent()]
+                self.assert_apart(boxes)
+                import matplotlib.pyplot as plt
+                plt.close(fig)
+        docs = [json.loads(read("sample_sweep_off.json")), json.loads(read("sample_sweep_on.json"))]
+        fig = plot_sweep.figure(docs, ["/some/long/folder/off.json", "/another/folder/on.json"])
+        fig.canvas.draw()
+        legend = fig.legends[0]
+        self.assertEqual([t.get_text().rsplit(" ", 1)[-1] for t in legend.get_texts()], ["(off.json)", "(on.json)"])
+        self.assert_apart([fig._suptitle.get_window_extent(), legend.get_window_extent()] +
+                          [ax.get_window_extent() for ax in fig.axes])
+
+    def assert_apart(self, boxes):
+        for i, a in enumerate(boxes):
+            for b in boxes[i + 1:]:
+                self.assertFalse(a.overlaps(b), (a, b))
+
+    @unittest.skipUnless(HAVE_MATPLOTLIB, "matplotlib is not installed")
     def test_wrong_kind_of_file_is_refused(self):
         with tempfile.TemporaryDirectory() as tmp:
             p = self.plot("plot_sweep.py", os.path.join(EXAMPLES, "sample_cost.json"), "-o",

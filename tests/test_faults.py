@@ -344,7 +344,7 @@ class FilesAndSecurity(TempDirTest):
     def test_atomic_write_leaves_the_old_file_whole_on_failure(self):
         target = self.path("s.json")
         run.write_json_atomic(target, {"schema": run.SWEEP_SCHEMA, "n": 1})
-        with mock.patch.object(run.json, "dump", side_effect=OSError(28, "No space left on device")):
+        with mock.patch.object(run.os, "replace", side_effect=OSError(28, "No space left on device")):
             with self.assertRaises(run.UsageError):
                 run.write_json_atomic(target, {"schema": run.SWEEP_SCHEMA, "n": 2})
         self.assertEqual(self.load("s.json")["n"], 1)

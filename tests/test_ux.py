@@ -1,0 +1,192 @@
+"""What a user expects: progress on long runs, the engine found by itself, URLs as people paste
+them, and saves that stay cheap."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import unittest
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from unittest import mock
+
+from support import ROOT, StubConfig, StubServer, TempDirTest, run, run_lab
+
+
+def progress_lines(stderr):
+    return [line for line in stderr.splitlines() if line.startswith("run.py: progress: ")]
+
+
+class Progress(TempDirTest):
+    def test_sweep_and_cost_leave_progress_lines_in_a_redirected_stderr(self):
+        with StubServer() as off, StubServer(StubConfig(invariant=True)) as on:
+            for name, args in (("sweep", ("--mode", "sweep", "--url", off.url, "--sizes", "1,2,4", "--max-tokens", "4")),
+                               ("cost", ("--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", "2",
+                                         "--trials", "3", "--warmup", "0", "--max-tokens", "4"))):
+                for extra in ((), ("--json",)):
+                    with self.subTest(mode=name, extra=extra):
+                        with open(self.path("err.txt"), "w") as err:
+                            p = subprocess.run([sys.executable, os.path.join(ROOT, "run.py"), *args, *extra],
+                                               stdout=subprocess.PIPE, stderr=err, text=True, timeout=120)
+                        self.assertEqual(p.returncode, 0)
+                        with open(self.path("err.txt")) as f:
+                            lines = progress_lines(f.read())
+                        self.assertTrue(lines)
+                        self.assertIn(" done | ", lines[-1])
+                        if extra:
+                            json.loads(p.stdout)  # progress never reaches stdout
+
+    def test_quiet_prints_none_and_json_still_parses(self):
+        with StubServer() as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 4, "--quiet", "--json")
+        self.assertEqual(r.code, 0, r)
+        self.assertEqual(progress_lines(r.stderr), [])
+        self.assertEqual(r.json()["summary"]["state"], "complete")
+
+    def test_lines_say_what_ran_how_far_and_how_long(self):
+        with StubServer() as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2,4", "--repeat", 2, "--max-tokens", 4)
+        first, last = progress_lines(r.stderr)[0], progress_lines(r.stderr)[-1]
+        self.assertIn("prompt 1/1, pass 1/2, batch 1 done | 1/6 batches, 1 completions", first)
+        self.assertIn("left", first)
+        self.assertIn("6/6 batches, 14 completions", last)
+
+    def test_a_live_line_on_a_terminal(self):
+        class Tty:
+            def __init__(self):
+                self.text = ""
+
+            def isatty(self):
+                return True
+
+            def write(self, s):
+                self.text += s
+
+            def flush(self):
+                pass
+
+        tty = Tty()
+        progress = run.Progress(run.Out(Tty(), tty), 4, "batches")
+        progress.running("batch 2")
+        progress.finished("batch 2", 2)
+        self.assertTrue(tty.text.startswith("\r\033[K") and "batch 2 | 0/4 batches" in tty.text)
+        self.assertNotIn("\n", tty.text)
+
+
+class EngineFoundByItself(TempDirTest):
+    def test_no_engine_named(self):
+        for engine, label in (("sglang", "SGLang"), ("vllm", "vLLM")):
+            with self.subTest(engine=engine):
+                with StubServer(StubConfig(engine=engine)) as stub:
+                    r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 4,
+                                "--repeat", 1, "--save", self.path("s.json"))
+                self.assertEqual(r.code, 0, r)
+                self.assertTrue(r.stdout.startswith("server: %s " % label), r.stdout[:80])
+                self.assertIn("(found by asking the server)", r.stdout.splitlines()[0])
+                doc = self.load("s.json")
+                self.assertEqual((doc["engine"], doc["engine_detected"]), (engine, True))
+
+    def test_cost_finds_it_on_both_arms(self):
+        with StubServer(StubConfig(engine="sglang")) as off, StubServer(StubConfig(engine="sglang", invariant=True)) as on:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", 1, "--trials", 1,
+                        "--warmup", 0, "--max-tokens", 2, "--json")
+        self.assertEqual(r.code, 0, r)
+        self.assertEqual(r.json()["engine"], "sglang")
+
+    def test_arms_of_two_engines_are_refused(self):
+        with StubServer() as off, StubServer(StubConfig(engine="sglang", invariant=True)) as on:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url)
+        self.assertEqual(r.code, 2, r)
+        self.assertIn("different engines", r.stderr)
+
+    def test_the_wrong_engine_named_gets_a_hint(self):
+        for server, named, hint in (("sglang", "vllm", "answers like SGLang: pass --engine sglang"),
+                                    ("vllm", "sglang", "answers like vLLM: pass --engine vllm")):
+            with self.subTest(server=server, named=named):
+                with StubServer(StubConfig(engine=server)) as stub:
+                    r = run_lab("--mode", "sweep", "--engine", named, "--url", stub.url, "--sizes", "1")
+                    self.assertEqual(r.code, 3, r)
+                    self.assertIn(hint, r.stderr)
+                    self.assertEqual(len(r.stderr.strip().splitlines()), 1)
+                    self.assertEqual(stub.generation_bodies(), [])
+
+    def test_a_server_that_is_neither(self):
+        class NotFound(BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+        thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        thread.start()
+        try:
+            r = run_lab("--mode", "sweep", "--url", "http://127.0.0.1:%d" % httpd.server_address[1], "--sizes", "1")
+        finally:
+            httpd.shutdown()
+            httpd.server_close()
+        self.assertEqual(r.code, 3, r)
+        self.assertIn("cannot tell which engine answers", r.stderr)
+        self.assertIn("name it with --engine", r.stderr)
+
+
+class Urls(unittest.TestCase):
+    def test_as_people_paste_them(self):
+        cases = {"http://127.0.0.1:8000/v1": "http://127.0.0.1:8000",
+                 "http://127.0.0.1:8000/v1/": "http://127.0.0.1:8000",
+                 "http://0.0.0.0:8000": "http://127.0.0.1:8000",
+                 "http://[::]:8000/v1": "http://[::1]:8000",
+                 "https://gpu.example/llm/v1": "https://gpu.example/llm",
+                 "http://localhost:30000/": "http://localhost:30000"}
+        for given, wanted in cases.items():
+            with self.subTest(url=given):
+                self.assertEqual(run.check_url(given, "--url"), wanted)
+
+    def test_a_v1_url_and_the_address_vllm_logs_work(self):
+        with StubServer() as stub:
+            port = stub.url.rsplit(":", 1)[1]
+            for url in ("http://127.0.0.1:%s/v1" % port, "http://0.0.0.0:%s" % port):
+                with self.subTest(url=url):
+                    r = run_lab("--mode", "sweep", "--url", url, "--sizes", "1,2", "--max-tokens", 4, "--repeat", 1)
+                    self.assertEqual(r.code, 0, r)
+
+
+class CheapSaves(TempDirTest):
+    def test_a_fast_run_writes_the_file_once_during_the_run_and_once_at_the_end(self):
+        writes = []
+        real = run.write_json_atomic
+        with mock.patch.object(run, "write_json_atomic", side_effect=lambda p, d: (writes.append(d["summary"]["state"]), real(p, d))):
+            with StubServer() as stub:
+                r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2,3,4,5,6,7,8", "--max-tokens", 2,
+                            "--repeat", 2, "--save", self.path("s.json"))
+        self.assertEqual(r.code, 0, r)
+        self.assertEqual(writes, ["running", "complete"])
+        self.assertEqual(len(self.load("s.json")["prompts"][0]["sizes"]), 8)
+
+    def test_the_schedule(self):
+        clock = [100.0]
+        with mock.patch.object(run.time, "monotonic", lambda: clock[0]), \
+                mock.patch.object(run, "write_json_atomic", lambda p, d: clock.__setitem__(0, clock[0] + d["cost"])):
+            saves = run.ThrottledSave(self.path("x.json"))
+            built = []
+            saves.offer(lambda: built.append(1) or {"cost": 0.5})   # first: written, took 0.5 s
+            self.assertEqual(saves.next_due, 100.5 + 2.0)              # 0.5 s is a fifth of 2.5 s
+            clock[0] = 101.0
+            saves.offer(lambda: built.append(2) or {"cost": 0.1})   # not due: not even built
+            self.assertEqual(built, [1])
+            clock[0] = 102.5
+            saves.offer(lambda: built.append(3) or {"cost": 0.01})  # due; quick, so the interval rules
+            self.assertEqual((built, saves.next_due), ([1, 3], 102.51 + 1.0))
+        self.assertEqual(run.ThrottledSave(None).offer(lambda: 1 / 0), None)  # no --save: nothing built
+
+    def test_saved_json_is_one_compact_line(self):
+        run.write_json_atomic(self.path("c.json"), {"a": [1, 2], "b": {"c": None}})
+        with open(self.path("c.json")) as f:
+            self.assertEqual(f.read(), '{"a":[1,2],"b":{"c":null}}\n')
+
+
+if __name__ == "__main__":
+    unittest.main()
