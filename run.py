@@ -696,6 +696,7 @@ class EngineAdapter(Protocol):
     label: str                         # as printed
     default_port: int
     generate_path: str
+    health_path: str
     flag_name: str
     logprob_clamps: Tuple[float, ...]  # the engine's stand-ins for a -inf logprob
 
@@ -747,6 +748,7 @@ class VllmAdapter:
     label = "vLLM"
     default_port = 8000
     generate_path = "/v1/completions"
+    health_path = "/health"            # 200 once the engine has loaded
     flag_name = "VLLM_BATCH_INVARIANT"
     logprob_clamps = (-9999.0,)        # vLLM writes -inf logprobs as -9999.0
     DEFAULT_MAX_NUM_SEQS = 32          # assumed when the server does not say (upstream's test value)
@@ -898,6 +900,7 @@ class SglangAdapter:
     label = "SGLang"
     default_port = 30000
     generate_path = "/generate"
+    health_path = "/health"            # 200 once the engine has loaded
     flag_name = "--enable-deterministic-inference"
     # -inf logprobs become float32's lowest value (python/sglang/srt/layers/logprob_processor.py,
     # 0.5.23 line 926, 0.5.18 line 795: clamp_(min=torch.finfo(logprobs.dtype).min)).
@@ -1107,6 +1110,7 @@ class Config:
     max_response_bytes: int = DEFAULT_MAX_RESPONSE_MB << 20
     json_out: bool = False
     quiet: bool = False            # no progress lines
+    wait_ready: Optional[float] = None  # seconds to wait for the servers' health checks first
     save: Optional[str] = None
     prior_save: Optional[Dict[str, Any]] = None  # the document already at --save (cost adds to it)
     sampling: Optional[Sampling] = None
@@ -1205,6 +1209,9 @@ def build_parser() -> argparse.ArgumentParser:
     sweep_cost.add_argument("--save", metavar="PATH", help="write the result as JSON (sweep: rewritten "
                             "after every batch size; cost: adds its cell to the file)")
     sweep_cost.add_argument("--json", action="store_true", help="print the result as JSON, not a table")
+    sweep_cost.add_argument("--wait-ready", type=real_number(0.0, above=True), metavar="SECONDS",
+                            help="first wait up to this long for the server(s) to answer their health "
+                                 "check (a server just started takes minutes to load)")
     sweep_cost.add_argument("--quiet", action="store_true", help="no progress lines on stderr (warnings "
                             "and errors still appear)")
     sweep_cost.add_argument("--timeout", type=real_number(0.0, above=True), default=DEFAULT_TIMEOUT_S,
@@ -1354,7 +1361,7 @@ def configure(argv: Optional[Sequence[str]]) -> Config:
     cfg.model = args.model
     cfg.api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or None
     cfg.timeout, cfg.max_response_bytes = args.timeout, args.max_response_mb << 20
-    cfg.json_out, cfg.quiet = args.json, args.quiet
+    cfg.json_out, cfg.quiet, cfg.wait_ready = args.json, args.quiet, args.wait_ready
     if args.save:
         cfg.save = args.save
         cfg.prior_save = check_save_target(args.save, SWEEP_SCHEMAS_READ if args.mode == "sweep" else (COST_SCHEMA,))
@@ -1583,6 +1590,35 @@ class DeferredInterrupt:
         """Between requests: stop here if a stop was asked for."""
         if self.requested:
             raise KeyboardInterrupt
+
+
+WAIT_POLL_S = 0.5  # how often --wait-ready asks again
+
+
+def wait_until_ready(cfg: Config, servers: Sequence[Tuple[str, str]], out: Out) -> None:
+    """With --wait-ready, ask every server ((url, what it is) pairs) for its health check until
+    it answers, or give up when the time is up."""
+    if not cfg.wait_ready:
+        return
+    adapters = [cfg.adapter] if cfg.engine else list(ADAPTERS.values())
+    paths = sorted({a.health_path for a in adapters})
+    deadline = time.monotonic() + cfg.wait_ready
+    for url, what in servers:
+        if not cfg.quiet:
+            out.stderr.write("run.py: progress: waiting up to %.0fs for %s at %s to answer %s\n"
+                             % (deadline - time.monotonic(), what, url, " or ".join(paths)))
+        while True:
+            remaining = deadline - time.monotonic()
+            client = HttpClient(url, cfg.api_key, max(0.1, min(5.0, remaining)), 1 << 20)
+            try:
+                for path in paths:
+                    client.request(path, as_text=True)
+                break
+            except ServerError as err:
+                if remaining <= WAIT_POLL_S:
+                    raise ServerError("%s at %s was not ready within %gs (--wait-ready): %s"
+                                      % (what, url, cfg.wait_ready, err)) from None
+            time.sleep(WAIT_POLL_S)
 
 
 def resolve_engine(cfg: Config, servers: Sequence[Tuple[str, str]]) -> Config:
@@ -2323,6 +2359,7 @@ def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
 
 
 def run_sweep(cfg: Config, out: Out) -> int:
+    wait_until_ready(cfg, [(cfg.url, "the server")], out)
     cfg = resolve_engine(cfg, [(cfg.url, "the server")])
     if cfg.baseline is not None:
         check_baseline_engine(cfg, cfg.engine)
@@ -2507,8 +2544,9 @@ def warm_up(cfg: Config, arms: Sequence[Arm], prompts: Callable[[int], List[str]
 
 
 def run_cost(cfg: Config, out: Out) -> int:
-    cfg = resolve_engine(cfg, [(cfg.url, "the flag-off arm (--url)"),
-                               (cfg.invariant_url, "the flag-on arm (--invariant)")])
+    arms = [(cfg.url, "the flag-off arm (--url)"), (cfg.invariant_url, "the flag-on arm (--invariant)")]
+    wait_until_ready(cfg, arms, out)
+    cfg = resolve_engine(cfg, arms)
     off = Arm.open(cfg, "off", "--url", cfg.url)
     on = Arm.open(cfg, "on", "--invariant", cfg.invariant_url)
     hazards = check_arms(cfg, off, on, out)

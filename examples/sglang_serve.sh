@@ -10,6 +10,7 @@ ARM=${1:?usage: examples/sglang_serve.sh off|on}
 MODEL=${MODEL:-Qwen/Qwen3-8B}         # the weights under test (the upstream test class's default)
 BACKEND=${BACKEND:-triton}            # fa3, flashinfer or triton (the deterministic choices)
 TP=${TP:-1}                           # tensor-parallel degree; run the cost cells at 1 and at your real TP
+GPUS=${GPUS:-0}                       # devices for both arms (see placement.sh); MEM sets the share
 
 case "$ARM" in
     # --enable-deterministic-inference: the flag. Batch-invariant matmul, log_softmax and
@@ -19,6 +20,12 @@ case "$ARM" in
     on)  FLAG=(--enable-deterministic-inference);   PORT=${PORT:-30001} ;;
     *)   echo "usage: examples/sglang_serve.sh off|on" >&2; exit 2 ;;
 esac
+source "$(dirname "$0")/placement.sh"
+place_arm "$ARM"
+# --mem-fraction-static: only when the arms share GPUs (or MEM is set): SGLang's default,
+#                        near 0.9, leaves no room for the second arm.
+MEM_FLAG=()
+[[ -n $MEM_SHARE ]] && MEM_FLAG=(--mem-fraction-static "$MEM_SHARE")
 
 # --attention-backend:           pinned, the same in both arms. Left out, the flag-on arm
 #                                falls back to a backend of its own choosing (fa3, flashinfer
@@ -33,4 +40,5 @@ exec python3 -m sglang.launch_server \
     --attention-backend "$BACKEND" \
     --cuda-graph-max-bs-decode 32 \
     --tp-size "$TP" \
+    ${MEM_FLAG[@]+"${MEM_FLAG[@]}"} \
     ${FLAG[@]+"${FLAG[@]}"}

@@ -10,6 +10,7 @@ ARM=${1:?usage: examples/vllm_serve.sh off|on}
 MODEL=${MODEL:-Qwen/Qwen3-1.7B}       # the weights under test (the upstream suite's default)
 BACKEND=${BACKEND:-FLASH_ATTN}        # one of FLASH_ATTN, FLEX_ATTENTION, TRITON_ATTN (supported with the flag on)
 TP=${TP:-1}                           # tensor-parallel degree; run the cost cells at 1 and at your real TP
+GPUS=${GPUS:-0}                       # devices for both arms (see placement.sh); MEM sets the share
 
 case "$ARM" in
     # The flag is an environment variable read at start-up: set it explicitly, never inherit it.
@@ -19,6 +20,12 @@ case "$ARM" in
 esac
 # Exposes GET /server_info, so the lab can read the flag, the backend and the graph sizes.
 export VLLM_SERVER_DEV_MODE=1
+source "$(dirname "$0")/placement.sh"
+place_arm "$ARM"
+# --gpu-memory-utilization: only when the arms share GPUs (or MEM is set): vLLM's default,
+#                       0.9, leaves no room for the second arm.
+MEM_FLAG=()
+[[ -n $MEM_SHARE ]] && MEM_FLAG=(--gpu-memory-utilization "$MEM_SHARE")
 
 # --attention-backend:  pinned, the same in both arms; otherwise each arm may pick its own.
 # --max-num-seqs 32:    what the server batches together at most (the upstream online test's
@@ -31,4 +38,5 @@ exec vllm serve "$MODEL" \
     --attention-backend "$BACKEND" \
     --max-num-seqs 32 \
     --max-model-len 8192 \
-    --tensor-parallel-size "$TP"
+    --tensor-parallel-size "$TP" \
+    ${MEM_FLAG[@]+"${MEM_FLAG[@]}"}

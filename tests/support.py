@@ -6,6 +6,7 @@ import io
 import json
 import os
 import random
+import socket
 import struct
 import sys
 import tempfile
@@ -28,6 +29,15 @@ from stub_server import StubConfig, StubServer  # noqa: E402,F401
 def fixture(name):
     with open(os.path.join(FIXTURES, name), encoding="utf-8") as f:
         return json.load(f)
+
+
+def free_port():
+    """A loopback port that nothing listens on (just now)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
 
 
 def post(url, body):

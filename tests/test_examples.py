@@ -20,10 +20,11 @@ except ImportError:
     HAVE_MATPLOTLIB = False
 
 # Flags the engines document (the lab's facts sheet), per launch script.
-VLLM_FLAGS = {"--port", "--attention-backend", "--max-num-seqs", "--max-model-len", "--tensor-parallel-size"}
+VLLM_FLAGS = {"--port", "--attention-backend", "--max-num-seqs", "--max-model-len", "--tensor-parallel-size",
+              "--gpu-memory-utilization"}
 VLLM_BACKENDS = {"FLASH_ATTN", "FLEX_ATTENTION", "TRITON_ATTN", "FLASH_ATTN_MLA", "TRITON_MLA"}
 SGLANG_FLAGS = {"--model-path", "--port", "--attention-backend", "--cuda-graph-max-bs-decode",
-                "--tp-size", "--enable-deterministic-inference"}
+                "--tp-size", "--mem-fraction-static", "--enable-deterministic-inference"}
 SGLANG_BACKENDS = {"fa3", "flashinfer", "triton"}
 
 
@@ -32,7 +33,7 @@ def read(name):
         return f.read()
 
 
-def launch(script, arm, tmp):
+def launch(script, arm, tmp, **variables):
     """Run a launch script with stand-ins for `vllm` and `sglang.launch_server` that print
     the arguments and flag variables they were started with, instead of serving."""
     bin_dir = os.path.join(tmp, "bin")
@@ -40,7 +41,7 @@ def launch(script, arm, tmp):
     os.makedirs(bin_dir, exist_ok=True)
     os.makedirs(pkg, exist_ok=True)
     echo = ("import json, os, sys\nprint(json.dumps({'argv': sys.argv[1:], 'env': {k: os.environ.get(k) "
-            "for k in ('VLLM_BATCH_INVARIANT', 'VLLM_SERVER_DEV_MODE')}}))\n")
+            "for k in ('VLLM_BATCH_INVARIANT', 'VLLM_SERVER_DEV_MODE', 'CUDA_VISIBLE_DEVICES')}}))\n")
     with open(os.path.join(bin_dir, "vllm"), "w") as f:
         f.write("#!%s\n%s" % (sys.executable, echo))
     os.chmod(os.path.join(bin_dir, "vllm"), 0o755)
@@ -49,10 +50,13 @@ def launch(script, arm, tmp):
         f.write(echo)
     env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"], PYTHONPATH=os.path.join(tmp, "py"))
     env.pop("VLLM_BATCH_INVARIANT", None)
+    for name in ("GPUS", "TP", "MEM", "CUDA_VISIBLE_DEVICES"):
+        env.pop(name, None)
+    env.update(variables)
     p = subprocess.run(["bash", os.path.join(EXAMPLES, script), arm], capture_output=True, text=True,
                        env=env, timeout=60)
     assert p.returncode == 0, p.stderr
-    return json.loads(p.stdout)
+    return dict(json.loads(p.stdout), stderr=p.stderr)
 
 
 def flags(argv):
@@ -87,6 +91,38 @@ class LaunchScripts(unittest.TestCase):
         self.assertEqual((value(off["argv"], "--port"), value(on["argv"], "--port")), ("30000", "30001"))
         strip = lambda argv: [a for a in argv if a not in ("30000", "30001", "--enable-deterministic-inference")]
         self.assertEqual(strip(off["argv"]), strip(on["argv"]))
+
+    MEMORY_FLAG = {"vllm_serve.sh": "--gpu-memory-utilization", "sglang_serve.sh": "--mem-fraction-static"}
+
+    def test_placement_of_the_two_arms(self):
+        cases = [  # (variables, off devices, on devices, memory share or None for the engine's own)
+            ({}, "0", "0", "0.45"),
+            ({"GPUS": "0"}, "0", "0", "0.45"),
+            ({"GPUS": "0,1", "TP": "1"}, "0", "1", None),
+            ({"GPUS": "0,1,2,3", "TP": "2"}, "0,1", "2,3", None),
+            ({"GPUS": "0,1", "TP": "2"}, "0,1", "0,1", "0.45"),
+            ({"GPUS": "0", "MEM": "0.3"}, "0", "0", "0.3"),
+            ({"GPUS": "0,1", "TP": "1", "MEM": "0.3"}, "0", "1", "0.3"),
+        ]
+        for script, flag in self.MEMORY_FLAG.items():
+            for variables, off_devices, on_devices, share in cases:
+                with self.subTest(script=script, **variables), tempfile.TemporaryDirectory() as tmp:
+                    off, on = launch(script, "off", tmp, **variables), launch(script, "on", tmp, **variables)
+                    self.assertEqual((off["env"]["CUDA_VISIBLE_DEVICES"], on["env"]["CUDA_VISIBLE_DEVICES"]),
+                                     (off_devices, on_devices))
+                    for arm in (off, on):
+                        self.assertEqual(value(arm["argv"], flag) if flag in arm["argv"] else None, share)
+                        if off_devices == on_devices:
+                            self.assertIn("share GPUs", arm["stderr"])
+                            self.assertIn("noisier", arm["stderr"])
+                        else:
+                            self.assertNotIn("share GPUs", arm["stderr"])
+
+    def test_fewer_devices_than_tp_is_refused(self):
+        p = subprocess.run(["bash", os.path.join(EXAMPLES, "vllm_serve.sh"), "off"], capture_output=True, text=True,
+                           env=dict(os.environ, GPUS="0", TP="2"))
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("fewer than TP=2", p.stderr)
 
     def test_an_unknown_arm_is_refused(self):
         p = subprocess.run(["bash", os.path.join(EXAMPLES, "vllm_serve.sh"), "maybe"], capture_output=True, text=True)

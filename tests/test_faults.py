@@ -13,17 +13,11 @@ import unittest
 from unittest import mock
 
 from stub_server import EngineState, sglang_generate, vllm_completions
-from support import ROOT, StubConfig, StubServer, TempDirTest, run, run_lab, wait_for
+from support import ROOT, StubConfig, StubServer, TempDirTest, free_port, run, run_lab, wait_for
 
 SIZES = "1,2,4,8"   # the fault is injected at the 3rd generation request: batch size 4
 
 
-def closed_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 class ServerFaultsInASweep(TempDirTest):
@@ -97,7 +91,7 @@ class ServerFaultsInASweep(TempDirTest):
         self.assert_stopped_at_size_4(r, doc, "HTTP 307")
 
     def test_connection_refused(self):
-        r = run_lab("--mode", "sweep", "--url", "http://127.0.0.1:%d" % closed_port(), "--sizes", "1",
+        r = run_lab("--mode", "sweep", "--url", "http://127.0.0.1:%d" % free_port(), "--sizes", "1",
                     "--save", self.path("s.json"))
         self.assertEqual(r.code, 3)
         self.assertEqual(len(r.stderr.strip().splitlines()), 1)
@@ -201,7 +195,7 @@ class ServerFaultsInCost(TempDirTest):
     def test_unreachable_arm(self):
         with StubServer() as off:
             r = run_lab("--mode", "cost", "--url", off.url, "--invariant",
-                        "http://127.0.0.1:%d" % closed_port())
+                        "http://127.0.0.1:%d" % free_port())
         self.assertEqual(r.code, 3)
         self.assertIn("flag-on arm (--invariant)", r.stderr)
         self.assertEqual(len(r.stderr.strip().splitlines()), 1)
@@ -372,7 +366,7 @@ class FilesAndSecurity(TempDirTest):
         self.assertNotIn("sekret", r.stdout + r.stderr)
 
     def test_loopback_bypasses_the_proxy_and_other_hosts_use_it(self):
-        dead_proxy = "http://127.0.0.1:%d" % closed_port()
+        dead_proxy = "http://127.0.0.1:%d" % free_port()
         with StubServer() as stub:
             env = dict(os.environ, http_proxy=dead_proxy, HTTP_PROXY=dead_proxy, no_proxy="", NO_PROXY="")
             r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1", "--max-tokens", 2, env=env)
