@@ -61,6 +61,7 @@ import random
 import re
 import signal
 import socket
+import stat
 import statistics
 import struct
 import sys
@@ -86,15 +87,19 @@ EXIT_OK = 0             # ran, and any --expect held
 EXIT_EXPECTATION = 1    # an --expect did not hold
 EXIT_USAGE = 2          # bad arguments or input files, found before any request
 EXIT_SERVER = 3         # the server or the network failed before the run completed
+EXIT_HANGUP = 129       # SIGHUP: the terminal closed; what was measured is saved
 EXIT_INTERRUPTED = 130  # Ctrl-C; what was measured is saved
 EXIT_BROKEN_PIPE = 141  # stdout closed under us (`run.py ... | head`)
+EXIT_TERMINATED = 143   # SIGTERM: a job scheduler's stop; what was measured is saved
 EXIT_CODES = [          # what each exit code means, as --help and the guide print it
     (EXIT_OK, "ran, and any --expect held"),
     (EXIT_EXPECTATION, "an --expect did not hold"),
     (EXIT_USAGE, "usage or input error, found before any request"),
     (EXIT_SERVER, "the server or network failed before the run completed (--save keeps what was measured)"),
+    (EXIT_HANGUP, "stopped by SIGHUP, a closed terminal (--save keeps what was measured)"),
     (EXIT_INTERRUPTED, "interrupted by Ctrl-C (--save keeps what was measured)"),
     (EXIT_BROKEN_PIPE, "the output pipe closed (e.g. `run.py ... | head`)"),
+    (EXIT_TERMINATED, "stopped by SIGTERM, e.g. a job scheduler (--save keeps what was measured)"),
 ]
 
 # Sweep defaults
@@ -1308,42 +1313,68 @@ def check_url(url: str, option: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, netloc, path, parts.query, ""))
 
 
-def read_json_file(path: str, option: str) -> Dict[str, Any]:
+MAX_INPUT_FILE_MB = 1024  # a prompt file or lab result larger than this is refused, not read
+
+
+def read_input_file(path: str, option: str) -> str:
+    """A regular file's text, read only if it is one (a device, FIFO or folder is refused before
+    anything is read from it) and no larger than MAX_INPUT_FILE_MB."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise UsageError("%s: %s is not a regular file" % (option, path))
+        if info.st_size > MAX_INPUT_FILE_MB << 20:
+            raise UsageError("%s: %s is larger than %d MB" % (option, path, MAX_INPUT_FILE_MB))
+        with open(path, "rb") as f:
+            raw = f.read((MAX_INPUT_FILE_MB << 20) + 1)
     except OSError as err:
         raise UsageError("%s: cannot read %s (%s)" % (option, path, err.strerror)) from None
-    except ValueError as err:
-        raise UsageError("%s: %s is not valid JSON (%s)" % (option, path, err)) from None
+    if len(raw) > MAX_INPUT_FILE_MB << 20:
+        raise UsageError("%s: %s is larger than %d MB" % (option, path, MAX_INPUT_FILE_MB))
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError("%s: %s is not UTF-8 text" % (option, path)) from None
+
+
+def read_json_file(path: str, option: str) -> Dict[str, Any]:
+    text = read_input_file(path, option)
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as err:
+        raise UsageError("%s: %s is not valid JSON (%s)" % (option, path, str(err)[:80])) from None
     if not isinstance(data, dict):
         raise UsageError("%s: %s is not a lab result" % (option, path))
     return data
 
 
 def check_save_target(path: str, schemas: Sequence[str]) -> Optional[Dict[str, Any]]:
-    """The document already at --save (None if there is none); refuse a folder that does not
-    exist, or a file that holds anything but this mode's results."""
+    """The document already at --save (None if there is none), checked before any request:
+    the folder must exist and take a new file, and a file already there must hold this mode's
+    results. A finished sweep is never replaced: a sweep file holds one sweep, and a second
+    run would silently lose the first (cost files gather cells, so they are added to)."""
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise UsageError("--save: folder %s does not exist" % folder)
-    if not os.path.exists(path):
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".run-", suffix=".json", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise UsageError("--save: cannot write in %s (%s)" % (folder, err.strerror)) from None
+    if not os.path.lexists(path):
         return None
     data = read_json_file(path, "--save")
     if data.get("schema") not in schemas:
         raise UsageError("--save: %s holds %s, not %s results; refusing to overwrite it"
                          % (path, data.get("schema") or "something else", schemas[0].split("/")[1]))
+    if data.get("prompts") is not None and dig(data, "summary", "state") == "complete":
+        raise UsageError("--save: %s holds a finished sweep; save to another file (or remove it)" % path)
     return data
 
 
 def read_prompt_file(path: str) -> List[str]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            prompts = [line.rstrip("\r\n") for line in f if line.strip()]
-    except OSError as err:
-        raise UsageError("--prompt-file: cannot read %s (%s)" % (path, err.strerror)) from None
-    except UnicodeDecodeError:
-        raise UsageError("--prompt-file: %s is not UTF-8 text" % path) from None
+    prompts = [line.rstrip("\r") for line in read_input_file(path, "--prompt-file").split("\n") if line.strip()]
     if not prompts:
         raise UsageError("--prompt-file: %s holds no prompt" % path)
     return prompts
@@ -1503,52 +1534,105 @@ class Progress:
             self.last_line = now
 
 
+class SaveError(Exception):
+    """--save could not be written after measuring began: the run fails (exit 3), but the
+    results are still printed and the file keeps its last good contents."""
+
+
 class ThrottledSave:
     """Rewrites --save during a run at most once every SAVE_INTERVAL_S, and less often when the
     file is large enough that writing it would take more than SAVE_SHARE of the run: a run's
     saves cost time in proportion to the run, not to the square of what it measured. The
-    caller writes once more at the end and at every stop."""
+    caller writes once more at the end and at every stop. A write that fails is remembered
+    (failure), not raised: measuring goes on, and the caller reports it at the end."""
 
     def __init__(self, path: Optional[str]):
         self.path = path
         self.next_due = 0.0
+        self.failure: Optional[SaveError] = None
 
-    def offer(self, build: Callable[[], Dict[str, Any]]) -> None:
-        """Write build()'s document if a write is due; it is built only then."""
+    def offer(self, save: Callable[[str], Any]) -> None:
+        """Call save(path) if a write is due; what it saves is built only then."""
         if self.path and time.monotonic() >= self.next_due:
-            self.write(build)
+            self.write(save)
 
-    def write(self, doc: Union[Dict[str, Any], Callable[[], Dict[str, Any]]]) -> None:
-        """Write the document (or what a builder makes) now; the time spent, building included,
-        sets when the next write is due."""
+    def write(self, save: Callable[[str], Any]) -> Any:
+        """Call save(path) now; the time it took, building included, sets when the next is due."""
         if not self.path:
-            return
+            return None
         start = time.monotonic()
-        write_json_atomic(self.path, doc() if callable(doc) else doc)
+        try:
+            result = save(self.path)
+            self.failure = None  # the file is whole and current again
+        except SaveError as err:
+            self.failure, result = err, None
         end = time.monotonic()
         self.next_due = end + max(SAVE_INTERVAL_S, (end - start) * (1 - SAVE_SHARE) / SAVE_SHARE)
+        return result
+
+
+def json_text(doc: Dict[str, Any], indent: Optional[int] = None) -> str:
+    """Standard JSON (no NaN or Infinity, which a server may have sent): such values are
+    written as the strings "NaN", "Infinity" and "-Infinity". Compact unless indented."""
+    separators = (",", ":") if indent is None else (",", ": ")
+    try:
+        return json.dumps(doc, indent=indent, separators=separators, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(doc), indent=indent, separators=separators, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def write_json_atomic(path: str, doc: Dict[str, Any]) -> None:
-    """Write through a temporary file and a rename: a crash never leaves half a file. Compact
-    JSON, one line: only json.dumps without indent runs in C, ten times faster on a large sweep
-    (`python3 -m json.tool FILE` shows it indented)."""
+    """Write through a temporary file and a rename: a crash never leaves half a file, and a
+    failed write leaves the old file as it was. Compact JSON, one line: only json.dumps without
+    indent runs in C, ten times faster on a large sweep (`python3 -m json.tool FILE` indents it)."""
     folder = os.path.dirname(os.path.abspath(path))
+    text = json_text(doc)
     try:
         fd, tmp = tempfile.mkstemp(prefix=".run-", suffix=".json", dir=folder)
     except OSError as err:
-        raise UsageError("--save: cannot write in %s (%s)" % (folder, err.strerror)) from None
+        raise SaveError("--save: cannot write in %s (%s)" % (folder, err.strerror)) from None
     try:
-        text = json.dumps(doc, separators=(",", ":"))
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text + "\n")
         os.chmod(tmp, _file_mode(path))
         os.replace(tmp, path)
     except OSError as err:
-        raise UsageError("--save: cannot write %s (%s)" % (path, err.strerror)) from None
+        raise SaveError("--save: cannot write %s (%s)" % (path, err.strerror)) from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+class FolderLock:
+    """An exclusive lock on the folder of a file, so that two runs adding to one file take
+    turns (where the platform has flock; elsewhere nothing is locked)."""
+
+    def __init__(self, path: str):
+        self.folder = os.path.dirname(os.path.abspath(path))
+        self.fd: Optional[int] = None
+
+    def __enter__(self) -> "FolderLock":
+        try:
+            import fcntl
+            self.fd = os.open(self.folder, os.O_RDONLY)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        except (ImportError, OSError):
+            self.fd = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing releases the lock
 
 
 def _file_mode(path: str) -> int:
@@ -1561,35 +1645,57 @@ def _file_mode(path: str) -> int:
         return 0o666 & ~umask
 
 
+class Stopped(KeyboardInterrupt):
+    """A stop asked for by a signal; the run ends with the signal's own exit code."""
+
+    def __init__(self, signum: int):
+        super().__init__()
+        self.signum = signum
+
+
+STOP_SIGNALS = {"SIGINT": (EXIT_INTERRUPTED, "interrupted"), "SIGTERM": (EXIT_TERMINATED, "terminated"),
+                "SIGHUP": (EXIT_HANGUP, "hung up")}  # signal -> (exit code, state); SIGHUP is not on Windows
+
+
 class DeferredInterrupt:
-    """The first Ctrl-C asks to stop after the current request; a second one stops at once."""
+    """The first Ctrl-C, SIGTERM or SIGHUP asks to stop after the current request; a second
+    one stops at once. Either way what was measured is saved and summarised."""
 
     def __init__(self, out: Out):
         self.out = out
-        self.requested = False
-        self._previous = None
+        self.signum: Optional[int] = None
+        self._previous: Dict[int, Any] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
 
     def _handler(self, signum, frame):
         if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        self.out.stderr.write("\nrun.py: stopping after the current request (Ctrl-C again to abort it)\n")
+            raise Stopped(signum)
+        self.signum = signum
+        self.out.stderr.write("\nrun.py: %s: stopping after the current request (again to abort it)\n"
+                              % signal.Signals(signum).name)
 
     def __enter__(self) -> "DeferredInterrupt":
-        try:
-            self._previous = signal.signal(signal.SIGINT, self._handler)
-        except ValueError:  # not the main thread: Ctrl-C stays immediate
-            self._previous = None
+        for name in STOP_SIGNALS:
+            signum = getattr(signal, name, None)
+            if signum is None:
+                continue
+            try:
+                self._previous[signum] = signal.signal(signum, self._handler)
+            except ValueError:  # not the main thread: signals stay as they were
+                pass
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
 
     def check(self) -> None:
         """Between requests: stop here if a stop was asked for."""
         if self.requested:
-            raise KeyboardInterrupt
+            raise Stopped(self.signum)
 
 
 WAIT_POLL_S = 0.5  # how often --wait-ready asks again
@@ -1660,8 +1766,10 @@ def measure_until_stopped(out: Out, what: str, loop: Callable[[DeferredInterrupt
             loop(interrupt)
         except ServerError as err:
             state, code, message = "stopped: server error", EXIT_SERVER, "%s stopped at %s" % (what, err)
-        except KeyboardInterrupt:
-            state, code, message = "interrupted", EXIT_INTERRUPTED, "interrupted; showing what was measured"
+        except KeyboardInterrupt as stop:
+            name = signal.Signals(getattr(stop, "signum", signal.SIGINT)).name
+            code, state = STOP_SIGNALS[name]
+            message = "%s; showing what was measured" % state
     out.progress_done()
     if message:
         out.stderr.write("run.py: %s\n" % message)
@@ -2358,6 +2466,17 @@ def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
     return EXIT_OK
 
 
+def report_save(cfg: Config, saves: ThrottledSave, code: int, out: Out) -> int:
+    """The last line of a run: where it was saved, or why it was not (a run whose results
+    could not be saved has failed: exit 3, unless it had already failed otherwise)."""
+    if saves.failure is not None:
+        out.stderr.write("run.py: %s; the results above are not in it\n" % saves.failure)
+        return code or EXIT_SERVER
+    if cfg.save:
+        out.stderr.write("run.py: saved %s\n" % cfg.save)
+    return code
+
+
 def run_sweep(cfg: Config, out: Out) -> int:
     wait_until_ready(cfg, [(cfg.url, "the server")], out)
     cfg = resolve_engine(cfg, [(cfg.url, "the server")])
@@ -2404,19 +2523,17 @@ def run_sweep(cfg: Config, out: Out) -> int:
                         row["send_spread_s"] = batch.send_spread
                     sweep.add(n, facts.bucket(n), row, batch.completions)
                     progress.finished(step, len(batch.completions))
-                    saves.offer(lambda: sweep_document(cfg, facts, sweeps, sizes, "running"))
+                    saves.offer(lambda path: write_json_atomic(path, sweep_document(cfg, facts, sweeps, sizes, "running")))
 
     state, code = measure_until_stopped(out, "sweep", measure)
     doc = sweep_document(cfg, facts, sweeps, sizes, state)
-    saves.write(doc)
+    saves.write(lambda path: write_json_atomic(path, doc))
     if cfg.json_out:
-        out.line(json.dumps(doc, indent=1))
+        out.line(json_text(doc, indent=1))
     else:
         print_sweep_table(doc, cfg, out)
     outcome = code if code != EXIT_OK else sweep_outcome(cfg, doc, out)
-    if cfg.save:
-        out.stderr.write("run.py: saved %s\n" % cfg.save)
-    return outcome
+    return report_save(cfg, saves, outcome, out)
 
 
 # ----------------------------------------------------------------------------
@@ -2575,7 +2692,7 @@ def run_cost(cfg: Config, out: Out) -> int:
                     short.append((trial + 1, arm.name, count))
                 arm.samples.append(seconds)
                 arm.tokens.append(count)
-            saves.offer(lambda: add_cell(doc, cost_cell(cfg, (off, on), hazards, "running")))
+            saves.offer(lambda path: save_cell(path, cost_cell(cfg, (off, on), hazards, "running")))
             progress.finished("trial %d/%d" % (trial + 1, cfg.trials), 2 * cfg.batch)
 
     state, code = measure_until_stopped(out, "cost", measure)
@@ -2586,18 +2703,16 @@ def run_cost(cfg: Config, out: Out) -> int:
         out.stderr.write("run.py: no complete trial pair; nothing to report\n")
         return code or EXIT_SERVER
     cell = cost_cell(cfg, (off, on), hazards, state)
-    saves.write(add_cell(doc, cell))
+    doc = saves.write(lambda path: save_cell(path, cell)) or add_cell(doc, cell)
     if cfg.json_out:
-        out.line(json.dumps(cell, indent=1))
+        out.line(json_text(cell, indent=1))
     else:
         print_cost_report(cell, out)
         if cfg.save:
             out.line("")
             for line in cost_table_lines(doc, cell):
                 out.line(line)
-    if cfg.save:
-        out.stderr.write("run.py: saved %s\n" % cfg.save)
-    return code
+    return report_save(cfg, saves, code, out)
 
 
 def cost_cell(cfg: Config, arms: Tuple[Arm, Arm], hazards: List[Dict[str, Any]], state: str) -> Dict[str, Any]:
@@ -2614,6 +2729,21 @@ def cost_cell(cfg: Config, arms: Tuple[Arm, Arm], hazards: List[Dict[str, Any]],
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     cell.update(overhead_stats(off.samples[:pairs], on.samples[:pairs]))
     return cell
+
+
+def save_cell(path: str, cell: Dict[str, Any]) -> Dict[str, Any]:
+    """Add a cell to the cost file as it is now, under a lock: two runs saving to one file
+    each keep their cells. Returns the document written."""
+    with FolderLock(path):
+        try:
+            current = read_json_file(path, "--save") if os.path.lexists(path) else None
+        except UsageError as err:
+            raise SaveError(str(err)) from None
+        if current is not None and current.get("schema") != COST_SCHEMA:
+            raise SaveError("--save: %s no longer holds cost results; not overwritten" % path)
+        doc = add_cell(current or {"schema": COST_SCHEMA, "cells": []}, cell)
+        write_json_atomic(path, doc)
+        return doc
 
 
 def add_cell(doc: Dict[str, Any], cell: Dict[str, Any]) -> Dict[str, Any]:
@@ -2666,9 +2796,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ServerError as err:
         sys.stderr.write("run.py: %s\n" % err)
         return EXIT_SERVER
-    except KeyboardInterrupt:
-        sys.stderr.write("run.py: interrupted\n")
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as stop:
+        code, state = STOP_SIGNALS[signal.Signals(getattr(stop, "signum", signal.SIGINT)).name]
+        sys.stderr.write("run.py: %s\n" % state)
+        return code
     except BrokenPipeError:
         # The reader went away (`| head`): say nothing more, and let the interpreter's
         # final flush go to /dev/null instead of raising again.

@@ -17,6 +17,7 @@ for _ in range(50):
 start --port 18100
 start --port 18101 --invariant
 wait_for http://127.0.0.1:18100; wait_for http://127.0.0.1:18101
+rm -f examples/sample_sweep_off.json examples/sample_sweep_on.json
 python3 run.py --mode sweep --url http://127.0.0.1:18100 --save examples/sample_sweep_off.json > examples/sample_sweep_off.txt || true
 python3 run.py --mode sweep --url http://127.0.0.1:18101 --save examples/sample_sweep_on.json --expect invariant > examples/sample_sweep_on.txt
 

@@ -339,7 +339,7 @@ class FilesAndSecurity(TempDirTest):
         target = self.path("s.json")
         run.write_json_atomic(target, {"schema": run.SWEEP_SCHEMA, "n": 1})
         with mock.patch.object(run.os, "replace", side_effect=OSError(28, "No space left on device")):
-            with self.assertRaises(run.UsageError):
+            with self.assertRaises(run.SaveError):
                 run.write_json_atomic(target, {"schema": run.SWEEP_SCHEMA, "n": 2})
         self.assertEqual(self.load("s.json")["n"], 1)
         self.assertEqual(os.listdir(self.tmp), ["s.json"])

@@ -23,8 +23,9 @@ class AgainstTheStubsArithmetic(TempDirTest):
         rows, unique = expected_sweep(engine, PROMPT, SIZES, TOKENS, 5, temperature=temperature,
                                       seed=seed, invariant=invariant)
         with StubServer(StubConfig(engine=engine, invariant=invariant)) as stub:
-            r = sweep(stub, "--temperature", temperature, "--save", self.path("s.json"))
-        doc = self.load("s.json")
+            name = "s-%s-%s-%s.json" % (engine, invariant, temperature)  # a finished sweep is never replaced
+            r = sweep(stub, "--temperature", temperature, "--save", self.path(name))
+        doc = self.load(name)
         got = {s["batch_size"]: (s["first_token_divergence"], s["max_ulp"]) for s in doc["prompts"][0]["sizes"]}
         self.assertEqual(got, rows, (engine, invariant, temperature))
         self.assertEqual(doc["summary"]["unique_completions"], unique)

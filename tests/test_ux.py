@@ -79,11 +79,11 @@ class EngineFoundByItself(TempDirTest):
             with self.subTest(engine=engine):
                 with StubServer(StubConfig(engine=engine)) as stub:
                     r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 4,
-                                "--repeat", 1, "--save", self.path("s.json"))
+                                "--repeat", 1, "--save", self.path(engine + ".json"))
                 self.assertEqual(r.code, 0, r)
                 self.assertTrue(r.stdout.startswith("server: %s " % label), r.stdout[:80])
                 self.assertIn("(found by asking the server)", r.stdout.splitlines()[0])
-                doc = self.load("s.json")
+                doc = self.load(engine + ".json")
                 self.assertEqual((doc["engine"], doc["engine_detected"]), (engine, True))
 
     def test_cost_finds_it_on_both_arms(self):
@@ -168,19 +168,25 @@ class CheapSaves(TempDirTest):
 
     def test_the_schedule(self):
         clock = [100.0]
-        with mock.patch.object(run.time, "monotonic", lambda: clock[0]), \
-                mock.patch.object(run, "write_json_atomic", lambda p, d: clock.__setitem__(0, clock[0] + d["cost"])):
+
+        def save(number, seconds):
+            def write(path):
+                built.append(number)
+                clock[0] += seconds
+            return write
+
+        with mock.patch.object(run.time, "monotonic", lambda: clock[0]):
             saves = run.ThrottledSave(self.path("x.json"))
             built = []
-            saves.offer(lambda: built.append(1) or {"cost": 0.5})   # first: written, took 0.5 s
-            self.assertEqual(saves.next_due, 100.5 + 2.0)              # 0.5 s is a fifth of 2.5 s
+            saves.offer(save(1, 0.5))                               # first: written, took 0.5 s
+            self.assertEqual(saves.next_due, 100.5 + 2.0)           # 0.5 s is a fifth of 2.5 s
             clock[0] = 101.0
-            saves.offer(lambda: built.append(2) or {"cost": 0.1})   # not due: not even built
+            saves.offer(save(2, 0.1))                               # not due: not even built
             self.assertEqual(built, [1])
             clock[0] = 102.5
-            saves.offer(lambda: built.append(3) or {"cost": 0.01})  # due; quick, so the interval rules
+            saves.offer(save(3, 0.01))                              # due; quick, so the interval rules
             self.assertEqual((built, saves.next_due), ([1, 3], 102.51 + 1.0))
-        self.assertEqual(run.ThrottledSave(None).offer(lambda: 1 / 0), None)  # no --save: nothing built
+        self.assertEqual(run.ThrottledSave(None).offer(lambda path: 1 / 0), None)  # no --save: nothing built
 
     def test_saved_json_is_one_compact_line(self):
         run.write_json_atomic(self.path("c.json"), {"a": [1, 2], "b": {"c": None}})
