@@ -128,6 +128,7 @@ DEFAULT_PREFIX_TOKENS = 1000  # about this many tokens of shared prefix
 BOOTSTRAP_RESAMPLES = 4000    # resamples of the paired ratios for the 95% interval
 BOOTSTRAP_SEED = 20251        # fixed, so the interval is reproducible
 NOISE_SPREAD = 1.5            # an arm whose max/min exceeds this is flagged noisy
+MIN_PAIRS_FOR_INTERVAL = 6    # below this the bootstrap's 2.5/97.5 % bounds are just the extreme ratios
 
 # Transport defaults
 DEFAULT_TIMEOUT_S = 600.0     # per request: a 256-wide batch of long completions on a busy GPU is slow
@@ -211,8 +212,16 @@ class Completion:
 
 
 def same_completion(a: Completion, b: Completion) -> bool:
-    """Equal tokens, logprobs and top-k lists: nothing a comparison could tell apart."""
-    return a.tokens == b.tokens and a.logprobs == b.logprobs and a.top_logprobs == b.top_logprobs
+    """Equal tokens, logprobs and top-k lists: nothing a comparison could tell apart. A NaN is
+    never equal to anything, itself included (list equality would take one for itself)."""
+    return (a.tokens == b.tokens and a.logprobs == b.logprobs and a.top_logprobs == b.top_logprobs
+            and not has_nan(a))
+
+
+def has_nan(c: Completion) -> bool:
+    # A sum is NaN when any term is (or when +inf meets -inf: also nothing to call equal); the
+    # sums run in C, which matters when a sweep compares hundreds of thousands of values.
+    return math.isnan(sum(c.logprobs)) or any(math.isnan(sum(d.values())) for d in c.top_logprobs)
 
 
 @dataclass
@@ -344,6 +353,8 @@ def verdict(unique: int, max_ulp: int, tokens_diverged: bool, unmeasured: bool =
 
 NOT_REPEATABLE = "batch 1 not repeatable"  # the verdict when the run-to-run control fails
 NOISE_NOT_RULED_OUT = "sampling noise not ruled out"  # the verdict when the server ignores the seed
+NO_DATA = "no data"           # the verdict when no completion was compared (the run stopped first)
+ONE_SIZE = "nothing to compare (one batch size)"  # the verdict of a ladder of batch 1 alone
 BATCH_EFFECTS = ("tokens diverged", "logprobs moved but tokens held")  # verdicts batching explains
 
 
@@ -397,8 +408,13 @@ def bootstrap_median_ci(values: Sequence[float], resamples: int = BOOTSTRAP_RESA
 
 
 def overhead_stats(off_s: Sequence[float], on_s: Sequence[float]) -> Dict[str, Any]:
-    """Overhead of the flag-on arm from paired trials: median ratio - 1, with its 95% interval."""
-    ratios = [b / a for a, b in zip(off_s, on_s)]
+    """Overhead of the flag-on arm from paired trials: median ratio - 1, with its 95% interval
+    (none, and never significant, below MIN_PAIRS_FOR_INTERVAL pairs)."""
+    ratios = [b / a if a > 0 else math.inf for a, b in zip(off_s, on_s)]
+    if len(ratios) < MIN_PAIRS_FOR_INTERVAL or not all(map(math.isfinite, ratios)):
+        median = statistics.median(ratios) if ratios else math.nan
+        return {"overhead_pct": round((median - 1.0) * 100.0, 3) if math.isfinite(median) else None,
+                "ci95_pct": None, "significant": False, "ratios": [round(r, 6) for r in ratios]}
     lo, hi = bootstrap_median_ci(ratios)
     ci = [round((lo - 1.0) * 100.0, 3), round((hi - 1.0) * 100.0, 3)]
     return {"overhead_pct": round((statistics.median(ratios) - 1.0) * 100.0, 3), "ci95_pct": ci,
@@ -523,7 +539,10 @@ class HttpClient:
         return self.decode(raw, path, as_text)
 
     def http_error(self, status: int, path: str, body: bytes) -> ServerError:
-        return ServerError("HTTP %d from %s: %s" % (status, path, server_message(body)), status)
+        message = server_message(body)
+        if self.api_key:  # a server may echo the key back in its error
+            message = message.replace(self.api_key, "[api key]")
+        return ServerError("HTTP %d from %s: %s" % (status, path, message), status)
 
     def transport_error(self, err: BaseException, url: str) -> ServerError:
         if isinstance(err, (TimeoutError, ConnectionRefusedError, socket.gaierror)):
@@ -536,23 +555,31 @@ class HttpClient:
             return raw.decode("utf-8", "replace")
         try:
             return json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than Python parses
             raise ServerError("invalid JSON from %s (%d bytes)" % (path, len(raw))) from None
 
     def prepare_post(self, path: str, body: Dict[str, Any]) -> "PreparedPost":
         return PreparedPost(self, path, body)
 
     def _read_capped(self, resp) -> bytes:
+        """The body, no larger than --max-response-mb and no slower than --timeout in all: a
+        server that trickles a byte at a time never waits out a per-read timeout."""
         chunks, total = [], 0
+        deadline = time.monotonic() + self.timeout
         while True:
-            chunk = resp.read(1 << 20)
+            chunk = resp.read1(1 << 16)
             if not chunk:
-                return b"".join(chunks)
+                break
             total += len(chunk)
             if total > self.max_bytes:
                 raise ServerError("answer larger than %d MB refused (--max-response-mb)"
                                   % (self.max_bytes >> 20))
+            if time.monotonic() > deadline:
+                raise ServerError("no complete answer from %s within %gs (--timeout)" % (self.base_url, self.timeout))
             chunks.append(chunk)
+        if getattr(resp, "length", None):  # the server hung up before the length it announced
+            raise ServerError("connection to %s dropped in the middle of an answer" % self.base_url)
+        return b"".join(chunks)
 
 
 class PreparedPost:
@@ -691,6 +718,23 @@ class ServerFacts:
     def bucket(self, batch_size: int) -> Bucket:
         return "?" if self.graph_source == "assumed" else graph_bucket(batch_size, self.graph_sizes)
 
+    def checked(self) -> "ServerFacts":
+        """These facts with every value a server sent made safe to use: a server may send any
+        JSON at any key. What is not of its kind becomes unknown; nothing raises later."""
+        if not isinstance(self.model, str) or not self.model:
+            raise shape_error("the server names no model")
+        flags = {"flag": self.flag, "seed_honoured": self.seed_honoured}
+        for name, value in flags.items():
+            setattr(self, name, value if isinstance(value, bool) else None)
+        for name in ("version", "max_model_len", "attention_backend", "tp", "load_format"):
+            setattr(self, name, plain_scalar(getattr(self, name)))
+        if not is_count(self.max_num_seqs):
+            self.max_num_seqs, self.max_num_seqs_source = None, None
+        if not (isinstance(self.graph_sizes, list) and all(map(is_count, self.graph_sizes))):
+            self.graph_sizes, self.graph_source = list(self.default_graph_sizes), "assumed"
+        self.settings = {label: plain_value(v) for label, v in self.settings.items()}
+        return self
+
     def to_record(self) -> Dict[str, Any]:
         return asdict(self)
 
@@ -725,6 +769,29 @@ class EngineAdapter(Protocol):
         """Prompt tokens the server says it served from its prefix cache; None: it does not say."""
 
 
+def is_count(x: Any) -> bool:
+    """A whole number of at least 1 (true is not a count)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+def plain_scalar(value: Any) -> Any:
+    """A value to print as it is: a string (cut to 120 characters), number, boolean or null;
+    anything else a server sent in its place becomes null."""
+    if isinstance(value, str):
+        return value[:120]
+    return value if value is None or isinstance(value, (bool, int, float)) else None
+
+
+def plain_value(value: Any) -> Any:
+    """A setting's value, as the server sent it when it is small and shallow; otherwise its
+    JSON text, cut to 200 characters (so it still compares, prints and saves)."""
+    try:
+        text = json.dumps(value)
+    except (ValueError, TypeError, RecursionError):
+        return repr(type(value))
+    return value if len(text) <= 200 else text[:200]
+
+
 def dig(data: Any, *keys: str) -> Any:
     """data[k1][k2]... through nested objects, or None when any step is missing."""
     for key in keys:
@@ -736,16 +803,31 @@ def shape_error(what: str) -> ServerError:
     return ServerError("answer of the wrong shape: " + what)
 
 
+def is_number(x: Any) -> bool:
+    """A JSON number a float can hold (true and false are not numbers here)."""
+    return isinstance(x, float) or (isinstance(x, int) and not isinstance(x, bool) and abs(x) < 2 ** 1000)
+
+
 def check_steps(i: int, tokens: Any, logprobs: Any, top: Any) -> None:
     """Refuse per-step lists that downstream code could not compare."""
     if not isinstance(logprobs, list) or not isinstance(tokens, list):
         raise shape_error("completion %d has no logprobs" % i)
     if not isinstance(top, list) or not (len(tokens) == len(logprobs) == len(top)):
         raise shape_error("completion %d has %d tokens but %d logprobs" % (i, len(tokens), len(logprobs)))
-    if not all(isinstance(x, (int, float)) for x in logprobs):
+    if not all(isinstance(t, str) for t in tokens):
+        raise shape_error("completion %d has a token that is not a string" % i)
+    if not all(map(is_number, logprobs)):
         raise shape_error("completion %d has a logprob that is not a number" % i)
-    if not all(isinstance(d, dict) and all(isinstance(v, (int, float)) for v in d.values()) for d in top):
+    if not all(isinstance(d, dict) and all(map(is_number, d.values())) for d in top):
         raise shape_error("completion %d has malformed top logprobs" % i)
+
+
+def choice_order(choices: List[Any]) -> List[Any]:
+    """vLLM's choices by their index, which must be the whole numbers 0..n-1, each once."""
+    indexes = [c.get("index") if isinstance(c, dict) else None for c in choices]
+    if any(not isinstance(x, int) or isinstance(x, bool) for x in indexes) or sorted(indexes) != list(range(len(choices))):
+        raise shape_error("choice indexes are not 0..%d, each once" % (len(choices) - 1))
+    return [c for _, c in sorted(zip(indexes, choices), key=lambda pair: pair[0])]
 
 
 class VllmAdapter:
@@ -871,7 +953,7 @@ class VllmAdapter:
         if len(choices) != n:
             raise shape_error("%d completions for %d prompts" % (len(choices), n))
         out = []
-        for i, c in enumerate(sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0)):
+        for i, c in enumerate(choice_order(choices)):
             if not isinstance(c, dict) or not isinstance(c.get("text"), str):
                 raise shape_error("completion %d has no text" % i)
             lp = c.get("logprobs")
@@ -1042,7 +1124,7 @@ class SglangAdapter:
                 tokens = ["token_id:%d" % s[1] for s in steps]
                 tops = ([{"token_id:%d" % e[1]: e[0] for e in (step or [])} for step in top]
                         if isinstance(top, list) and top else [{} for _ in steps])
-            except (TypeError, IndexError, KeyError):
+            except (TypeError, IndexError, KeyError, ValueError, OverflowError):
                 raise shape_error("completion %d has malformed logprob entries" % i) from None
             check_steps(i, tokens, [s[0] for s in steps], tops)
             out.append(Completion(item["text"], tokens, [s[0] for s in steps], tops, finish))
@@ -1068,6 +1150,18 @@ class SglangAdapter:
 
 ADAPTERS: Dict[str, EngineAdapter] = {a.name: a for a in (VllmAdapter(), SglangAdapter())}
 
+# What reading a server's answer can raise when the answer is not what the engine sends.
+SHAPE_FAULTS = (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError, OverflowError)
+
+
+def parsed(what: str, parse: Callable[..., Any], *args: Any) -> Any:
+    """parse(*args), with any fault an unexpected answer causes turned into a wrong-shape
+    error: every value a server sends is untrusted, and none may crash the lab."""
+    try:
+        return parse(*args)
+    except SHAPE_FAULTS as err:
+        raise shape_error("%s could not be read (%s)" % (what, type(err).__name__)) from None
+
 
 def answer_or_none(client: HttpClient, path: str) -> Any:
     """The answer to a GET, or None when the server answers with an HTTP error or invalid JSON;
@@ -1080,9 +1174,18 @@ def answer_or_none(client: HttpClient, path: str) -> Any:
         return None
 
 
+def answers_like(adapter: EngineAdapter, client: HttpClient) -> bool:
+    try:
+        return bool(parsed("the answer", adapter.answers_like, client))
+    except ServerError as err:
+        if err.status is None and "wrong shape" not in str(err) and not str(err).startswith("invalid JSON"):
+            raise  # the server cannot be reached: say that, not that it is no engine
+        return False
+
+
 def detect_engine(client: HttpClient) -> EngineAdapter:
     """The adapter whose engine answers at client, asked through each adapter's own endpoint."""
-    found = next((a for a in ADAPTERS.values() if a.answers_like(client)), None)
+    found = next((a for a in ADAPTERS.values() if answers_like(a, client)), None)
     if found is None:
         raise ServerError("cannot tell which engine answers at %s: it answers neither %s; name it with "
                           "--engine" % (client.base_url, " nor ".join(
@@ -1285,18 +1388,23 @@ def parse_sizes(text: str) -> List[int]:
     return sizes
 
 
-def server_address(url: str) -> Tuple[str, str, int]:
-    """(scheme, host, port) with loopback names folded together, to tell two URLs' servers apart."""
+def server_address(url: str) -> Tuple[str, str, int, str]:
+    """(scheme, host, port, path) with loopback names folded together, to tell two URLs'
+    servers apart: two paths behind one gateway are two servers."""
     parts = urllib.parse.urlsplit(url)
     host = (parts.hostname or "").lower()
     port = parts.port or (443 if parts.scheme == "https" else 80)
-    return parts.scheme, "loopback" if is_loopback(host) else host, port
+    return parts.scheme, "loopback" if is_loopback(host) else host, port, parts.path.rstrip("/")
 
 
 def check_url(url: str, option: str) -> str:
     """The server's base URL: as an engine logs it (http://0.0.0.0:8000, which is this machine)
     or as OpenAI clients take it (ending in /v1, which the lab adds itself)."""
     parts = urllib.parse.urlsplit(url)
+    if parts.username is not None or parts.password is not None:
+        # Never echo the URL: it holds a secret. Credentials go in a header, never a URL.
+        raise UsageError("%s: a user name or password in the URL is not accepted (it would be printed "
+                         "and saved); give the key with --api-key or $OPENAI_API_KEY" % option)
     try:
         parts.port  # raises on a port that is not a number
     except ValueError:
@@ -1749,10 +1857,13 @@ def read_facts(cfg: Config, url: str, arm: str = "the server") -> ServerFacts:
     engine's adapter recognises the server, the error says so."""
     client = cfg.client(url)
     try:
-        return cfg.adapter.read_facts(client, cfg.model)
+        return parsed("the server's facts", cfg.adapter.read_facts, client, cfg.model).checked()
     except ServerError as err:
         others = [a for a in ADAPTERS.values() if a is not cfg.adapter]
-        other = next((a for a in others if a.answers_like(client)), None)
+        try:
+            other = next((a for a in others if answers_like(a, client)), None)
+        except ServerError:
+            other = None  # unreachable: the first error says so
         hint = "; it answers like %s: pass --engine %s, or leave --engine out" % (other.label, other.name) if other else ""
         raise ServerError("cannot read the facts of %s at %s: %s%s" % (arm, url, err, hint)) from None
 
@@ -2187,7 +2298,8 @@ class Sender:
 
     def one_request(self, prompts: List[str]) -> Tuple[List[Completion], float, Optional[int]]:
         answer, seconds = generate(self.client, self.adapter, self.model, prompts, self.sampling, self.isolate)
-        return self.adapter.completions(answer, len(prompts), True), seconds, self.adapter.cached_tokens(answer)
+        completions = parsed("the answer", self.adapter.completions, answer, len(prompts), True)
+        return completions, seconds, parsed("the answer", self.adapter.cached_tokens, answer)
 
     def copies(self, prompt: str, n: int, seed: int) -> SentBatch:
         """n copies of the prompt in one request."""
@@ -2223,7 +2335,8 @@ class Sender:
             if outcomes[i] is None:
                 try:
                     answer = posts[i].answer()
-                    outcomes[i] = (self.adapter.completions(answer, 1, True)[0], self.adapter.cached_tokens(answer))
+                    outcomes[i] = (parsed("the answer", self.adapter.completions, answer, 1, True)[0],
+                                   parsed("the answer", self.adapter.cached_tokens, answer))
                 except ServerError as err:
                     outcomes[i] = err
 
@@ -2299,6 +2412,8 @@ class PromptSweep:
         return any(u in ("clamped", "non-finite") for runs in self.runs.values() for r in runs for u in r["ulp_notes"])
 
     def verdict(self) -> str:
+        if not self.total():
+            return NO_DATA
         return verdict(len(self.texts), self.max_ulp(), self.diverged(), self.unmeasured(), self.batch1_repeatable(),
                        self.unseeded)
 
@@ -2349,6 +2464,10 @@ def sweep_document(cfg: Config, facts: ServerFacts, sweeps: List[PromptSweep],
     summary["verdict"] = verdict(summary["unique_completions"], summary["max_ulp"],
                                  any(s.diverged() for s in sweeps), any(s.unmeasured() for s in sweeps),
                                  summary["batch1_repeatable"], unseeded(cfg.sampling, facts))
+    if summary["total_completions"] == 0:
+        summary["verdict"] = NO_DATA  # claim only what was measured
+    elif sizes == [1] and not cfg.baseline_path and summary["verdict"] == "invariant":
+        summary["verdict"] = ONE_SIZE
     summary["ulp_notes"] = sorted({u for s in sweeps for runs in s.runs.values() for r in runs for u in r["ulp_notes"]})
     summary["state"] = state
     params = dict(cfg.sampling.params(), sizes=sizes, prompts=len(cfg.prompts), traffic=cfg.traffic,
@@ -2434,9 +2553,15 @@ ULP_NOTE_TEXT = {
 def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
     """Advice and the --expect verdict, once the table is out."""
     sm = doc["summary"]
-    moved = sm["verdict"] != "invariant"
+    unmeasured = sm["verdict"] in (NO_DATA, ONE_SIZE)
+    moved = sm["verdict"] != "invariant" and not unmeasured
     text = out.line if not cfg.json_out else (lambda line="": out.stderr.write(line + "\n"))
-    if sm["verdict"] == NOISE_NOT_RULED_OUT:
+    if unmeasured:
+        text("")
+        text("Nothing was compared: %s. No verdict on invariance can be given." % (
+            "no completion came back" if sm["verdict"] == NO_DATA
+            else "batch 1 was the only size, and it is the baseline; give --sizes with larger batches"))
+    elif sm["verdict"] == NOISE_NOT_RULED_OUT:
         text("")
         text("The server ignores the seed, so at this temperature every request samples on its own: "
              "the differences above may be sampling noise alone. Measure batching greedy "
@@ -2452,16 +2577,17 @@ def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
         text("The server reports the flag ON, yet results moved.")
         text(COVERAGE_CHECKLIST)
         text("If none applies, this is worth a bug report: attach the --save file.")
-    if not moved and (doc["server"].get("flag") is not True or cfg.expect == "variant"):
+    if not moved and not unmeasured and (doc["server"].get("flag") is not True or cfg.expect == "variant"):
         text("Nothing moved. With the flag off that usually means no near-tie was met: try more "
              "prompts (--prompt-file), longer generations (--max-tokens 256), --temperature 0.6 or "
              "--traffic concurrent; see --mode help.")
-    if cfg.expect == "invariant" and moved:
+    if cfg.expect == "invariant" and (moved or unmeasured):
         text("expectation failed: --expect invariant, but the result is: %s" % sm["verdict"])
         return EXIT_EXPECTATION
     if cfg.expect == "variant" and sm["verdict"] not in BATCH_EFFECTS:
         text("expectation failed: --expect variant, but %s" % (
-            "nothing moved" if not moved else "what moved is not put down to batching (%s)" % sm["verdict"]))
+            "nothing was compared" if unmeasured else "nothing moved" if not moved
+            else "what moved is not put down to batching (%s)" % sm["verdict"]))
         return EXIT_EXPECTATION
     return EXIT_OK
 
@@ -2559,8 +2685,8 @@ class Arm:
     def trial(self, adapter: EngineAdapter, prompts: List[str], sampling: Sampling) -> Tuple[float, int]:
         """One timed request: (seconds, output tokens). The answer's shape must hold even when timing."""
         answer, seconds = generate(self.client, adapter, self.facts.model, prompts, sampling)
-        adapter.completions(answer, len(prompts), False)
-        return seconds, adapter.output_tokens(answer)
+        parsed("the answer", adapter.completions, answer, len(prompts), False)
+        return seconds, parsed("the answer", adapter.output_tokens, answer)
 
 
 def comparison_hazards(off: ServerFacts, on: ServerFacts) -> List[Dict[str, Any]]:
@@ -2632,9 +2758,9 @@ def cost_table_lines(doc: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
         for workload in ("cold", "shared-prefix"):
             cell = next((c for c in same if c["tp"] == tp and c["workload"] == workload), None)
             filled += cell is not None
-            row.append("missing" if cell is None else "%+.1f%% [%+.1f, %+.1f]%s%s" % (
-                cell["overhead_pct"], cell["ci95_pct"][0], cell["ci95_pct"][1],
-                "" if cell["significant"] else " n.s.", "" if cell.get("state") == "complete" else " partial"))
+            row.append("missing" if cell is None else "%s%s" % (
+                fmt_overhead(cell, "%+.1f%% [%+.1f, %+.1f]%s", "%+.1f%% (no interval)", " n.s."),
+                "" if cell.get("state") == "complete" else " partial"))
         lines.append("  %-8s %-28s %-28s" % ("TP=%s" % tp, row[0], row[1]))
     if filled < 4:
         lines.append("One cell alone is not a result: report all four (TP=1 and your real TP, cold and "
@@ -2757,6 +2883,18 @@ def add_cell(doc: Dict[str, Any], cell: Dict[str, Any]) -> Dict[str, Any]:
     return doc
 
 
+def fmt_overhead(cell: Dict[str, Any], with_interval: str, without: str, not_significant: str) -> str:
+    """A cell's overhead: with_interval % (value, low, high, mark), mark being not_significant
+    when the interval contains 0; without % value when there are too few pairs for one."""
+    value = cell.get("overhead_pct")
+    if value is None:
+        return "no overhead (no complete trial pair)"
+    if cell.get("ci95_pct") is None:
+        return without % value
+    lo, hi = cell["ci95_pct"]
+    return with_interval % (value, lo, hi, "" if cell["significant"] else not_significant)
+
+
 def print_cost_report(cell: Dict[str, Any], out: Out) -> None:
     out.line("")
     out.line("cell: TP=%s, workload %s, batch %d, %d tokens, model %s, %d trial pairs%s" % (
@@ -2768,9 +2906,10 @@ def print_cost_report(cell: Dict[str, Any], out: Out) -> None:
             arm, s["median_s"], s["mad_s"], s["min_s"], s["max_s"],
             "%.1f" % s["median_tokens_per_s"] if s["median_tokens_per_s"] else "?",
             "  NOISY (max/min > %.1f)" % NOISE_SPREAD if s["noisy"] else ""))
-    out.line(out.style("  overhead %+.1f%%, 95%% interval [%+.1f%%, %+.1f%%]%s" % (
-        cell["overhead_pct"], cell["ci95_pct"][0], cell["ci95_pct"][1],
-        "" if cell["significant"] else ": not significant (the interval contains 0)"), "1"))
+    out.line(out.style("  overhead " + fmt_overhead(
+        cell, "%+.1f%%, 95%% interval [%+.1f%%, %+.1f%%]%s",
+        "%%+.1f%%%%, no interval: %d trial pairs, an interval needs at least %d" % (
+            cell["trials"], MIN_PAIRS_FOR_INTERVAL), ": not significant (the interval contains 0)"), "1"))
     if cell["differences"]:
         out.line("  timed despite differences (--allow-mismatch): " + ", ".join(
             "%s %s vs %s" % (d["setting"], d["off"], d["on"]) for d in cell["differences"]))

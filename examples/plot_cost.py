@@ -48,8 +48,9 @@ def figure(doc, model=None, batch=None, max_tokens=None):
     tps = [1] + (others or ["k"])
     fig, ax = plt.subplots(figsize=(8.5, 4.5))
     width = 0.36
-    low = min([0.0] + [c["ci95_pct"][0] for c in cells])
-    high = max([0.0] + [c["ci95_pct"][1] for c in cells])
+    bounds = [c["ci95_pct"] or [c["overhead_pct"] or 0.0] * 2 for c in cells]  # no interval: the value
+    low = min([0.0] + [b[0] for b in bounds])
+    high = max([0.0] + [b[1] for b in bounds])
     span = max(high - low, 1.0)
     room = 0.22 * span  # above the highest interval: two lines of label
     for w, workload in enumerate(WORKLOADS):
@@ -60,8 +61,8 @@ def figure(doc, model=None, batch=None, max_tokens=None):
                 ax.bar(x, 0, width, color="none", edgecolor="0.6", ls="--")
                 ax.text(x, 0.02 * span, "missing", ha="center", va="bottom", fontsize=8, color="0.4", rotation=90)
                 continue
-            lo, hi = cell["ci95_pct"]
-            value = cell["overhead_pct"]
+            value = cell["overhead_pct"] or 0.0
+            lo, hi = cell["ci95_pct"] or (value, value)
             ax.bar(x, value, width, color="C%d" % w, alpha=0.85 if cell["significant"] else 0.35)
             ax.errorbar(x, value, yerr=[[value - lo], [hi - value]], color="k", capsize=4, lw=1)
             ax.text(x, max(hi, 0) + 0.03 * span, "%+.1f%%%s" % (value, "" if cell["significant"] else "\nn.s."),

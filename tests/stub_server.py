@@ -193,7 +193,7 @@ def top_entries(logprobs: List[float], chosen: int, k: int) -> List[Tuple[int, f
 VLLM_GRAPH_SIZES = [1, 2, 4] + list(range(8, 129, 8))   # vLLM with --max-num-seqs 64
 SGLANG_GRAPH_SIZES = [1, 2, 4, 8, 12, 16, 24, 32]       # SGLang with --cuda-graph-max-bs-decode 32
 FAULTS = ("http500", "drop", "badjson", "nochoices", "fewer", "nulllogprobs", "ragged",
-          "clamp", "redirect", "huge", "stall")
+          "clamp", "redirect", "huge", "stall", "trickle", "truncate", "echokey")
 STALL_SECONDS = 3.0             # how long the "stall" fault keeps a request waiting
 
 
@@ -660,6 +660,26 @@ class StubHandler(BaseHTTPRequestHandler):
             return
         if fault == "huge":
             return self.send_json(200, None, raw=b'{"pad": "' + b"x" * (3 * 1024 * 1024) + b'"}')
+        if fault == "trickle":  # headers at once, then a byte every 0.1 s: no read ever times out
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            for _ in range(200):
+                self.wfile.write(b" ")
+                self.wfile.flush()
+                time.sleep(0.1)
+            return
+        if fault == "truncate":  # promises more than it sends, then hangs up
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "5000")
+            self.end_headers()
+            self.wfile.write(b'{"choices": [')
+            self.close_connection = True
+            return
+        if fault == "echokey":  # an error body that repeats the request's credentials
+            return self.send_error_body(BadRequest(401, "invalid key %s" % self.headers.get("Authorization"),
+                                                   "AuthenticationError"))
         try:
             body = json.loads(raw or b"{}")
             answer = handlers[path](self.config, body, self.server.state)
