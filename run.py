@@ -471,7 +471,9 @@ class UsageError(Exception):
 
 
 def is_loopback(host: str) -> bool:
-    if host in ("localhost", "localhost.localdomain", "0.0.0.0", "::", "[::]"):
+    """This machine: loopback addresses and names, the any-address engines log, and the
+    machine's own name. A proxy cannot reach any of them."""
+    if host.lower() in ("localhost", "localhost.localdomain", "0.0.0.0", "::", "[::]", socket.gethostname().lower()):
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback

@@ -346,6 +346,24 @@ class Networks(TempDirTest):
         one_error_line(self, r, 3, "dropped")
 
 
+class ProxiesForThisMachine(TempDirTest):
+    def test_the_machines_own_name_bypasses_a_dead_proxy(self):
+        dead = "http://127.0.0.1:%d" % free_port()
+        with StubServer() as stub, mock.patch.object(run.socket, "gethostname", lambda: "gpu-box-7"), \
+                mock.patch.object(run.socket, "getaddrinfo", self.resolve_to_loopback(run.socket.getaddrinfo)):
+            port = stub.url.rsplit(":", 1)[1]
+            env = dict(os.environ, http_proxy=dead, HTTP_PROXY=dead, no_proxy="", NO_PROXY="")
+            r = run_lab("--mode", "sweep", "--url", "http://gpu-box-7:%s" % port, "--sizes", "1,2", "--repeat", 1,
+                        "--max-tokens", 2, env=env)
+        self.assertEqual(r.code, 0, r)
+
+    @staticmethod
+    def resolve_to_loopback(real):
+        def resolve(host, *args, **kwargs):
+            return real("127.0.0.1" if host == "gpu-box-7" else host, *args, **kwargs)
+        return resolve
+
+
 class Secrets(TempDirTest):
     def test_credentials_in_a_url_are_refused_and_never_printed(self):
         for url in ("http://alice:s3cret-pw@127.0.0.1:8000", "http://alice:s3cret-pw@127.0.0.1:80x/v1"):
