@@ -388,7 +388,24 @@ def aggregate_runs(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
             "seconds": round(sum(r["seconds"] for r in runs), 4),
             "runs_matched": sum(1 for r in runs if r["matched"]),
             "cached_tokens": sum(cached) if cached else None,
+            **prefill_aggregate(runs),
             "distinct_texts": texts}
+
+
+def prefill_aggregate(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The prefill check over rows (runs, or sizes): the largest distance, the first step
+    that differed, the notes; nothing when the check did not run."""
+    checked = [r for r in rows if "prefill_max_ulp" in r]
+    if not checked:
+        return {}
+    steps = [r["prefill_first_step"] for r in checked if r["prefill_first_step"] is not None]
+    return {"prefill_max_ulp": max(r["prefill_max_ulp"] for r in checked),
+            "prefill_first_step": min(steps) if steps else None,
+            "prefill_notes": sorted({n for r in checked for n in r["prefill_notes"]})}
+
+
+PREFILL_AGREE = "decode and prefill agree bitwise"   # the prefill check's verdict, kept apart
+PREFILL_DIFFER = "decode and prefill differ"
 
 
 def mad(values: Sequence[float]) -> float:
@@ -770,6 +787,14 @@ class EngineAdapter(Protocol):
     def cached_tokens(self, answer: Any) -> Optional[int]:
         """Prompt tokens the server says it served from its prefix cache; None: it does not say."""
 
+    def prompt_token_ids(self, client: HttpClient, model: str, prompt: str) -> List[int]:
+        """The prompt as the server tokenizes it for a completion."""
+
+    def prefill_logprobs(self, client: HttpClient, model: str, ids: List[int], start: int,
+                         isolate: bool) -> List[float]:
+        """The logprob of each token of ids from position start on, as the server computes it
+        when it reads ids as one prompt (a prefill)."""
+
 
 def is_count(x: Any) -> bool:
     """A whole number of at least 1 (true is not a count)."""
@@ -822,6 +847,18 @@ def check_steps(i: int, tokens: Any, logprobs: Any, top: Any) -> None:
         raise shape_error("completion %d has a logprob that is not a number" % i)
     if not all(isinstance(d, dict) and all(map(is_number, d.values())) for d in top):
         raise shape_error("completion %d has malformed top logprobs" % i)
+
+
+def token_ids(values: Any, what: str) -> List[int]:
+    if not isinstance(values, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in values):
+        raise shape_error("%s are not token ids" % what)
+    return values
+
+
+def prefill_values(values: List[Any], count: int, what: str) -> List[float]:
+    if len(values) != count or not all(map(is_number, values)):
+        raise shape_error("%s: %d logprobs for %d tokens" % (what, len(values), count))
+    return values
 
 
 def choice_order(choices: List[Any]) -> List[Any]:
@@ -972,6 +1009,27 @@ class VllmAdapter:
 
     def before_batch(self, client: HttpClient, isolate: bool) -> None:
         pass  # the per-request salt does it
+
+    def prompt_token_ids(self, client: HttpClient, model: str, prompt: str) -> List[int]:
+        # POST /tokenize (vllm/entrypoints/serve/tokenize/protocol.py, 0.26.0 lines 24-40):
+        # special tokens added as a completion adds them.
+        return token_ids(dig(client.request("/tokenize", {"model": model, "prompt": prompt}), "tokens"),
+                         "/tokenize's tokens")
+
+    def prefill_logprobs(self, client: HttpClient, model: str, ids: List[int], start: int,
+                         isolate: bool) -> List[float]:
+        # A token-id prompt with prompt_logprobs (completion/protocol.py, 0.26.0 line 94): each
+        # position's entry is keyed by token id and holds the actual token's logprob.
+        body: Dict[str, Any] = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+                                "prompt_logprobs": 0}
+        if isolate:
+            body["cache_salt"] = "lab-" + os.urandom(12).hex()
+        entries = dig(choice_order(dig(client.request(self.generate_path, body), "choices") or [None])[0],
+                      "prompt_logprobs")
+        if not isinstance(entries, list) or len(entries) != len(ids):
+            raise shape_error("no prompt_logprobs for the token-id prompt (the prefill check needs them)")
+        return prefill_values([dig(entries[p], str(ids[p]), "logprob") for p in range(start, len(ids))],
+                              len(ids) - start, "prompt_logprobs")
 
     def output_tokens(self, answer: Any) -> int:
         """Completion tokens of the whole batch (usage; a logprob-free answer has no per-choice count)."""
@@ -1144,6 +1202,26 @@ class SglangAdapter:
     def output_tokens(self, answer: Any) -> int:
         return sum(int(dig(item, "meta_info", "completion_tokens") or 0) for item in answer or [])
 
+    def input_logprobs(self, client: HttpClient, prompt: Dict[str, Any], start: int) -> List[Any]:
+        """meta_info.input_token_logprobs of one prompt read from start: entries [logprob, id,
+        text] for positions start.., the first logprob None (managers/scheduler_components/
+        logprob_result_processor.py, 0.5.23 lines 26-50; logprob_start_len and input_ids:
+        managers/io_struct.py lines 188 and 233)."""
+        body = dict(prompt, sampling_params={"max_new_tokens": 1, "temperature": 0.0}, return_logprob=True,
+                    logprob_start_len=start, stream=False)
+        entries = dig(client.request(self.generate_path, body), "meta_info", "input_token_logprobs")
+        if not isinstance(entries, list) or not all(isinstance(e, list) and len(e) >= 2 for e in entries):
+            raise shape_error("no input_token_logprobs (the prefill check needs them)")
+        return entries
+
+    def prompt_token_ids(self, client: HttpClient, model: str, prompt: str) -> List[int]:
+        return token_ids([e[1] for e in self.input_logprobs(client, {"text": prompt}, 0)], "input token ids")
+
+    def prefill_logprobs(self, client: HttpClient, model: str, ids: List[int], start: int,
+                         isolate: bool) -> List[float]:
+        entries = self.input_logprobs(client, {"input_ids": ids}, start - 1)  # entry 0 is position start-1's None
+        return prefill_values([e[0] for e in entries[1:]], len(ids) - start, "input_token_logprobs")
+
     def cached_tokens(self, answer: Any) -> Optional[int]:
         counts = [dig(item, "meta_info", "cached_tokens") for item in answer or [] if isinstance(item, dict)]
         counts = [c for c in counts if isinstance(c, int)]
@@ -1235,6 +1313,7 @@ class Config:
     repeat: int = DEFAULT_REPEAT
     prefix_cache: str = "bypass"
     seed: int = DEFAULT_SEED       # also places mixed traffic's fillers
+    prefill_check: bool = False
     # cost
     invariant_url: Optional[str] = None
     batch: int = DEFAULT_BATCH
@@ -1354,8 +1433,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "leave the cache alone and save the cached-token counts (default bypass)")
     sweep.add_argument("--baseline", metavar="PATH", help="compare with the batch-1 completions of an "
                        "earlier sweep's --save file (same model and prompts)")
-    sweep.add_argument("--expect", choices=("invariant", "variant"), help="exit 1 unless the result is "
-                       "invariant (flag on) or shows a difference (flag off, the negative control)")
+    sweep.add_argument("--prefill-check", action="store_true", help="also read every distinct completion "
+                       "back as one token-id prompt and compare each token's decode-time logprob with its "
+                       "prefill-time one (what RL training on-policy needs; see --mode help)")
+    sweep.add_argument("--expect", choices=("invariant", "variant", "prefill-equal"), help="exit 1 unless the "
+                       "result is invariant (flag on), shows a difference (flag off, the negative control), "
+                       "or (with --prefill-check) decode and prefill agree bitwise")
     cost = p.add_argument_group("cost")
     cost.add_argument("--invariant", metavar="URL", help="the flag-on arm (required)")
     cost.add_argument("--batch", type=whole_number(1), default=DEFAULT_BATCH, help="prompts per timed "
@@ -1526,6 +1609,9 @@ def configure_sweep(cfg: Config, args: argparse.Namespace) -> None:
         raise UsageError("--prompt: the same prompt is given twice")
     cfg.expect = args.expect
     cfg.traffic, cfg.repeat, cfg.prefix_cache, cfg.seed = args.traffic, args.repeat, args.prefix_cache, args.seed
+    cfg.prefill_check = args.prefill_check
+    if cfg.expect == "prefill-equal" and not cfg.prefill_check:
+        raise UsageError("--expect prefill-equal needs --prefill-check")
     if cfg.traffic == "mixed" and (max(cfg.sizes) if cfg.sizes else cfg.max_batch) == 1:
         raise UsageError("--traffic mixed: batch 1 has no room for other prompts; give sizes above 1")
     if args.baseline:
@@ -2241,6 +2327,17 @@ A CLEAN FLAG-OFF RESULT IS NOT A FAILED EXPERIMENT. It usually means one of:
 A FLAG-ON DIVERGENCE: rule out the documented coverage gaps before filing a bug
 %(checklist)s
 
+DECODE VERSUS PREFILL (--prefill-check)
+  Reinforcement-learning trainers ("true on-policy") score the tokens a server generated
+  by reading prompt + completion back: the logprob the engine reports while decoding must
+  equal, bit for bit, the one it computes in that prefill, or the importance ratios drift.
+  The check sends every distinct completion back as token ids (never re-tokenised text)
+  and reports the largest ULP distance and the first step that differs, with a verdict of
+  its own; --expect prefill-equal exits 1 unless they agree. A mismatch means the decode
+  and prefill kernels reduce in different orders, even when batch invariance holds.
+  Upstream: SGLang's p_vs_d mode (test_deterministic.py), vLLM's
+  test_decode_logprobs_match_prefill_logprobs (tests/v1/determinism/).
+
 WHAT THE COST MEANS
   Forcing one attention split and one GEMM tile is nearly free at small batch: those
   layers are bandwidth-bound. What costs is single-channel NCCL (one channel, tree
@@ -2368,6 +2465,51 @@ class Sender:
                          round(sent[-1] - sent[0], 6))
 
 
+class PrefillCheck:
+    """Decode versus prefill: each distinct completion is sent back as one token-id prompt
+    (the prompt's ids, then the generated ids: never re-tokenised text), and each generated
+    token's logprob as the server decoded it is compared with the one it computes reading the
+    whole sequence at once. Prefills are cached by token sequence, so the cost is one request
+    per distinct sequence (plus one per prompt to learn its ids), not one per completion."""
+
+    def __init__(self, sender: "Sender"):
+        self.sender = sender
+        self.prompt_ids: Dict[str, List[int]] = {}
+        self.prefills: Dict[Tuple[str, Tuple[str, ...]], List[float]] = {}
+
+    def prefill(self, prompt: str, tokens: List[str]) -> List[float]:
+        key = (prompt, tuple(tokens))
+        if key not in self.prefills:
+            s = self.sender
+            if prompt not in self.prompt_ids:
+                self.prompt_ids[prompt] = parsed("the prompt's token ids", s.adapter.prompt_token_ids,
+                                                 s.client, s.model, prompt)
+            head = self.prompt_ids[prompt]
+            if not head or not all(t.startswith("token_id:") and t[9:].isdigit() for t in tokens):
+                raise ServerError("the prefill check needs token ids, and %s" % (
+                    "the prompt has none" if not head else "the server's tokens are not ids"))
+            ids = head + [int(t[9:]) for t in tokens]
+            self.prefills[key] = parsed("the prefill answer", s.adapter.prefill_logprobs,
+                                        s.client, s.model, ids, len(head), s.isolate)
+        return self.prefills[key]
+
+    def compare(self, prompt: str, completions: List[Completion], clamps: Sequence[float]) -> Dict[str, Any]:
+        """The row fields: largest ULP distance, first step that differs, unit notes."""
+        worst, first, notes = 0, None, set()
+        seen: List[Completion] = []
+        for c in completions:
+            if any(same_completion(c, s) for s in seen):
+                continue
+            seen.append(c)
+            ulps, units = pair_ulps(list(c.logprobs), self.prefill(prompt, c.tokens), clamps)
+            notes |= units
+            worst = max([worst] + [u for u in ulps if u])
+            moved = next((i for i, u in enumerate(ulps) if u != 0), None)
+            if moved is not None and (first is None or moved < first):
+                first = moved
+        return {"prefill_max_ulp": worst, "prefill_first_step": first, "prefill_notes": sorted(notes)}
+
+
 @dataclass
 class PromptSweep:
     """Everything measured for one prompt so far: per batch size, one row per pass."""
@@ -2472,8 +2614,14 @@ def sweep_document(cfg: Config, facts: ServerFacts, sweeps: List[PromptSweep],
         summary["verdict"] = ONE_SIZE
     summary["ulp_notes"] = sorted({u for s in sweeps for runs in s.runs.values() for r in runs for u in r["ulp_notes"]})
     summary["state"] = state
+    if cfg.prefill_check:
+        checked = prefill_aggregate([r for s in sweeps for runs in s.runs.values() for r in runs])
+        summary.update(checked or {"prefill_max_ulp": None, "prefill_first_step": None, "prefill_notes": []})
+        summary["prefill_verdict"] = (NO_DATA if not checked else PREFILL_AGREE if not checked["prefill_max_ulp"]
+                                      and not checked["prefill_notes"] else PREFILL_DIFFER)
     params = dict(cfg.sampling.params(), sizes=sizes, prompts=len(cfg.prompts), traffic=cfg.traffic,
-                  repeat=cfg.repeat, prefix_cache=cfg.prefix_cache, seed_honoured=facts.seed_honoured)
+                  repeat=cfg.repeat, prefix_cache=cfg.prefix_cache, seed_honoured=facts.seed_honoured,
+                  prefill_check=cfg.prefill_check)
     if cfg.traffic == "mixed":
         params["mixed_seed"] = cfg.seed
     if cfg.baseline_path:
@@ -2541,6 +2689,12 @@ def print_sweep_table(doc: Dict[str, Any], cfg: Config, out: Out) -> None:
     out.line(out.style("summary: unique completions %d, total %d, max ULP %d, %s: %s%s" % (
         sm["unique_completions"], sm["total_completions"], sm["max_ulp"], control, sm["verdict"],
         "" if sm["state"] == "complete" else " (%s)" % sm["state"]), "1"))
+    if "prefill_verdict" in sm:
+        per_size = ", ".join("%d: %s" % (s["batch_size"], fmt_opt(s.get("prefill_max_ulp"), "?"))
+                             for r in doc["prompts"] for s in r["sizes"])
+        out.line("prefill check, max ULP per batch size: %s" % per_size)
+        out.line(out.style("prefill check: max ULP %s, first differing step %s: %s" % (
+            fmt_opt(sm["prefill_max_ulp"], "?"), fmt_opt(sm["prefill_first_step"]), sm["prefill_verdict"]), "1"))
 
 
 ULP_NOTE_TEXT = {
@@ -2583,6 +2737,12 @@ def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
         text("Nothing moved. With the flag off that usually means no near-tie was met: try more "
              "prompts (--prompt-file), longer generations (--max-tokens 256), --temperature 0.6 or "
              "--traffic concurrent; see --mode help.")
+    if cfg.expect == "prefill-equal":
+        if sm.get("prefill_verdict") != PREFILL_AGREE:
+            text("expectation failed: --expect prefill-equal, but the prefill check found: %s"
+                 % sm.get("prefill_verdict"))
+            return EXIT_EXPECTATION
+        return EXIT_OK
     if cfg.expect == "invariant" and (moved or unmeasured):
         text("expectation failed: --expect invariant, but the result is: %s" % sm["verdict"])
         return EXIT_EXPECTATION
@@ -2619,6 +2779,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
     sweep_warnings(facts, sizes, cfg.sampling, out)
     isolate = cfg.prefix_cache == "bypass"
     sender = Sender(client, adapter, facts.model, cfg.sampling, isolate)
+    prefill = PrefillCheck(sender) if cfg.prefill_check else None
     send = getattr(sender, cfg.traffic)
     sweeps: List[PromptSweep] = []
 
@@ -2649,6 +2810,11 @@ def run_sweep(cfg: Config, out: Out) -> int:
                     row.update({"pass": pass_no, "seconds": round(batch.seconds, 4), "cached_tokens": batch.cached_tokens})
                     if batch.send_spread is not None:
                         row["send_spread_s"] = batch.send_spread
+                    if prefill is not None:
+                        try:
+                            row.update(prefill.compare(prompt, batch.completions, adapter.logprob_clamps))
+                        except ServerError as err:
+                            raise ServerError("prefill check at batch size %d: %s" % (n, err)) from None
                     sweep.add(n, facts.bucket(n), row, batch.completions)
                     progress.finished(step, len(batch.completions))
                     saves.offer(lambda path: write_json_atomic(path, sweep_document(cfg, facts, sweeps, sizes, "running")))

@@ -127,11 +127,43 @@ def next_context(context_key: int, token_id: int) -> int:
     return zlib.crc32(token_id.to_bytes(4, "little"), context_key)
 
 
+PROMPT_ID_OFFSET = 1000         # prompt text is "tokenized" as one id per UTF-8 byte, from here
+PREFILL_PLAN = (3, 5)           # the reduction order of a prefill, unlike any decode step's
+
+
+def tokenize(text: str) -> List[int]:
+    return [PROMPT_ID_OFFSET + b for b in text.encode("utf-8")]
+
+
+def split_ids(ids: List[int]) -> Tuple[str, List[int]]:
+    """A token-id prompt as (its text, the generated tokens that follow it)."""
+    n = next((i for i, t in enumerate(ids) if t < PROMPT_ID_OFFSET), len(ids))
+    return bytes(t - PROMPT_ID_OFFSET for t in ids[:n]).decode("utf-8", "replace"), list(ids[n:])
+
+
+def context_of(prompt: str, prefix_ids: List[int] = ()) -> int:
+    context = zlib.crc32(prompt.encode("utf-8"))
+    for token in prefix_ids:
+        context = next_context(context, token)
+    return context
+
+
+def prefill_logprobs(prompt: str, generated: List[int], plan: Tuple[int, int]) -> List[float]:
+    """Each generated token's logprob as a prefill of prompt + tokens computes it with plan."""
+    context, out = context_of(prompt), []
+    for token in generated:
+        logits = [f32_sum(t, plan) for t in step_terms(context)]
+        out.append(log_softmax(logits, plan)[token])
+        context = next_context(context, token)
+    return out
+
+
 def generate(prompt: str, max_tokens: int, plan: Tuple[int, int], temperature: float = 0.0,
              top_p: float = 1.0, rng: Optional[random.Random] = None,
-             ignore_eos: bool = False) -> Dict:
-    """One completion: token ids, each step's log-softmax over the vocabulary, finish reason."""
-    context = zlib.crc32(prompt.encode("utf-8"))
+             ignore_eos: bool = False, prefix_ids: List[int] = ()) -> Dict:
+    """One completion: token ids, each step's log-softmax over the vocabulary, finish reason.
+    prefix_ids: tokens already generated after the prompt (a token-id prompt's tail)."""
+    context = context_of(prompt, prefix_ids)
     ids, steps = [], []
     finish = "length"
     for _ in range(max_tokens):
@@ -224,6 +256,8 @@ class StubConfig:
     prompt_tokens_details: bool = False      # vLLM's --enable-prompt-tokens-details: cached-token counts
     flush_refused: bool = False              # SGLang: answer /flush_cache as with requests in flight
     decode_graphs: bool = True               # SGLang: False reports decode graphs switched off
+    prefill_agrees: bool = False             # prefill computes as a batch-1 decode step does
+    prompt_logprobs: bool = True             # False: a server that returns no prompt logprobs
 
     def sizes(self) -> List[int]:
         if self.graph_sizes is not None:
@@ -336,8 +370,24 @@ class EngineState:
                     "distinct_texts": len(self.served_texts)}
 
 
+def prefill_plan(config: StubConfig) -> Tuple[int, int]:
+    """The order a prefill reduces in: its own, or (prefill_agrees) a batch-1 decode step's."""
+    if config.prefill_agrees:
+        return reduction_plan(1, config.sizes(), config.invariant and not config.coverage_gap)
+    return PREFILL_PLAN
+
+
+def prompt_logprob_list(config: StubConfig, ids: List[int]) -> List[Optional[float]]:
+    """The logprob of every position of a token-id prompt (None at 0; the prompt's own bytes,
+    which no test compares, a constant)."""
+    text, generated = split_ids(ids)
+    values = prefill_logprobs(text, generated, prefill_plan(config))
+    return [None] + [-1.0] * (len(ids) - len(generated) - 1) + values if ids else []
+
+
 def run_batch(config: StubConfig, state: EngineState, prompts: List[str], max_tokens: int,
-              temperature: float, top_p: float, seed: Optional[int], ignore_eos: bool) -> List[Dict]:
+              temperature: float, top_p: float, seed: Optional[int], ignore_eos: bool,
+              prefixes: Optional[List[List[int]]] = None) -> List[Dict]:
     """Every prompt of one request, computed with the arithmetic of the step batch it joined."""
     step_size = state.scheduler.join(len(prompts))
     started = time.perf_counter()
@@ -346,14 +396,16 @@ def run_batch(config: StubConfig, state: EngineState, prompts: List[str], max_to
     plan = reduction_plan(step_size, config.sizes(), config.invariant and not config.coverage_gap)
     memo = {}
     results = []
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
+        prefix = prefixes[i] if prefixes else []
+        key = (prompt, tuple(prefix))
         reproducible = temperature <= 0.0 or seed is not None
-        if reproducible and prompt in memo:
-            results.append(memo[prompt])
+        if reproducible and key in memo:
+            results.append(memo[key])
             continue
         rng = random.Random(seed) if seed is not None else state.shared_rng
-        out = generate(prompt, max_tokens, plan, temperature, top_p, rng, ignore_eos)
-        memo[prompt] = out
+        out = generate(prompt, max_tokens, plan, temperature, top_p, rng, ignore_eos, prefix)
+        memo[key] = out
         results.append(out)
     if config.step_delay > 0:
         # Emulated GPU time: the batch takes steps x delay (x slowdown with the flag on),
@@ -382,7 +434,13 @@ def vllm_completions(config: StubConfig, body: Dict, state: EngineState) -> Dict
         raise BadRequest(404, "The model `%s` does not exist." % body.get("model"),
                          "NotFoundError", "model")
     prompt = body.get("prompt")
-    prompts = prompt if isinstance(prompt, list) else [prompt]
+    token_prompt = isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
+    prefixes = None
+    if token_prompt:  # one prompt given as token ids
+        text, generated = split_ids(prompt)
+        prompts, prefixes = [text], [generated]
+    else:
+        prompts = prompt if isinstance(prompt, list) else [prompt]
     if not prompts or not all(isinstance(p, str) for p in prompts):
         raise BadRequest(400, "prompt must be a string or a list of strings", param="prompt")
     k = body.get("logprobs")
@@ -399,7 +457,8 @@ def vllm_completions(config: StubConfig, body: Dict, state: EngineState) -> Dict
                          "(parameter=cache_salt)\"}", "Bad Request", "cache_salt")
     cached = [state.cached_tokens(salt, p) for p in prompts]
     outs = run_batch(config, state, prompts, max_tokens, temperature, float(body.get("top_p", 1.0)),
-                     body.get("seed"), bool(body.get("ignore_eos")))
+                     body.get("seed"), bool(body.get("ignore_eos")), prefixes)
+    prompt_k = body.get("prompt_logprobs")
     as_ids = bool(body.get("return_tokens_as_token_ids"))
     name = (lambda v: "token_id:%d" % v) if as_ids else token_text
     choices = []
@@ -425,7 +484,9 @@ def vllm_completions(config: StubConfig, body: Dict, state: EngineState) -> Dict
             "finish_reason": out["finish"],
             "stop_reason": None,
             "token_ids": None,
-            "prompt_logprobs": None,
+            "prompt_logprobs": None if prompt_k is None or not token_prompt or not config.prompt_logprobs else [
+                None if lp is None else {str(t): {"logprob": lp, "rank": 1, "decoded_token": token_text(t) if t < 32 else "?"}}
+                for t, lp in zip(prompt, prompt_logprob_list(config, prompt))],
             "prompt_token_ids": None,
             "routed_experts": None,
         })
@@ -494,10 +555,13 @@ SGLANG_SAMPLING_KEYS = {
 def sglang_generate(config: StubConfig, body: Dict, state: EngineState):
     """SGLang 0.5.23's /generate: its error bodies, and sampling_seed honoured only with the flag."""
     text, input_ids = body.get("text"), body.get("input_ids")
-    if text is None and input_ids is not None:
-        # token ids in place of text: each id list stands for the prompt the ids spell
+    prefixes = None
+    if text is None and input_ids is not None:  # token ids in place of text
         batch = isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list)
-        text = [" ".join(map(str, ids)) for ids in input_ids] if batch else " ".join(map(str, input_ids or []))
+        id_lists = input_ids if batch else [input_ids or []]
+        split = [split_ids(ids) for ids in id_lists]
+        prefixes = [generated for _, generated in split]
+        text = [t for t, _ in split] if batch else split[0][0]
     prompts = text if isinstance(text, list) else [text]
     if not prompts or not all(isinstance(p, str) for p in prompts):
         raise BadRequest(400, "text must be a string or a list of strings",
@@ -517,12 +581,13 @@ def sglang_generate(config: StubConfig, body: Dict, state: EngineState):
     cached = [state.cached_tokens(None, p) for p in prompts]
     outs = run_batch(config, state, prompts, int(sp.get("max_new_tokens", 128)),
                      float(sp.get("temperature", 1.0)), float(sp.get("top_p", 1.0)), seed,
-                     bool(sp.get("ignore_eos")))
+                     bool(sp.get("ignore_eos")), prefixes)
+    start = body.get("logprob_start_len", -1)
     with_logprobs = bool(body.get("return_logprob"))
     k = int(body.get("top_logprobs_num") or 0)
     show = (lambda v: token_text(v)) if body.get("return_text_in_logprobs") else (lambda v: None)
     answers = []
-    for out, prompt, hit in zip(outs, prompts, cached):
+    for n, (out, prompt, hit) in enumerate(zip(outs, prompts, cached)):
         meta = {
             "id": "%032x" % random.getrandbits(128),
             "finish_reason": ({"type": "length", "length": len(out["ids"])} if out["finish"] == "length"
@@ -532,8 +597,13 @@ def sglang_generate(config: StubConfig, body: Dict, state: EngineState):
             "cached_tokens": hit,
         }
         if with_logprobs:
-            # logprob_start_len defaults to -1: no prompt positions, but the key is there
-            meta["input_token_logprobs"] = []
+            # logprob_start_len defaults to -1: no prompt positions, but the key is there. From a
+            # start s: positions s.. as [logprob, id, text], the first one's logprob None
+            # (logprob_result_processor.py, 0.5.23 lines 26-50).
+            ids = tokenize(prompt) + (prefixes[n] if prefixes else [])
+            values = prompt_logprob_list(config, ids)
+            meta["input_token_logprobs"] = [] if start < 0 else (
+                [[None, ids[start], None]] + [[values[p], ids[p], None] for p in range(start + 1, len(ids))])
             meta["output_token_logprobs"] = [[step[v], v, show(v)]
                                              for v, step in zip(out["ids"], out["logprobs"])]
             if k:  # only asked-for top-k lists appear at all
@@ -636,6 +706,10 @@ class StubHandler(BaseHTTPRequestHandler):
                                       b"will not be performed.)")
             self.server.state.flush()
             return self.send_json(200, None, raw=b"Cache flushed.\nPlease check backend logs for more details.")
+        if self.config.engine == "vllm" and path == "/tokenize":
+            body = json.loads(raw or b"{}")
+            ids = tokenize(body.get("prompt") or "")
+            return self.send_json(200, {"count": len(ids), "max_model_len": 2048, "tokens": ids, "token_strs": None})
         handlers = {"vllm": {"/v1/completions": vllm_completions},
                     "sglang": {"/generate": sglang_generate}}[self.config.engine]
         if path not in handlers:
@@ -827,6 +901,7 @@ def main(argv=None) -> int:
                    "more requests to join it (default 0.05; 0 runs every request alone)")
     p.add_argument("--prompt-tokens-details", action="store_true", help="vLLM: report cached prompt tokens")
     p.add_argument("--no-decode-graphs", action="store_true", help="SGLang: report decode CUDA graphs as off")
+    p.add_argument("--prefill-agrees", action="store_true", help="prefill computes as a batch-1 decode step")
     p.add_argument("--fault", action="append", default=[], metavar="K=KIND")
     args = p.parse_args(argv)
     config = StubConfig(
@@ -837,6 +912,7 @@ def main(argv=None) -> int:
         dev_mode=not args.no_dev_mode, step_delay=args.step_delay, slowdown=args.slowdown,
         jitter=args.jitter, seed=args.seed, tp_size=args.tp_size, scheduler_window=args.scheduler_window,
         prompt_tokens_details=args.prompt_tokens_details, decode_graphs=not args.no_decode_graphs,
+        prefill_agrees=args.prefill_agrees,
         faults=parse_faults(args.fault))
     server = StubHTTPServer(config)
     print("stub %s server (flag %s) on http://%s:%d" % (

@@ -1,0 +1,146 @@
+"""--prefill-check: do the logprobs a server reports while generating equal the ones it
+computes when prompt + completion is read back as one token-id prompt?"""
+
+import json
+import unittest
+from unittest import mock
+
+import stub_server
+from support import StubConfig, StubServer, TempDirTest, run, run_lab, stub_completion, ulps32
+
+PROMPT = run.DEFAULT_PROMPT
+SIZES = [1, 2, 9, 17]
+TOKENS = 24
+
+
+def sweep(stub, *extra):
+    return run_lab("--mode", "sweep", "--engine", stub.config.engine, "--url", stub.url, "--sizes",
+                   ",".join(map(str, SIZES)), "--max-tokens", TOKENS, "--repeat", 1, "--prefill-check", "--json",
+                   *extra)
+
+
+def expected_prefill(engine, n, invariant):
+    """(max ULP, first differing step) between the stub's decode at batch n and its own prefill
+    arithmetic, computed here from the stub's functions, not from run.py."""
+    ids, decode, _, _ = stub_completion(engine, PROMPT, n, TOKENS, 5, invariant=invariant)
+    prefill = stub_server.prefill_logprobs(PROMPT, ids, stub_server.PREFILL_PLAN)
+    distances = [ulps32(a, b) for a, b in zip(decode, prefill)]
+    return max(distances), next((i for i, d in enumerate(distances) if d), None)
+
+
+class DecodeVersusPrefill(TempDirTest):
+    def test_with_the_agreement_switch_they_agree_bitwise(self):
+        for engine in ("vllm", "sglang"):
+            with self.subTest(engine=engine):
+                with StubServer(StubConfig(engine=engine, invariant=True, prefill_agrees=True)) as stub:
+                    r = sweep(stub, "--expect", "prefill-equal")
+                self.assertEqual(r.code, 0, r)
+                sm = r.json()["summary"]
+                self.assertEqual((sm["prefill_max_ulp"], sm["prefill_first_step"], sm["prefill_verdict"]),
+                                 (0, None, "decode and prefill agree bitwise"))
+
+    def test_without_it_the_distances_are_the_engines_own(self):
+        for engine in ("vllm", "sglang"):
+            for invariant in (True, False):
+                with self.subTest(engine=engine, invariant=invariant):
+                    with StubServer(StubConfig(engine=engine, invariant=invariant)) as stub:
+                        r = sweep(stub)
+                    self.assertEqual(r.code, 0, r)
+                    doc = r.json()
+                    got = {s["batch_size"]: (s["prefill_max_ulp"], s["prefill_first_step"])
+                           for s in doc["prompts"][0]["sizes"]}
+                    wanted = {n: expected_prefill(engine, n, invariant) for n in SIZES}
+                    self.assertEqual(got, wanted)
+                    self.assertGreater(max(u for u, _ in wanted.values()), 0)
+                    self.assertEqual(doc["summary"]["prefill_verdict"], "decode and prefill differ")
+                    self.assertEqual(doc["summary"]["prefill_max_ulp"], max(u for u, _ in wanted.values()))
+
+    def test_expect_prefill_equal_fails_when_they_differ(self):
+        with StubServer(StubConfig(invariant=True)) as stub:
+            r = sweep(stub, "--expect", "prefill-equal")
+        self.assertEqual(r.code, 1, r)
+        self.assertIn("--expect prefill-equal", r.stderr)
+
+    def test_the_table_keeps_the_prefill_verdict_apart(self):
+        with StubServer(StubConfig(invariant=True, prefill_agrees=True)) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 8, "--repeat", 1,
+                        "--prefill-check")
+        self.assertIn("summary: unique completions 1", r.stdout)
+        self.assertIn("prefill check: max ULP 0, first differing step -: decode and prefill agree bitwise", r.stdout)
+
+    def test_one_prefill_per_distinct_sequence(self):
+        with StubServer(StubConfig(invariant=True)) as stub:
+            sweep(stub)
+            bodies = [json.loads(b) for b in stub.generation_bodies()]
+        token_prompts = [b for b in bodies if isinstance(b["prompt"], list) and isinstance(b["prompt"][0], int)]
+        self.assertEqual(len(token_prompts), 1)  # flag on: one sequence at every size
+
+
+class RequestBodies(unittest.TestCase):
+    """The prefill requests, as pinned from the engines' source (see the README's table)."""
+
+    def capture(self, engine, answer):
+        sent = []
+
+        def request(client, path, body=None, as_text=False):
+            sent.append((path, body))
+            return answer(path, body)
+
+        with mock.patch.object(run.HttpClient, "request", request):
+            client = run.HttpClient("http://127.0.0.1:9", None, 5, 1 << 20)
+            adapter = run.ADAPTERS[engine]
+            ids = adapter.prompt_token_ids(client, "m", "Tell me")
+            values = adapter.prefill_logprobs(client, "m", ids + [7, 9], len(ids), False)
+        return sent, ids, values
+
+    def test_vllm(self):
+        def answer(path, body):
+            if path == "/tokenize":
+                return {"count": 2, "max_model_len": 4096, "tokens": [52, 69], "token_strs": None}
+            return {"choices": [{"index": 0, "text": "x", "prompt_logprobs": [
+                None, {"69": {"logprob": -7.5, "rank": 3, "decoded_token": "e"}},
+                {"7": {"logprob": -1.25, "rank": 1, "decoded_token": "a"}},
+                {"9": {"logprob": -2.5, "rank": 1, "decoded_token": "b"}, "4": {"logprob": -0.5, "rank": 2}}]}]}
+
+        sent, ids, values = self.capture("vllm", answer)
+        self.assertEqual(sent, [("/tokenize", {"model": "m", "prompt": "Tell me"}),
+                                ("/v1/completions", {"model": "m", "prompt": [52, 69, 7, 9], "max_tokens": 1,
+                                                     "temperature": 0.0, "prompt_logprobs": 0})])
+        self.assertEqual((ids, values), ([52, 69], [-1.25, -2.5]))
+
+    def test_sglang(self):
+        def answer(path, body):
+            if "text" in body:
+                return {"text": "", "meta_info": {"input_token_logprobs": [[None, 52, None], [-7.5, 69, None]]}}
+            return {"text": "", "meta_info": {"input_token_logprobs": [[None, 69, None], [-1.25, 7, None],
+                                                                       [-2.5, 9, None]]}}
+
+        sent, ids, values = self.capture("sglang", answer)
+        params = {"max_new_tokens": 1, "temperature": 0.0}
+        self.assertEqual(sent, [
+            ("/generate", {"text": "Tell me", "sampling_params": params, "return_logprob": True,
+                           "logprob_start_len": 0, "stream": False}),
+            ("/generate", {"input_ids": [52, 69, 7, 9], "sampling_params": params, "return_logprob": True,
+                           "logprob_start_len": 1, "stream": False})])
+        self.assertEqual((ids, values), ([52, 69], [-1.25, -2.5]))
+
+
+class Missing(unittest.TestCase):
+    def test_a_server_without_prompt_logprobs_is_one_line_and_exit_3_only_when_asked(self):
+        with StubServer(StubConfig(prompt_logprobs=False)) as stub:
+            r = sweep(stub)
+            self.assertEqual(r.code, 3, r)
+            lines = [x for x in r.stderr.splitlines() if not x.startswith(("run.py: progress", "run.py: saved"))]
+            self.assertEqual(len(lines), 1, r.stderr)
+            self.assertIn("no prompt_logprobs", lines[0])
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 4, "--repeat", 1)
+            self.assertEqual(r.code, 0, r)
+
+    def test_expect_prefill_equal_needs_the_check(self):
+        r = run_lab("--mode", "sweep", "--url", "http://127.0.0.1:9", "--expect", "prefill-equal")
+        self.assertEqual(r.code, 2)
+        self.assertIn("needs --prefill-check", r.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
