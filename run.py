@@ -733,6 +733,7 @@ class ServerFacts:
     settings_hint: Optional[str] = None       # how to make a server that hides its settings show them
     settings: Dict[str, Any] = field(default_factory=dict)   # label -> value, compared between arms
     flag_sets: Dict[str, Any] = field(default_factory=dict)  # label -> the value the flag itself gives it here
+    hazards: Optional[List[Dict[str, Any]]] = None  # known hazards this server's settings meet; None: hidden
 
     def bucket(self, batch_size: int) -> Bucket:
         return "?" if self.graph_source == "assumed" else graph_bucket(batch_size, self.graph_sizes)
@@ -965,7 +966,7 @@ class VllmAdapter:
             max_num_seqs_source="vllm_config.scheduler_config.max_num_seqs", seed_honoured=True,
             load_format=settings["load format"],
             graph_sizes=graph, graph_source=source, default_graph_sizes=defaults,
-            info_source="/server_info", settings=settings,
+            info_source="/server_info", settings=settings, hazards=hazards_in(self.name, info),
             flag_sets={"prefix caching": False} if backend in self.FLAG_DISABLES_PREFIX_CACHE else {})
 
     def body(self, model: str, prompts: List[str], s: Sampling, isolate: bool = False) -> Dict[str, Any]:
@@ -1145,7 +1146,7 @@ class SglangAdapter:
             seed_honoured=None if flag is None else bool(flag), seed_note=None if flag else self.SEED_NOTE,
             load_format=info.get("load_format"), graph_sizes=graph, graph_source=source,
             default_graph_sizes=self.GRAPH_SIZES, info_source="/server_info", settings=settings,
-            flag_sets=flag_sets)
+            flag_sets=flag_sets, hazards=hazards_in(self.name, info))
 
     def body(self, model: str, prompts: List[str], s: Sampling, isolate: bool = False) -> Dict[str, Any]:
         params: Dict[str, Any] = {"temperature": s.temperature, "top_p": s.top_p,
@@ -1226,6 +1227,75 @@ class SglangAdapter:
         counts = [dig(item, "meta_info", "cached_tokens") for item in answer or [] if isinstance(item, dict)]
         counts = [c for c in counts if isinstance(c, int)]
         return sum(counts) if counts else None
+
+
+@dataclass(frozen=True)
+class Hazard:
+    """A server setting reported upstream to break or weaken batch invariance, with the
+    evidence read for it. fires(value) is given the setting as /server_info holds it."""
+    engine: str
+    setting: str                      # what to look at, in the engine's /server_info
+    path: Tuple[str, ...]             # where it sits there
+    fires: Callable[[Any], bool]
+    versions: str                     # where it was seen, and whether a fix had landed when read
+    why: str                          # in the lab's words
+    refs: str                         # the upstream reports, repository and number
+    checked: str                      # what was read to keep this row
+
+    def record(self) -> Dict[str, Any]:
+        return {"setting": self.setting, "versions": self.versions, "why": self.why, "refs": self.refs}
+
+
+def _is_fp8(value: Any) -> bool:
+    return isinstance(value, str) and value.lower().startswith("fp8")
+
+
+HAZARDS = [
+    Hazard("vllm", "sequence parallelism / async TP (pass_config.enable_sp or fuse_gemm_comms)",
+           ("vllm_config", "compilation_config", "pass_config"),
+           lambda pc: isinstance(pc, dict) and (pc.get("enable_sp") is True or pc.get("fuse_gemm_comms") is True),
+           "seen on 0.29.0; no guard in the releases then, a fix (PR 56377) open when read",
+           "SP's reduce-scatter sums each token in an order set by which rank owns its chunk, so by "
+           "the batch: 1522 of 1536 logprobs differed between batch 1 and 64 in the report",
+           "vllm-project/vllm#56370, #56377", "the issue's measurement and the PR's description"),
+    Hazard("vllm", "speculative decoding (speculative_config)", ("vllm_config", "speculative_config"),
+           lambda spec: spec not in (None, {}, ""),
+           "reported on 0.20.1 and against main; batch-invariant speculative decoding an open PR (52522) when read",
+           "a verified draft runs the same row as k+1 tokens instead of 1, an axis the batch-invariant "
+           "kernels do not cover; greedy output changed with an ngram draft on 0.20.1",
+           "vllm-project/vllm#54506, #52522, #41758", "the RFC, the PR's config guard, the ngram report"),
+    Hazard("vllm", "online FP8 quantization (model_config.quantization fp8), for MoE models",
+           ("vllm_config", "model_config", "quantization"), _is_fp8,
+           "seen on 0.27.1; a fix (PR 57092) open when read",
+           "the fused-MoE experts quantize their inputs with one scale over the whole batch, so a "
+           "request's numbers depend on its neighbours (dense layers are not affected)",
+           "vllm-project/vllm#57016, #57092", "the issue's reproduction and the PR's diagnosis"),
+    Hazard("sglang", "FP8 KV cache (kv_cache_dtype)", ("kv_cache_dtype",), _is_fp8,
+           "measured on 0.5.18; only a warning proposed (PR 35938) when read",
+           "with --enable-deterministic-inference and an FP8 KV cache, greedy outputs diverged at the "
+           "same position (token 97) for every prompt length; the bf16 control was bit-identical",
+           "sgl-project/sglang#35938, #25790", "the PR's table and the issue's analysis"),
+    Hazard("sglang", "radix cache on (disable_radix_cache false)", ("disable_radix_cache",),
+           lambda disabled: disabled is False,
+           "open when read; on by default in 0.5.18-0.5.23",
+           "a prompt served from the radix cache runs another kernel path than a cold prefill: 18 of 40 "
+           "greedy outputs flipped on a cache hit in the report (the lab's --prefix-cache bypass "
+           "flushes the cache before every size)",
+           "sgl-project/sglang#34683", "the issue's cold/warm reproduction"),
+]
+
+
+def hazards_in(engine: str, info: Any) -> List[Dict[str, Any]]:
+    """The known hazards an engine's /server_info answer meets."""
+    found = []
+    for h in HAZARDS:
+        if h.engine == engine:
+            try:
+                if h.fires(dig(info, *h.path)):
+                    found.append(h.record())
+            except SHAPE_FAULTS:
+                pass  # a value of no known kind meets no known hazard
+    return found
 
 
 ADAPTERS: Dict[str, EngineAdapter] = {a.name: a for a in (VllmAdapter(), SglangAdapter())}
@@ -2003,7 +2073,18 @@ def server_lines(facts: Dict[str, Any], adapter: EngineAdapter, detected: bool =
             fmt_opt(facts.get("attention_backend"), "?"), fmt_opt(facts.get("tp"), "?"),
             fmt_opt(facts.get("max_num_seqs"), "?"), fmt_opt(facts.get("max_model_len"), "?"),
             fmt_graph_sizes(facts)),
-    ]
+    ] + hazard_lines(facts)
+
+
+def hazard_lines(facts: Dict[str, Any], whose: str = "") -> List[str]:
+    """The known hazards a server's settings meet (see --mode help for what this can know)."""
+    hazards = facts.get("hazards")
+    if hazards is None:
+        return ["        %sknown hazards: unknown (the server hides its settings)" % whose]
+    if not hazards:
+        return ["        %sknown hazards: none known" % whose]
+    return ["        %sHAZARD: %s: %s (%s; %s)" % (whose, h["setting"], h["why"], h["refs"], h["versions"])
+            for h in hazards]
 # ----------------------------------------------------------------------------
 # --mode harness: the upstream harnesses, quoted, with what each one does not tell you
 
@@ -2337,6 +2418,14 @@ DECODE VERSUS PREFILL (--prefill-check)
   and prefill kernels reduce in different orders, even when batch invariance holds.
   Upstream: SGLang's p_vs_d mode (test_deterministic.py), vLLM's
   test_decode_logprobs_match_prefill_logprobs (tests/v1/determinism/).
+
+KNOWN HAZARDS
+  Before measuring, the header lists the server settings that upstream reports say break
+  or weaken batch invariance (sequence parallelism, speculative decoding, FP8 MoE experts
+  on vLLM; an FP8 KV cache, a radix-cache hit on SGLang), each with its report. It is
+  read from the server's own settings, so it knows nothing when they are hidden (vLLM
+  without VLLM_SERVER_DEV_MODE=1), and it knows only what has been reported and checked:
+  "none known" is not "none". The README lists every row and its evidence.
 
 WHAT THE COST MEANS
   Forcing one attention split and one GEMM tile is nearly free at small batch: those
@@ -2731,6 +2820,10 @@ def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
     elif moved and doc["server"].get("flag"):
         text("")
         text("The server reports the flag ON, yet results moved.")
+        if doc["server"].get("hazards"):
+            text("Its settings meet known hazards; rule these out first:")
+            for line in hazard_lines(doc["server"]):
+                text(line)
         text(COVERAGE_CHECKLIST)
         text("If none applies, this is worth a bug report: attach the --save file.")
     if not moved and not unmeasured and (doc["server"].get("flag") is not True or cfg.expect == "variant"):
@@ -2886,6 +2979,9 @@ def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[Dict[str, Any]]
                      "differ in the flag only (%s)" % (arm.name, arm.facts.settings_hint))
     if not cfg.json_out:
         print_cost_servers(off.facts, on.facts, hazards, adapter, out)
+        for arm in (off, on):
+            for line in hazard_lines(arm.facts.to_record(), "flag-%s arm: " % arm.name):
+                out.line(line.strip())
     if hazards and not cfg.allow_mismatch:
         raise UsageError("the two servers differ in more than the flag (%s); pin them equal, or "
                          "pass --allow-mismatch to time them anyway" % ", ".join(h["setting"] for h in hazards))

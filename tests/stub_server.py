@@ -258,6 +258,7 @@ class StubConfig:
     decode_graphs: bool = True               # SGLang: False reports decode graphs switched off
     prefill_agrees: bool = False             # prefill computes as a batch-1 decode step does
     prompt_logprobs: bool = True             # False: a server that returns no prompt logprobs
+    info_overrides: Dict[Tuple[str, ...], object] = field(default_factory=dict)  # /server_info path -> value
 
     def sizes(self) -> List[int]:
         if self.graph_sizes is not None:
@@ -530,6 +531,16 @@ def vllm_server_info(config: StubConfig) -> Dict:
     info["vllm_env"]["VLLM_BATCH_INVARIANT"] = config.invariant
     info["vllm_env"]["VLLM_TEST_FORCE_LOAD_FORMAT"] = None
     vc["load_config"]["load_format"] = "stub"
+    return overridden(info, config)
+
+
+def overridden(info: Dict, config: StubConfig) -> Dict:
+    """/server_info with the test's chosen settings written in (a hazard switched on, say)."""
+    for path, value in config.info_overrides.items():
+        node = info
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
     return info
 
 
@@ -617,7 +628,7 @@ def sglang_generate(config: StubConfig, body: Dict, state: EngineState):
 
 def sglang_server_info(config: StubConfig, port: int) -> Dict:
     sizes = config.sizes()
-    return {
+    return overridden({
         "model_path": config.model, "tokenizer_path": config.model, "served_model_name": config.model,
         "host": config.host, "port": port, "dtype": "bfloat16", "kv_cache_dtype": "auto",
         "quantization": None, "load_format": "stub",
@@ -633,7 +644,7 @@ def sglang_server_info(config: StubConfig, port: int) -> Dict:
         "internal_states": [{"effective_max_running_requests_per_dp": config.max_num_seqs,
                              "last_gen_throughput": 0.0, "startup_time": time.time()}],
         "version": "0.5.23+stub",
-    }
+    }, config)
 
 
 # ----------------------------------------------------------------------------

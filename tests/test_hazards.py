@@ -1,0 +1,107 @@
+"""Known hazards: the server settings that upstream reports say break or weaken batch
+invariance, found in each server's own facts, printed before measuring and saved."""
+
+import copy
+import unittest
+
+from support import StubConfig, StubServer, TempDirTest, fixture, run, run_lab
+
+# (engine, /server_info path, value that switches the hazard on, words of its setting, reference)
+SWITCHES = [
+    ("vllm", ("vllm_config", "compilation_config", "pass_config", "enable_sp"), True, "sequence parallelism",
+     "vllm-project/vllm#56370"),
+    ("vllm", ("vllm_config", "compilation_config", "pass_config", "fuse_gemm_comms"), True, "sequence parallelism",
+     "vllm-project/vllm#56370"),
+    ("vllm", ("vllm_config", "speculative_config"), {"method": "ngram", "num_speculative_tokens": 4},
+     "speculative decoding", "vllm-project/vllm#54506"),
+    ("vllm", ("vllm_config", "model_config", "quantization"), "fp8", "online FP8 quantization",
+     "vllm-project/vllm#57016"),
+    ("sglang", ("kv_cache_dtype",), "fp8_e4m3", "FP8 KV cache", "sgl-project/sglang#35938"),
+]
+
+
+class EachHazardOnItsOwn(TempDirTest):
+    def test_one_at_a_time_in_the_header_and_the_saved_file(self):
+        for i, (engine, path, value, words, ref) in enumerate(SWITCHES):
+            with self.subTest(engine=engine, path=path):
+                overrides = {path: value}
+                if engine == "sglang":
+                    overrides[("disable_radix_cache",)] = True  # only the hazard under test
+                with StubServer(StubConfig(engine=engine, info_overrides=overrides)) as stub:
+                    r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 4,
+                                "--repeat", 1, "--save", self.path("s%d.json" % i))
+                self.assertEqual(r.code, 0, r)
+                hazards = self.load("s%d.json" % i)["server"]["hazards"]
+                self.assertEqual(len(hazards), 1, hazards)
+                self.assertIn(words, hazards[0]["setting"])
+                self.assertIn(ref, hazards[0]["refs"])
+                header = r.stdout[:r.stdout.index("params:")]
+                self.assertIn("HAZARD: " + hazards[0]["setting"], header)
+                self.assertIn(ref, header)
+
+    def test_the_radix_cache_default_is_one(self):
+        with StubServer(StubConfig(engine="sglang")) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 4, "--repeat", 1,
+                        "--json")
+        self.assertEqual([h["refs"] for h in r.json()["server"]["hazards"]], ["sgl-project/sglang#34683"])
+
+    def test_a_server_with_none(self):
+        with StubServer() as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 4, "--repeat", 1)
+        self.assertIn("known hazards: none known", r.stdout)
+
+    def test_hidden_settings_are_unknown_not_none(self):
+        with StubServer(StubConfig(dev_mode=False)) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 4, "--repeat", 1,
+                        "--json")
+        self.assertIsNone(r.json()["server"]["hazards"])
+
+    def test_cost_prints_both_arms_hazards_and_saves_them(self):
+        spec = {("vllm_config", "speculative_config"): {"method": "ngram"}}
+        with StubServer(StubConfig(info_overrides=spec)) as off, \
+                StubServer(StubConfig(invariant=True, info_overrides=spec)) as on:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", 1, "--trials", 1,
+                        "--warmup", 0, "--max-tokens", 2, "--save", self.path("c.json"))
+        self.assertEqual(r.code, 0, r)
+        self.assertIn("flag-off arm: HAZARD: speculative decoding", r.stdout)
+        self.assertIn("flag-on arm: HAZARD: speculative decoding", r.stdout)
+        cell = self.load("c.json")["cells"][0]
+        self.assertEqual(len(cell["servers"]["on"]["hazards"]), 1)
+
+    def test_a_flag_on_divergence_lists_the_hazards_before_the_checklist(self):
+        spec = {("vllm_config", "speculative_config"): {"method": "ngram"}}
+        with StubServer(StubConfig(invariant=True, coverage_gap=True, info_overrides=spec)) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,17,25", "--max-tokens", 32, "--repeat", 1)
+        tail = r.stdout[r.stdout.index("reports the flag ON"):]
+        self.assertLess(tail.index("HAZARD: speculative decoding"), tail.index("fused-MoE"))
+
+
+class TheRealServers(unittest.TestCase):
+    def test_the_real_0_26_0_pair_meets_none(self):
+        # Async scheduling is on in both (the default); on a real 0.26.0 server the flag held
+        # with it, so no row fires for it.
+        for name in ("server_info_flag_off.json", "server_info_flag_on.json"):
+            with self.subTest(file=name):
+                info = fixture(name)
+                self.assertTrue(info["vllm_config"]["scheduler_config"]["async_scheduling"])
+                facts = run.ADAPTERS["vllm"].facts(fixture("version.json")["version"], fixture("v1_models.json"),
+                                                   info, None)
+                self.assertEqual(facts.hazards, [])
+
+    def test_the_real_pair_with_a_hazard_written_in(self):
+        info = copy.deepcopy(fixture("server_info_flag_on.json"))
+        info["vllm_config"]["compilation_config"]["pass_config"]["enable_sp"] = True
+        facts = run.ADAPTERS["vllm"].facts("0.26.0", fixture("v1_models.json"), info, None)
+        self.assertEqual([h["refs"] for h in facts.hazards], ["vllm-project/vllm#56370, #56377"])
+
+    def test_every_row_names_its_evidence(self):
+        for h in run.HAZARDS:
+            with self.subTest(setting=h.setting):
+                self.assertIn(h.engine, run.ADAPTERS)
+                self.assertRegex(h.refs, r"(vllm-project/vllm|sgl-project/sglang)#\d+")
+                self.assertTrue(h.why and h.versions and h.checked)
+                self.assertFalse(h.fires(None))  # a setting the server does not report meets nothing
+
+
+if __name__ == "__main__":
+    unittest.main()
