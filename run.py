@@ -658,6 +658,39 @@ class PreparedPost:
             raise self.client.http_error(status, self.path, raw)
         return self.client.decode(raw, self.path)
 
+    def events(self) -> Any:
+        """The answer as server-sent events: each `data:` line's JSON, as it arrives, until
+        `data: [DONE]`. Both engines stream so (vLLM's /v1/completions and SGLang's /generate
+        with stream true). An answer that is not a stream, an error event, or a stream that
+        ends before [DONE] raises ServerError."""
+        deadline = time.monotonic() + self.client.timeout
+        try:
+            resp = self._guard(lambda: http.client.HTTPResponse(self.conn.sock, method="POST"))
+            self._guard(resp.begin)
+            if resp.status >= 300:
+                raise self.client.http_error(resp.status, self.path, self._guard(lambda: self.client._read_capped(resp)))
+            if "text/event-stream" not in (resp.getheader("Content-Type") or ""):
+                raise ServerError("%s did not stream its answer (no text/event-stream): streaming is needed "
+                                  "for --concurrency" % self.path)
+            while True:
+                line = self._guard(lambda: resp.readline(1 << 20))
+                if not line:
+                    raise ServerError("the stream from %s was cut before it ended" % self.path)
+                if time.monotonic() > deadline:
+                    raise ServerError("no complete answer from %s within %gs (--timeout)"
+                                      % (self.client.base_url, self.client.timeout))
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    return
+                event = self.client.decode(data, self.path)
+                if isinstance(event, dict) and "error" in event:
+                    raise self.client.http_error(200, self.path, data)
+                yield event
+        finally:
+            self.conn.close()
+
 
 def allow_open_files(connections: int) -> None:
     """Raise this process's open-file limit so that many connections can be open at once
@@ -787,6 +820,12 @@ class EngineAdapter(Protocol):
 
     def cached_tokens(self, answer: Any) -> Optional[int]:
         """Prompt tokens the server says it served from its prefix cache; None: it does not say."""
+
+    def stream_body(self, model: str, prompt: str, sampling: Sampling) -> Dict[str, Any]:
+        """One prompt's generation request, streamed."""
+
+    def streamed_tokens(self, event: Any) -> Optional[int]:
+        """Output tokens so far, as a stream event reports them (None: this event does not say)."""
 
     def prompt_token_ids(self, client: HttpClient, model: str, prompt: str) -> List[int]:
         """The prompt as the server tokenizes it for a completion."""
@@ -1011,6 +1050,17 @@ class VllmAdapter:
     def before_batch(self, client: HttpClient, isolate: bool) -> None:
         pass  # the per-request salt does it
 
+    def stream_body(self, model: str, prompt: str, sampling: Sampling) -> Dict[str, Any]:
+        # Usage on every event, so each says how many tokens are out so far (the real stream
+        # in ../shared/wire/vllm-0.26.0/more/stream_usage.body: usage on every event, then a
+        # last event with no choices and the final usage, then [DONE]).
+        return dict(self.body(model, [prompt], sampling), stream=True,
+                    stream_options={"include_usage": True, "continuous_usage_stats": True})
+
+    def streamed_tokens(self, event: Any) -> Optional[int]:
+        count = dig(event, "usage", "completion_tokens")
+        return count if isinstance(count, int) and not isinstance(count, bool) else None
+
     def prompt_token_ids(self, client: HttpClient, model: str, prompt: str) -> List[int]:
         # POST /tokenize (vllm/entrypoints/serve/tokenize/protocol.py, 0.26.0 lines 24-40):
         # special tokens added as a completion adds them.
@@ -1203,6 +1253,15 @@ class SglangAdapter:
     def output_tokens(self, answer: Any) -> int:
         return sum(int(dig(item, "meta_info", "completion_tokens") or 0) for item in answer or [])
 
+    def stream_body(self, model: str, prompt: str, sampling: Sampling) -> Dict[str, Any]:
+        # One prompt as a string: each event is one object, its meta_info counting the
+        # completion tokens so far (entrypoints/http_server.py, 0.5.23 lines 950-975).
+        return dict(self.body(model, [prompt], sampling), text=prompt, stream=True)
+
+    def streamed_tokens(self, event: Any) -> Optional[int]:
+        count = dig(event, "meta_info", "completion_tokens")
+        return count if isinstance(count, int) and not isinstance(count, bool) else None
+
     def input_logprobs(self, client: HttpClient, prompt: Dict[str, Any], start: int) -> List[Any]:
         """meta_info.input_token_logprobs of one prompt read from start: entries [logprob, id,
         text] for positions start.., the first logprob None (managers/scheduler_components/
@@ -1393,6 +1452,9 @@ class Config:
     prefix_tokens: int = DEFAULT_PREFIX_TOKENS
     tp: Optional[int] = None
     allow_mismatch: bool = False
+    concurrency: Optional[int] = None  # load trials: requests in flight at once (None: one batch request)
+    requests: int = 0                  # load trials: requests per trial
+    precision: Optional[float] = None  # stop once the interval's half-width is at most this
 
     @property
     def adapter(self) -> EngineAdapter:
@@ -1521,6 +1583,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="cold: no prefix can be cached; shared-prefix: one long prefix for all")
     cost.add_argument("--prefix-tokens", type=whole_number(1), default=DEFAULT_PREFIX_TOKENS,
                       help="length of the shared prefix (default about %d tokens)" % DEFAULT_PREFIX_TOKENS)
+    cost.add_argument("--concurrency", type=whole_number(1), metavar="C", help="time a server under load "
+                      "instead of one batch request: each trial is --requests one-prompt streamed requests, at "
+                      "most C in flight (throughput, TTFT, TPOT and latency of both arms)")
+    cost.add_argument("--requests", type=whole_number(1), metavar="R", help="requests per load trial "
+                      "(default 4 x --concurrency; at least C)")
+    cost.add_argument("--precision", type=real_number(0.0, above=True), metavar="P", help="keep timing trial "
+                      "pairs until the overhead's 95%% interval is at most +-P points wide, or --trials is reached")
     cost.add_argument("--tp", type=whole_number(1), help="TP degree for the label when the server does "
                       "not report it")
     cost.add_argument("--allow-mismatch", action="store_true", help="time even when the two servers "
@@ -1732,6 +1801,13 @@ def configure_cost(cfg: Config, args: argparse.Namespace) -> None:
     cfg.batch, cfg.trials, cfg.warmup = args.batch, args.trials, args.warmup
     cfg.workload, cfg.prefix_tokens, cfg.tp = args.workload, args.prefix_tokens, args.tp
     cfg.allow_mismatch = args.allow_mismatch
+    cfg.concurrency, cfg.precision = args.concurrency, args.precision
+    if args.requests is not None and args.concurrency is None:
+        raise UsageError("--requests goes with --concurrency")
+    if cfg.concurrency:
+        cfg.requests = 4 * cfg.concurrency if args.requests is None else args.requests
+        if cfg.requests < cfg.concurrency:
+            raise UsageError("--requests: give at least --concurrency (%d), or some slots stay empty" % cfg.concurrency)
 
 
 # ----------------------------------------------------------------------------
@@ -2943,11 +3019,69 @@ class Arm:
         facts = read_facts(cfg, url, "the flag-%s arm (%s)" % (name, option))
         return cls(name, option, url, cfg.client(url), facts)
 
+    requests: List[List[Dict[str, float]]] = field(default_factory=list)  # load trials: per request timings
+
+    def timed(self, cfg: Config, prompts: List[str]) -> Tuple[float, int, Optional[List[Dict[str, Any]]]]:
+        """One trial, (seconds, output tokens, per-request timings of a load run or None): one
+        batch request, or a load run with --concurrency."""
+        if cfg.concurrency:
+            return self.load_trial(cfg, prompts)
+        return self.trial(cfg.adapter, prompts, cfg.sampling) + (None,)
+
     def trial(self, adapter: EngineAdapter, prompts: List[str], sampling: Sampling) -> Tuple[float, int]:
         """One timed request: (seconds, output tokens). The answer's shape must hold even when timing."""
         answer, seconds = generate(self.client, adapter, self.facts.model, prompts, sampling)
         parsed("the answer", adapter.completions, answer, len(prompts), False)
         return seconds, parsed("the answer", adapter.output_tokens, answer)
+
+    def load_trial(self, cfg: Config, prompts: List[str]) -> Tuple[float, int, List[Dict[str, Any]]]:
+        """A closed-loop load run: every prompt its own streamed request, at most --concurrency
+        in flight (a request leaves, the next goes). Per request: time to first token, time per
+        output token after it, end-to-end latency. Returns (seconds, output tokens)."""
+        adapter, pending = cfg.adapter, list(enumerate(prompts))
+        timings: List[Any] = [None] * len(prompts)
+        lock = threading.Lock()
+
+        def stream_one(prompt: str) -> Dict[str, float]:
+            post = self.client.prepare_post(adapter.generate_path, adapter.stream_body(self.facts.model, prompt, cfg.sampling))
+            start = CLOCK()
+            post.connect()
+            post.send()
+            first = last = None
+            count = 0
+            for event in post.events():
+                seen = parsed("a stream event", adapter.streamed_tokens, event)
+                if seen is not None and seen > count:
+                    count, last = seen, CLOCK()
+                    first = last if first is None else first
+            if first is None:
+                raise shape_error("the stream held no token")
+            return {"ttft_s": first - start, "latency_s": last - start, "tokens": count,
+                    "tpot_s": (last - first) / (count - 1) if count > 1 else None}
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    if not pending or any(isinstance(t, ServerError) for t in timings):
+                        return
+                    i, prompt = pending.pop(0)
+                try:
+                    timings[i] = stream_one(prompt)
+                except ServerError as err:
+                    timings[i] = err
+
+        allow_open_files(cfg.concurrency)
+        threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(cfg.concurrency, len(prompts)))]
+        start = CLOCK()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = CLOCK() - start
+        failed = next((t for t in timings if isinstance(t, ServerError)), None)
+        if failed is not None:
+            raise failed
+        return seconds, sum(t["tokens"] for t in timings), timings
 
 
 def comparison_hazards(off: ServerFacts, on: ServerFacts) -> List[Dict[str, Any]]:
@@ -2963,7 +3097,7 @@ def comparison_hazards(off: ServerFacts, on: ServerFacts) -> List[Dict[str, Any]
 
 def cell_key(cell: Dict[str, Any]) -> Tuple:
     """What makes two cells the same measurement: a newer one replaces the older."""
-    return (cell["tp"], cell["workload"], cell["batch"], cell["max_tokens"], cell["model"])
+    return (cell["tp"], cell["workload"], cell["batch"], cell.get("concurrency"), cell["max_tokens"], cell["model"])
 
 
 def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[Dict[str, Any]]:
@@ -3010,11 +3144,11 @@ def fmt_setting(value: Any) -> str:
 
 def cost_table_lines(doc: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
     """The 2x2 table TP=1 / TP=k x cold / shared-prefix for the current model, batch and length."""
-    same = [c for c in doc["cells"] if (c["model"], c["batch"], c["max_tokens"]) ==
-            (current["model"], current["batch"], current["max_tokens"])]
+    shape = lambda c: (c["model"], c["batch"], c.get("concurrency"), c["max_tokens"])
+    same = [c for c in doc["cells"] if shape(c) == shape(current)]
     tps = sorted({c["tp"] for c in same if c["tp"] not in (1, None)}, key=str) or ["k"]
-    lines = ["cost cells for %s, batch %d, %d tokens (from the saved file):" % (
-        current["model"], current["batch"], current["max_tokens"]),
+    lines = ["cost cells for %s, %s, %d tokens (from the saved file):" % (
+        current["model"], cell_shape(current), current["max_tokens"]),
         "  %-8s %-28s %-28s" % ("", "cold", "shared-prefix")]
     filled = 0
     for tp in [1] + tps:
@@ -3041,7 +3175,7 @@ def warm_up(cfg: Config, arms: Sequence[Arm], prompts: Callable[[int], List[str]
                 interrupt.check()
                 progress.running("warm-up %d/%d, %s arm" % (w + 1, cfg.warmup, arm.name))
                 try:
-                    arm.trial(cfg.adapter, prompts(-1 - w), cfg.sampling)
+                    arm.timed(cfg, prompts(-1 - w))
                     break
                 except ServerError as err:
                     if attempt == WARMUP_ATTEMPTS:
@@ -3060,10 +3194,12 @@ def run_cost(cfg: Config, out: Out) -> int:
     run_id = "%08x" % random.SystemRandom().getrandbits(32)  # no prefix cache hit across runs either
     doc = copy.deepcopy(cfg.prior_save) if cfg.prior_save else {"schema": COST_SCHEMA, "cells": []}
     short: List[Tuple[int, str, int]] = []  # (trial, arm, tokens) of trials that stopped early
-    expected_tokens = cfg.batch * cfg.sampling.max_tokens
+    per_trial = cfg.requests if cfg.concurrency else cfg.batch  # prompts in one trial
+    expected_tokens = per_trial * cfg.sampling.max_tokens
+    stopped_by: List[str] = []  # "precision" once the interval is narrow enough
 
     def prompts(trial: int) -> List[str]:
-        return workload_prompts(cfg.workload, cfg.batch, trial, run_id, cfg.prefix_tokens)
+        return workload_prompts(cfg.workload, per_trial, trial, run_id, cfg.prefix_tokens)
 
     saves = ThrottledSave(cfg.save)
     progress = Progress(out, cfg.trials, "trial pairs", cfg.quiet)
@@ -3075,24 +3211,31 @@ def run_cost(cfg: Config, out: Out) -> int:
                 interrupt.check()
                 progress.running("trial %d/%d, %s arm" % (trial + 1, cfg.trials, arm.name))
                 try:
-                    seconds, count = arm.trial(cfg.adapter, prompts(trial), cfg.sampling)
+                    seconds, count, timings = arm.timed(cfg, prompts(trial))
                 except ServerError as err:
                     raise ServerError("trial %d, %s arm: %s" % (trial + 1, arm.name, err)) from None
                 if count < expected_tokens:
                     short.append((trial + 1, arm.name, count))
                 arm.samples.append(seconds)
                 arm.tokens.append(count)
+                if timings is not None:
+                    arm.requests.append(timings)
             saves.offer(lambda path: save_cell(path, cost_cell(cfg, (off, on), hazards, "running")))
-            progress.finished("trial %d/%d" % (trial + 1, cfg.trials), 2 * cfg.batch)
+            progress.finished("trial %d/%d" % (trial + 1, cfg.trials), 2 * per_trial)
+            if cfg.precision and precise_enough(off.samples, on.samples, cfg.precision):
+                stopped_by.append("precision")
+                return
 
     state, code = measure_until_stopped(out, "cost", measure)
     for trial, arm_name, got in short[:3]:
         out.warn("trial %d, %s arm: %d output tokens, not %d x %d (the server stopped early: is "
-                 "ignore_eos honoured?)" % (trial, arm_name, got, cfg.batch, cfg.sampling.max_tokens))
+                 "ignore_eos honoured?)" % (trial, arm_name, got, per_trial, cfg.sampling.max_tokens))
     if not off.samples or not on.samples:
         out.stderr.write("run.py: no complete trial pair; nothing to report\n")
         return code or EXIT_SERVER
     cell = cost_cell(cfg, (off, on), hazards, state)
+    if cfg.precision:
+        cell["stopped_by"] = stopped_by[0] if stopped_by else ("trials" if state == "complete" else state)
     doc = saves.write(lambda path: save_cell(path, cell)) or add_cell(doc, cell)
     if cfg.json_out:
         out.line(json_text(cell, indent=1))
@@ -3103,6 +3246,43 @@ def run_cost(cfg: Config, out: Out) -> int:
             for line in cost_table_lines(doc, cell):
                 out.line(line)
     return report_save(cfg, saves, code, out)
+
+
+def precise_enough(off_s: Sequence[float], on_s: Sequence[float], points: float) -> bool:
+    """Is the primary overhead's 95% interval at most +-points wide yet? Stopping on it biases
+    the estimate little here: the rule looks at the interval's width, which does not depend on
+    where the median lies, only on the spread of the ratios, so it does not stop when the
+    estimate happens to look large or small."""
+    pairs = min(len(off_s), len(on_s))
+    if pairs < MIN_PAIRS_FOR_INTERVAL:
+        return False
+    ci = overhead_stats(off_s[:pairs], on_s[:pairs])["ci95_pct"]
+    return ci is not None and (ci[1] - ci[0]) / 2.0 <= points
+
+
+def percentile(values: Sequence[float], share: float) -> float:
+    """The value below which share of the values lie (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(share * len(ordered)) - 1))]
+
+
+def load_stats(arm: Arm) -> Dict[str, Any]:
+    """An arm under load: medians and p99 of every request's latency, TTFT and TPOT, the
+    median of the trials' throughputs, and the raw per-request samples."""
+    requests = [r for trial in arm.requests for r in trial]
+    stats: Dict[str, Any] = {}
+    for key in ("latency_s", "ttft_s", "tpot_s"):
+        values = [r[key] for r in requests if r[key] is not None]
+        stats[key.replace("_s", "")] = ({"median_s": statistics.median(values), "p99_s": percentile(values, 0.99)}
+                                        if values else None)
+    stats["median_tokens_per_s"] = statistics.median(t / s for t, s in zip(arm.tokens, arm.samples) if s > 0)
+    stats["median_requests_per_s"] = statistics.median(len(trial) / s for trial, s in zip(arm.requests, arm.samples))
+    stats["requests"] = arm.requests
+    return stats
+
+
+def per_trial_medians(arm: Arm, key: str) -> List[float]:
+    return [statistics.median([r[key] for r in trial if r[key] is not None] or [math.nan]) for trial in arm.requests]
 
 
 def cost_cell(cfg: Config, arms: Tuple[Arm, Arm], hazards: List[Dict[str, Any]], state: str) -> Dict[str, Any]:
@@ -3118,6 +3298,16 @@ def cost_cell(cfg: Config, arms: Tuple[Arm, Arm], hazards: List[Dict[str, Any]],
             "differences": hazards, "state": state,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     cell.update(overhead_stats(off.samples[:pairs], on.samples[:pairs]))
+    if cfg.concurrency:
+        # Under load the primary figure is throughput's time cost: the on/off ratio of the
+        # time each trial took for the same tokens (+30 %: the flag costs 30 % more time per
+        # token, i.e. throughput falls to 1/1.3). Latency, TTFT and TPOT: paired per-trial medians.
+        cell.update(batch=None, concurrency=cfg.concurrency, requests=cfg.requests, primary="throughput",
+                    load={arm.name: load_stats(arm) for arm in arms})
+        cell["overheads"] = {"throughput": {k: cell[k] for k in ("overhead_pct", "ci95_pct", "significant")}}
+        for key in ("latency_s", "ttft_s", "tpot_s"):
+            figures = overhead_stats(per_trial_medians(off, key)[:pairs], per_trial_medians(on, key)[:pairs])
+            cell["overheads"][key.replace("_s", "")] = {k: figures[k] for k in ("overhead_pct", "ci95_pct", "significant")}
     return cell
 
 
@@ -3159,10 +3349,28 @@ def fmt_overhead(cell: Dict[str, Any], with_interval: str, without: str, not_sig
     return with_interval % (value, lo, hi, "" if cell["significant"] else not_significant)
 
 
+def cell_shape(cell: Dict[str, Any]) -> str:
+    if cell.get("concurrency"):
+        return "concurrency %d, %d requests a trial" % (cell["concurrency"], cell["requests"])
+    return "batch %d" % cell["batch"]
+
+
+def print_load_report(cell: Dict[str, Any], out: Out) -> None:
+    """Under load: each arm's throughput and latencies, and what the flag costs in each."""
+    ms = lambda figure: "%.1f/%.1f ms" % (1000 * figure["median_s"], 1000 * figure["p99_s"]) if figure else "?"
+    for arm in ("off", "on"):
+        s = cell["load"][arm]
+        out.line("  flag %-3s %.1f tokens/s, %.2f requests/s; median/p99: latency %s, TTFT %s, TPOT %s" % (
+            arm, s["median_tokens_per_s"], s["median_requests_per_s"], ms(s["latency"]), ms(s["ttft"]), ms(s["tpot"])))
+    for name in ("latency", "ttft", "tpot"):
+        out.line("  %-8s overhead %s" % (name.upper() if name != "latency" else "latency", fmt_overhead(
+            cell["overheads"][name], "%+.1f%% [%+.1f%%, %+.1f%%]%s", "%+.1f%% (no interval)", " n.s.")))
+
+
 def print_cost_report(cell: Dict[str, Any], out: Out) -> None:
     out.line("")
-    out.line("cell: TP=%s, workload %s, batch %d, %d tokens, model %s, %d trial pairs%s" % (
-        fmt_opt(cell["tp"], "?"), cell["workload"], cell["batch"], cell["max_tokens"], cell["model"],
+    out.line("cell: TP=%s, workload %s, %s, %d tokens, model %s, %d trial pairs%s" % (
+        fmt_opt(cell["tp"], "?"), cell["workload"], cell_shape(cell), cell["max_tokens"], cell["model"],
         cell["trials"], "" if cell["state"] == "complete" else " (%s)" % cell["state"]))
     for arm in ("off", "on"):
         s = cell[arm]
@@ -3174,6 +3382,12 @@ def print_cost_report(cell: Dict[str, Any], out: Out) -> None:
         cell, "%+.1f%%, 95%% interval [%+.1f%%, %+.1f%%]%s",
         "%%+.1f%%%%, no interval: %d trial pairs, an interval needs at least %d" % (
             cell["trials"], MIN_PAIRS_FOR_INTERVAL), ": not significant (the interval contains 0)"), "1"))
+    if cell.get("load"):
+        print_load_report(cell, out)
+    if cell.get("stopped_by"):
+        out.line("  %s" % {"precision": "stopped once the interval was within the asked precision (--precision)",
+                           "trials": "ran every trial (--trials) before the interval was within --precision"}.get(
+                               cell["stopped_by"], "stopped: %s" % cell["stopped_by"]))
     if cell["differences"]:
         out.line("  timed despite differences (--allow-mismatch): " + ", ".join(
             "%s %s vs %s" % (d["setting"], d["off"], d["on"]) for d in cell["differences"]))

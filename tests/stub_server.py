@@ -225,7 +225,7 @@ def top_entries(logprobs: List[float], chosen: int, k: int) -> List[Tuple[int, f
 VLLM_GRAPH_SIZES = [1, 2, 4] + list(range(8, 129, 8))   # vLLM with --max-num-seqs 64
 SGLANG_GRAPH_SIZES = [1, 2, 4, 8, 12, 16, 24, 32]       # SGLang with --cuda-graph-max-bs-decode 32
 FAULTS = ("http500", "drop", "badjson", "nochoices", "fewer", "nulllogprobs", "ragged",
-          "clamp", "redirect", "huge", "stall", "trickle", "truncate", "echokey")
+          "clamp", "redirect", "huge", "stall", "trickle", "truncate", "echokey", "nostream", "cutstream")
 STALL_SECONDS = 3.0             # how long the "stall" fault keeps a request waiting
 
 
@@ -348,6 +348,7 @@ class EngineState:
         self.prefix_cache = set()   # (salt, prompt) of every prompt prefilled since the last flush
         self.served_requests = 0    # generation requests answered
         self.served_texts = set()   # every distinct completion text answered
+        self.local = threading.local()  # per request thread: is it streamed
 
     def cached_tokens(self, salt: Optional[str], prompt: str) -> int:
         """The prompt's tokens served from the prefix cache; the prompt is cached from now on."""
@@ -359,6 +360,10 @@ class EngineState:
     def flush(self) -> None:
         with self.lock:
             self.prefix_cache.clear()
+
+    def streaming(self) -> bool:
+        """Is the request this thread serves streamed? (Its tokens are then paced one by one.)"""
+        return getattr(self.local, "stream", False)
 
     def served(self, texts: List[str]) -> None:
         with self.lock:
@@ -408,7 +413,7 @@ def run_batch(config: StubConfig, state: EngineState, prompts: List[str], max_to
         out = generate(prompt, max_tokens, plan, temperature, top_p, rng, ignore_eos, prefix)
         memo[key] = out
         results.append(out)
-    if config.step_delay > 0:
+    if config.step_delay > 0 and not state.streaming():
         # Emulated GPU time: the batch takes steps x delay (x slowdown with the flag on),
         # however long the arithmetic above took, so the two arms differ by a known factor.
         steps = max(len(r["ids"]) for r in results)
@@ -767,13 +772,64 @@ class StubHandler(BaseHTTPRequestHandler):
                                                    "AuthenticationError"))
         try:
             body = json.loads(raw or b"{}")
+            self.server.state.local.stream = bool(isinstance(body, dict) and body.get("stream")) and fault != "nostream"
+            arrived = time.perf_counter()
             answer = handlers[path](self.config, body, self.server.state)
         except BadRequest as err:
             return self.send_error_body(err)
         except (ValueError, TypeError) as err:
             return self.send_error_body(BadRequest(400, str(err)))
+        if self.server.state.streaming():
+            return self.stream(answer, arrived, cut=fault == "cutstream")
         self.send_json(200, corrupt(answer, fault, self.config.engine) if fault else
                        floats_as_sent(answer, self.config))
+
+    def stream(self, answer, arrived: float, cut: bool = False) -> None:
+        """The answer as server-sent events, one per token, token k due k+1 step delays (x
+        slowdown with the flag on, x seeded noise) after the request arrived: deadlines, not
+        sleeps, so neither the stub's own arithmetic nor a late wake-up adds up; then [DONE]
+        (or, cut, a hang-up half way)."""
+        events = stream_events(self.config.engine, answer)
+        config, state = self.config, self.server.state
+        factor = config.slowdown if config.invariant else 1.0
+        noise = 1.0 + config.jitter * (2.0 * state.timing_rng.random() - 1.0)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.end_headers()
+        start = arrived
+        for k, event in enumerate(events):
+            if cut and k == len(events) // 2:
+                self.close_connection = True
+                return
+            if k < len(events) - 1 or config.engine == "sglang":  # vLLM's last event carries usage only
+                time.sleep(max(0.0, start + config.step_delay * factor * noise * (k + 1) - time.perf_counter()))
+            self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            self.wfile.flush()
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+def stream_events(engine: str, answer) -> List[Dict]:
+    """One prompt's answer as its stream: an event per token, as each engine sends them."""
+    if engine == "vllm":
+        choice, usage = answer["choices"][0], answer["usage"]
+        ids = [int(t[9:]) if str(t).startswith("token_id:") else 0
+               for t in ((choice.get("logprobs") or {}).get("tokens") or [])] or None
+        count = usage["completion_tokens"]
+        events = [{"id": answer["id"], "object": "text_completion", "created": answer["created"],
+                   "model": answer["model"], "choices": [{"index": 0, "text": token_text(ids[k]) if ids else "",
+                   "logprobs": None, "finish_reason": choice["finish_reason"] if k == count - 1 else None,
+                   "stop_reason": None}],
+                   "usage": {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": k + 1,
+                             "total_tokens": usage["prompt_tokens"] + k + 1}} for k in range(count)]
+        return events + [{"id": answer["id"], "object": "text_completion", "created": answer["created"],
+                          "model": answer["model"], "choices": [], "usage": usage}]
+    item = answer[0] if isinstance(answer, list) else answer
+    ids, meta = item["output_ids"], item["meta_info"]
+    return [{"text": "".join(token_text(v) for v in ids[:k + 1]), "output_ids": ids[:k + 1],
+             "meta_info": dict({key: meta[key] for key in ("id", "prompt_tokens", "cached_tokens")},
+                               completion_tokens=k + 1,
+                               finish_reason=meta["finish_reason"] if k == len(ids) - 1 else None)}
+            for k in range(len(ids))]
 
 
 def floats_as_sent(answer, config: StubConfig):

@@ -98,7 +98,9 @@ class Experiment(TempDirTest):
     def test_interrupted_it_stops_both_servers(self):
         p = self.start()
         self.assertTrue(wait_for(lambda: os.path.exists(self.path("out/sweep_off.txt")), 60))
-        os.killpg(p.pid, signal.SIGINT)  # Ctrl-C reaches the whole foreground group
+        # A stop reaches the whole group, as Ctrl-C or a job scheduler's stop does. SIGTERM, not
+        # SIGINT: a shell started in the background inherits SIGINT ignored and cannot trap it.
+        os.killpg(p.pid, signal.SIGTERM)
         out, err = p.communicate(timeout=60)
         self.assertNotEqual(p.returncode, 0, err)
         self.assert_no_server_left()
