@@ -16,8 +16,13 @@ ON=${ON:-http://localhost:8001}            # the flag-on arm
 SAVE=${SAVE:-cost.json}                    # the cells accumulate here, one per TP x workload
 HERE=$(cd "$(dirname "$0")" && pwd)
 
+CONCURRENCY=${CONCURRENCY:-}              # set it (e.g. 32) to time the arms under load instead
+LOAD=()
+[[ -n $CONCURRENCY ]] && LOAD=(--concurrency "$CONCURRENCY")
+
 for WORKLOAD in cold shared-prefix; do
     # --batch 32 --trials 20: the seed's cell; --tp labels the cell if the server does not report it.
+    # With CONCURRENCY the cell is a load cell: throughput, latency, TTFT and TPOT of both arms.
     python3 "$HERE/../run.py" --mode cost --engine "$ENGINE" --url "$OFF" --invariant "$ON" \
-        --batch 32 --trials 20 --workload "$WORKLOAD" --tp "$TP" --save "$SAVE"
+        --batch 32 --trials 20 --workload "$WORKLOAD" --tp "$TP" --save "$SAVE" ${LOAD[@]+"${LOAD[@]}"}
 done

@@ -30,9 +30,12 @@ def load(path):
 
 
 def select(doc, model=None, batch=None, max_tokens=None):
+    """The cells of one model, shape (batch, or concurrency under load) and length."""
     newest = max(doc["cells"], key=lambda c: c.get("created", ""))
-    key = (model or newest["model"], batch or newest["batch"], max_tokens or newest["max_tokens"])
-    cells = [c for c in doc["cells"] if (c["model"], c["batch"], c["max_tokens"]) == key]
+    shape = lambda c: (c["model"], c["batch"], c.get("concurrency"), c["max_tokens"])
+    key = (model or newest["model"], batch or newest["batch"], newest.get("concurrency") if not batch else None,
+           max_tokens or newest["max_tokens"])
+    cells = [c for c in doc["cells"] if shape(c) == key]
     return key, cells
 
 
@@ -43,7 +46,7 @@ def figure(doc, model=None, batch=None, max_tokens=None):
     plt = labplot.pyplot()
     from matplotlib.patches import Patch
 
-    (model, batch, max_tokens), cells = select(doc, model, batch, max_tokens)
+    (model, batch, concurrency, max_tokens), cells = select(doc, model, batch, max_tokens)
     others = sorted({c["tp"] for c in cells if c["tp"] != 1}, key=str)
     tps = [1] + (others or ["k"])
     fig, ax = plt.subplots(figsize=(8.5, 4.5))
@@ -71,7 +74,8 @@ def figure(doc, model=None, batch=None, max_tokens=None):
     ax.set_xticks(range(len(tps)))
     ax.set_xticklabels(["TP=%s" % tp for tp in tps])
     ax.set_ylabel("overhead of the flag (%), 95% interval")
-    ax.set_title("Cost of batch invariance: %s, batch %d, %d tokens" % (model, batch, max_tokens), fontsize=10)
+    shape = "concurrency %d (throughput)" % concurrency if concurrency else "batch %d" % batch
+    ax.set_title("Cost of batch invariance: %s, %s, %d tokens" % (model, shape, max_tokens), fontsize=10)
     handles = [Patch(color="C%d" % w, label=workload) for w, workload in enumerate(WORKLOADS)]
     handles.append(Patch(color="0.7", alpha=0.35, label="pale: not significant"))
     ax.legend(handles=handles, fontsize=8, title="workload", title_fontsize=8, loc="upper left",

@@ -780,11 +780,12 @@ class StubHandler(BaseHTTPRequestHandler):
         except (ValueError, TypeError) as err:
             return self.send_error_body(BadRequest(400, str(err)))
         if self.server.state.streaming():
-            return self.stream(answer, arrived, cut=fault == "cutstream")
+            prompt = body.get("prompt") if self.config.engine == "vllm" else body.get("text")
+            return self.stream(answer, arrived, json.dumps(prompt), cut=fault == "cutstream")
         self.send_json(200, corrupt(answer, fault, self.config.engine) if fault else
                        floats_as_sent(answer, self.config))
 
-    def stream(self, answer, arrived: float, cut: bool = False) -> None:
+    def stream(self, answer, arrived: float, prompt: str, cut: bool = False) -> None:
         """The answer as server-sent events, one per token, token k due k+1 step delays (x
         slowdown with the flag on, x seeded noise) after the request arrived: deadlines, not
         sleeps, so neither the stub's own arithmetic nor a late wake-up adds up; then [DONE]
@@ -792,7 +793,9 @@ class StubHandler(BaseHTTPRequestHandler):
         events = stream_events(self.config.engine, answer)
         config, state = self.config, self.server.state
         factor = config.slowdown if config.invariant else 1.0
-        noise = 1.0 + config.jitter * (2.0 * state.timing_rng.random() - 1.0)
+        # The noise follows the engine's seed and the prompt, not the order requests come in:
+        # with many in flight that order is the threads', and a test's figures must not be.
+        noise = 1.0 + config.jitter * (2.0 * random.Random(zlib.crc32(prompt.encode()) ^ config.seed).random() - 1.0)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
         self.end_headers()

@@ -1,0 +1,133 @@
+"""--mode cost --concurrency: throughput and latency of both arms under load, streamed, with
+intervals; --precision."""
+
+import json
+import unittest
+from unittest import mock
+
+from stub_server import VirtualClock
+from support import StubConfig, StubServer, TempDirTest, run, run_lab
+
+STEP = 0.08   # seconds per streamed token: long enough that the engines' own arithmetic hides in it
+
+
+def load(off, on, *extra):
+    return run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--concurrency", 8, "--requests", 8,
+                   "--trials", 6, "--warmup", 0, "--max-tokens", 6, "--quiet", "--json", *extra)
+
+
+def arms(slowdown, **extra):
+    return (StubServer(StubConfig(step_delay=STEP, jitter=0.05, seed=1, **extra)),
+            StubServer(StubConfig(invariant=True, step_delay=STEP, jitter=0.05, seed=2, slowdown=slowdown, **extra)))
+
+
+class UnderLoad(TempDirTest):
+    def test_a_known_slowdown_shows_in_throughput_and_tpot(self):
+        off, on = arms(1.3)
+        with off, on:
+            r = load(off, on)
+            bodies = [json.loads(b) for b in off.generation_bodies()]
+        self.assertEqual(r.code, 0, r)
+        cell = r.json()
+        self.assertEqual((cell["concurrency"], cell["requests"], cell["primary"]), (8, 8, "throughput"))
+        for name in ("throughput", "tpot"):
+            lo, hi = cell["overheads"][name]["ci95_pct"]
+            self.assertTrue(lo <= 30.0 <= hi, (name, lo, hi))
+        self.assertEqual(cell["ci95_pct"], cell["overheads"]["throughput"]["ci95_pct"])
+        for arm in ("off", "on"):
+            s = cell["load"][arm]
+            self.assertGreater(s["ttft"]["median_s"], 0)
+            self.assertLess(s["ttft"]["median_s"], s["latency"]["median_s"])
+            self.assertEqual(len(s["requests"]), 6)
+            self.assertEqual({r["tokens"] for trial in s["requests"] for r in trial}, {6})
+        self.assertTrue(all(b["stream"] and len(b["prompt"]) == 1 and b["ignore_eos"] for b in bodies))
+        self.assertEqual(len(bodies), 6 * 8)
+
+    def test_equal_arms_show_no_significant_overhead(self):
+        off, on = arms(1.0)
+        with off, on:
+            r = load(off, on)
+        self.assertEqual(r.code, 0, r)
+        cell = r.json()
+        self.assertEqual({name: o["significant"] for name, o in cell["overheads"].items() if name != "ttft"},
+                         {"throughput": False, "latency": False, "tpot": False})
+
+    def test_sglang_streams_too(self):
+        off, on = arms(1.0, engine="sglang")
+        with off, on:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--concurrency", 2, "--trials", 1,
+                        "--warmup", 0, "--max-tokens", 3, "--quiet", "--json")
+            body = json.loads(off.generation_bodies()[0])
+        self.assertEqual(r.code, 0, r)
+        self.assertEqual((body["stream"], type(body["text"])), (True, str))
+        self.assertEqual(len(r.json()["load"]["off"]["requests"][0]), 8)
+
+    def test_the_table_and_the_saved_cell(self):
+        off, on = arms(1.0)
+        with off, on:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--concurrency", 2, "--trials", 1,
+                        "--warmup", 0, "--max-tokens", 3, "--save", self.path("c.json"))
+        self.assertEqual(r.code, 0, r)
+        self.assertIn("concurrency 2, 8 requests a trial", r.stdout)
+        self.assertIn("TTFT", r.stdout)
+        cell = self.load("c.json")["cells"][0]
+        self.assertEqual(sorted(cell["overheads"]), ["latency", "throughput", "tpot", "ttft"])
+
+
+class Precision(TempDirTest):
+    def test_stops_once_the_interval_is_narrow_enough_and_says_so(self):
+        clock = VirtualClock()
+        with mock.patch.object(run, "CLOCK", clock), \
+                StubServer(StubConfig(step_delay=0.005, jitter=0.05, seed=1, clock=clock)) as off, \
+                StubServer(StubConfig(invariant=True, step_delay=0.005, jitter=0.05, seed=2, slowdown=1.3,
+                                      clock=clock)) as on:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", 2, "--trials", 60,
+                        "--warmup", 0, "--max-tokens", 8, "--precision", 3)
+            pairs = len(off.generation_bodies())
+        self.assertEqual(r.code, 0, r)
+        self.assertIn("stopped once the interval was within the asked precision", r.stdout)
+        self.assertLess(pairs, 60)
+        line = next(x for x in r.stdout.splitlines() if "95% interval" in x)
+        lo, hi = [float(v.strip(" %]+")) for v in line.split("[")[1].split(",")]
+        self.assertLessEqual((hi - lo) / 2, 3.0)
+
+    def test_says_when_the_trials_ran_out_first(self):
+        with StubServer() as off, StubServer(StubConfig(invariant=True)) as on:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", 1, "--trials", 2,
+                        "--warmup", 0, "--max-tokens", 2, "--precision", 0.001)
+        self.assertIn("ran every trial (--trials) before the interval was within --precision", r.stdout)
+
+
+class BadInput(TempDirTest):
+    def test_refused_before_any_request(self):
+        with StubServer() as stub:
+            for extra, message in ((("--concurrency", "0"), "--concurrency"),
+                                   (("--concurrency", "4", "--requests", "3"), "--requests: give at least"),
+                                   (("--requests", "8"), "--requests goes with --concurrency"),
+                                   (("--precision", "0"), "--precision"), (("--precision", "-1"), "--precision")):
+                with self.subTest(args=extra):
+                    r = run_lab("--mode", "cost", "--url", stub.url, "--invariant", "http://127.0.0.1:9", *extra)
+                    self.assertEqual(r.code, 2, r)
+                    self.assertIn(message, r.stderr)
+            self.assertEqual(stub.requests, [])
+
+    def test_a_server_that_does_not_stream(self):
+        with StubServer(StubConfig(faults={1: "nostream"})) as off, StubServer(StubConfig(invariant=True)) as on:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--concurrency", 1, "--trials", 2,
+                        "--warmup", 0, "--max-tokens", 2)
+        self.assertEqual(r.code, 3, r)
+        self.assertIn("did not stream its answer", r.stderr)
+
+    def test_a_stream_cut_in_the_middle_keeps_the_pairs_before_it(self):
+        # Per arm: trial 1 sends requests 1-2, trial 2 requests 3-4; the off arm's 4th is cut.
+        with StubServer(StubConfig(faults={4: "cutstream"})) as off, StubServer(StubConfig(invariant=True)) as on:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--concurrency", 1, "--requests", 2,
+                        "--trials", 3, "--warmup", 0, "--max-tokens", 4, "--save", self.path("c.json"))
+        self.assertEqual(r.code, 3, r)
+        self.assertIn("cut before it ended", r.stderr)
+        cell = self.load("c.json")["cells"][0]
+        self.assertEqual((cell["trials"], cell["state"]), (1, "stopped: server error"))
+
+
+if __name__ == "__main__":
+    unittest.main()
