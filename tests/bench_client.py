@@ -17,6 +17,10 @@ send time (target under 0.5 s at 1000), the client's CPU per request against a b
 that sends the same requests from threads released by one barrier (target at most 2x), and
 peak memory (under 300 MB).
 
+With --streams C it measures cost mode under load: C streamed requests in flight at once on
+each of two arms (two streaming servers), against a bare client that holds the same C
+streams from threads; it prints the CPU per streamed token of each.
+
 With --many-prompts N it measures what saving costs: a sweep of N prompts at sizes 1 and 2,
 once with --save and once without (target: at most 1.5x the time without).
 
@@ -87,6 +91,81 @@ def choice_for(shift, index):
         "finish_reason": "length", "stop_reason": None, "token_ids": None,
         "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None,
     }
+
+
+STREAM_TOKENS = 32     # tokens per streamed answer
+STREAM_GAP = 0.02      # seconds between a stream's tokens, so that every stream is in flight at once
+
+
+def serve_streams(port_file):
+    """vLLM's streamed /v1/completions, usage on every event, a token every STREAM_GAP."""
+    info = {"/version": b'{"version": "0.26.0"}',
+            "/v1/models": json.dumps({"data": [{"id": MODEL, "max_model_len": 4096}]}).encode()}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            data = info.get(self.path, b"{}")
+            self.send_response(200 if self.path in info else 404)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for k in range(STREAM_TOKENS):
+                time.sleep(STREAM_GAP)
+                self.wfile.write(b"data: " + json.dumps({"choices": [{"index": 0, "text": " w"}], "usage": {
+                    "prompt_tokens": 9, "completion_tokens": k + 1, "total_tokens": 10 + k}}).encode() + b"\n\n")
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+
+    ThreadingHTTPServer.request_queue_size = 2048
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    with open(port_file, "w") as f:
+        f.write(str(httpd.server_address[1]))
+    httpd.serve_forever()
+
+
+def streams_worker(kind, urls, streams):
+    """C streams in flight: the lab's cost mode over two arms, or bare threads on one server."""
+    import run  # noqa: E402
+    off, on = urls.split(",")
+    if kind == "lab":
+        with open(os.devnull, "w") as devnull:
+            saved, sys.stdout = sys.stdout, devnull
+            try:
+                code = run.main(["--mode", "cost", "--engine", "vllm", "--url", off, "--invariant", on,
+                                 "--concurrency", str(streams), "--requests", str(streams), "--trials", "1",
+                                 "--warmup", "0", "--max-tokens", str(STREAM_TOKENS), "--quiet"])
+            finally:
+                sys.stdout = saved
+        assert code == 0, code
+        return 2 * streams * STREAM_TOKENS
+
+    def one(url):
+        import http.client
+        parts = url.split("//")[1].split(":")
+        conn = http.client.HTTPConnection(parts[0], int(parts[1]))
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "p", "stream": True}),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        for line in resp:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                json.loads(line[6:])
+        conn.close()
+
+    threads = [threading.Thread(target=one, args=(url,)) for url in (off, on) for _ in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return 2 * streams * STREAM_TOKENS
 
 
 def serve(port_file, distinct):
@@ -171,6 +250,11 @@ def worker(kind, url, n=None, save=None):
     sys.path.insert(0, ROOT)
     import run  # noqa: E402  (imported before timing, as a user's process would have it)
     start = time.process_time()
+    if kind in ("lab-streams", "bare-streams"):
+        tokens = streams_worker(kind.split("-")[0], url, int(n))
+        print(json.dumps({"cpu_s": time.process_time() - start, "tokens": tokens,
+                          "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}))
+        return 0
     if kind == "many":
         wall = time.monotonic()
         many_prompts_worker(url, n, save if save != "-" else None)
@@ -234,6 +318,34 @@ def bench_many_prompts(url, repeat, count):
         print("with/without --save: %.2fx wall (target <= 1.5)" % (figures["with --save"][0] / figures["without --save"][0]))
 
 
+def bench_streams(streams, repeat):
+    files = [os.path.join(os.environ.get("TMPDIR", "/tmp"), "bench-streams-%d-%d.port" % (os.getpid(), i))
+             for i in range(2)]
+    servers = [subprocess.Popen([sys.executable, __file__, "--serve-streams", f]) for f in files]
+    try:
+        for f in files:
+            while not os.path.exists(f) or not open(f).read():
+                time.sleep(0.05)
+        urls = ",".join("http://127.0.0.1:%s" % open(f).read() for f in files)
+        print("%d streams on each of two servers, %d tokens each, one every %g s" % (streams, STREAM_TOKENS, STREAM_GAP))
+        for kind in ("bare-streams", "lab-streams"):
+            runs = []
+            for _ in range(repeat):
+                out = subprocess.run([sys.executable, __file__, "--worker", kind, urls, str(streams)],
+                                     capture_output=True, text=True, check=True)
+                runs.append(json.loads(out.stdout))
+            best = min(runs, key=lambda r: r["cpu_s"])
+            print("%-13s CPU %.2f s for %d streamed tokens: %.1f us a token, peak %.0f MB" % (
+                kind.split("-")[0], best["cpu_s"], best["tokens"], 1e6 * best["cpu_s"] / best["tokens"], best["peak_mb"]))
+    finally:
+        for s in servers:
+            s.terminate()
+            s.wait()
+        for f in files:
+            if os.path.exists(f):
+                os.unlink(f)
+
+
 def bench_concurrent(url, repeat):
     for n in (256, 1000):
         lab_cpu, lab_peak, lab_spread = measure("lab", url, repeat, n)
@@ -251,11 +363,17 @@ def main(argv=None):
     p.add_argument("--distinct", action="store_true", help="no two completions of a batch alike")
     p.add_argument("--traffic", choices=("copies", "concurrent"), default="copies")
     p.add_argument("--many-prompts", type=int, metavar="N", help="measure --save's cost on a sweep of N prompts")
+    p.add_argument("--streams", type=int, metavar="C", help="measure cost mode with C streams in flight per arm")
+    p.add_argument("--serve-streams", help=argparse.SUPPRESS)
     p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     p.add_argument("--serve", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve:
         return serve(args.serve, args.distinct)
+    if args.serve_streams:
+        return serve_streams(args.serve_streams)
+    if args.streams:
+        return bench_streams(args.streams, args.repeat)
     if args.worker:
         return worker(*args.worker)
     port_file = os.path.join(os.environ.get("TMPDIR", "/tmp"), "bench-client-%d.port" % os.getpid())
