@@ -26,21 +26,33 @@ Usage:
   python3 run.py --mode cost --url http://localhost:8000 \\
       --invariant http://localhost:8001 --batch 32 --trials 20 --save cost.json
 
+  python3 run.py --mode sweep --url http://localhost:8000/v1 --traffic concurrent \\
+      --repeat 5 --save concurrent.json             # what real traffic sees, with a control
+  python3 run.py --mode sweep --url http://localhost:8001 --prefill-check \\
+      --expect prefill-equal                        # decode versus prefill, for RL users
+  python3 run.py --mode cost --url http://localhost:8000 --invariant http://localhost:8001 \\
+      --concurrency 32 --precision 3                # throughput, TTFT, TPOT under load
+
 No GPU at hand? Start the practice engine: python3 tests/stub_server.py --port 8000
 
 Sections, in the order they appear:
   Constants            schemas, exit codes, every default with why
   Pure functions       float32 ULPs, comparable logprob pairs, completion comparison, ladders,
                        verdicts, statistics, workload prompts (no I/O)
-  Transport            HttpClient: the one guarded HTTP path; network errors as one line
+  Transport            HttpClient (every request, guarded) and PreparedPost (a POST split into
+                       connect, send and read, for concurrent and streamed requests)
   Engine adapters      Sampling, ServerFacts, the EngineAdapter protocol, VllmAdapter,
-                       SglangAdapter: all that is known of each engine lives here
+                       SglangAdapter, the known-hazards table, engine detection: all that is
+                       known of each engine lives here
   Configuration        argparse types and parser, Config, every check made before any request
-  Shared by the modes  output, atomic saves, deferred Ctrl-C, the stop path, table headers
+  Shared by the modes  output, progress, throttled atomic saves, signals, the stop path,
+                       waiting for servers, table headers
   --mode harness       the quoted upstream excerpts, their provenance, the commands
   --mode help          the guide
-  --mode sweep         ladders, traffic, per-size rows, the saved document, the table
-  --mode cost          arms, the hazard check, warm-up, trials, cells, the 2x2 table
+  --mode sweep         ladders, traffic shapes, repeats, the prefill check, per-size rows,
+                       the saved document, the table
+  --mode cost          arms, the settings check, warm-up, batch and load trials, cells,
+                       the 2x2 table
   main                 main(argv) -> exit code
 """
 

@@ -8,6 +8,7 @@ import os
 import random
 import socket
 import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -101,6 +102,24 @@ class TempDirTest(unittest.TestCase):
     def load(self, name):
         with open(self.path(name), encoding="utf-8") as f:
             return json.load(f)
+
+    def saved(self, name):
+        """The --save file as it stands, or None while it is absent or half there."""
+        try:
+            return self.load(name)
+        except (OSError, ValueError):
+            return None
+
+    def run_and_signal(self, args, progressed, signum):
+        """Start run.py, wait until progressed() holds, then send it signum; (code, out, err)."""
+        p = subprocess.Popen([sys.executable, os.path.join(ROOT, "run.py")] + [str(a) for a in args],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            self.assertTrue(wait_for(lambda: p.poll() is not None or progressed(), 60), "no progress")
+        finally:
+            p.send_signal(signum)
+            out, err = p.communicate(timeout=60)
+        return p.returncode, out, err
 
 
 # ----------------------------------------------------------------------------

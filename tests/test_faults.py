@@ -203,23 +203,8 @@ class ServerFaultsInCost(TempDirTest):
 
 class Interruption(TempDirTest):
     def run_and_interrupt(self, args, progressed):
-        """Start run.py, wait until progressed() says its --save file shows measured progress,
-        then press Ctrl-C."""
-        p = subprocess.Popen([sys.executable, os.path.join(ROOT, "run.py")] + args,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            self.assertTrue(wait_for(lambda: p.poll() is not None or progressed(), 60), "no progress")
-        finally:
-            p.send_signal(signal.SIGINT)
-            out, err = p.communicate(timeout=60)
-        return p.returncode, out, err
-
-    def saved(self, name):
-        """The --save file as it stands, or None while it is absent."""
-        try:
-            return self.load(name)
-        except (OSError, ValueError):
-            return None
+        """Start run.py, wait until its --save file shows measured progress, then press Ctrl-C."""
+        return self.run_and_signal(args, progressed, signal.SIGINT)
 
     def test_ctrl_c_stops_after_the_current_request_saves_and_summarises(self):
         with StubServer(StubConfig(step_delay=0.02)) as stub:  # 8 tokens: 0.16 s a request

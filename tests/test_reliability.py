@@ -262,20 +262,7 @@ class SavingCanFail(TempDirTest):
 
 class Signals(TempDirTest):
     def stop_with(self, signum, args, progressed):
-        p = subprocess.Popen([sys.executable, os.path.join(ROOT, "run.py")] + args, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-        try:
-            self.assertTrue(wait_for(lambda: p.poll() is not None or progressed(), 60))
-        finally:
-            p.send_signal(signum)
-            out, err = p.communicate(timeout=60)
-        return p.returncode, out, err
-
-    def saved(self, name):
-        try:
-            return self.load(name)
-        except (OSError, ValueError):
-            return None
+        return self.run_and_signal(args, progressed, signum)
 
     def test_sigterm_and_sighup_stop_like_ctrl_c_with_their_own_codes(self):
         for signum, code, state in ((signal.SIGTERM, 143, "terminated"), (signal.SIGHUP, 129, "hung up")):
