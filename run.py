@@ -922,11 +922,8 @@ def choice_order(choices: List[Any]) -> List[Any]:
 
 
 class VllmAdapter:
-    name = "vllm"
-    label = "vLLM"
-    default_port = 8000
-    generate_path = "/v1/completions"
-    health_path = "/health"            # 200 once the engine has loaded
+    name, label, default_port = "vllm", "vLLM", 8000
+    generate_path, health_path = "/v1/completions", "/health"  # /health: 200 once the engine has loaded
     flag_name = "VLLM_BATCH_INVARIANT"
     logprob_clamps = (-9999.0,)        # vLLM writes -inf logprobs as -9999.0
     DEFAULT_MAX_NUM_SEQS = 32          # assumed when the server does not say (upstream's test value)
@@ -1106,11 +1103,8 @@ class VllmAdapter:
 
 
 class SglangAdapter:
-    name = "sglang"
-    label = "SGLang"
-    default_port = 30000
-    generate_path = "/generate"
-    health_path = "/health"            # 200 once the engine has loaded
+    name, label, default_port = "sglang", "SGLang", 30000
+    generate_path, health_path = "/generate", "/health"  # /health: 200 once the engine has loaded
     flag_name = "--enable-deterministic-inference"
     # -inf logprobs become float32's lowest value (python/sglang/srt/layers/logprob_processor.py,
     # 0.5.23 line 926, 0.5.18 line 795: clamp_(min=torch.finfo(logprobs.dtype).min)).
