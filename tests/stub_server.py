@@ -35,6 +35,7 @@ import json
 import math
 import os
 import random
+import re
 import socket
 import struct
 import sys
@@ -391,11 +392,23 @@ def prompt_logprob_list(config: StubConfig, ids: List[int]) -> List[Optional[flo
     return [None] + [-1.0] * (len(ids) - len(generated) - 1) + values if ids else []
 
 
+def paced_only(prompt: str, max_tokens: int) -> Dict:
+    """A streamed answer when GPU time is emulated (--step-delay): tokens drawn from the prompt
+    alone, without the model's arithmetic. On a GPU that arithmetic runs beside the server's
+    CPU; here it would take the CPU from the other streams and show up in the very times the
+    lab measures under load."""
+    rng = random.Random(zlib.crc32(prompt.encode("utf-8")))
+    ids = [rng.randrange(1, len(VOCAB)) for _ in range(max_tokens)]
+    return {"ids": ids, "logprobs": [[-3.5] * len(VOCAB) for _ in ids], "finish": "length"}
+
+
 def run_batch(config: StubConfig, state: EngineState, prompts: List[str], max_tokens: int,
               temperature: float, top_p: float, seed: Optional[int], ignore_eos: bool,
               prefixes: Optional[List[List[int]]] = None) -> List[Dict]:
     """Every prompt of one request, computed with the arithmetic of the step batch it joined."""
     step_size = state.scheduler.join(len(prompts))
+    if state.streaming() and config.step_delay > 0:
+        return [paced_only(prompt, max_tokens) for prompt in prompts]
     started = time.perf_counter()
     if not config.honour_ignore_eos:
         max_tokens = max(1, max_tokens // 2)  # as if each completion met its end early
@@ -795,7 +808,9 @@ class StubHandler(BaseHTTPRequestHandler):
         factor = config.slowdown if config.invariant else 1.0
         # The noise follows the engine's seed and the prompt, not the order requests come in:
         # with many in flight that order is the threads', and a test's figures must not be.
-        noise = 1.0 + config.jitter * (2.0 * random.Random(zlib.crc32(prompt.encode()) ^ config.seed).random() - 1.0)
+        # (A cost run's own tag, "[run id.trial.slot]", is left out, so runs repeat their noise.)
+        key = re.sub(r"\[[0-9a-f]{8}\.", "[", prompt)
+        noise = 1.0 + config.jitter * (2.0 * random.Random(zlib.crc32(key.encode()) ^ config.seed).random() - 1.0)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
         self.end_headers()
