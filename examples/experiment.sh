@@ -41,9 +41,14 @@ mkdir -p "$OUT" || exit 2
 servers=()
 stop_servers() {
     # Each arm runs in a process group of its own: stop the whole group (a launch script,
-    # the engine it started, the engine's workers), then wait for it to be gone.
-    for pid in "${servers[@]}"; do kill -TERM -- "-$pid" 2>/dev/null; done
-    for pid in "${servers[@]}"; do wait "$pid" 2>/dev/null; done
+    # the engine it started, the engine's workers), give it 10 s to go, then make it go.
+    local pid
+    for pid in "${servers[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null; done
+    for pid in "${servers[@]}"; do
+        for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+        kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null
+        wait "$pid" 2>/dev/null
+    done
     servers=()
 }
 trap stop_servers EXIT

@@ -101,7 +101,7 @@ class Experiment(TempDirTest):
         # A stop reaches the whole group, as Ctrl-C or a job scheduler's stop does. SIGTERM, not
         # SIGINT: a shell started in the background inherits SIGINT ignored and cannot trap it.
         os.killpg(p.pid, signal.SIGTERM)
-        out, err = p.communicate(timeout=60)
+        out, err = p.communicate(timeout=120)
         self.assertNotEqual(p.returncode, 0, err)
         self.assert_no_server_left()
 
