@@ -4,13 +4,15 @@
 # Then:  python3 run.py --mode sweep --engine sglang --url http://localhost:30000 --save off.json
 #        python3 run.py --mode sweep --engine sglang --url http://localhost:30001 --save on.json --expect invariant
 # Both arms run this same command, so they differ in the flag only (run.py --mode cost
-# refuses a pair that differs in more). Edit the variables, not the command.
+# refuses a pair that differs in more). Edit the variables, not the command. On one GPU,
+# start the second arm only once the first answers /health (experiment.sh does): see placement.sh.
 set -euo pipefail
 ARM=${1:?usage: examples/sglang_serve.sh off|on}
 MODEL=${MODEL:-Qwen/Qwen3-8B}         # the weights under test (the upstream test class's default)
 BACKEND=${BACKEND:-triton}            # fa3, flashinfer or triton (the deterministic choices)
 TP=${TP:-1}                           # tensor-parallel degree; run the cost cells at 1 and at your real TP
 GPUS=${GPUS:-0}                       # devices for both arms (see placement.sh); MEM sets the share
+RADIX_CACHE=${RADIX_CACHE:-off}       # off (default) or keep: see --disable-radix-cache below
 
 case "$ARM" in
     # --enable-deterministic-inference: the flag. Batch-invariant matmul, log_softmax and
@@ -26,6 +28,16 @@ place_arm "$ARM"
 #                        near 0.9, leaves no room for the second arm.
 MEM_FLAG=()
 [[ -n $MEM_SHARE ]] && MEM_FLAG=(--mem-fraction-static "$MEM_SHARE")
+# --disable-radix-cache: unless RADIX_CACHE=keep. With the radix cache on, a request can be
+#                        served from another's cached prefix, a path the flag does not make
+#                        invariant (sgl-project/sglang#34683; the lab's known-hazards table,
+#                        run.py --mode help); the lab's sweeps then report a hazard on both arms.
+CACHE_FLAG=()
+case "$RADIX_CACHE" in
+    off)  CACHE_FLAG=(--disable-radix-cache) ;;
+    keep) ;;
+    *)    echo "RADIX_CACHE=$RADIX_CACHE: off or keep" >&2; exit 2 ;;
+esac
 
 # --attention-backend:           pinned, the same in both arms. Left out, the flag-on arm
 #                                falls back to a backend of its own choosing (fa3, flashinfer
@@ -40,5 +52,6 @@ exec python3 -m sglang.launch_server \
     --attention-backend "$BACKEND" \
     --cuda-graph-max-bs-decode 32 \
     --tp-size "$TP" \
+    ${CACHE_FLAG[@]+"${CACHE_FLAG[@]}"} \
     ${MEM_FLAG[@]+"${MEM_FLAG[@]}"} \
     ${FLAG[@]+"${FLAG[@]}"}

@@ -255,6 +255,7 @@ class StubConfig:
     clock: Optional["VirtualClock"] = None   # in-process tests: emulated time advances this, no sleep
     scheduler_window: float = 0.0            # seconds a step waits for more requests (0: each alone)
     prompt_tokens_details: bool = False      # vLLM's --enable-prompt-tokens-details: cached-token counts
+    prefix_caching: bool = True              # False: vLLM --no-enable-prefix-caching, SGLang --disable-radix-cache
     flush_refused: bool = False              # SGLang: answer /flush_cache as with requests in flight
     decode_graphs: bool = True               # SGLang: False reports decode graphs switched off
     prefill_agrees: bool = False             # prefill computes as a batch-1 decode step does
@@ -346,6 +347,7 @@ class EngineState:
         self.timing_rng = random.Random(config.seed + 1)
         self.scheduler = StepScheduler(config.scheduler_window)
         self.lock = threading.Lock()
+        self.prefix_caching = config.prefix_caching
         self.prefix_cache = set()   # (salt, prompt) of every prompt prefilled since the last flush
         self.served_requests = 0    # generation requests answered
         self.served_texts = set()   # every distinct completion text answered
@@ -353,6 +355,8 @@ class EngineState:
 
     def cached_tokens(self, salt: Optional[str], prompt: str) -> int:
         """The prompt's tokens served from the prefix cache; the prompt is cached from now on."""
+        if not self.prefix_caching:
+            return 0
         with self.lock:
             hit = (salt, prompt) in self.prefix_cache
             self.prefix_cache.add((salt, prompt))
@@ -547,6 +551,7 @@ def vllm_server_info(config: StubConfig) -> Dict:
     vc["parallel_config"]["tensor_parallel_size"] = config.tp_size
     vc["instance_id"] = str(random.getrandbits(60))
     info["vllm_env"]["VLLM_BATCH_INVARIANT"] = config.invariant
+    vc["cache_config"]["enable_prefix_caching"] = config.prefix_caching
     info["vllm_env"]["VLLM_TEST_FORCE_LOAD_FORMAT"] = None
     vc["load_config"]["load_format"] = "stub"
     return overridden(info, config)
@@ -652,7 +657,7 @@ def sglang_server_info(config: StubConfig, port: int) -> Dict:
         "quantization": None, "load_format": "stub",
         "tp_size": config.tp_size, "pp_size": 1, "dp_size": 1, "attention_backend": config.backend(),
         "sampling_backend": "pytorch" if config.invariant else "flashinfer",
-        "enable_deterministic_inference": config.invariant, "disable_radix_cache": False,
+        "enable_deterministic_inference": config.invariant, "disable_radix_cache": not config.prefix_caching,
         "chunked_prefill_size": 8192, "max_prefill_tokens": 16384,
         # the raw flags, null unless passed; the limit in force is in internal_states
         "max_running_requests": None, "context_length": None, "disable_cuda_graph": False,
@@ -985,6 +990,7 @@ def main(argv=None) -> int:
     p.add_argument("--scheduler-window", type=float, default=0.05, help="seconds a step batch waits for "
                    "more requests to join it (default 0.05; 0 runs every request alone)")
     p.add_argument("--prompt-tokens-details", action="store_true", help="vLLM: report cached prompt tokens")
+    p.add_argument("--no-prefix-caching", action="store_true", help="no prefix (radix) cache")
     p.add_argument("--no-decode-graphs", action="store_true", help="SGLang: report decode CUDA graphs as off")
     p.add_argument("--prefill-agrees", action="store_true", help="prefill computes as a batch-1 decode step")
     p.add_argument("--fault", action="append", default=[], metavar="K=KIND")
@@ -996,7 +1002,8 @@ def main(argv=None) -> int:
         max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
         dev_mode=not args.no_dev_mode, step_delay=args.step_delay, slowdown=args.slowdown,
         jitter=args.jitter, seed=args.seed, tp_size=args.tp_size, scheduler_window=args.scheduler_window,
-        prompt_tokens_details=args.prompt_tokens_details, decode_graphs=not args.no_decode_graphs,
+        prompt_tokens_details=args.prompt_tokens_details, prefix_caching=not args.no_prefix_caching,
+        decode_graphs=not args.no_decode_graphs,
         prefill_agrees=args.prefill_agrees,
         faults=parse_faults(args.fault))
     server = StubHTTPServer(config)

@@ -20,11 +20,11 @@ except ImportError:
     HAVE_MATPLOTLIB = False
 
 # Flags the engines document (the lab's facts sheet), per launch script.
-VLLM_FLAGS = {"--port", "--attention-backend", "--max-num-seqs", "--max-model-len", "--tensor-parallel-size",
-              "--gpu-memory-utilization"}
+VLLM_FLAGS = {"--port", "--attention-backend", "--max-num-seqs", "--enable-prompt-tokens-details",
+              "--tensor-parallel-size", "--gpu-memory-utilization"}
 VLLM_BACKENDS = {"FLASH_ATTN", "FLEX_ATTENTION", "TRITON_ATTN", "FLASH_ATTN_MLA", "TRITON_MLA"}
 SGLANG_FLAGS = {"--model-path", "--port", "--attention-backend", "--cuda-graph-max-bs-decode",
-                "--tp-size", "--mem-fraction-static", "--enable-deterministic-inference"}
+                "--tp-size", "--mem-fraction-static", "--disable-radix-cache", "--enable-deterministic-inference"}
 SGLANG_BACKENDS = {"fa3", "flashinfer", "triton"}
 
 
@@ -81,6 +81,20 @@ class LaunchScripts(unittest.TestCase):
         self.assertEqual(strip(off["argv"]), strip(on["argv"]))
         self.assertEqual(value(off["argv"], "--max-num-seqs"), "32")
 
+    def test_the_context_length_is_passed_only_when_set(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            default, chosen = launch("vllm_serve.sh", "off", tmp), launch("vllm_serve.sh", "off", tmp,
+                                                                          MAX_MODEL_LEN="4096")
+        self.assertNotIn("--max-model-len", default["argv"])
+        self.assertEqual(value(chosen["argv"], "--max-model-len"), "4096")
+
+    def test_the_radix_cache_is_off_unless_kept(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            default, kept = launch("sglang_serve.sh", "on", tmp), launch("sglang_serve.sh", "on", tmp,
+                                                                         RADIX_CACHE="keep")
+        self.assertIn("--disable-radix-cache", default["argv"])
+        self.assertNotIn("--disable-radix-cache", kept["argv"])
+
     def test_sglang_arms_differ_in_the_flag_only(self):
         with tempfile.TemporaryDirectory() as tmp:
             off, on = launch("sglang_serve.sh", "off", tmp), launch("sglang_serve.sh", "on", tmp)
@@ -121,7 +135,7 @@ class LaunchScripts(unittest.TestCase):
     def test_fewer_devices_than_tp_is_refused(self):
         p = subprocess.run(["bash", os.path.join(EXAMPLES, "vllm_serve.sh"), "off"], capture_output=True, text=True,
                            env=dict(os.environ, GPUS="0", TP="2"))
-        self.assertEqual(p.returncode, 2)
+        self.assertEqual(p.returncode, 3)
         self.assertIn("fewer than TP=2", p.stderr)
 
     def test_an_unknown_arm_is_refused(self):

@@ -1,7 +1,11 @@
-"""Launching both arms and waiting for them: --wait-ready, and examples/experiment.sh run
-end to end with the practice engine standing in for the GPU engines."""
+"""Launching both arms and waiting for them: --wait-ready, and examples/experiment.sh run end
+to end through the real launch scripts, with stand-ins for `vllm serve` and
+`sglang.launch_server` (tests/standin/) that start up, fail and exit as the real engines did
+on a GPU."""
 
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -12,8 +16,7 @@ import unittest
 from support import ROOT, TempDirTest, free_port, run_lab, wait_for
 
 STUB = [sys.executable, os.path.join(ROOT, "tests", "stub_server.py")]
-
-
+STANDIN = os.path.join(ROOT, "tests", "standin")
 
 
 def listening(port):
@@ -28,12 +31,27 @@ def errors(stderr):
 class WaitReady(unittest.TestCase):
     def test_a_server_that_starts_late_is_waited_for(self):
         port = free_port()
-        late = subprocess.Popen(["bash", "-c", 'sleep 3 && exec "$@"', "late"] + STUB + ["--port", str(port)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        late = subprocess.Popen(
+            ["bash", "-c", 'sleep 3 && exec "$@"', "late"] + STUB + ["--port", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             start = time.monotonic()
-            r = run_lab("--mode", "sweep", "--url", "http://127.0.0.1:%d" % port, "--wait-ready", 10,
-                        "--sizes", "1,2", "--max-tokens", 4, "--repeat", 1)
+            r = run_lab(
+                "--mode",
+                "sweep",
+                "--url",
+                "http://127.0.0.1:%d" % port,
+                "--wait-ready",
+                10,
+                "--sizes",
+                "1,2",
+                "--max-tokens",
+                4,
+                "--repeat",
+                1,
+            )
             self.assertEqual(r.code, 0, r)
             self.assertGreater(time.monotonic() - start, 2.5)
             self.assertIn("waiting up to 10s for the server", r.stderr)
@@ -44,7 +62,16 @@ class WaitReady(unittest.TestCase):
     def test_nothing_there_is_one_line_and_exit_3_in_time(self):
         port = free_port()
         start = time.monotonic()
-        r = run_lab("--mode", "sweep", "--url", "http://127.0.0.1:%d" % port, "--wait-ready", 10, "--sizes", "1")
+        r = run_lab(
+            "--mode",
+            "sweep",
+            "--url",
+            "http://127.0.0.1:%d" % port,
+            "--wait-ready",
+            10,
+            "--sizes",
+            "1",
+        )
         took = time.monotonic() - start
         self.assertEqual(r.code, 3, r)
         self.assertEqual(len(errors(r.stderr)), 1, r.stderr)
@@ -53,67 +80,265 @@ class WaitReady(unittest.TestCase):
         self.assertGreater(took, 9.0)
 
     def test_quiet_waits_silently(self):
-        r = run_lab("--mode", "cost", "--url", "http://127.0.0.1:%d" % free_port(), "--invariant",
-                    "http://127.0.0.1:%d" % free_port(), "--wait-ready", 0.6, "--quiet")
+        r = run_lab(
+            "--mode",
+            "cost",
+            "--url",
+            "http://127.0.0.1:%d" % free_port(),
+            "--invariant",
+            "http://127.0.0.1:%d" % free_port(),
+            "--wait-ready",
+            0.6,
+            "--quiet",
+        )
         self.assertEqual(r.code, 3, r)
         self.assertEqual(len(r.stderr.strip().splitlines()), 1, r.stderr)
         self.assertIn("the flag-off arm (--url)", r.stderr)
 
 
 class Experiment(TempDirTest):
-    def start(self, out="out", flag_off_arm_invariant=False, **variables):
-        """Run examples/experiment.sh in a session of its own, the practice engine standing in."""
+    """examples/experiment.sh with the stand-in engines behind the real launch scripts. Every
+    wait is a liveness bound far above what the run needs (a run takes seconds)."""
+
+    engine = "vllm"
+
+    def start(self, out="out", **variables):
+        """Run the experiment in a session of its own; the stand-ins load for a moment. In a
+        variable, {off} and {on} stand for the arms' ports."""
         self.ports = free_port(), free_port()
-        env = dict(os.environ,
-                   SERVE_OFF="%s %s --port %d%s" % (sys.executable, STUB[1], self.ports[0],
-                                                   " --invariant" if flag_off_arm_invariant else ""),
-                   SERVE_ON="%s %s --port %d --invariant" % (sys.executable, STUB[1], self.ports[1]),
-                   OFF_URL="http://127.0.0.1:%d" % self.ports[0], ON_URL="http://127.0.0.1:%d" % self.ports[1],
-                   WAIT="30", SWEEP_ARGS="--sizes 1,2,9,17 --max-tokens 16 --repeat 1",
-                   COST_ARGS="--batch 2 --trials 3 --warmup 0 --max-tokens 4")
-        env.update(variables)
-        return subprocess.Popen(["bash", os.path.join(ROOT, "examples", "experiment.sh"), "vllm", self.path(out)],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+        env = dict(
+            os.environ,
+            PATH=os.path.join(STANDIN, "bin") + os.pathsep + os.environ["PATH"],
+            PYTHONPATH=os.path.join(STANDIN, "py"),
+            STANDIN_DEVICE_DIR=self.tmp,
+            STANDIN_LOAD_S="0.5",
+            MODEL="stub/tiny-f32",
+            GPUS="0",
+            TP="1",
+            WAIT="300",
+            SERVE_OFF="env PORT=%d bash %s off" % (self.ports[0], self.script()),
+            SERVE_ON="env PORT=%d bash %s on" % (self.ports[1], self.script()),
+            OFF_URL="http://127.0.0.1:%d" % self.ports[0],
+            ON_URL="http://127.0.0.1:%d" % self.ports[1],
+            SWEEP_ARGS="--sizes 1,2,9,17 --max-tokens 12 --repeat 1",
+            COST_ARGS="--batch 2 --trials 2 --warmup 0 --max-tokens 4",
+        )
+        for name in ("VLLM_BATCH_INVARIANT", "CUDA_VISIBLE_DEVICES", "MEM", "STANDIN_EXIT_AFTER"):
+            env.pop(name, None)
+        env.update(
+            {
+                name: value.format(off=self.ports[0], on=self.ports[1])
+                for name, value in variables.items()
+            }
+        )
+        return subprocess.Popen(
+            ["bash", os.path.join(ROOT, "examples", "experiment.sh"), self.engine, self.path(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+
+    def script(self):
+        return os.path.join(ROOT, "examples", "%s_serve.sh" % self.engine)
+
+    def finish(self, p):
+        out, err = p.communicate(timeout=240)
+        return p.returncode, out, err
+
+    def runs(self, out="out"):
+        return sorted(os.listdir(self.path(out))) if os.path.isdir(self.path(out)) else []
+
+    def run_path(self, *names, out="out", run=-1):
+        return os.path.join(self.path(out), self.runs(out)[run], *names)
+
+    def load_run(self, *names, run=-1):
+        with open(self.run_path(*names, run=run), encoding="utf-8") as f:
+            return json.load(f) if names[-1].endswith(".json") else f.read()
+
+    def times(self, arm, tp=1, run=-1):
+        """(loading started, ready) of one arm, as its stand-in logged them."""
+        log = self.load_run("tp%d" % tp, "server_%s.log" % arm, run=run)
+        stamps = [float(m) for m in re.findall(r"\(at ([0-9.]+)\)", log)]
+        self.assertEqual(len(stamps), 2, log)
+        return stamps
 
     def assert_no_server_left(self):
-        self.assertTrue(wait_for(lambda: not any(listening(p) for p in self.ports), 10), "a server is still up")
+        self.assertTrue(
+            wait_for(lambda: not any(listening(p) for p in self.ports), 20), "a server is still up"
+        )
 
-    def test_the_whole_experiment_with_the_practice_engine(self):
-        p = self.start()
-        out, err = p.communicate(timeout=240)
-        self.assertEqual(p.returncode, 0, err)
-        files = set(os.listdir(self.path("out")))
-        for name in ("sweep_off.json", "sweep_on.json", "cost.json", "server_off.log", "server_on.log"):
-            self.assertIn(name, files)
-        try:
-            import matplotlib  # noqa: F401
-            self.assertTrue({"sweep.png", "cost.png"} <= files, files)
-        except ImportError:
-            self.assertIn("no pictures", err)
-        self.assertEqual(len(self.load("out/cost.json")["cells"]), 2)
-        self.assertIn("experiment: flag-on sweep: exit 0", err)
+
+class ExperimentRuns(Experiment):
+    def test_one_device_the_second_arm_starts_once_the_first_is_ready(self):
+        code, out, err = self.finish(self.start())
+        self.assertEqual(code, 0, err)
+        off_loading, off_ready = self.times("off")
+        on_loading, on_ready = self.times("on")
+        self.assertGreaterEqual(on_loading, off_ready)
+        self.assertIn("the arms share device(s) 0", err)
+        report = self.load_run("REPORT.md")
+        self.assertEqual(out, report)  # printed as well as written
+        for words in (
+            "| flag off | vllm |",
+            "| flag on | vllm |",
+            "| flag off | tokens diverged |",
+            "| flag on | invariant | 1 of 29 |",
+            "decode and prefill agree",
+            "| 1 | cold |",
+            "| 1 | shared-prefix |",
+            "**Result: exit 0",
+        ):
+            self.assertIn(words, report)
+        self.assertEqual(self.load_run("tp1", "sweep_on.json")["summary"]["verdict"], "invariant")
         self.assert_no_server_left()
 
-    def test_interrupted_it_stops_both_servers(self):
-        p = self.start()
-        self.assertTrue(wait_for(lambda: os.path.exists(self.path("out/sweep_off.txt")), 60))
-        # A stop reaches the whole group, as Ctrl-C or a job scheduler's stop does. SIGTERM, not
-        # SIGINT: a shell started in the background inherits SIGINT ignored and cannot trap it.
-        os.killpg(p.pid, signal.SIGTERM)
-        out, err = p.communicate(timeout=120)
-        self.assertNotEqual(p.returncode, 0, err)
+    def test_separate_devices_start_together(self):
+        code, out, err = self.finish(self.start(GPUS="0,1", STANDIN_LOAD_S="2"))
+        self.assertEqual(code, 0, err)
+        off_loading, off_ready = self.times("off")
+        on_loading, on_ready = self.times("on")
+        self.assertLess(on_loading, off_ready)
+        self.assertNotIn("share device", err)
+
+    def test_tp_1_and_2_fill_the_four_cells_of_one_cost_file(self):
+        code, out, err = self.finish(self.start(GPUS="0,1", TP="1,2"))
+        self.assertEqual(code, 0, err)
+        cells = self.load_run("cost.json")["cells"]
+        self.assertEqual(
+            sorted((c["tp"], c["workload"]) for c in cells),
+            [(1, "cold"), (1, "shared-prefix"), (2, "cold"), (2, "shared-prefix")],
+        )
+        self.assertEqual(self.load_run("tp2", "sweep_on.json")["server"]["tp"], 2)
+        report = self.load_run("REPORT.md")
+        self.assertIn("## TP 1", report)
+        self.assertIn("## TP 2", report)
+        self.assertIn("| 2 | shared-prefix |", report)
+
+    def test_a_degree_the_devices_cannot_hold_is_skipped_with_a_line(self):
+        code, out, err = self.finish(self.start(GPUS="0", TP="1,2"))
+        self.assertEqual(code, 0, err)
+        self.assertIn("TP 2 skipped: GPUS=0 holds fewer than 2 device(s)", err)
+        self.assertIn("TP 2 skipped", self.load_run("REPORT.md"))
+        self.assertEqual({c["tp"] for c in self.load_run("cost.json")["cells"]}, {1})
+        self.assertFalse(os.path.exists(self.run_path("tp2")))
+
+    def test_two_runs_into_one_folder_both_succeed(self):
+        for _ in range(2):
+            code, out, err = self.finish(
+                self.start(SWEEP_ARGS="--sizes 1,2 --max-tokens 8 --repeat 1")
+            )
+            self.assertEqual(code, 0, err)
+        self.assertEqual(len(self.runs()), 2)
+        for run in (0, 1):
+            self.assertEqual(
+                self.load_run("tp1", "sweep_on.json", run=run)["summary"]["state"], "complete"
+            )
+
+    def test_the_first_failing_steps_code_is_the_experiments(self):
+        # A flag-off arm that is really flag on: its sweep finds nothing, so --expect variant
+        # fails.
+        code, out, err = self.finish(
+            self.start(
+                SERVE_OFF="env PORT={off} bash %s on" % self.script(),
+                COST_ARGS="--batch 1 --trials 1 --warmup 0 --max-tokens 2 --allow-mismatch",
+            )
+        )
+        self.assertEqual(code, 1, err)
+        self.assertIn("flag-off sweep (TP 1): exit 1", err)
+        self.assertIn("flag-on sweep (TP 1): exit 0", err)
+        self.assertIn("**Result: exit 1, an --expect did not hold", self.load_run("REPORT.md"))
+
+
+class ExperimentFailures(Experiment):
+    def test_an_arm_that_exits_at_start_up_ends_the_experiment_at_once(self):
+        # Another process is loading on device 1, where the flag-on arm loads: vLLM's
+        # memory profiling fails there, as it did on the real GPU.
+        with open(os.path.join(self.tmp, "standin-gpu1.loading"), "w") as f:
+            f.write(str(os.getpid()))
+        code, out, err = self.finish(self.start(GPUS="0,1"))
+        self.assertEqual(code, 4, err)
+        line = [l for l in err.splitlines() if "exited with status" in l]
+        self.assertEqual(len(line), 1, err)
+        self.assertIn("the flag-on arm", line[0])
+        self.assertIn("exited with status 1", line[0])
+        self.assertIn("No available memory for the cache blocks", line[0])
+        report = self.load_run("REPORT.md")
+        self.assertIn("**Result: exit 4", report)
+        self.assertNotIn("sweep |", report)  # no step had started
         self.assert_no_server_left()
 
-    def test_the_first_failing_steps_code_is_the_scripts(self):
-        # A flag-off arm that is really flag on: its sweep finds nothing, so --expect variant fails.
-        p = self.start(flag_off_arm_invariant=True, SWEEP_ARGS="--sizes 1,2 --max-tokens 8 --repeat 1",
-                       COST_ARGS="--batch 1 --trials 1 --warmup 0 --max-tokens 2 --allow-mismatch")
-        out, err = p.communicate(timeout=240)
-        self.assertEqual(p.returncode, 1, err)
-        self.assertIn("experiment: flag-off sweep: exit 1", err)
-        self.assertIn("experiment: flag-on sweep: exit 0", err)
+    def test_an_arm_that_exits_mid_run_stops_the_step_at_once(self):
+        code, out, err = self.finish(self.start(STANDIN_EXIT_AFTER="on:2"))
+        self.assertEqual(code, 4, err)
+        self.assertIn(
+            "the flag-on arm (http://127.0.0.1:%d) exited with status 1" % self.ports[1], err
+        )
+        self.assertIn("illegal memory access", err)
+        report = self.load_run("REPORT.md")
+        self.assertIn("| 1 | flag-on sweep |", report)
+        self.assertNotIn("cost, cold", report)  # nothing ran after it
         self.assert_no_server_left()
+
+    def test_a_busy_port_is_refused_before_anything_starts(self):
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            port = busy.getsockname()[1]
+            code, out, err = self.finish(self.start(OFF_URL="http://127.0.0.1:%d" % port))
+        self.assertEqual(code, 2, err)
+        self.assertIn("port %d (the flag-off arm" % port, err)
+        self.assertEqual(self.runs(), [])  # no run folder, no server started
+
+    def test_malformed_variables_are_refused_before_anything_starts(self):
+        for variables, words in (
+            ({"TP": "1,x"}, "TP=1,x"),
+            ({"TP": "0"}, "TP=0"),
+            ({"GPUS": "0,,1"}, "empty entry"),
+            ({"WAIT": "soon"}, "WAIT=soon"),
+            ({"MEM": "half"}, "MEM=half"),
+        ):
+            with self.subTest(variables=variables):
+                code, out, err = self.finish(self.start(**variables))
+                self.assertEqual(code, 2, err)
+                self.assertIn(words, err)
+                self.assertEqual(self.runs(), [])
+
+    def test_term_during_a_sweep_stops_everything_within_seconds(self):
+        p = self.start(
+            STANDIN_STEP_DELAY="0.05",
+            SWEEP_ARGS="--sizes 1,2,3,4,5,6,7,8 --max-tokens 40 --repeat 1",
+        )
+        self.assertTrue(
+            wait_for(
+                lambda: self.runs() and os.path.exists(self.run_path("tp1", "sweep_off.json")), 120
+            ),
+            "the sweep never saved",
+        )
+        os.kill(p.pid, signal.SIGTERM)  # the experiment's own process, as a job scheduler stops it
+        code, out, err = self.finish(p)
+        self.assertEqual(code, 143, err)
+        self.assertEqual(self.load_run("tp1", "sweep_off.json")["summary"]["state"], "terminated")
+        self.assertIn("Stopped by SIGTERM", self.load_run("REPORT.md"))
+        self.assert_no_server_left()
+        for port in self.ports:
+            self.assertEqual(
+                subprocess.run(["pgrep", "-f", "--port %d" % port], capture_output=True).stdout,
+                b"",
+            )
+
+
+class SglangExperiment(Experiment):
+    engine = "sglang"
+
+    def test_the_sglang_experiment_runs_with_the_radix_cache_off(self):
+        code, out, err = self.finish(self.start())
+        self.assertEqual(code, 0, err)
+        on = self.load_run("tp1", "sweep_on.json")
+        self.assertEqual(on["server"]["hazards"], [])
+        self.assertIs(on["server"]["settings"]["radix cache disabled"], True)
+        self.assertIn("| flag on | sglang |", self.load_run("REPORT.md"))
 
 
 if __name__ == "__main__":

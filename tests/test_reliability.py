@@ -243,8 +243,8 @@ class SavingCanFail(TempDirTest):
                                        "--quiet", "--save", self.path("c.json")],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                      for workload in ("cold", "shared-prefix")]
-            codes = [p.wait(timeout=120) for p in procs]
-        self.assertEqual(codes, [0, 0])
+            errors = [p.communicate(timeout=120)[1] for p in procs]
+        self.assertEqual([p.returncode for p in procs], [0, 0], errors)
         self.assertEqual(sorted(c["workload"] for c in self.load("c.json")["cells"]), ["cold", "shared-prefix"])
 
     def test_a_finished_sweep_is_never_replaced(self):
