@@ -236,13 +236,45 @@ def has_nan(c: Completion) -> bool:
     return math.isnan(sum(c.logprobs)) or any(math.isnan(sum(d.values())) for d in c.top_logprobs)
 
 
+@dataclass(frozen=True)
+class Margin:
+    """How near a tie the first divergence was: in the baseline's own top-k at that step, the
+    baseline's chosen token against the token the other completion chose there."""
+    logprob: Optional[float] = None  # chosen minus other, as logprobs (>= 0 for greedy)
+    ulp: Optional[int] = None        # the same gap in ULPs (float32 where both values are)
+    note: Optional[str] = None       # "not in top-k" (the other token is not in the list), ...
+
+    def to_record(self) -> Dict[str, Any]:
+        return {"logprob": self.logprob, "ulp": self.ulp, "note": self.note}
+
+    def text(self) -> str:
+        return self.note if self.note else "%d ULP" % self.ulp if self.ulp is not None else "?"
+
+
+NOT_IN_TOP_K = "not in top-k"
+ENDED_EARLY = "one ended early"
+
+
+def divergence_margin(base: Completion, other: Completion, step: int,
+                      clamps: Sequence[float] = ()) -> Margin:
+    if step >= len(base.tokens) or step >= len(other.tokens):
+        return Margin(note=ENDED_EARLY)
+    top = base.top_logprobs[step] if step < len(base.top_logprobs) else {}
+    mine, theirs = base.tokens[step], other.tokens[step]
+    if mine not in top or theirs not in top:
+        return Margin(note=NOT_IN_TOP_K)
+    ulp, _ = logprob_distance(top[mine], top[theirs], clamps)
+    return Margin(logprob=top[mine] - top[theirs], ulp=ulp)
+
+
 @dataclass
 class Delta:
     """How one completion differs from the baseline."""
     first_token_divergence: Optional[int] = None  # first step whose token differs
     max_ulp: int = 0                              # over every comparable logprob
     first_ulp_step: Optional[int] = None          # first step with a non-zero distance
-    ulp_notes: Tuple[str, ...] = ()               # "float64", "clamped", "non-finite" if seen
+    ulp_notes: Tuple[str, ...] = ()               # "float64", "clamped", "non-finite", "top-k changed"
+    margin: Optional[Margin] = None               # at the first token divergence
 
 
 IDENTICAL = Delta()
@@ -258,6 +290,7 @@ class ComparablePairs:
     ys: List[float]
     chosen: int
     ends: List[int]
+    topk_changed: Optional[int] = None  # first step whose top-k token set differs
 
     def step_of(self, i: int) -> int:
         return i if i < self.chosen else bisect.bisect_right(self.ends, i)
@@ -275,13 +308,19 @@ def comparable_pairs(base: Completion, other: Completion) -> ComparablePairs:
     chosen = last + 1 if diverged is None else diverged
     xs, ys = base.logprobs[:chosen], other.logprobs[:chosen]
     ends: List[int] = []
+    topk_changed = None
     for t in range(last + 1):
         bt, ot = base.top_logprobs[t], other.top_logprobs[t]
-        keys = bt if bt.keys() == ot.keys() else bt.keys() & ot.keys()
+        if bt.keys() == ot.keys():
+            keys = bt
+        else:  # the k-th and (k+1)-th candidates swap exactly when their last bits move
+            keys = bt.keys() & ot.keys()
+            if topk_changed is None:
+                topk_changed = t
         xs.extend(map(bt.__getitem__, keys))
         ys.extend(map(ot.__getitem__, keys))
         ends.append(len(xs))
-    return ComparablePairs(diverged, xs, ys, chosen, ends)
+    return ComparablePairs(diverged, xs, ys, chosen, ends, topk_changed)
 
 
 def pair_ulps(xs: List[float], ys: List[float], clamps: Sequence[float]) -> Tuple[List[Optional[int]], Set[str]]:
@@ -327,8 +366,13 @@ def compare_completions(base: Completion, other: Completion, clamps: Sequence[fl
     worst = max((u for u in ulps if u), default=0)
     first_chosen = next((i for i in range(pairs.chosen) if ulps[i] != 0), None)
     first_top = next((pairs.step_of(i) for i in range(pairs.chosen, len(ulps)) if ulps[i] != 0), None)
-    moved = [s for s in (first_chosen, first_top) if s is not None]
-    return Delta(pairs.diverged, worst, min(moved) if moved else None, tuple(sorted(notes)))
+    if pairs.topk_changed is not None:
+        notes.add("top-k changed")
+    moved = [s for s in (first_chosen, first_top, pairs.topk_changed) if s is not None]
+    margin = None
+    if pairs.diverged is not None:
+        margin = divergence_margin(base, other, pairs.diverged, clamps)
+    return Delta(pairs.diverged, worst, min(moved) if moved else None, tuple(sorted(notes)), margin)
 
 
 Bucket = Union[int, str, None]  # a graph size; None above the largest (no graph); "?" sizes unknown
@@ -347,27 +391,71 @@ def straddling_ladder(max_batch: int, graph_sizes: Sequence[int]) -> List[int]:
     return sorted(sizes)
 
 
-def verdict(unique: int, max_ulp: int, tokens_diverged: bool, unmeasured: bool = False,
-            batch1_repeatable: Optional[bool] = None, unseeded: bool = False) -> str:
-    """What the measurements show, never blaming batching for what something else explains:
-    sampling the server does not seed, or a batch 1 that does not repeat itself."""
-    moved = tokens_diverged or unique > 1 or max_ulp > 0 or unmeasured or batch1_repeatable is False
-    if unseeded and moved:
-        return NOISE_NOT_RULED_OUT
-    if batch1_repeatable is False:
-        return NOT_REPEATABLE
-    if tokens_diverged or unique > 1:
-        return "tokens diverged"
-    if moved:
-        return "logprobs moved but tokens held"
-    return "invariant"
+@dataclass
+class Measured:
+    """What a sweep measured, as far as its verdict depends on it: for one prompt, or for all."""
+    total: int = 0                 # completions that came back, the baseline's included
+    unique: int = 0                # distinct completion texts, the baseline's included
+    max_ulp: int = 0               # over every comparable logprob
+    tokens_diverged: bool = False  # some completion chose another token than the baseline
+    text_only: bool = False        # some text differed while every token was the baseline's
+    unmeasured: bool = False       # something moved with no distance (see MOVED_NOTES)
+    compared: bool = False         # a size above batch 1, or a stored baseline, was compared
+    batch1_repeatable: Optional[bool] = None  # batch 1's passes against each other
+    unseeded: bool = False         # sampling that the server does not seed
+
+    @classmethod
+    def combined(cls, parts: Sequence["Measured"]) -> "Measured":
+        """All prompts together: the verdict of a sweep is that of its least invariant prompt."""
+        repeatable = [m.batch1_repeatable for m in parts]
+        return cls(total=sum(m.total for m in parts), unique=max((m.unique for m in parts), default=0),
+                   max_ulp=max((m.max_ulp for m in parts), default=0),
+                   tokens_diverged=any(m.tokens_diverged for m in parts),
+                   text_only=any(m.text_only for m in parts),
+                   unmeasured=any(m.unmeasured for m in parts),
+                   compared=any(m.compared for m in parts),
+                   batch1_repeatable=(False if False in repeatable else
+                                      True if repeatable and None not in repeatable else None),
+                   unseeded=any(m.unseeded for m in parts))
 
 
+INVARIANT = "invariant"
+TOKENS_DIVERGED = "tokens diverged"
+TEXT_ONLY = "text differs, tokens equal"  # the server's text path, not its arithmetic, moved
+LOGPROBS_MOVED = "logprobs moved but tokens held"
 NOT_REPEATABLE = "batch 1 not repeatable"  # the verdict when the run-to-run control fails
 NOISE_NOT_RULED_OUT = "sampling noise not ruled out"  # the verdict when the server ignores the seed
-NO_DATA = "no data"           # the verdict when no completion was compared (the run stopped first)
-ONE_SIZE = "nothing to compare (one batch size)"  # the verdict of a ladder of batch 1 alone
-BATCH_EFFECTS = ("tokens diverged", "logprobs moved but tokens held")  # verdicts batching explains
+NO_DATA = "no data"           # the verdict when no completion came back (the run stopped first)
+NOTHING_COMPARED = "nothing compared"  # batch 1 alone came back: it is the baseline, not a comparison
+BATCH_EFFECTS = (TOKENS_DIVERGED, LOGPROBS_MOVED)  # verdicts batching explains
+UNMEASURED_VERDICTS = (NO_DATA, NOTHING_COMPARED)  # verdicts that claim nothing either way
+MOVED_NOTES = ("clamped", "non-finite", "top-k changed")  # notes that count as moved, ULPs or not
+
+
+def verdict(m: Measured) -> str:
+    """The one place a sweep's verdict is decided (printed, saved and read by --expect): what
+    the measurements show, claiming nothing that was not compared and never blaming batching
+    for what something else explains (sampling the server does not seed, a batch 1 that does
+    not repeat itself)."""
+    if not m.total:
+        return NO_DATA
+    if not m.compared:
+        return NOTHING_COMPARED
+    moved = (m.tokens_diverged or m.text_only or m.unique > 1 or m.max_ulp > 0 or m.unmeasured
+             or m.batch1_repeatable is False)
+    if m.unseeded and moved:
+        return NOISE_NOT_RULED_OUT
+    if m.batch1_repeatable is False:
+        return NOT_REPEATABLE
+    if m.tokens_diverged:
+        return TOKENS_DIVERGED
+    if m.text_only:
+        return TEXT_ONLY
+    if m.unique > 1:
+        return TOKENS_DIVERGED
+    if moved:
+        return LOGPROBS_MOVED
+    return INVARIANT
 
 
 def mixed_batch(prompt: str, n: int, seed: int) -> Tuple[List[str], int]:
@@ -388,12 +476,15 @@ def aggregate_runs(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     """One batch size over all its runs, in the fields a single run has (plus how many runs
     matched batch 1 bitwise): what the table prints and plots read."""
     texts = sorted({t for r in runs for t in r["distinct_texts"]})
-    divergences = [r["first_token_divergence"] for r in runs if r["first_token_divergence"] is not None]
+    diverged = [r for r in runs if r["first_token_divergence"] is not None]
+    first = min(diverged, key=lambda r: r["first_token_divergence"]) if diverged else None
     ulp_steps = [r["first_ulp_step"] for r in runs if r["first_ulp_step"] is not None]
     cached = [r["cached_tokens"] for r in runs if r.get("cached_tokens") is not None]
     return {"completions": sum(r["completions"] for r in runs), "distinct_in_batch": len(texts),
             "same_as_baseline": sum(r["same_as_baseline"] for r in runs),
-            "first_token_divergence": min(divergences) if divergences else None,
+            "text_only": sum(r.get("text_only", 0) for r in runs),
+            "first_token_divergence": first["first_token_divergence"] if first else None,
+            "divergence_margin": first.get("divergence_margin") if first else None,
             "first_ulp_step": min(ulp_steps) if ulp_steps else None,
             "max_ulp": max((r["max_ulp"] for r in runs), default=0),
             "ulp_notes": sorted({u for r in runs for u in r["ulp_notes"]}),
@@ -410,14 +501,28 @@ def prefill_aggregate(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     checked = [r for r in rows if "prefill_max_ulp" in r]
     if not checked:
         return {}
-    steps = [r["prefill_first_step"] for r in checked if r["prefill_first_step"] is not None]
+    moved = [r for r in checked if r["prefill_first_step"] is not None]
+    first = min(moved, key=lambda r: r["prefill_first_step"]) if moved else None
     return {"prefill_max_ulp": max(r["prefill_max_ulp"] for r in checked),
-            "prefill_first_step": min(steps) if steps else None,
+            "prefill_first_step": first["prefill_first_step"] if first else None,
+            "prefill_margin": first.get("prefill_margin") if first else None,
+            "prefill_tokens": sum(r.get("prefill_tokens", 0) for r in checked),
             "prefill_notes": sorted({n for r in checked for n in r["prefill_notes"]})}
 
 
 PREFILL_AGREE = "decode and prefill agree bitwise"   # the prefill check's verdict, kept apart
 PREFILL_DIFFER = "decode and prefill differ"
+
+
+def prefill_verdict(checked: Dict[str, Any]) -> str:
+    """The prefill check's verdict: nothing claimed where no token was compared."""
+    if not checked:
+        return NO_DATA
+    if not checked["prefill_tokens"]:
+        return NOTHING_COMPARED
+    if checked["prefill_max_ulp"] or checked["prefill_notes"]:
+        return PREFILL_DIFFER
+    return PREFILL_AGREE
 
 
 def mad(values: Sequence[float]) -> float:
@@ -813,6 +918,7 @@ class EngineAdapter(Protocol):
     health_path: str
     flag_name: str
     logprob_clamps: Tuple[float, ...]  # the engine's stand-ins for a -inf logprob
+    CACHE_COUNTS_HINT: str             # how to have the server report cached prompt tokens
 
     def answers_like(self, client: HttpClient) -> bool:
         """Does the server at client answer this engine's own info endpoint as this engine does?
@@ -928,6 +1034,7 @@ class VllmAdapter:
     logprob_clamps = (-9999.0,)        # vLLM writes -inf logprobs as -9999.0
     DEFAULT_MAX_NUM_SEQS = 32          # assumed when the server does not say (upstream's test value)
     SETTINGS_HINT = "start vLLM with VLLM_SERVER_DEV_MODE=1 to expose /server_info"
+    CACHE_COUNTS_HINT = "start vLLM with --enable-prompt-tokens-details to have them reported"
 
     # (label, path in /server_info) of every setting that changes the arithmetic or the batching
     SETTINGS = [
@@ -1110,6 +1217,7 @@ class SglangAdapter:
     # 0.5.23 line 926, 0.5.18 line 795: clamp_(min=torch.finfo(logprobs.dtype).min)).
     logprob_clamps = (-3.4028234663852886e38,)
     GRAPH_SIZES = [1, 2, 4, 8, 12, 16, 24, 32]  # decode graphs with --cuda-graph-max-bs-decode 32
+    CACHE_COUNTS_HINT = "SGLang reports them in meta_info.cached_tokens; this server did not"
     SEED_NOTE = ("SGLang honours sampling_seed only with --enable-deterministic-inference "
                  "(python/sglang/srt/sampling/sampling_batch_info.py, 0.5.23 lines 157-171)")
 
@@ -1212,6 +1320,12 @@ class SglangAdapter:
         if s.ignore_eos:
             params["ignore_eos"] = True
         body: Dict[str, Any] = {"text": prompts, "sampling_params": params, "stream": False}
+        if isolate:
+            # A fresh cache key per prompt (GenerateReqInput.extra_key, one per prompt of a
+            # list; the radix cache is namespaced by it: 0.5.17 managers/io_struct.py line 287,
+            # mem_cache/radix_cache.py lines 198-207), so that copies in one request do not
+            # share a prefix; before_batch also flushes the cache between sizes.
+            body["extra_key"] = ["lab-" + os.urandom(12).hex() for _ in prompts]
         if s.logprobs is not None:
             body["return_logprob"] = True
             body["top_logprobs_num"] = s.logprobs
@@ -1344,8 +1458,10 @@ HAZARDS = [
            lambda disabled: disabled is False,
            "open when read; on by default in 0.5.18-0.5.23",
            "a prompt served from the radix cache runs another kernel path than a cold prefill: 18 of 40 "
-           "greedy outputs flipped on a cache hit in the report (the lab's --prefix-cache bypass "
-           "flushes the cache before every size)",
+           "greedy outputs flipped on a cache hit in the report (--prefix-cache bypass flushes the "
+           "cache before every size and gives every prompt a cache key of its own, so no sweep "
+           "request is served from the cache, as the cached-token counts show; other clients' "
+           "requests and --prefix-cache keep still are)",
            "sgl-project/sglang#34683", "the issue's cold/warm reproduction"),
 ]
 
@@ -1779,15 +1895,46 @@ def check_baseline(cfg: Config) -> None:
         if theirs.get(key) != mine[key]:
             raise UsageError("--baseline: %s was recorded with %s=%s, this sweep uses %s"
                              % (path, key, theirs.get(key), mine[key]))
-    recorded = {p.get("prompt"): p for p in doc["prompts"] if isinstance(p, dict)}
+    for i, entry in enumerate(doc["prompts"], 1):
+        if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str):
+            raise UsageError("--baseline: %s: prompts[%d] is not a prompt record" % (path, i))
+    recorded = {p["prompt"]: p for p in doc["prompts"]}
     for prompt in cfg.prompts:
         entry = recorded.get(prompt)
         if entry is None:
             raise UsageError("--baseline: %s has no baseline for the prompt %r" % (path, prompt[:60]))
-        try:
-            Completion.from_record(entry["baseline"])
-        except (KeyError, TypeError, ValueError, AttributeError):
-            raise UsageError("--baseline: %s has a malformed baseline for %r" % (path, prompt[:60])) from None
+        fault = baseline_fault(entry.get("baseline"))
+        if fault:
+            raise UsageError("--baseline: %s: the baseline of %r: %s" % (path, prompt[:60], fault))
+
+
+def is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def baseline_fault(rec: Any) -> Optional[str]:
+    """What is wrong with a stored baseline completion, naming the field; None if nothing."""
+    if not isinstance(rec, dict):
+        return "baseline is not a record"
+    if not isinstance(rec.get("text"), str):
+        return "baseline.text is not a string"
+    tokens, logprobs, top = rec.get("tokens"), rec.get("logprobs"), rec.get("top_logprobs")
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        return "baseline.tokens is not a list of strings"
+    if not isinstance(logprobs, list) or not all(is_number(x) for x in logprobs):
+        return "baseline.logprobs is not a list of numbers"
+    if len(logprobs) != len(tokens):
+        return "baseline.logprobs has %d entries for %d tokens" % (len(logprobs), len(tokens))
+    if top is None:
+        return None
+    if not isinstance(top, list) or len(top) != len(tokens):
+        return "baseline.top_logprobs is not a list of one entry per token"
+    for t, step in enumerate(top):
+        if not isinstance(step, dict) or not all(isinstance(k, str) and is_number(v) for k, v in step.items()):
+            return "baseline.top_logprobs[%d] is not a map of token to logprob" % t
+    if rec.get("finish_reason") is not None and not isinstance(rec["finish_reason"], str):
+        return "baseline.finish_reason is not a string"
+    return None
 
 
 def check_baseline_engine(cfg: Config, engine: str) -> None:
@@ -2460,7 +2607,12 @@ THE MODES
                    (vLLM's needle benchmark, and the mixed mode SGLang's driver had
                    before 0.5.18, are its upstream analogues). --repeat K (default 3) runs the whole ladder K times;
                    batch 1's passes are the run-to-run control. --prefix-cache bypass
-                   (default) keeps every size from being served an earlier prefill.
+                   (default) keeps every size from being served an earlier prefill: a
+                   fresh vLLM cache_salt per request, a fresh SGLang cache key per prompt
+                   and a flush before every size. What remains shared: the copies of one
+                   vLLM request (one request takes one salt, and copies hit each other's
+                   prefix). The cached-token counts prove it: a count above 0 marks the
+                   size "cache hit: bypass did not hold"; no counts leave it unverified.
                      python3 run.py --mode sweep --url http://localhost:8000 --save off.json
                      python3 run.py --mode sweep --url http://localhost:8001 --expect invariant
   --mode cost      Times the same workload on a flag-off and a flag-on server, arms
@@ -2666,19 +2818,34 @@ class PrefillCheck:
 
     def compare(self, prompt: str, completions: List[Completion], clamps: Sequence[float]) -> Dict[str, Any]:
         """The row fields: largest ULP distance, first step that differs, unit notes."""
-        worst, first, notes = 0, None, set()
+        worst, first, notes, margin, compared = 0, None, set(), None, 0
         seen: List[Completion] = []
         for c in completions:
             if any(same_completion(c, s) for s in seen):
                 continue
             seen.append(c)
             ulps, units = pair_ulps(list(c.logprobs), self.prefill(prompt, c.tokens), clamps)
+            compared += len(ulps)
             notes |= units
             worst = max([worst] + [u for u in ulps if u])
             moved = next((i for i, u in enumerate(ulps) if u != 0), None)
             if moved is not None and (first is None or moved < first):
-                first = moved
-        return {"prefill_max_ulp": worst, "prefill_first_step": first, "prefill_notes": sorted(notes)}
+                first, margin = moved, runner_up_margin(c, moved, clamps)
+        return {"prefill_max_ulp": worst, "prefill_first_step": first, "prefill_notes": sorted(notes),
+                "prefill_margin": margin.to_record() if margin else None, "prefill_tokens": compared}
+
+
+def runner_up_margin(c: Completion, step: int, clamps: Sequence[float] = ()) -> Margin:
+    """How near the decode's choice at step was to flipping: its chosen token against the best
+    other candidate of its own top-k list there."""
+    top = c.top_logprobs[step] if step < len(c.top_logprobs) else {}
+    chosen = c.tokens[step]
+    others = [v for k, v in top.items() if k != chosen]
+    if chosen not in top or not others:
+        return Margin(note=NOT_IN_TOP_K)
+    best = max(others)
+    ulp, _ = logprob_distance(top[chosen], best, clamps)
+    return Margin(logprob=top[chosen] - best, ulp=ulp)
 
 
 @dataclass
@@ -2720,17 +2887,21 @@ class PromptSweep:
     def max_ulp(self) -> int:
         return max((r["max_ulp"] for runs in self.runs.values() for r in runs), default=0)
 
-    def diverged(self) -> bool:
-        return any(r["first_token_divergence"] is not None for runs in self.runs.values() for r in runs)
+    def rows(self) -> List[Dict[str, Any]]:
+        return [r for runs in self.runs.values() for r in runs]
 
-    def unmeasured(self) -> bool:
-        return any(u in ("clamped", "non-finite") for runs in self.runs.values() for r in runs for u in r["ulp_notes"])
+    def measured(self) -> Measured:
+        rows = self.rows()
+        return Measured(
+            total=self.total(), unique=len(self.texts), max_ulp=self.max_ulp(),
+            tokens_diverged=any(r["first_token_divergence"] is not None for r in rows),
+            text_only=any(r.get("text_only", 0) for r in rows),
+            unmeasured=any(u in MOVED_NOTES for r in rows for u in r["ulp_notes"]),
+            compared=self.baseline_source != "batch 1" or any(n > 1 for n in self.runs),
+            batch1_repeatable=self.batch1_repeatable(), unseeded=self.unseeded)
 
     def verdict(self) -> str:
-        if not self.total():
-            return NO_DATA
-        return verdict(len(self.texts), self.max_ulp(), self.diverged(), self.unmeasured(), self.batch1_repeatable(),
-                       self.unseeded)
+        return verdict(self.measured())
 
     def to_record(self) -> Dict[str, Any]:
         return {"prompt": self.prompt,
@@ -2750,16 +2921,19 @@ def compare_batch(completions: List[Completion], baseline: Completion, clamps: S
             last = compare_completions(baseline, c, clamps)
         deltas.append(last)
         previous = c
-    divergences = [d.first_token_divergence for d in deltas if d.first_token_divergence is not None]
+    diverged = [d for d in deltas if d.first_token_divergence is not None]
+    first = min(diverged, key=lambda d: d.first_token_divergence) if diverged else None
     ulp_steps = [d.first_ulp_step for d in deltas if d.first_ulp_step is not None]
     texts = [c.text for c in completions]
-    same = sum(1 for c, d in zip(completions, deltas) if d.first_token_divergence is None and c.text == baseline.text)
-    return {"completions": len(completions), "distinct_in_batch": len(set(texts)), "same_as_baseline": same,
-            "first_token_divergence": min(divergences) if divergences else None,
+    held = [c.text == baseline.text for c, d in zip(completions, deltas) if d.first_token_divergence is None]
+    return {"completions": len(completions), "distinct_in_batch": len(set(texts)), "same_as_baseline": sum(held),
+            "text_only": held.count(False),
+            "first_token_divergence": first.first_token_divergence if first else None,
+            "divergence_margin": first.margin.to_record() if first and first.margin else None,
             "first_ulp_step": min(ulp_steps) if ulp_steps else None,
             "max_ulp": max(d.max_ulp for d in deltas),
             "ulp_notes": sorted({u for d in deltas for u in d.ulp_notes}),
-            "matched": same == len(completions) and all(d is IDENTICAL or d == IDENTICAL for d in deltas),
+            "matched": sum(held) == len(completions) and all(d is IDENTICAL or d == IDENTICAL for d in deltas),
             "distinct_texts": sorted(set(texts))}
 
 
@@ -2770,26 +2944,18 @@ def baseline_from_file(cfg: Config, prompt: str) -> Completion:
 
 def sweep_document(cfg: Config, facts: ServerFacts, sweeps: List[PromptSweep],
                    sizes: List[int], state: str) -> Dict[str, Any]:
-    repeatable = [s.batch1_repeatable() for s in sweeps]
-    summary = {"unique_completions": max((len(s.texts) for s in sweeps), default=0),
-               "total_completions": sum(s.total() for s in sweeps),
-               "max_ulp": max((s.max_ulp() for s in sweeps), default=0),
-               "batch1_repeatable": False if False in repeatable else (True if repeatable and None not in repeatable else None),
-               "traffic": cfg.traffic, "repeat": cfg.repeat}
-    summary["verdict"] = verdict(summary["unique_completions"], summary["max_ulp"],
-                                 any(s.diverged() for s in sweeps), any(s.unmeasured() for s in sweeps),
-                                 summary["batch1_repeatable"], unseeded(cfg.sampling, facts))
-    if summary["total_completions"] == 0:
-        summary["verdict"] = NO_DATA  # claim only what was measured
-    elif sizes == [1] and not cfg.baseline_path and summary["verdict"] == "invariant":
-        summary["verdict"] = ONE_SIZE
+    measured = Measured.combined([s.measured() for s in sweeps])
+    summary = {"unique_completions": measured.unique, "total_completions": measured.total,
+               "max_ulp": measured.max_ulp, "batch1_repeatable": measured.batch1_repeatable,
+               "traffic": cfg.traffic, "repeat": cfg.repeat, "verdict": verdict(measured),
+               "prefix_cache_bypass": bypass_check(sweeps) if cfg.prefix_cache == "bypass" else None}
     summary["ulp_notes"] = sorted({u for s in sweeps for runs in s.runs.values() for r in runs for u in r["ulp_notes"]})
     summary["state"] = state
     if cfg.prefill_check:
         checked = prefill_aggregate([r for s in sweeps for runs in s.runs.values() for r in runs])
-        summary.update(checked or {"prefill_max_ulp": None, "prefill_first_step": None, "prefill_notes": []})
-        summary["prefill_verdict"] = (NO_DATA if not checked else PREFILL_AGREE if not checked["prefill_max_ulp"]
-                                      and not checked["prefill_notes"] else PREFILL_DIFFER)
+        summary.update(checked or {"prefill_max_ulp": None, "prefill_first_step": None, "prefill_margin": None,
+                                   "prefill_tokens": 0, "prefill_notes": []})
+        summary["prefill_verdict"] = prefill_verdict(checked)
     params = dict(cfg.sampling.params(), sizes=sizes, prompts=len(cfg.prompts), traffic=cfg.traffic,
                   repeat=cfg.repeat, prefix_cache=cfg.prefix_cache, seed_honoured=facts.seed_honoured,
                   prefill_check=cfg.prefill_check)
@@ -2801,6 +2967,19 @@ def sweep_document(cfg: Config, facts: ServerFacts, sweeps: List[PromptSweep],
             "url": cfg.url, "model": facts.model,
             "server": facts.to_record(), "params": params, "prompts": [s.to_record() for s in sweeps],
             "summary": summary, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+BYPASS_HELD, BYPASS_FAILED, BYPASS_UNVERIFIED = "held", "did not hold", "unverified"
+
+
+def bypass_check(sweeps: List[PromptSweep]) -> Dict[str, Any]:
+    """Did --prefix-cache bypass hold? Proven by the cached-token counts the server reports:
+    any count above 0 is a prefill served from the cache; no counts at all prove nothing."""
+    counts = [r["cached_tokens"] for s in sweeps for r in s.rows() if r.get("cached_tokens") is not None]
+    hits = sorted({n for s in sweeps for n, runs in s.runs.items()
+                   if any((r.get("cached_tokens") or 0) > 0 for r in runs)})
+    status = BYPASS_UNVERIFIED if not counts else BYPASS_FAILED if hits else BYPASS_HELD
+    return {"status": status, "hit_sizes": hits}
 
 
 def unseeded(sampling: Sampling, facts: ServerFacts) -> bool:
@@ -2836,19 +3015,25 @@ def print_sweep_table(doc: Dict[str, Any], cfg: Config, out: Out) -> None:
         p["max_tokens"], sampling, p["logprobs"], ",".join(str(s) for s in p["sizes"])))
     out.line("        traffic %s, %d pass%s through the ladder, prefix cache %s" % (
         p.get("traffic", "copies"), repeat, "" if repeat == 1 else "es", p.get("prefix_cache", "keep")))
+    bypass = doc["summary"].get("prefix_cache_bypass") or {}
+    if bypass.get("status") == BYPASS_UNVERIFIED:
+        out.line("        prefix cache bypass unverified: the server reports no cached-token counts (%s)"
+                 % cfg.adapter.CACHE_COUNTS_HINT)
     for i, r in enumerate(doc["prompts"], 1):
         out.line("")
         out.line("prompt %d/%d: %s  (baseline: %s)" % (i, len(doc["prompts"]), json.dumps(
             r["prompt"][:70] + ("..." if len(r["prompt"]) > 70 else "")), r["baseline_source"]))
-        out.line("  batch  bucket  distinct  same/all  runs matched  first token  max ULP  first ULP step  seconds")
+        out.line("  batch  bucket  distinct  same/all  runs matched  first token  tie margin  max ULP"
+                 "  first ULP step  seconds  notes")
         for s in r["sizes"]:
             ulp = str(s["max_ulp"]) + ("*" if s["ulp_notes"] else "")
             runs = s.get("runs") or [s]
-            out.line("  %5d  %6s  %8d  %8s  %12s  %11s  %7s  %14s  %7.2f" % (
+            out.line(("  %5d  %6s  %8d  %8s  %12s  %11s  %10s  %7s  %14s  %7.2f  %s" % (
                 s["batch_size"], fmt_opt(s["bucket"], "none"), s["distinct_in_batch"],
                 "%d/%d" % (s["same_as_baseline"], s["completions"]),
                 "%d/%d" % (s.get("runs_matched", 0), len(runs)), fmt_opt(s["first_token_divergence"]),
-                ulp, fmt_opt(s["first_ulp_step"]), s["seconds"]))
+                margin_text(s.get("divergence_margin")), ulp, fmt_opt(s["first_ulp_step"]), s["seconds"],
+                size_notes(s, bypass.get("hit_sizes") or ()))).rstrip())
         out.line("  unique completions %d of %d, max ULP %d: %s" % (
             r["unique_completions"], r["total_completions"], r["max_ulp"], r["verdict"]))
     sm = doc["summary"]
@@ -2857,18 +3042,48 @@ def print_sweep_table(doc: Dict[str, Any], cfg: Config, out: Out) -> None:
         out.line("* %s" % "; ".join(ULP_NOTE_TEXT[n] for n in sm["ulp_notes"]))
     control = {True: "batch 1 repeatable over %d passes" % repeat, False: "batch 1 NOT repeatable",
                None: "no run-to-run control (one pass)"}[sm.get("batch1_repeatable")]
+    reasons = [] if sm["state"] == "complete" else [sm["state"]]
+    if bypass.get("status") == BYPASS_FAILED:
+        reasons.append("cache hit: bypass did not hold at batch size%s %s" % (
+            "" if len(bypass["hit_sizes"]) == 1 else "s", ",".join(map(str, bypass["hit_sizes"]))))
     out.line(out.style("summary: unique completions %d, total %d, max ULP %d, %s: %s%s" % (
         sm["unique_completions"], sm["total_completions"], sm["max_ulp"], control, sm["verdict"],
-        "" if sm["state"] == "complete" else " (%s)" % sm["state"]), "1"))
+        " (%s)" % "; ".join(reasons) if reasons else ""), "1"))
     if "prefill_verdict" in sm:
         per_size = ", ".join("%d: %s" % (s["batch_size"], fmt_opt(s.get("prefill_max_ulp"), "?"))
                              for r in doc["prompts"] for s in r["sizes"])
         out.line("prefill check, max ULP per batch size: %s" % per_size)
-        out.line(out.style("prefill check: max ULP %s, first differing step %s: %s" % (
-            fmt_opt(sm["prefill_max_ulp"], "?"), fmt_opt(sm["prefill_first_step"]), sm["prefill_verdict"]), "1"))
+        margin = ""
+        if sm.get("prefill_margin"):
+            margin = " (there, the decode's runner-up was %s behind)" % margin_text(sm["prefill_margin"])
+        out.line(out.style("prefill check: max ULP %s, first differing step %s%s: %s" % (
+            fmt_opt(sm["prefill_max_ulp"], "?"), fmt_opt(sm["prefill_first_step"]), margin,
+            sm["prefill_verdict"]), "1"))
+
+
+def margin_text(margin: Optional[Dict[str, Any]]) -> str:
+    """A saved near-tie margin as the table shows it."""
+    if not margin:
+        return "-"
+    if margin.get("note"):
+        return margin["note"]
+    return "%s ULP" % fmt_opt(margin.get("ulp"), "?")
+
+
+def size_notes(size: Dict[str, Any], hit_sizes: Sequence[int]) -> str:
+    notes = []
+    if size.get("text_only"):
+        notes.append("text differs, tokens equal (%d)" % size["text_only"])
+    if "top-k changed" in size["ulp_notes"]:
+        notes.append("top-k changed")
+    if size["batch_size"] in hit_sizes:
+        notes.append("cache hit: bypass did not hold (%s cached tokens)" % size.get("cached_tokens"))
+    return "; ".join(notes)
 
 
 ULP_NOTE_TEXT = {
+    "top-k changed": "a step's top-k token set differed from batch 1's (a candidate swapped places "
+                     "with one outside the list): counted as moved; the ULPs cover the shared entries",
     "float64": "some logprobs were not float32-exact (a server that rounds or works in float64): "
                "those distances are float64 ULPs",
     "clamped": "a logprob was a clamped -inf (the engine's stand-in value) on one side only: "
@@ -2880,14 +3095,18 @@ ULP_NOTE_TEXT = {
 def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
     """Advice and the --expect verdict, once the table is out."""
     sm = doc["summary"]
-    unmeasured = sm["verdict"] in (NO_DATA, ONE_SIZE)
-    moved = sm["verdict"] != "invariant" and not unmeasured
+    unmeasured = sm["verdict"] in UNMEASURED_VERDICTS
+    moved = sm["verdict"] != INVARIANT and not unmeasured
     text = out.line if not cfg.json_out else (lambda line="": out.stderr.write(line + "\n"))
     if unmeasured:
         text("")
-        text("Nothing was compared: %s. No verdict on invariance can be given." % (
-            "no completion came back" if sm["verdict"] == NO_DATA
-            else "batch 1 was the only size, and it is the baseline; give --sizes with larger batches"))
+        if sm["verdict"] == NO_DATA:
+            why = "no completion came back"
+        elif doc["params"]["sizes"] == [1]:
+            why = "batch 1 was the only size, and it is the baseline; give --sizes with larger batches"
+        else:
+            why = "the run stopped (%s) before any size above batch 1 came back" % sm["state"]
+        text("Nothing was compared: %s. No verdict on invariance can be given." % why)
     elif sm["verdict"] == NOISE_NOT_RULED_OUT:
         text("")
         text("The server ignores the seed, so at this temperature every request samples on its own: "
@@ -3054,16 +3273,24 @@ class Arm:
             post.connect()
             post.send()
             first = last = None
-            count = 0
+            count = first_count = events = 0
             for event in post.events():
                 seen = parsed("a stream event", adapter.streamed_tokens, event)
                 if seen is not None and seen > count:
-                    count, last = seen, CLOCK()
-                    first = last if first is None else first
+                    count, last, events = seen, CLOCK(), events + 1
+                    if first is None:
+                        first, first_count = last, seen
             if first is None:
                 raise shape_error("the stream held no token")
-            return {"ttft_s": first - start, "latency_s": last - start, "tokens": count,
-                    "tpot_s": (last - first) / (count - 1) if count > 1 else None}
+            if count > cfg.sampling.max_tokens:
+                raise shape_error("the stream reported %d output tokens, more than --max-tokens %d "
+                                  "allows" % (count, cfg.sampling.max_tokens))
+            timing = {"ttft_s": None, "latency_s": last - start, "tokens": count, "tpot_s": None,
+                      "progress_events": events}
+            if token_by_token(first_count, events, count):
+                timing["ttft_s"] = first - start
+                timing["tpot_s"] = (last - first) / (count - 1) if count > 1 else None
+            return timing
 
         def worker() -> None:
             while True:
@@ -3220,6 +3447,10 @@ def run_cost(cfg: Config, out: Out) -> int:
                     seconds, count, timings = arm.timed(cfg, prompts(trial))
                 except ServerError as err:
                     raise ServerError("trial %d, %s arm: %s" % (trial + 1, arm.name, err)) from None
+                if count > expected_tokens:
+                    raise ServerError("trial %d, %s arm: the server reported %d output tokens, more "
+                                      "than %d prompts x --max-tokens %d allow" % (
+                                          trial + 1, arm.name, count, per_trial, cfg.sampling.max_tokens))
                 if count < expected_tokens:
                     short.append((trial + 1, arm.name, count))
                 arm.samples.append(seconds)
@@ -3266,6 +3497,20 @@ def precise_enough(off_s: Sequence[float], on_s: Sequence[float], points: float)
     return ci is not None and (ci[1] - ci[0]) / 2.0 <= points
 
 
+def token_by_token(first_count: int, events: int, count: int) -> bool:
+    """Does a stream report its progress token by token, so that its first token's arrival
+    and the time between tokens mean something? Its first progress event must report one
+    token, and at least half its tokens must arrive in events of their own (an engine may
+    coalesce a few under load); a stream that reports its count only at the end does not."""
+    return first_count == 1 and 2 * events >= count
+
+
+UNMEASURED_STREAM = ("the stream does not report its progress token by token (its first event "
+                     "carries several tokens, or most tokens arrive together), so neither the first "
+                     "token's arrival nor the time between tokens can be seen: latency and "
+                     "throughput stand")
+
+
 def percentile(values: Sequence[float], share: float) -> float:
     """The value below which share of the values lie (nearest rank)."""
     ordered = sorted(values)
@@ -3281,10 +3526,17 @@ def load_stats(arm: Arm) -> Dict[str, Any]:
         values = [r[key] for r in requests if r[key] is not None]
         stats[key.replace("_s", "")] = ({"median_s": statistics.median(values), "p99_s": percentile(values, 0.99)}
                                         if values else None)
+    if stats["ttft"] is None:
+        stats["unmeasured"] = UNMEASURED_STREAM
     stats["median_tokens_per_s"] = statistics.median(t / s for t, s in zip(arm.tokens, arm.samples) if s > 0)
     stats["median_requests_per_s"] = statistics.median(len(trial) / s for trial, s in zip(arm.requests, arm.samples))
     stats["requests"] = arm.requests
     return stats
+
+
+def per_token(arm: Arm, pairs: int) -> List[float]:
+    return [seconds / tokens if tokens > 0 else math.inf
+            for seconds, tokens in zip(arm.samples[:pairs], arm.tokens[:pairs])]
 
 
 def per_trial_medians(arm: Arm, key: str) -> List[float]:
@@ -3303,7 +3555,12 @@ def cost_cell(cfg: Config, arms: Tuple[Arm, Arm], hazards: List[Dict[str, Any]],
             "servers": {arm.name: dict(arm.facts.to_record(), url=arm.url) for arm in arms},
             "differences": hazards, "state": state,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    cell.update(overhead_stats(off.samples[:pairs], on.samples[:pairs]))
+    same_tokens = off.tokens[:pairs] == on.tokens[:pairs]
+    if same_tokens:
+        cell.update(overhead_stats(off.samples[:pairs], on.samples[:pairs]), compared_on="time per trial")
+    else:  # compare what both did: the time each took per output token
+        cell.update(overhead_stats(per_token(off, pairs), per_token(on, pairs)),
+                    compared_on="time per output token (the arms produced different token counts)")
     if cfg.concurrency:
         # Under load the primary figure is throughput's time cost: the on/off ratio of the
         # time each trial took for the same tokens (+30 %: the flag costs 30 % more time per
@@ -3312,8 +3569,15 @@ def cost_cell(cfg: Config, arms: Tuple[Arm, Arm], hazards: List[Dict[str, Any]],
                     load={arm.name: load_stats(arm) for arm in arms})
         cell["overheads"] = {"throughput": {k: cell[k] for k in ("overhead_pct", "ci95_pct", "significant")}}
         for key in ("latency_s", "ttft_s", "tpot_s"):
-            figures = overhead_stats(per_trial_medians(off, key)[:pairs], per_trial_medians(on, key)[:pairs])
-            cell["overheads"][key.replace("_s", "")] = {k: figures[k] for k in ("overhead_pct", "ci95_pct", "significant")}
+            name = key.replace("_s", "")
+            a, b = per_trial_medians(off, key)[:pairs], per_trial_medians(on, key)[:pairs]
+            if not all(map(math.isfinite, a + b)):
+                why = UNMEASURED_STREAM if name != "latency" else "a trial had no latency"
+                cell["overheads"][name] = {"overhead_pct": None, "ci95_pct": None, "significant": False,
+                                           "unmeasured": why}
+                continue
+            figures = overhead_stats(a, b)
+            cell["overheads"][name] = {k: figures[k] for k in ("overhead_pct", "ci95_pct", "significant")}
     return cell
 
 
@@ -3363,14 +3627,21 @@ def cell_shape(cell: Dict[str, Any]) -> str:
 
 def print_load_report(cell: Dict[str, Any], out: Out) -> None:
     """Under load: each arm's throughput and latencies, and what the flag costs in each."""
-    ms = lambda figure: "%.1f/%.1f ms" % (1000 * figure["median_s"], 1000 * figure["p99_s"]) if figure else "?"
+    ms = lambda figure: "%.1f/%.1f ms" % (1000 * figure["median_s"], 1000 * figure["p99_s"]) if figure else "unmeasured"
     for arm in ("off", "on"):
         s = cell["load"][arm]
         out.line("  flag %-3s %.1f tokens/s, %.2f requests/s; median/p99: latency %s, TTFT %s, TPOT %s" % (
             arm, s["median_tokens_per_s"], s["median_requests_per_s"], ms(s["latency"]), ms(s["ttft"]), ms(s["tpot"])))
     for name in ("latency", "ttft", "tpot"):
-        out.line("  %-8s overhead %s" % (name.upper() if name != "latency" else "latency", fmt_overhead(
-            cell["overheads"][name], "%+.1f%% [%+.1f%%, %+.1f%%]%s", "%+.1f%% (no interval)", " n.s.")))
+        figure = cell["overheads"][name]
+        label = name.upper() if name != "latency" else "latency"
+        if figure.get("unmeasured"):
+            out.line("  %-8s unmeasured: %s" % (label, figure["unmeasured"]))
+            continue
+        out.line("  %-8s overhead %s" % (label, fmt_overhead(
+            figure, "%+.1f%% [%+.1f%%, %+.1f%%]%s", "%+.1f%% (no interval)", " n.s.")))
+    if cell.get("compared_on", "time per trial") != "time per trial":
+        out.line("  compared on %s" % cell["compared_on"])
 
 
 def print_cost_report(cell: Dict[str, Any], out: Out) -> None:

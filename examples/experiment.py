@@ -29,6 +29,7 @@ How it runs the arms, and why:
 Variables (all optional):
   GPUS, TP, MEM, MODEL, BACKEND  the placement and the launch scripts' settings; TP takes a list
   MAX_MODEL_LEN, RADIX_CACHE     passed to the launch scripts (see vllm_serve.sh, sglang_serve.sh)
+  EXTRA_ARGS                     more engine flags, the same for both arms
   SERVE_OFF, SERVE_ON  the commands that start each arm (default: this folder's launch script
                        for the engine, with PORT set); the practice engine, for a dry run:
                        SERVE_OFF="python3 tests/stub_server.py --port 8000"
@@ -603,7 +604,7 @@ def cost_row(cell: dict) -> List[str]:
 
 
 REPORTED_VARIABLES = ("GPUS", "TP", "MEM", "MODEL", "BACKEND", "MAX_MODEL_LEN", "RADIX_CACHE",
-                      "SWEEP_ARGS", "COST_ARGS")  # the settings a report names, where set
+                      "EXTRA_ARGS", "SWEEP_ARGS", "COST_ARGS")  # the settings a report names, where set
 
 
 def stamp(seconds: float) -> str:

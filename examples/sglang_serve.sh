@@ -13,6 +13,7 @@ BACKEND=${BACKEND:-triton}            # fa3, flashinfer or triton (the determini
 TP=${TP:-1}                           # tensor-parallel degree; run the cost cells at 1 and at your real TP
 GPUS=${GPUS:-0}                       # devices for both arms (see placement.sh); MEM sets the share
 RADIX_CACHE=${RADIX_CACHE:-off}       # off (default) or keep: see --disable-radix-cache below
+EXTRA_ARGS=${EXTRA_ARGS:-}            # more flags, the same for both arms (e.g. "--sampling-backend pytorch")
 
 case "$ARM" in
     # --enable-deterministic-inference: the flag. Batch-invariant matmul, log_softmax and
@@ -54,4 +55,5 @@ exec python3 -m sglang.launch_server \
     --tp-size "$TP" \
     ${CACHE_FLAG[@]+"${CACHE_FLAG[@]}"} \
     ${MEM_FLAG[@]+"${MEM_FLAG[@]}"} \
+    $EXTRA_ARGS \
     ${FLAG[@]+"${FLAG[@]}"}

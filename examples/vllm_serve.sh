@@ -13,6 +13,7 @@ BACKEND=${BACKEND:-FLASH_ATTN}        # one of FLASH_ATTN, FLEX_ATTENTION, TRITO
 TP=${TP:-1}                           # tensor-parallel degree; run the cost cells at 1 and at your real TP
 GPUS=${GPUS:-0}                       # devices for both arms (see placement.sh); MEM sets the share
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-}      # the context length; empty: the model's own
+EXTRA_ARGS=${EXTRA_ARGS:-}            # more flags, the same for both arms (e.g. "--dtype bfloat16")
 
 case "$ARM" in
     # The flag is an environment variable read at start-up: set it explicitly, never inherit it.
@@ -47,4 +48,5 @@ exec vllm serve "$MODEL" \
     --enable-prompt-tokens-details \
     --tensor-parallel-size "$TP" \
     ${LEN_FLAG[@]+"${LEN_FLAG[@]}"} \
-    ${MEM_FLAG[@]+"${MEM_FLAG[@]}"}
+    ${MEM_FLAG[@]+"${MEM_FLAG[@]}"} \
+    $EXTRA_ARGS

@@ -214,9 +214,17 @@ def ranked_ids(logprobs: List[float]) -> List[int]:
     return sorted(range(len(logprobs)), key=lambda v: (-logprobs[v], v))
 
 
-def top_entries(logprobs: List[float], chosen: int, k: int) -> List[Tuple[int, float]]:
+def top_ranked(logprobs: List[float], k: int, edge_swap: bool = False) -> List[int]:
+    """The k most likely tokens; with edge_swap the k-th gives way to the (k+1)-th, as when
+    their last bits move across each other in another batch."""
+    ranked = ranked_ids(logprobs)
+    return ranked[:k - 1] + ranked[k:k + 1] if edge_swap and 0 < k < len(ranked) else ranked[:k]
+
+
+def top_entries(logprobs: List[float], chosen: int, k: int,
+                edge_swap: bool = False) -> List[Tuple[int, float]]:
     """The chosen token, then the k most likely (vLLM's order; at most k+1 entries)."""
-    return [(chosen, logprobs[chosen])] + [(v, logprobs[v]) for v in ranked_ids(logprobs)[:k]
+    return [(chosen, logprobs[chosen])] + [(v, logprobs[v]) for v in top_ranked(logprobs, k, edge_swap)
                                            if v != chosen]
 
 
@@ -226,7 +234,8 @@ def top_entries(logprobs: List[float], chosen: int, k: int) -> List[Tuple[int, f
 VLLM_GRAPH_SIZES = [1, 2, 4] + list(range(8, 129, 8))   # vLLM with --max-num-seqs 64
 SGLANG_GRAPH_SIZES = [1, 2, 4, 8, 12, 16, 24, 32]       # SGLang with --cuda-graph-max-bs-decode 32
 FAULTS = ("http500", "drop", "badjson", "nochoices", "fewer", "nulllogprobs", "ragged",
-          "clamp", "redirect", "huge", "stall", "trickle", "truncate", "echokey", "nostream", "cutstream")
+          "clamp", "redirect", "huge", "stall", "trickle", "truncate", "echokey", "nostream", "cutstream",
+          "textonly", "usageatend", "overshoot")
 STALL_SECONDS = 3.0             # how long the "stall" fault keeps a request waiting
 
 
@@ -261,6 +270,7 @@ class StubConfig:
     prefill_agrees: bool = False             # prefill computes as a batch-1 decode step does
     prompt_logprobs: bool = True             # False: a server that returns no prompt logprobs
     info_overrides: Dict[Tuple[str, ...], object] = field(default_factory=dict)  # /server_info path -> value
+    topk_edge_swap: bool = False             # above batch 1 the k-th top entry swaps with the (k+1)-th
 
     def sizes(self) -> List[int]:
         if self.graph_sizes is not None:
@@ -428,6 +438,7 @@ def run_batch(config: StubConfig, state: EngineState, prompts: List[str], max_to
             continue
         rng = random.Random(seed) if seed is not None else state.shared_rng
         out = generate(prompt, max_tokens, plan, temperature, top_p, rng, ignore_eos, prefix)
+        out["step_size"] = step_size
         memo[key] = out
         results.append(out)
     if config.step_delay > 0 and not state.streaming():
@@ -450,6 +461,11 @@ def prompt_token_count(prompt: str) -> int:
 
 # ----------------------------------------------------------------------------
 # vLLM wire format
+
+
+def edge_swapper(config: StubConfig):
+    """Whether a completion's top-k lists have their k-th and (k+1)-th entries swapped."""
+    return lambda out: config.topk_edge_swap and out.get("step_size", 1) > 1
 
 
 def vllm_completions(config: StubConfig, body: Dict, state: EngineState) -> Dict:
@@ -482,6 +498,7 @@ def vllm_completions(config: StubConfig, body: Dict, state: EngineState) -> Dict
     outs = run_batch(config, state, prompts, max_tokens, temperature, float(body.get("top_p", 1.0)),
                      body.get("seed"), bool(body.get("ignore_eos")), prefixes)
     prompt_k = body.get("prompt_logprobs")
+    swap = edge_swapper(config)
     as_ids = bool(body.get("return_tokens_as_token_ids"))
     name = (lambda v: "token_id:%d" % v) if as_ids else token_text
     choices = []
@@ -497,7 +514,7 @@ def vllm_completions(config: StubConfig, body: Dict, state: EngineState) -> Dict
                 "text_offset": offsets,
                 "token_logprobs": [step[v] for v, step in zip(out["ids"], out["logprobs"])],
                 "tokens": tokens,
-                "top_logprobs": [{name(v): lp for v, lp in top_entries(step, chosen, k)}
+                "top_logprobs": [{name(v): lp for v, lp in top_entries(step, chosen, k, swap(out))}
                                  for chosen, step in zip(out["ids"], out["logprobs"])],
             }
         choices.append({
@@ -612,7 +629,12 @@ def sglang_generate(config: StubConfig, body: Dict, state: EngineState):
     # Per-request seeds exist only with deterministic inference (sampling_batch_info.py,
     # 0.5.23 lines 157-171): the seed, else 42. Flag off, every request samples unseeded.
     seed = (42 if seed is None else seed) if config.invariant else None
-    cached = [state.cached_tokens(None, p) for p in prompts]
+    keys = body.get("extra_key")  # the radix cache is namespaced by it, per prompt
+    if isinstance(keys, str) or keys is None:
+        keys = [keys] * len(prompts)
+    elif not isinstance(keys, list) or len(keys) != len(prompts):
+        raise BadRequest(400, "The length of extra_key should be equal to the batch size.")
+    cached = [state.cached_tokens(key, p) for key, p in zip(keys, prompts)]
     outs = run_batch(config, state, prompts, int(sp.get("max_new_tokens", 128)),
                      float(sp.get("temperature", 1.0)), float(sp.get("top_p", 1.0)), seed,
                      bool(sp.get("ignore_eos")), prefixes)
@@ -620,6 +642,7 @@ def sglang_generate(config: StubConfig, body: Dict, state: EngineState):
     with_logprobs = bool(body.get("return_logprob"))
     k = int(body.get("top_logprobs_num") or 0)
     show = (lambda v: token_text(v)) if body.get("return_text_in_logprobs") else (lambda v: None)
+    swap = edge_swapper(config)
     answers = []
     for n, (out, prompt, hit) in enumerate(zip(outs, prompts, cached)):
         meta = {
@@ -641,7 +664,7 @@ def sglang_generate(config: StubConfig, body: Dict, state: EngineState):
             meta["output_token_logprobs"] = [[step[v], v, show(v)]
                                              for v, step in zip(out["ids"], out["logprobs"])]
             if k:  # only asked-for top-k lists appear at all
-                meta["output_top_logprobs"] = [[[step[v], v, show(v)] for v in ranked_ids(step)[:k]]
+                meta["output_top_logprobs"] = [[[step[v], v, show(v)] for v in top_ranked(step, k, swap(out))]
                                                for step in out["logprobs"]]
         answers.append({"text": "".join(token_text(v) for v in out["ids"]),
                         "output_ids": out["ids"], "meta_info": meta})
@@ -799,16 +822,18 @@ class StubHandler(BaseHTTPRequestHandler):
             return self.send_error_body(BadRequest(400, str(err)))
         if self.server.state.streaming():
             prompt = body.get("prompt") if self.config.engine == "vllm" else body.get("text")
-            return self.stream(answer, arrived, json.dumps(prompt), cut=fault == "cutstream")
+            return self.stream(answer, arrived, json.dumps(prompt), fault)
         self.send_json(200, corrupt(answer, fault, self.config.engine) if fault else
                        floats_as_sent(answer, self.config))
 
-    def stream(self, answer, arrived: float, prompt: str, cut: bool = False) -> None:
+    def stream(self, answer, arrived: float, prompt: str, fault: Optional[str] = None) -> None:
         """The answer as server-sent events, one per token, token k due k+1 step delays (x
         slowdown with the flag on, x seeded noise) after the request arrived: deadlines, not
         sleeps, so neither the stub's own arithmetic nor a late wake-up adds up; then [DONE]
-        (or, cut, a hang-up half way)."""
-        events = stream_events(self.config.engine, answer)
+        (or, with the cutstream fault, a hang-up half way). Faults of a stream's counts:
+        usageatend (the count only in the last event), overshoot (more tokens than asked)."""
+        events = stream_events(self.config.engine, answer, fault)
+        cut = fault == "cutstream"
         config, state = self.config, self.server.state
         factor = config.slowdown if config.invariant else 1.0
         # The noise follows the engine's seed and the prompt, not the order requests come in:
@@ -831,7 +856,22 @@ class StubHandler(BaseHTTPRequestHandler):
         self.wfile.write(b"data: [DONE]\n\n")
 
 
-def stream_events(engine: str, answer) -> List[Dict]:
+def stream_events(engine: str, answer, fault: Optional[str] = None) -> List[Dict]:
+    """One prompt's answer as its stream: an event per token, as each engine sends them;
+    with fault usageatend or overshoot, its token counts are damaged as the name says."""
+    events = engine_stream_events(engine, answer)
+    count_of = (lambda e: e.get("usage")) if engine == "vllm" else (lambda e: e["meta_info"])
+    key = "completion_tokens"
+    if fault == "usageatend":
+        for event in events[:-1]:
+            if count_of(event):
+                count_of(event).pop(key, None)
+    elif fault == "overshoot":
+        count_of(events[-1])[key] += 5
+    return events
+
+
+def engine_stream_events(engine: str, answer) -> List[Dict]:
     """One prompt's answer as its stream: an event per token, as each engine sends them."""
     if engine == "vllm":
         choice, usage = answer["choices"][0], answer["usage"]
@@ -881,6 +921,13 @@ def corrupt(answer, fault: str, engine: str):
             items[-1]["logprobs"]["token_logprobs"].pop()
         else:
             items[-1]["output_ids"].pop()
+    elif fault == "overshoot":  # more output tokens counted than were asked for
+        if engine == "vllm":
+            answer["usage"]["completion_tokens"] += 5
+        else:
+            items[-1]["meta_info"]["completion_tokens"] += 5
+    elif fault == "textonly":  # a detokenizer that writes one completion's text otherwise
+        items[-1]["text"] += " "
     elif fault == "clamp":
         # Each engine's stand-in for -inf (vLLM -9999.0, SGLang float32's lowest value) in
         # the last completion's first step.

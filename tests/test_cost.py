@@ -196,5 +196,30 @@ class CostAgainstStubs(TempDirTest):
         self.assertIn("TP=k", table)
 
 
+class TokenCounts(TempDirTest):
+    def cost(self, off, on, *extra):
+        return run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", 2,
+                       "--trials", 2, "--warmup", 0, "--max-tokens", 8, "--json", *extra)
+
+    def test_more_tokens_than_asked_is_a_server_error(self):
+        with StubServer() as off, StubServer(StubConfig(invariant=True, faults={2: "overshoot"})) as on:
+            r = self.cost(off, on)
+        self.assertEqual(r.code, 3, r)
+        self.assertIn("reported 21 output tokens, more than 2 prompts x --max-tokens 8 allow", r.stderr)
+
+    def test_arms_with_different_token_counts_are_compared_per_token(self):
+        with StubServer() as off, StubServer(StubConfig(invariant=True, honour_ignore_eos=False)) as on:
+            r = self.cost(off, on)
+        self.assertEqual(r.code, 0, r)
+        cell = r.json()
+        self.assertEqual(cell["compared_on"], "time per output token (the arms produced different token counts)")
+        per_token = [(b / tb) / (a / ta) for a, b, ta, tb in zip(cell["off"]["samples_s"], cell["on"]["samples_s"],
+                                                                  cell["off"]["output_tokens"],
+                                                                  cell["on"]["output_tokens"])]
+        self.assertEqual(cell["ratios"], [round(x, 6) for x in per_token])
+        with StubServer() as off, StubServer(StubConfig(invariant=True)) as on:
+            self.assertEqual(self.cost(off, on).json()["compared_on"], "time per trial")
+
+
 if __name__ == "__main__":
     unittest.main()

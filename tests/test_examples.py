@@ -180,6 +180,18 @@ class Samples(unittest.TestCase):
         self.assertNotIn("missing", table)
         self.assertNotIn("One cell alone", table)
 
+    # The flag-on stubs' known slowdowns, as examples/make_samples.sh sets them.
+    KNOWN_PCT = {(1, "cold"): 3.0, (1, "shared-prefix"): 22.0, (2, "cold"): 18.0, (2, "shared-prefix"): 35.0}
+
+    def test_each_cost_sample_interval_contains_its_known_slowdown(self):
+        script = read("make_samples.sh")
+        for (tp, workload), pct in self.KNOWN_PCT.items():
+            self.assertIn('"%d %s %.2f"' % (tp, workload, 1 + pct / 100), script)
+        for cell in self.load("sample_cost.json")["cells"]:
+            with self.subTest(tp=cell["tp"], workload=cell["workload"]):
+                lo, hi = cell["ci95_pct"]
+                self.assertTrue(lo <= self.KNOWN_PCT[(cell["tp"], cell["workload"])] <= hi, (lo, hi))
+
 
 class PlotScripts(unittest.TestCase):
     def plot(self, script, *args, env=None):

@@ -137,5 +137,45 @@ class BadInput(TempDirTest):
         self.assertEqual((cell["trials"], cell["state"]), (1, "stopped: server error"))
 
 
+class StreamCounts(TempDirTest):
+    """TTFT and TPOT only from streams that report progress token by token."""
+
+    def test_a_stream_that_counts_only_at_the_end_leaves_ttft_and_tpot_unmeasured(self):
+        for engine in ("vllm", "sglang"):
+            every = {k: "usageatend" for k in range(1, 200)}
+            off, on = arms(1.3, engine=engine, faults=every)
+            with self.subTest(engine=engine), off, on:
+                r = load(off, on)
+                self.assertEqual(r.code, 0, r)
+                cell = r.json()
+                for arm in ("off", "on"):
+                    s = cell["load"][arm]
+                    self.assertIsNone(s["ttft"])
+                    self.assertIsNone(s["tpot"])
+                    self.assertIn("token by token", s["unmeasured"])
+                    self.assertGreater(s["latency"]["median_s"], 0)  # latency and throughput stand
+                for name in ("ttft", "tpot"):
+                    self.assertIsNone(cell["overheads"][name]["overhead_pct"])
+                    self.assertIn("token by token", cell["overheads"][name]["unmeasured"])
+                self.assertIsNotNone(cell["overheads"]["throughput"]["overhead_pct"])
+                self.assertIsNotNone(cell["overheads"]["latency"]["overhead_pct"])
+
+    def test_the_table_says_unmeasured(self):
+        off, on = arms(1.0, faults={k: "usageatend" for k in range(1, 200)})
+        with off, on:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--concurrency", 4,
+                        "--requests", 4, "--trials", 2, "--warmup", 0, "--max-tokens", 4, "--quiet")
+        self.assertEqual(r.code, 0, r)
+        self.assertIn("TTFT     unmeasured: the stream does not report its progress token by token", r.stdout)
+        self.assertIn("TTFT unmeasured", r.stdout)
+
+    def test_a_stream_that_reports_more_tokens_than_asked_is_a_server_error(self):
+        off, on = arms(1.0, faults={3: "overshoot"})
+        with off, on:
+            r = load(off, on)
+        self.assertEqual(r.code, 3, r)
+        self.assertIn("more than --max-tokens %d allows" % TOKENS, r.stderr)
+
+
 if __name__ == "__main__":
     unittest.main()

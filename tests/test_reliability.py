@@ -303,7 +303,7 @@ class VerdictsClaimOnlyWhatWasMeasured(TempDirTest):
         with StubServer(StubConfig(invariant=True)) as stub:
             r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1", "--expect", "invariant", "--json")
         self.assertEqual(r.code, 1, r)
-        self.assertEqual(r.json()["summary"]["verdict"], "nothing to compare (one batch size)")
+        self.assertEqual(r.json()["summary"]["verdict"], "nothing compared")
         self.assertIn("batch 1 was the only size", r.stderr)
 
     def test_too_few_pairs_have_no_interval_and_are_never_significant(self):

@@ -51,10 +51,12 @@ class UnseededFlagOffArm(TempDirTest):
         self.assertIn(r.json()["summary"]["verdict"], run.BATCH_EFFECTS)
 
     def test_the_verdict_rule(self):
-        self.assertEqual(run.verdict(3, 5, True, unseeded=True), run.NOISE_NOT_RULED_OUT)
-        self.assertEqual(run.verdict(1, 0, False, batch1_repeatable=False, unseeded=True), run.NOISE_NOT_RULED_OUT)
-        self.assertEqual(run.verdict(1, 0, False, unseeded=True), "invariant")
-        self.assertEqual(run.verdict(1, 0, False, batch1_repeatable=False), run.NOT_REPEATABLE)
+        m = run.Measured
+        self.assertEqual(run.verdict(m(6, 3, 5, True, compared=True, unseeded=True)), run.NOISE_NOT_RULED_OUT)
+        self.assertEqual(run.verdict(m(6, 1, compared=True, batch1_repeatable=False, unseeded=True)),
+                         run.NOISE_NOT_RULED_OUT)
+        self.assertEqual(run.verdict(m(6, 1, compared=True, unseeded=True)), "invariant")
+        self.assertEqual(run.verdict(m(6, 1, compared=True, batch1_repeatable=False)), run.NOT_REPEATABLE)
 
 
 class DecodeGraphsOff(unittest.TestCase):
@@ -127,7 +129,7 @@ class ClampValue(unittest.TestCase):
         self.assertIn("clamped -inf", r.stdout)
         self.assertIn("logprobs moved but tokens held", r.stdout)
         row2 = next(line.split() for line in r.stdout.splitlines() if line.split()[:1] == ["2"])
-        self.assertEqual(row2[6], "0*")  # no distance, footnoted
+        self.assertEqual(row2[7], "0*")  # no distance, footnoted
 
 
 class PracticeEngineLike0523(unittest.TestCase):

@@ -111,7 +111,8 @@ class CompareCompletions(unittest.TestCase):
         d = run.compare_completions(self.base, other, run.VllmAdapter.logprob_clamps)
         self.assertIn("clamped", d.ulp_notes)
         self.assertEqual(d.first_ulp_step, 0)
-        self.assertEqual(run.verdict(1, 0, False, unmeasured=True), "logprobs moved but tokens held")
+        self.assertEqual(run.verdict(run.Measured(2, 1, unmeasured=True, compared=True)),
+                         "logprobs moved but tokens held")
 
 
 class FastPathAgreesWithThePairByPairRule(unittest.TestCase):
@@ -180,9 +181,14 @@ class LaddersAndBuckets(unittest.TestCase):
                 run.parse_sizes(bad)
 
     def test_verdict_words(self):
-        self.assertEqual(run.verdict(1, 0, False), "invariant")
-        self.assertEqual(run.verdict(1, 3, False), "logprobs moved but tokens held")
-        self.assertEqual(run.verdict(2, 3, True), "tokens diverged")
+        m = run.Measured
+        self.assertEqual(run.verdict(m(2, 1, compared=True)), "invariant")
+        self.assertEqual(run.verdict(m(2, 1, 3, compared=True)), "logprobs moved but tokens held")
+        self.assertEqual(run.verdict(m(2, 2, 3, True, compared=True)), "tokens diverged")
+        self.assertEqual(run.verdict(m(2, 2, text_only=True, compared=True)), "text differs, tokens equal")
+        self.assertEqual(run.verdict(m(2, 2, 3, True, text_only=True, compared=True)), "tokens diverged")
+        self.assertEqual(run.verdict(m(1, 1)), "nothing compared")  # batch 1 alone is no comparison
+        self.assertEqual(run.verdict(m(0, 0, compared=True)), "no data")
 
 
 class Statistics(unittest.TestCase):

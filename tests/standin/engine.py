@@ -209,6 +209,7 @@ def sglang_main(argv) -> int:
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--mem-fraction-static", type=float)
     p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--sampling-backend", choices=("flashinfer", "pytorch"))
     p.add_argument("--enable-deterministic-inference", action="store_true")
     args = p.parse_args(argv)
     sizes = [
