@@ -143,6 +143,7 @@ NOISE_SPREAD = 1.5            # an arm whose max/min exceeds this is flagged noi
 MIN_PAIRS_FOR_INTERVAL = 6    # below this the bootstrap's 2.5/97.5 % bounds are just the extreme ratios
 
 # Transport defaults
+COLOR_CHOICES = ("auto", "always", "never")  # auto: on a terminal, unless NO_COLOR is set and not empty
 DEFAULT_TIMEOUT_S = 600.0     # per request: a 256-wide batch of long completions on a busy GPU is slow
 DEFAULT_MAX_RESPONSE_MB = 512  # a larger answer is refused rather than held in memory
 CLOCK = time.perf_counter     # what requests are timed with (the tests swap in a virtual clock)
@@ -681,7 +682,7 @@ class HttpClient:
         return ServerError("HTTP %d from %s: %s" % (status, path, message), status)
 
     def transport_error(self, err: BaseException, url: str) -> ServerError:
-        if isinstance(err, (TimeoutError, ConnectionRefusedError, socket.gaierror)):
+        if isinstance(err, TIMEOUTS + (ConnectionRefusedError, socket.gaierror)):
             return ServerError(describe_network_error(err, self.base_url, self.timeout))
         return ServerError("connection to %s dropped (%s)" % (url, type(err).__name__))
 
@@ -822,12 +823,16 @@ def allow_open_files(connections: int) -> None:
         pass
 
 
+# What a timeout raises: socket.timeout became an alias of TimeoutError only in Python 3.10.
+TIMEOUTS = (TimeoutError, socket.timeout)
+
+
 def describe_network_error(reason: Any, base_url: str, timeout: float) -> str:
     if isinstance(reason, ConnectionRefusedError):
         return "connection refused by %s: is the server running?" % base_url
     if isinstance(reason, socket.gaierror):
         return "cannot resolve the host of %s" % base_url
-    if isinstance(reason, TimeoutError):
+    if isinstance(reason, TIMEOUTS):
         return "no answer from %s within %gs (--timeout)" % (base_url, timeout)
     return "cannot reach %s: %s" % (base_url, reason)
 
@@ -1168,7 +1173,7 @@ class VllmAdapter:
 
     def stream_body(self, model: str, prompt: str, sampling: Sampling) -> Dict[str, Any]:
         # Usage on every event, so each says how many tokens are out so far (the real stream
-        # in ../shared/wire/vllm-0.26.0/more/stream_usage.body: usage on every event, then a
+        # in tests/fixtures/vllm-0.26.0/stream_usage.body: usage on every event, then a
         # last event with no choices and the final usage, then [DONE]).
         return dict(self.body(model, [prompt], sampling), stream=True,
                     stream_options={"include_usage": True, "continuous_usage_stats": True})
@@ -1549,6 +1554,7 @@ class Config:
     max_response_bytes: int = DEFAULT_MAX_RESPONSE_MB << 20
     json_out: bool = False
     quiet: bool = False            # no progress lines
+    color: str = "auto"            # one of COLOR_CHOICES
     wait_ready: Optional[float] = None  # seconds to wait for the servers' health checks first
     save: Optional[str] = None
     prior_save: Optional[Dict[str, Any]] = None  # the document already at --save (cost adds to it)
@@ -1657,6 +1663,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  "check (a server just started takes minutes to load)")
     sweep_cost.add_argument("--quiet", action="store_true", help="no progress lines on stderr (warnings "
                             "and errors still appear)")
+    sweep_cost.add_argument("--color", choices=COLOR_CHOICES, default="auto",
+                            help="bold summary lines: auto (on a terminal, unless NO_COLOR is set to a "
+                                 "non-empty value, as no-color.org asks), always, never (default auto)")
     sweep_cost.add_argument("--timeout", type=real_number(0.0, above=True), default=DEFAULT_TIMEOUT_S,
                             help="seconds to wait for one answer (default %g)" % DEFAULT_TIMEOUT_S)
     sweep_cost.add_argument("--max-response-mb", type=whole_number(1), default=DEFAULT_MAX_RESPONSE_MB,
@@ -1847,6 +1856,7 @@ def configure(argv: Optional[Sequence[str]]) -> Config:
     cfg.api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or None
     cfg.timeout, cfg.max_response_bytes = args.timeout, args.max_response_mb << 20
     cfg.json_out, cfg.quiet, cfg.wait_ready = args.json, args.quiet, args.wait_ready
+    cfg.color = args.color
     if args.save:
         cfg.save = args.save
         cfg.prior_save = check_save_target(args.save, SWEEP_SCHEMAS_READ if args.mode == "sweep" else (COST_SCHEMA,))
@@ -1967,17 +1977,38 @@ def configure_cost(cfg: Config, args: argparse.Namespace) -> None:
 # Shared by the modes: output, saving, stopping cleanly, server facts
 
 
+def fmt_duration(seconds: float) -> str:
+    """A duration as people read it: 42s, 3m 05s, 1h 00m 12s."""
+    whole = int(round(seconds))
+    if whole < 60:
+        return "%ds" % whole
+    minutes, secs = divmod(whole, 60)
+    if minutes < 60:
+        return "%dm %02ds" % (minutes, secs)
+    return "%dh %02dm %02ds" % (minutes // 60, minutes % 60, secs)
+
+
 class Out:
-    """Plain text to stdout; colour only on a terminal without NO_COLOR; progress on a stderr terminal."""
+    """Plain text to stdout; colour on a terminal unless NO_COLOR is set (non-empty) or --color
+    says otherwise; progress on a stderr terminal."""
 
     def __init__(self, stdout=None, stderr=None):
         self.stdout = stdout or sys.stdout
         self.stderr = stderr or sys.stderr
-        self.colour = self.stdout.isatty() and "NO_COLOR" not in os.environ
+        self.colour = self.stdout.isatty() and not os.environ.get("NO_COLOR")
         self.progress_on = self.stderr.isatty()
 
+    def use_colour(self, choice: str) -> None:
+        """--color: auto keeps what __init__ found; always and never decide it."""
+        if choice != "auto":
+            self.colour = choice == "always"
+
     def line(self, text: str = "") -> None:
+        """A line of results, out at once (a table is printed as it is measured)."""
+        if self.progress_on:
+            self.stderr.write("\r\033[K")  # the live progress line comes back with the next update
         self.stdout.write(text + "\n")
+        self.stdout.flush()
 
     def style(self, text: str, code: str) -> str:
         return "\033[%sm%s\033[0m" % (code, text) if self.colour else text
@@ -2011,9 +2042,10 @@ class Progress:
 
     def status(self) -> str:
         elapsed = time.monotonic() - self.start
-        left = " ~%.0fs left" % (elapsed / self.done * (self.total - self.done)) if 0 < self.done < self.total else ""
-        return "%d/%d %s, %d completions, %.0fs elapsed%s" % (
-            self.done, self.total, self.unit, self.completions, elapsed, left)
+        left = (" ~%s left" % fmt_duration(elapsed / self.done * (self.total - self.done))
+                if 0 < self.done < self.total else "")
+        return "%d/%d %s, %d completions, %s elapsed%s" % (
+            self.done, self.total, self.unit, self.completions, fmt_duration(elapsed), left)
 
     def running(self, what: str) -> None:
         if self.live:
@@ -2206,8 +2238,8 @@ def wait_until_ready(cfg: Config, servers: Sequence[Tuple[str, str]], out: Out) 
     deadline = time.monotonic() + cfg.wait_ready
     for url, what in servers:
         if not cfg.quiet:
-            out.stderr.write("run.py: progress: waiting up to %.0fs for %s at %s to answer %s\n"
-                             % (deadline - time.monotonic(), what, url, " or ".join(paths)))
+            out.stderr.write("run.py: progress: waiting up to %s for %s at %s to answer %s\n"
+                             % (fmt_duration(deadline - time.monotonic()), what, url, " or ".join(paths)))
         while True:
             remaining = deadline - time.monotonic()
             client = HttpClient(url, cfg.api_key, max(0.1, min(5.0, remaining)), 1 << 20)
@@ -2871,9 +2903,13 @@ class PromptSweep:
         if n == 1:
             self.batch1.append(completions[0])
 
+    def size(self, n: int) -> Dict[str, Any]:
+        """Batch size n over every pass so far, as the saved document and the table hold it."""
+        runs = self.runs[n]
+        return dict({"batch_size": n, "bucket": self.buckets[n]}, **aggregate_runs(runs), runs=runs)
+
     def sizes(self) -> List[Dict[str, Any]]:
-        return [dict({"batch_size": n, "bucket": self.buckets[n]}, **aggregate_runs(runs), runs=runs)
-                for n, runs in self.runs.items()]
+        return [self.size(n) for n in self.runs]
 
     def batch1_repeatable(self) -> Optional[bool]:
         """Batch 1's passes against each other: None until there are two."""
@@ -3004,61 +3040,96 @@ def sweep_warnings(facts: ServerFacts, sizes: List[int], sampling: Sampling, out
             " (%s)" % facts.settings_hint if facts.settings_hint else ""))
 
 
-def print_sweep_table(doc: Dict[str, Any], cfg: Config, out: Out) -> None:
-    for line in server_lines(doc["server"], cfg.adapter, doc.get("engine_detected", False)):
-        out.line(line)
-    p = doc["params"]
-    sampling = "greedy" if p["temperature"] == 0 else "temperature %g, seed %s%s" % (
-        p["temperature"], p["seed"], {True: " (honoured)", False: " (IGNORED by the server)"}.get(p.get("seed_honoured"), ""))
-    repeat = p.get("repeat", 1)
-    out.line("params: %d tokens, %s, top-%d logprobs, sizes %s" % (
-        p["max_tokens"], sampling, p["logprobs"], ",".join(str(s) for s in p["sizes"])))
-    out.line("        traffic %s, %d pass%s through the ladder, prefix cache %s" % (
-        p.get("traffic", "copies"), repeat, "" if repeat == 1 else "es", p.get("prefix_cache", "keep")))
-    bypass = doc["summary"].get("prefix_cache_bypass") or {}
-    if bypass.get("status") == BYPASS_UNVERIFIED:
-        out.line("        prefix cache bypass unverified: the server reports no cached-token counts (%s)"
-                 % cfg.adapter.CACHE_COUNTS_HINT)
-    for i, r in enumerate(doc["prompts"], 1):
-        out.line("")
-        out.line("prompt %d/%d: %s  (baseline: %s)" % (i, len(doc["prompts"]), json.dumps(
-            r["prompt"][:70] + ("..." if len(r["prompt"]) > 70 else "")), r["baseline_source"]))
-        out.line("  batch  bucket  distinct  same/all  runs matched  first token  tie margin  max ULP"
+SWEEP_COLUMNS = ("  batch  bucket  distinct  same/all  runs matched  first token  tie margin  max ULP"
                  "  first ULP step  seconds  notes")
-        for s in r["sizes"]:
-            ulp = str(s["max_ulp"]) + ("*" if s["ulp_notes"] else "")
-            runs = s.get("runs") or [s]
-            out.line(("  %5d  %6s  %8d  %8s  %12s  %11s  %10s  %7s  %14s  %7.2f  %s" % (
-                s["batch_size"], fmt_opt(s["bucket"], "none"), s["distinct_in_batch"],
-                "%d/%d" % (s["same_as_baseline"], s["completions"]),
-                "%d/%d" % (s.get("runs_matched", 0), len(runs)), fmt_opt(s["first_token_divergence"]),
-                margin_text(s.get("divergence_margin")), ulp, fmt_opt(s["first_ulp_step"]), s["seconds"],
-                size_notes(s, bypass.get("hit_sizes") or ()))).rstrip())
-        out.line("  unique completions %d of %d, max ULP %d: %s" % (
-            r["unique_completions"], r["total_completions"], r["max_ulp"], r["verdict"]))
-    sm = doc["summary"]
-    out.line("")
-    if sm["ulp_notes"]:
-        out.line("* %s" % "; ".join(ULP_NOTE_TEXT[n] for n in sm["ulp_notes"]))
-    control = {True: "batch 1 repeatable over %d passes" % repeat, False: "batch 1 NOT repeatable",
-               None: "no run-to-run control (one pass)"}[sm.get("batch1_repeatable")]
-    reasons = [] if sm["state"] == "complete" else [sm["state"]]
-    if bypass.get("status") == BYPASS_FAILED:
-        reasons.append("cache hit: bypass did not hold at batch size%s %s" % (
-            "" if len(bypass["hit_sizes"]) == 1 else "s", ",".join(map(str, bypass["hit_sizes"]))))
-    out.line(out.style("summary: unique completions %d, total %d, max ULP %d, %s: %s%s" % (
-        sm["unique_completions"], sm["total_completions"], sm["max_ulp"], control, sm["verdict"],
-        " (%s)" % "; ".join(reasons) if reasons else ""), "1"))
-    if "prefill_verdict" in sm:
-        per_size = ", ".join("%d: %s" % (s["batch_size"], fmt_opt(s.get("prefill_max_ulp"), "?"))
-                             for r in doc["prompts"] for s in r["sizes"])
-        out.line("prefill check, max ULP per batch size: %s" % per_size)
-        margin = ""
-        if sm.get("prefill_margin"):
-            margin = " (there, the decode's runner-up was %s behind)" % margin_text(sm["prefill_margin"])
-        out.line(out.style("prefill check: max ULP %s, first differing step %s%s: %s" % (
-            fmt_opt(sm["prefill_max_ulp"], "?"), fmt_opt(sm["prefill_first_step"]), margin,
-            sm["prefill_verdict"]), "1"))
+
+
+class SweepTable:
+    """The sweep's table, printed as it is measured: the header before the first request,
+    each size's row once its last pass is in, each prompt's closing line once its sizes are,
+    and the rest (anything a stop left unprinted, the notes, the summary) at the end."""
+
+    def __init__(self, cfg: Config, out: Out):
+        self.cfg, self.out = cfg, out
+        self.rows: Dict[int, Set[int]] = {}  # prompt number -> batch sizes whose rows are out
+        self.closed: Set[int] = set()        # prompt numbers whose closing line is out
+
+    def header(self, doc: Dict[str, Any]) -> None:
+        out = self.out
+        for line in server_lines(doc["server"], self.cfg.adapter, doc.get("engine_detected", False)):
+            out.line(line)
+        p = doc["params"]
+        sampling = "greedy" if p["temperature"] == 0 else "temperature %g, seed %s%s" % (
+            p["temperature"], p["seed"],
+            {True: " (honoured)", False: " (IGNORED by the server)"}.get(p.get("seed_honoured"), ""))
+        repeat = p.get("repeat", 1)
+        out.line("params: %d tokens, %s, top-%d logprobs, sizes %s" % (
+            p["max_tokens"], sampling, p["logprobs"], ",".join(str(s) for s in p["sizes"])))
+        out.line("        traffic %s, %d pass%s through the ladder, prefix cache %s" % (
+            p.get("traffic", "copies"), repeat, "" if repeat == 1 else "es", p.get("prefix_cache", "keep")))
+
+    def size_done(self, number: int, total: int, sweep: "PromptSweep", n: int) -> None:
+        if number not in self.rows:
+            self.rows[number] = set()
+            self.out.line("")
+            self.out.line("prompt %d/%d: %s  (baseline: %s)" % (number, total, json.dumps(
+                sweep.prompt[:70] + ("..." if len(sweep.prompt) > 70 else "")), sweep.baseline_source))
+            self.out.line(SWEEP_COLUMNS)
+        self.rows[number].add(n)
+        self.out.line(size_row(sweep.size(n), self.cfg.prefix_cache == "bypass"))
+
+    def prompt_done(self, number: int, record: Dict[str, Any]) -> None:
+        self.closed.add(number)
+        self.out.line("  unique completions %d of %d, max ULP %d: %s" % (
+            record["unique_completions"], record["total_completions"], record["max_ulp"], record["verdict"]))
+
+    def finish(self, doc: Dict[str, Any], sweeps: List["PromptSweep"]) -> None:
+        out, sm = self.out, doc["summary"]
+        for number, (sweep, record) in enumerate(zip(sweeps, doc["prompts"]), 1):
+            for size in record["sizes"]:
+                if size["batch_size"] not in self.rows.get(number, ()):
+                    self.size_done(number, len(sweeps), sweep, size["batch_size"])
+            if number not in self.closed:
+                self.prompt_done(number, record)
+        out.line("")
+        if sm["ulp_notes"]:
+            out.line("* %s" % "; ".join(ULP_NOTE_TEXT[n] for n in sm["ulp_notes"]))
+        bypass = sm.get("prefix_cache_bypass") or {}
+        if bypass.get("status") == BYPASS_UNVERIFIED:
+            out.line("prefix cache bypass unverified: the server reports no cached-token counts (%s)"
+                     % self.cfg.adapter.CACHE_COUNTS_HINT)
+        repeat = doc["params"].get("repeat", 1)
+        control = {True: "batch 1 repeatable over %d passes" % repeat, False: "batch 1 NOT repeatable",
+                   None: "no run-to-run control (one pass)"}[sm.get("batch1_repeatable")]
+        reasons = [] if sm["state"] == "complete" else [sm["state"]]
+        if bypass.get("status") == BYPASS_FAILED:
+            reasons.append("cache hit: bypass did not hold at batch size%s %s" % (
+                "" if len(bypass["hit_sizes"]) == 1 else "s", ",".join(map(str, bypass["hit_sizes"]))))
+        out.line(out.style("summary: unique completions %d, total %d, max ULP %d, %s: %s%s" % (
+            sm["unique_completions"], sm["total_completions"], sm["max_ulp"], control, sm["verdict"],
+            " (%s)" % "; ".join(reasons) if reasons else ""), "1"))
+        if "prefill_verdict" in sm:
+            per_size = ", ".join("%d: %s" % (s["batch_size"], fmt_opt(s.get("prefill_max_ulp"), "?"))
+                                 for r in doc["prompts"] for s in r["sizes"])
+            out.line("prefill check, max ULP per batch size: %s" % per_size)
+            margin = ""
+            if sm.get("prefill_margin"):
+                margin = " (there, the decode's runner-up was %s behind)" % margin_text(sm["prefill_margin"])
+            out.line(out.style("prefill check: max ULP %s, first differing step %s%s: %s" % (
+                fmt_opt(sm["prefill_max_ulp"], "?"), fmt_opt(sm["prefill_first_step"]), margin,
+                sm["prefill_verdict"]), "1"))
+
+
+def size_row(s: Dict[str, Any], bypass: bool) -> str:
+    """One batch size's row of the table, from its saved record."""
+    ulp = str(s["max_ulp"]) + ("*" if s["ulp_notes"] else "")
+    runs = s.get("runs") or [s]
+    return ("  %5d  %6s  %8d  %8s  %12s  %11s  %10s  %7s  %14s  %7.2f  %s" % (
+        s["batch_size"], fmt_opt(s["bucket"], "none"), s["distinct_in_batch"],
+        "%d/%d" % (s["same_as_baseline"], s["completions"]),
+        "%d/%d" % (s.get("runs_matched", 0), len(runs)), fmt_opt(s["first_token_divergence"]),
+        margin_text(s.get("divergence_margin")), ulp, fmt_opt(s["first_ulp_step"]), s["seconds"],
+        size_notes(s, bypass))).rstrip()
 
 
 def margin_text(margin: Optional[Dict[str, Any]]) -> str:
@@ -3070,13 +3141,13 @@ def margin_text(margin: Optional[Dict[str, Any]]) -> str:
     return "%s ULP" % fmt_opt(margin.get("ulp"), "?")
 
 
-def size_notes(size: Dict[str, Any], hit_sizes: Sequence[int]) -> str:
+def size_notes(size: Dict[str, Any], bypass: bool) -> str:
     notes = []
     if size.get("text_only"):
         notes.append("text differs, tokens equal (%d)" % size["text_only"])
     if "top-k changed" in size["ulp_notes"]:
         notes.append("top-k changed")
-    if size["batch_size"] in hit_sizes:
+    if bypass and (size.get("cached_tokens") or 0) > 0:
         notes.append("cache hit: bypass did not hold (%s cached tokens)" % size.get("cached_tokens"))
     return "; ".join(notes)
 
@@ -3136,6 +3207,7 @@ def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
             text("expectation failed: --expect prefill-equal, but the prefill check found: %s"
                  % sm.get("prefill_verdict"))
             return EXIT_EXPECTATION
+        text("expect prefill-equal: held (max ULP 0 over %d tokens)" % sm.get("prefill_tokens", 0))
         return EXIT_OK
     if cfg.expect == "invariant" and (moved or unmeasured):
         text("expectation failed: --expect invariant, but the result is: %s" % sm["verdict"])
@@ -3145,6 +3217,10 @@ def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
             "nothing was compared" if unmeasured else "nothing moved" if not moved
             else "what moved is not put down to batching (%s)" % sm["verdict"]))
         return EXIT_EXPECTATION
+    if cfg.expect:
+        text("expect %s: held (%s%d unique of %d, max ULP %d)" % (
+            cfg.expect, "" if cfg.expect == "invariant" else sm["verdict"] + ": ",
+            sm["unique_completions"], sm["total_completions"], sm["max_ulp"]))
     return EXIT_OK
 
 
@@ -3179,6 +3255,9 @@ def run_sweep(cfg: Config, out: Out) -> int:
 
     saves = ThrottledSave(cfg.save)
     progress = Progress(out, len(cfg.prompts) * cfg.repeat * len(sizes), "batches", cfg.quiet)
+    table = None if cfg.json_out else SweepTable(cfg, out)
+    if table:
+        table.header(sweep_document(cfg, facts, [], sizes, "running"))
 
     def measure(interrupt: DeferredInterrupt) -> None:
         for pi, prompt in enumerate(cfg.prompts, 1):
@@ -3211,15 +3290,19 @@ def run_sweep(cfg: Config, out: Out) -> int:
                             raise ServerError("prefill check at batch size %d: %s" % (n, err)) from None
                     sweep.add(n, facts.bucket(n), row, batch.completions)
                     progress.finished(step, len(batch.completions))
+                    if table and pass_no == cfg.repeat:
+                        table.size_done(pi, len(cfg.prompts), sweep, n)
                     saves.offer(lambda path: write_json_atomic(path, sweep_document(cfg, facts, sweeps, sizes, "running")))
+            if table:
+                table.prompt_done(pi, sweep.to_record())
 
     state, code = measure_until_stopped(out, "sweep", measure)
     doc = sweep_document(cfg, facts, sweeps, sizes, state)
     saves.write(lambda path: write_json_atomic(path, doc))
-    if cfg.json_out:
-        out.line(json_text(doc, indent=1))
+    if table:
+        table.finish(doc, sweeps)
     else:
-        print_sweep_table(doc, cfg, out)
+        out.line(json_text(doc, indent=1))
     outcome = code if code != EXIT_OK else sweep_outcome(cfg, doc, out)
     return report_save(cfg, saves, outcome, out)
 
@@ -3681,6 +3764,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = Out()
     try:
         cfg = configure(argv)
+        out.use_colour(cfg.color)
         code = RUNNERS[cfg.mode](cfg, out)
         out.stdout.flush()  # a closed pipe shows up here, not in the interpreter's last flush
         return code

@@ -6,10 +6,18 @@ import json
 import sys
 
 
-def load(path, schemas, kind):
-    """A lab save file, refused unless it holds `kind` results (its "schema" field, one of schemas)."""
+def read(path):
+    """A JSON object from a file: what run.py --save writes or --json prints."""
     with open(path, encoding="utf-8") as f:
         doc = json.load(f)
+    if not isinstance(doc, dict):
+        raise ValueError("%s is not a lab file (it holds a JSON %s)" % (path, type(doc).__name__))
+    return doc
+
+
+def load(path, schemas, kind):
+    """A lab save file, refused unless it holds `kind` results (its "schema" field, one of schemas)."""
+    doc = read(path)
     if doc.get("schema") not in schemas:
         raise ValueError("%s is not a %s file (schema %r)" % (path, kind, doc.get("schema")))
     return doc

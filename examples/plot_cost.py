@@ -1,8 +1,13 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Plot a cost file (run.py --mode cost --save FILE) as the 2x2 overhead table.
+"""Plot cost files (run.py --mode cost --save FILE, or what --json prints) as the 2x2 overhead
+table.
 
     python3 examples/plot_cost.py cost.json -o cost.png
+    python3 examples/plot_cost.py tp1.json tp2.json cell.json -o cost.png   # several runs together
+
+Cells are merged by what makes two cells the same measurement (TP, workload, batch or
+concurrency, length, model): a later file's cell replaces an earlier one's, with a line saying so.
 
 One group of bars per TP degree (TP=1 and every other degree in the file), one bar per
 workload (cold, shared-prefix): the flag's overhead in percent with its 95% interval.
@@ -22,11 +27,36 @@ COST_SCHEMAS = ("batch-invariance-lab/cost/1",)
 WORKLOADS = ("cold", "shared-prefix")
 
 
-def load(path):
-    doc = labplot.load(path, COST_SCHEMAS, "cost")
-    if not doc.get("cells"):
-        raise ValueError("%s holds no cell yet" % path)
-    return doc
+def cell_key(cell):
+    """What makes two cells the same measurement (as run.py's cell_key)."""
+    return (cell.get("tp"), cell.get("workload"), cell.get("batch"), cell.get("concurrency"),
+            cell.get("max_tokens"), cell.get("model"))
+
+
+def is_cell(doc):
+    return "workload" in doc and "overhead_pct" in doc and "schema" not in doc
+
+
+def load(paths, say=lambda line: sys.stderr.write(line + "\n")):
+    """One cost document holding every cell of paths (cost files, or cells run.py --json printed)."""
+    merged, origin = {}, {}
+    for path in paths:
+        doc = labplot.read(path)
+        if is_cell(doc):
+            cells = [doc]
+        else:
+            cells = labplot.load(path, COST_SCHEMAS, "cost").get("cells") or []
+        for cell in cells:
+            if not isinstance(cell, dict) or not is_cell(cell):
+                raise ValueError("%s holds something that is not a cost cell" % path)
+            key = cell_key(cell)
+            if key in merged:
+                say("plot_cost.py: the cell TP=%s %s of %s replaces the one of %s" % (
+                    cell.get("tp"), cell.get("workload"), path, origin[key]))
+            merged[key], origin[key] = cell, path
+    if not merged:
+        raise ValueError("%s: no cell yet" % ", ".join(paths))
+    return {"schema": COST_SCHEMAS[0], "cells": list(merged.values())}
 
 
 def select(doc, model=None, batch=None, max_tokens=None):
@@ -86,23 +116,24 @@ def figure(doc, model=None, batch=None, max_tokens=None):
     return fig
 
 
-def plot(path, out, model=None, batch=None, max_tokens=None):
+def plot(paths, out, model=None, batch=None, max_tokens=None):
     plt = labplot.pyplot()
-    fig = figure(load(path), model, batch, max_tokens)
+    fig = figure(load(paths), model, batch, max_tokens)
     fig.savefig(out, dpi=110)
     plt.close(fig)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="Plot a cost file as the 2x2 overhead table.")
-    p.add_argument("file", help="a cost file written by run.py --mode cost --save")
+    p.add_argument("files", nargs="+", help="cost files written by run.py --mode cost --save, or cells "
+                   "it printed with --json")
     p.add_argument("-o", "--output", required=True, help="the PNG to write")
     p.add_argument("--model")
     p.add_argument("--batch", type=int)
     p.add_argument("--max-tokens", type=int)
     args = p.parse_args(argv)
     return labplot.run("plot_cost.py", args.output, lambda: plot(
-        args.file, args.output, args.model, args.batch, args.max_tokens))
+        args.files, args.output, args.model, args.batch, args.max_tokens))
 
 
 if __name__ == "__main__":

@@ -236,6 +236,7 @@ SGLANG_GRAPH_SIZES = [1, 2, 4, 8, 12, 16, 24, 32]       # SGLang with --cuda-gra
 FAULTS = ("http500", "drop", "badjson", "nochoices", "fewer", "nulllogprobs", "ragged",
           "clamp", "redirect", "huge", "stall", "trickle", "truncate", "echokey", "nostream", "cutstream",
           "textonly", "usageatend", "overshoot")
+COMPUTED_LIMIT = 4096           # reproducible completions kept for serving again
 STALL_SECONDS = 3.0             # how long the "stall" fault keeps a request waiting
 
 
@@ -359,6 +360,7 @@ class EngineState:
         self.lock = threading.Lock()
         self.prefix_caching = config.prefix_caching
         self.prefix_cache = set()   # (salt, prompt) of every prompt prefilled since the last flush
+        self.computed = {}          # reproducible completions by all they depend on (bounded)
         self.served_requests = 0    # generation requests answered
         self.served_texts = set()   # every distinct completion text answered
         self.local = threading.local()  # per request thread: is it streamed
@@ -375,6 +377,12 @@ class EngineState:
     def flush(self) -> None:
         with self.lock:
             self.prefix_cache.clear()
+
+    def remember(self, key, out) -> None:
+        with self.lock:
+            if len(self.computed) >= COMPUTED_LIMIT:
+                self.computed.clear()
+            self.computed[key] = out
 
     def streaming(self) -> bool:
         """Is the request this thread serves streamed? (Its tokens are then paced one by one.)"""
@@ -427,19 +435,21 @@ def run_batch(config: StubConfig, state: EngineState, prompts: List[str], max_to
     if not config.honour_ignore_eos:
         max_tokens = max(1, max_tokens // 2)  # as if each completion met its end early
     plan = reduction_plan(step_size, config.sizes(), config.invariant and not config.coverage_gap)
-    memo = {}
     results = []
     for i, prompt in enumerate(prompts):
         prefix = prefixes[i] if prefixes else []
-        key = (prompt, tuple(prefix))
+        # A reproducible completion depends on nothing else: computed once, it is served again
+        # (what a request sees is the same; only the practice engine's own CPU is spared).
+        key = (prompt, tuple(prefix), step_size, max_tokens, temperature, top_p, seed, ignore_eos)
         reproducible = temperature <= 0.0 or seed is not None
-        if reproducible and key in memo:
-            results.append(memo[key])
+        if reproducible and key in state.computed:
+            results.append(state.computed[key])
             continue
         rng = random.Random(seed) if seed is not None else state.shared_rng
         out = generate(prompt, max_tokens, plan, temperature, top_p, rng, ignore_eos, prefix)
         out["step_size"] = step_size
-        memo[key] = out
+        if reproducible:
+            state.remember(key, out)
         results.append(out)
     if config.step_delay > 0 and not state.streaming():
         # Emulated GPU time: the batch takes steps x delay (x slowdown with the flag on),

@@ -213,6 +213,65 @@ class PlotScripts(unittest.TestCase):
             with open(out, "rb") as f:
                 self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
 
+    def test_cost_cells_of_several_files_are_merged_later_files_winning(self):
+        sys.path.insert(0, EXAMPLES)
+        import plot_cost
+        cells = json.loads(read("sample_cost.json"))["cells"]
+        tp1 = [c for c in cells if c["tp"] == 1]
+        tp2 = [c for c in cells if c["tp"] == 2]
+        newer = dict(tp1[0], overhead_pct=99.0)  # the same measurement, run again
+        with tempfile.TemporaryDirectory() as tmp:
+            paths = [os.path.join(tmp, n) for n in ("a.json", "b.json", "cell.json")]
+            for path, doc in zip(paths, ({"schema": run.COST_SCHEMA, "cells": tp1},
+                                         {"schema": run.COST_SCHEMA, "cells": tp2}, newer)):
+                with open(path, "w") as f:
+                    json.dump(doc, f)
+            said = []
+            doc = plot_cost.load(paths, said.append)
+        self.assertEqual(sorted((c["tp"], c["workload"]) for c in doc["cells"]),
+                         [(1, "cold"), (1, "shared-prefix"), (2, "cold"), (2, "shared-prefix")])
+        self.assertIn(99.0, [c["overhead_pct"] for c in doc["cells"]])
+        self.assertEqual(len(said), 1)
+        self.assertIn("the cell TP=1 %s of %s replaces the one of %s" % (newer["workload"], paths[2], paths[0]),
+                      said[0])
+
+    @unittest.skipUnless(HAVE_MATPLOTLIB, "matplotlib is not installed")
+    def test_both_plots_read_what_json_prints(self):
+        from support import StubConfig, StubServer, run_lab
+        with StubServer() as off, StubServer(StubConfig(invariant=True)) as on, \
+                tempfile.TemporaryDirectory() as tmp:
+            sweep = run_lab("--mode", "sweep", "--url", off.url, "--sizes", "1,2,9", "--max-tokens", 8, "--json")
+            cells = [run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", 2,
+                             "--trials", 2, "--warmup", 0, "--max-tokens", 4, "--workload", w, "--json")
+                     for w in ("cold", "shared-prefix")]
+            files = []
+            for name, r in [("sweep.json", sweep), ("cold.json", cells[0]), ("shared.json", cells[1])]:
+                files.append(os.path.join(tmp, name))
+                with open(files[-1], "w") as f:
+                    f.write(r.stdout)
+            for script, inputs in (("plot_sweep.py", files[:1]), ("plot_cost.py", files[1:])):
+                with self.subTest(script=script):
+                    out = os.path.join(tmp, script + ".png")
+                    p = self.plot(script, *inputs, "-o", out)
+                    self.assertEqual(p.returncode, 0, p.stderr)
+                    with open(out, "rb") as f:
+                        self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+
+    def test_json_that_is_not_the_labs_is_refused_with_one_line(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "list.json")
+            with open(path, "w") as f:
+                f.write("[1, 2]")
+            for script in ("plot_sweep.py", "plot_cost.py"):
+                with self.subTest(script=script):
+                    p = self.plot(script, path, "-o", os.path.join(tmp, "x.png"))
+                    if not HAVE_MATPLOTLIB:
+                        self.assertEqual(p.returncode, 2)
+                        continue
+                    self.assertEqual(p.returncode, 2, p.stderr)
+                    self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+                    self.assertIn("is not a lab file", p.stderr)
+
     @unittest.skipUnless(HAVE_MATPLOTLIB, "matplotlib is not installed")
     def test_plots_from_the_real_runs_in_the_older_schemas(self):
         real = os.path.join(EXAMPLES, "real")

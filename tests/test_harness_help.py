@@ -151,7 +151,7 @@ class HelpAndDefaults(unittest.TestCase):
     OPTIONS = ("--mode", "--engine", "--url", "--model", "--api-key", "--max-tokens", "--save", "--json",
                "--timeout", "--max-response-mb", "--sizes", "--max-batch", "--prompt", "--prompt-file",
                "--temperature", "--seed", "--logprobs", "--baseline", "--expect", "--invariant", "--batch",
-               "--trials", "--warmup", "--workload", "--prefix-tokens", "--tp", "--allow-mismatch")
+               "--trials", "--warmup", "--workload", "--prefix-tokens", "--tp", "--allow-mismatch", "--color")
 
     def test_help_names_every_mode_option_and_exit_code(self):
         text = run.build_parser().format_help()

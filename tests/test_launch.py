@@ -72,7 +72,7 @@ class Experiment(TempDirTest):
             PATH=os.path.join(STANDIN, "bin") + os.pathsep + os.environ["PATH"],
             PYTHONPATH=os.path.join(STANDIN, "py"),
             STANDIN_DEVICE_DIR=self.tmp,
-            STANDIN_LOAD_S="0.5",
+            STANDIN_LOAD_S="0.2",
             MODEL="stub/tiny-f32",
             GPUS="0",
             TP="1",
@@ -156,7 +156,7 @@ class ExperimentRuns(Experiment):
         self.assert_no_server_left()
 
     def test_separate_devices_start_together(self):
-        code, out, err = self.finish(self.start(GPUS="0,1", STANDIN_LOAD_S="2"))
+        code, out, err = self.finish(self.start(GPUS="0,1", STANDIN_LOAD_S="1"))
         self.assertEqual(code, 0, err)
         off_loading, off_ready = self.times("off")
         on_loading, on_ready = self.times("on")

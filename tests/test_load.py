@@ -143,9 +143,12 @@ class StreamCounts(TempDirTest):
     def test_a_stream_that_counts_only_at_the_end_leaves_ttft_and_tpot_unmeasured(self):
         for engine in ("vllm", "sglang"):
             every = {k: "usageatend" for k in range(1, 200)}
-            off, on = arms(1.3, engine=engine, faults=every)
+            off = StubServer(StubConfig(engine=engine, step_delay=0.01, faults=every))
+            on = StubServer(StubConfig(engine=engine, invariant=True, step_delay=0.01, faults=every))
             with self.subTest(engine=engine), off, on:
-                r = load(off, on)
+                r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--concurrency", 4,
+                            "--requests", 4, "--trials", 2, "--warmup", 0, "--max-tokens", 6, "--quiet",
+                            "--json")
                 self.assertEqual(r.code, 0, r)
                 cell = r.json()
                 for arm in ("off", "on"):
@@ -161,7 +164,9 @@ class StreamCounts(TempDirTest):
                 self.assertIsNotNone(cell["overheads"]["latency"]["overhead_pct"])
 
     def test_the_table_says_unmeasured(self):
-        off, on = arms(1.0, faults={k: "usageatend" for k in range(1, 200)})
+        every = {k: "usageatend" for k in range(1, 200)}
+        off = StubServer(StubConfig(step_delay=0.01, faults=every))
+        on = StubServer(StubConfig(invariant=True, step_delay=0.01, faults=every))
         with off, on:
             r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--concurrency", 4,
                         "--requests", 4, "--trials", 2, "--warmup", 0, "--max-tokens", 4, "--quiet")
@@ -170,11 +175,12 @@ class StreamCounts(TempDirTest):
         self.assertIn("TTFT unmeasured", r.stdout)
 
     def test_a_stream_that_reports_more_tokens_than_asked_is_a_server_error(self):
-        off, on = arms(1.0, faults={3: "overshoot"})
-        with off, on:
-            r = load(off, on)
+        with StubServer(StubConfig(step_delay=0.01)) as off, \
+                StubServer(StubConfig(invariant=True, step_delay=0.01, faults={3: "overshoot"})) as on:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--concurrency", 4,
+                        "--requests", 4, "--trials", 2, "--warmup", 0, "--max-tokens", 6, "--quiet")
         self.assertEqual(r.code, 3, r)
-        self.assertIn("more than --max-tokens %d allows" % TOKENS, r.stderr)
+        self.assertIn("more than --max-tokens 6 allows", r.stderr)
 
 
 if __name__ == "__main__":

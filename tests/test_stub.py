@@ -1,13 +1,14 @@
 """The stub server: the real wire formats, and real float32 divergences with the flag off."""
 
 import json
+import os
 import struct
 import threading
 import unittest
 import urllib.error
 import urllib.request
 
-from support import StubConfig, StubServer, fixture, post, stub_completion, stub_server
+from support import FIXTURES, StubConfig, StubServer, fixture, post, run, stub_completion, stub_server
 
 PROMPT = "The lab sends the same prompt at every batch size and counts what comes back:"
 
@@ -205,6 +206,22 @@ class Lifecycle(unittest.TestCase):
         with self.assertRaises(SystemExit):
             stub_server.parse_faults(["x=http500"])
         self.assertEqual(stub_server.parse_faults(["3=drop"]), {3: "drop"})
+
+
+class StreamLikeVllm(unittest.TestCase):
+    def test_the_lab_reads_the_real_stream_token_by_token(self):
+        with open(os.path.join(FIXTURES, "stream_usage.body"), encoding="utf-8") as f:
+            data = [line[6:] for line in f.read().splitlines() if line.startswith("data: ")]
+        self.assertEqual(data[-1], "[DONE]")
+        events = [json.loads(d) for d in data[:-1]]
+        counts = [run.ADAPTERS["vllm"].streamed_tokens(e) for e in events]
+        self.assertEqual(counts[:-1], list(range(1, len(counts))))  # one token an event ...
+        self.assertEqual(events[-1]["choices"], [])                   # ... then the usage alone
+        self.assertTrue(run.token_by_token(counts[0], len(counts) - 1, counts[-1]))
+        stub = stub_server.stream_events("vllm", stub_server.vllm_completions(
+            StubConfig(), {"prompt": ["x"], "max_tokens": 3, "temperature": 0}, stub_server.EngineState(StubConfig())))
+        self.assertEqual(set(stub[0]) - {"usage"}, set(events[0]) - {"usage"})
+        self.assertEqual(stub[-1]["choices"], [])
 
 
 if __name__ == "__main__":

@@ -194,5 +194,103 @@ class CheapSaves(TempDirTest):
             self.assertEqual(f.read(), '{"a":[1,2],"b":{"c":null}}\n')
 
 
+class LiveTable(TempDirTest):
+    def test_the_header_and_the_first_row_are_out_before_the_sweep_ends(self):
+        # A slow practice engine (10 ms a step), stopped once its first size is done: stdout,
+        # a pipe, already holds the header and that size's row.
+        with StubServer(StubConfig(step_delay=0.01)) as stub:
+            p = subprocess.Popen([sys.executable, os.path.join(ROOT, "run.py"), "--mode", "sweep", "--url", stub.url,
+                                  "--sizes", "1,2,3,4,5,6,7,8", "--max-tokens", "40", "--repeat", "1"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            lines = []
+            while True:  # read until the first row; the sweep is still running then
+                line = p.stdout.readline()
+                self.assertNotEqual(line, "", "stdout ended before the first row: %r" % lines)
+                lines.append(line)
+                if line.split()[:1] == ["1"]:
+                    break
+            self.assertIsNone(p.poll(), "the sweep had ended: the test proves nothing")
+            p.terminate()
+            rest, _ = p.communicate(timeout=60)
+        head = "".join(lines)
+        self.assertTrue(head.startswith("server: vLLM"), head)
+        self.assertIn("params: 40 tokens", head)
+        self.assertIn("known hazards", head)
+        self.assertIn("prefix cache bypass", head)
+        self.assertNotIn("summary:", head)
+        self.assertIn("summary:", rest)  # the stop still prints what was measured
+
+    def test_json_is_still_one_document(self):
+        with StubServer(StubConfig()) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 4, "--json")
+        self.assertEqual(r.code, 0, r)
+        self.assertEqual(r.json()["summary"]["state"], "complete")
+
+
+class PassLines(unittest.TestCase):
+    def test_a_held_expectation_says_so(self):
+        with StubServer(StubConfig(invariant=True)) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2,9", "--max-tokens", 8,
+                        "--repeat", 2, "--expect", "invariant")
+        self.assertEqual(r.code, 0, r)
+        self.assertEqual(r.stdout.strip().splitlines()[-1], "expect invariant: held (1 unique of 24, max ULP 0)")
+        with StubServer(StubConfig()) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,9", "--max-tokens", 8, "--repeat", 1,
+                        "--expect", "variant")
+        self.assertEqual(r.code, 0, r)
+        self.assertIn("expect variant: held (tokens diverged: 2 unique of 10, max ULP", r.stdout)
+
+    def test_no_line_without_an_expectation(self):
+        with StubServer(StubConfig(invariant=True)) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 4)
+        self.assertNotIn("expect", r.stdout)
+
+
+class Durations(unittest.TestCase):
+    def test_over_a_minute_in_minutes_and_seconds(self):
+        for seconds, text in ((0.4, "0s"), (42.4, "42s"), (59.6, "1m 00s"), (185, "3m 05s"),
+                              (3612.4, "1h 00m 12s")):
+            with self.subTest(seconds=seconds):
+                self.assertEqual(run.fmt_duration(seconds), text)
+
+
+class Colour(unittest.TestCase):
+    class Tty:
+        def __init__(self):
+            self.text = []
+
+        def isatty(self):
+            return True
+
+        def write(self, text):
+            self.text.append(text)
+
+        def flush(self):
+            pass
+
+    def colour(self, env, choice="auto"):
+        with mock.patch.dict(os.environ, env, clear=True):
+            out = run.Out(self.Tty(), self.Tty())
+        out.use_colour(choice)
+        return out.colour
+
+    def test_no_color_counts_only_when_not_empty(self):
+        self.assertTrue(self.colour({}))
+        self.assertTrue(self.colour({"NO_COLOR": ""}))
+        self.assertFalse(self.colour({"NO_COLOR": "1"}))
+
+    def test_the_option_decides_over_both(self):
+        self.assertTrue(self.colour({"NO_COLOR": "1"}, "always"))
+        self.assertFalse(self.colour({}, "never"))
+
+    def test_never_on_a_pipe_unless_always(self):
+        with StubServer(StubConfig(invariant=True)) as stub:
+            plain = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 4)
+            bold = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 4,
+                           "--color", "always")
+        self.assertNotIn("\033[", plain.stdout)
+        self.assertIn("\033[1msummary:", bold.stdout)
+
+
 if __name__ == "__main__":
     unittest.main()

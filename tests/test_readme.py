@@ -1,0 +1,182 @@
+"""The README stays true: every code block marked `<!-- readme-test -->` in README.md is run in
+order, in one folder of its own, against the practice engine, as a reader following the README
+from top to bottom would run it.
+
+How a block reads: in a transcript, lines starting with `$ ` are commands (a line ending in
+a backslash goes on to the next) and the lines after a command are what it prints; in a
+plain block every line is a command. A command ending in `&` starts a practice server in the
+background, `kill %1 %2` stops them; `pip install` lines are left out (the machine has what
+it has), and the plot scripts run only where matplotlib is installed. Each command must exit
+0 and print every line quoted after it, numbers aside (timings and noise differ from run to
+run; the words, and the shape of each line, may not). The ports 8000 and 8001 become free
+ports, so that the test can run on any machine."""
+
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import unittest
+
+from support import ROOT, free_port, wait_for
+
+MARK = "<!-- readme-test -->"
+NUMBER = re.compile(r"[-+]?\d+(\.\d+)?")
+
+try:
+    import matplotlib  # noqa: F401
+    HAVE_MATPLOTLIB = True
+except ImportError:
+    HAVE_MATPLOTLIB = False
+
+
+def blocks(text):
+    """The marked code blocks of a Markdown text, in order: (line number, lines)."""
+    lines = text.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        if line.strip() == MARK and i + 1 < len(lines) and lines[i + 1].startswith("```"):
+            end = next(j for j in range(i + 2, len(lines)) if lines[j].startswith("```"))
+            found.append((i + 2, lines[i + 2:end]))
+    return found
+
+
+def commands(lines):
+    """(command, quoted output lines) of one block."""
+    transcript = any(line.startswith("$ ") for line in lines)
+    steps, pending = [], None
+    for line in lines:
+        if pending is not None:  # a continued command
+            pending += " " + line.strip()
+            if not line.rstrip().endswith("\\"):
+                steps.append([pending.replace("\\ ", " "), []])
+                pending = None
+            continue
+        command = line[2:] if transcript and line.startswith("$ ") else (line if not transcript else None)
+        if command is None:
+            if steps and line.strip():
+                steps[-1][1].append(line)
+            continue
+        if not command.strip():
+            continue
+        if command.rstrip().endswith("\\"):
+            pending = command.rstrip()[:-1].rstrip()
+            continue
+        steps.append([command, []])
+    return [(c, out) for c, out in steps]
+
+
+def listening(port):
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def normalised(line):
+    return " ".join(NUMBER.sub("#", line).split())
+
+
+class Reader:
+    """A shell as the README's reader has one: servers in the background, one folder."""
+
+    def __init__(self, folder, ports):
+        self.folder, self.ports, self.servers = folder, ports, []
+        for name in ("run.py", "tests", "examples"):
+            os.symlink(os.path.join(ROOT, name), os.path.join(folder, name))
+
+    def mapped(self, text):
+        return re.sub(r"\b800([01])\b", lambda m: str(self.ports[int(m.group(1))]), text)
+
+    def run(self, command):
+        """Run one README command; (exit code or None when left out, output)."""
+        command = self.mapped(command.split(" # ")[0].split("  # ")[0].strip())
+        words = shlex.split(command)
+        if words[:2] == ["pip", "install"]:
+            return None, ""
+        if words[0] == "kill":
+            self.stop()
+            return 0, ""
+        if any("plot_" in w for w in words) and not HAVE_MATPLOTLIB:
+            return None, ""
+        env = dict(os.environ, OFF_URL="http://localhost:%d" % self.ports[0],
+                   ON_URL="http://localhost:%d" % self.ports[1])
+        env.pop("NO_COLOR", None)
+        while words and re.match(r"^[A-Z_]+=", words[0]):  # VAR=value before the command
+            name, _, value = words.pop(0).partition("=")
+            env[name] = value.replace("python3 ", sys.executable + " ")
+        if words[-1] == "&":
+            return self.start(words[:-1], env), ""
+        if words[0] == "python3":
+            words[0] = sys.executable
+        elif words[0].endswith(".sh"):
+            words = ["bash"] + words
+        p = subprocess.run(words, cwd=self.folder, env=env, capture_output=True, text=True, timeout=300,
+                           stdin=subprocess.DEVNULL)
+        return p.returncode, p.stdout + p.stderr
+
+    def start(self, words, env):
+        words = [sys.executable if w == "python3" else w for w in words]
+        port = int(words[words.index("--port") + 1])
+        self.servers.append(subprocess.Popen(words, cwd=self.folder, env=env, stdout=subprocess.DEVNULL,
+                                             stderr=subprocess.DEVNULL))
+        return 0 if wait_for(lambda: listening(port), 30) else 1
+
+    def stop(self):
+        for server in self.servers:
+            server.terminate()
+            server.wait(timeout=30)
+        self.servers = []
+
+
+def check(test, text):
+    """Run every marked block of text; each command must exit 0 and print what is quoted."""
+    ran = 0
+    with tempfile.TemporaryDirectory() as folder:
+        reader = Reader(folder, (free_port(), free_port()))
+        try:
+            for line_no, lines in blocks(text):
+                for command, quoted in commands(lines):
+                    code, output = reader.run(command)
+                    if code is None:
+                        continue
+                    ran += 1
+                    where = "README line %d: %s" % (line_no, command)
+                    test.assertEqual(code, 0, "%s\n%s" % (where, output[-2000:]))
+                    seen = {normalised(reader.mapped(line)) for line in output.splitlines()}
+                    for want in quoted:
+                        if want.strip() in ("...", ""):
+                            continue
+                        test.assertIn(normalised(reader.mapped(want)), seen, "%s: no line %r in\n%s"
+                                      % (where, want, output[-3000:]))
+        finally:
+            reader.stop()
+    return ran
+
+
+class Readme(unittest.TestCase):
+    def test_every_marked_block_runs_as_the_readme_says(self):
+        with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+            text = f.read()
+        self.assertGreaterEqual(len(blocks(text)), 6)
+        self.assertGreater(check(self, text), 15)
+
+    def test_a_broken_command_or_a_changed_message_fails_it(self):
+        broken = [
+            "```\n$ python3 run.py --mode sweep --url http://localhost:8000 --sizes 1,x\n```",
+            "```\n$ python3 run.py --mode harness --engine vllm\nthis line is not printed\n```",
+        ]
+        for block in broken:
+            with self.subTest(block=block):
+                with self.assertRaises(AssertionError):
+                    check(self, MARK + "\n" + block + "\n")
+
+    def test_how_blocks_are_read(self):
+        lines = ["$ python3 a.py \\", "      --flag 1", "out 1", "out 2", "$ b &"]
+        self.assertEqual(commands(lines), [("python3 a.py --flag 1", ["out 1", "out 2"]), ("b &", [])])
+        self.assertEqual(commands(["x --y  # note", "", "z"]), [("x --y  # note", []), ("z", [])])
+        self.assertEqual(normalised("  max ULP 4:  +30.8% [-1.5, 2]"), "max ULP #: #% [#, #]")
+
+
+if __name__ == "__main__":
+    unittest.main()
