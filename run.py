@@ -39,8 +39,9 @@ Sections, in the order they appear:
   Constants            schemas, exit codes, every default with why
   Pure functions       float32 ULPs, comparable logprob pairs, completion comparison, ladders,
                        verdicts, statistics, workload prompts (no I/O)
-  Transport            HttpClient (every request, guarded) and PreparedPost (a POST split into
-                       connect, send and read, for concurrent and streamed requests)
+  Transport            HttpClient (every request, guarded, under one deadline in a thread a stop
+                       signal can abandon) and PreparedPost (a POST split into connect, send and
+                       read, for concurrent and streamed requests)
   Engine adapters      Sampling, ServerFacts, the EngineAdapter protocol, VllmAdapter,
                        SglangAdapter, the known-hazards table, engine detection: all that is
                        known of each engine lives here
@@ -626,6 +627,47 @@ class _NoForeignRedirect(urllib.request.HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
+class _OpenedConnections(threading.local):
+    """Where a request's thread notes the connections its request opens (a list, or None)."""
+    into: Optional[List[http.client.HTTPConnection]] = None
+
+
+OPENED = _OpenedConnections()
+
+
+def _noted(kind: type) -> Callable[..., http.client.HTTPConnection]:
+    """A connection factory for urllib's handlers that notes each connection it makes, so that
+    a request given up on (at its deadline, or on a stop) can be closed from another thread."""
+    def connect(*args: Any, **kwargs: Any) -> http.client.HTTPConnection:
+        conn = kind(*args, **kwargs)
+        if OPENED.into is not None:
+            OPENED.into.append(conn)
+        return conn
+    return connect
+
+
+class _NotedHTTPHandler(urllib.request.HTTPHandler):
+    def http_open(self, req):
+        return self.do_open(_noted(http.client.HTTPConnection), req)
+
+
+class _NotedHTTPSHandler(urllib.request.HTTPSHandler):
+    def https_open(self, req):
+        return self.do_open(_noted(http.client.HTTPSConnection), req, context=self._context)
+
+
+def close_connections(connections: List[http.client.HTTPConnection]) -> None:
+    """Close connections another thread may be blocked on: shutdown wakes its read at once."""
+    for conn in connections:
+        sock = conn.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        conn.close()
+
+
 def server_message(body: bytes) -> str:
     """The server's own error text: {"error": {"message": ...}}, {"error": "..."}, {"message": ...}."""
     try:
@@ -643,13 +685,72 @@ def server_message(body: bytes) -> str:
     return text[:200] or "no body"
 
 
+STOP_GRACE_S = 1.0   # after a stop signal, a request in flight may take this long; then it is abandoned
+WAIT_SLICE_S = 0.1   # how often a wait for an answer looks at the clock and for a stop
+
+
+class StopRequest:
+    """The first stop signal, as the waits for answers see it (DeferredInterrupt sets it)."""
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.signum = signal.SIGINT
+
+    def ask(self, signum: int) -> None:
+        self.signum = signum
+        self.event.set()
+
+
+STOP = StopRequest()
+
+
+def bounded(call: Callable[[], Any], seconds: float, overrun: Callable[[], Exception],
+            abandon: Callable[[], None]) -> Any:
+    """call() in a thread of its own, waited for at most seconds in all (connecting, the status
+    line, the headers, every byte of the body), so that no server can hold the lab longer
+    than --timeout however it trickles; and once a stop signal came, at most STOP_GRACE_S
+    more, so that a stuck request never holds a stop. A call given up on is abandon()ed (its
+    connections closed, which ends its thread). What call() raises is raised here."""
+    done = threading.Event()
+    box: Dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as err:  # handed to the waiting thread, which raises it
+            box["error"] = err
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name="lab-request", daemon=True).start()
+    deadline = time.monotonic() + seconds
+    give_up = None
+    while not done.wait(WAIT_SLICE_S):
+        now = time.monotonic()
+        if STOP.event.is_set():
+            give_up = give_up or now + STOP_GRACE_S
+            if now >= give_up:
+                abandon()
+                raise Stopped(STOP.signum)
+        if now >= deadline:
+            abandon()
+            raise overrun()
+    error = box.pop("error", None)
+    if error is not None:
+        try:
+            raise error
+        finally:
+            del error  # no cycle through this frame: the answer's socket closes when it is freed
+    return box["value"]
+
+
 class HttpClient:
     def __init__(self, base_url: str, api_key: Optional[str], timeout: float, max_bytes: int):
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.timeout = timeout
         self.max_bytes = max_bytes
-        handlers: List[Any] = [_NoForeignRedirect()]
+        handlers: List[Any] = [_NoForeignRedirect(), _NotedHTTPHandler(), _NotedHTTPSHandler()]
         if is_loopback(urllib.parse.urlsplit(base_url).hostname or ""):
             handlers.append(urllib.request.ProxyHandler({}))  # a proxy cannot reach our loopback
         self.opener = urllib.request.build_opener(*handlers)
@@ -664,11 +765,23 @@ class HttpClient:
             req.add_header("Content-Type", "application/json")
         if self.api_key:
             req.add_unredirected_header("Authorization", "Bearer " + self.api_key)
-        try:
+        opened: List[http.client.HTTPConnection] = []
+
+        def exchange() -> bytes:
+            OPENED.into = opened
             with self.opener.open(req, timeout=self.timeout) as resp:
-                raw = self._read_capped(resp)
+                return self._read_capped(resp)
+
+        try:
+            raw = bounded(exchange, self.timeout, lambda: ServerError(
+                "no complete answer from %s within %gs (--timeout)" % (self.base_url, self.timeout)),
+                lambda: close_connections(opened))
         except urllib.error.HTTPError as err:
-            raise self.http_error(err.code, path, self._read_capped(err) if err.fp else b"") from None
+            try:
+                body_read = self._read_capped(err) if err.fp else b""
+            finally:
+                err.close()
+            raise self.http_error(err.code, path, body_read) from None
         except urllib.error.URLError as err:
             raise ServerError(describe_network_error(err.reason, self.base_url, self.timeout)) from None
         except (OSError, HTTPException) as err:
@@ -2201,10 +2314,12 @@ class DeferredInterrupt:
         if self.requested:
             raise Stopped(signum)
         self.signum = signum
-        self.out.stderr.write("\nrun.py: %s: stopping after the current request (again to abort it)\n"
-                              % signal.Signals(signum).name)
+        STOP.ask(signum)
+        self.out.stderr.write("\nrun.py: %s: stopping after the current request (at most %gs more; "
+                              "again to abort it)\n" % (signal.Signals(signum).name, STOP_GRACE_S))
 
     def __enter__(self) -> "DeferredInterrupt":
+        STOP.event.clear()
         for name in STOP_SIGNALS:
             signum = getattr(signal, name, None)
             if signum is None:

@@ -603,8 +603,9 @@ def cost_row(cell: dict) -> List[str]:
             fmt(cell.get("significant")), fmt(cell.get("state"))]
 
 
+# The settings a report names, where they are set.
 REPORTED_VARIABLES = ("GPUS", "TP", "MEM", "MODEL", "BACKEND", "MAX_MODEL_LEN", "RADIX_CACHE",
-                      "EXTRA_ARGS", "SWEEP_ARGS", "COST_ARGS")  # the settings a report names, where set
+                      "EXTRA_ARGS", "SWEEP_ARGS", "COST_ARGS")
 
 
 def stamp(seconds: float) -> str:

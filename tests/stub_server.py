@@ -235,7 +235,7 @@ VLLM_GRAPH_SIZES = [1, 2, 4] + list(range(8, 129, 8))   # vLLM with --max-num-se
 SGLANG_GRAPH_SIZES = [1, 2, 4, 8, 12, 16, 24, 32]       # SGLang with --cuda-graph-max-bs-decode 32
 FAULTS = ("http500", "drop", "badjson", "nochoices", "fewer", "nulllogprobs", "ragged",
           "clamp", "redirect", "huge", "stall", "trickle", "truncate", "echokey", "nostream", "cutstream",
-          "textonly", "usageatend", "overshoot")
+          "textonly", "usageatend", "overshoot", "slowstatus")
 COMPUTED_LIMIT = 4096           # reproducible completions kept for serving again
 STALL_SECONDS = 3.0             # how long the "stall" fault keeps a request waiting
 
@@ -801,6 +801,12 @@ class StubHandler(BaseHTTPRequestHandler):
             return
         if fault == "huge":
             return self.send_json(200, None, raw=b'{"pad": "' + b"x" * (3 * 1024 * 1024) + b'"}')
+        if fault == "slowstatus":  # the status line a byte every 0.2 s: no read ever times out
+            for byte in b"HTTP/1.1 200 OK\r\n" * 20:
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(0.2)
+            return
         if fault == "trickle":  # headers at once, then a byte every 0.1 s: no read ever times out
             self.send_response(200)
             self.send_header("Content-Length", "1000")

@@ -385,5 +385,32 @@ class CostArms(TempDirTest):
         self.assertEqual((off_models, on_models), ({"m/off"}, {"m/on"}))
 
 
+class WholeAnswerDeadline(TempDirTest):
+    """One deadline covers an answer from connecting to its last byte, and a stop signal
+    abandons a stuck request."""
+
+    def test_a_status_line_trickled_a_byte_at_a_time_is_cut_at_the_timeout(self):
+        with StubServer(StubConfig(faults={2: "slowstatus"})) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 4,
+                        "--repeat", 1, "--timeout", 1)
+        self.assertEqual(r.code, 3, r)
+        self.assertIn("no complete answer from %s within 1s (--timeout)" % stub.url, r.stderr)
+
+    def test_sigterm_during_a_stuck_request_saves_and_ends(self):
+        # The second request's status line would take 60 s to trickle in, under the default
+        # --timeout of 600 s: only abandoning it ends the run (the wait below is a liveness bound).
+        with StubServer(StubConfig(faults={2: "slowstatus"})) as stub:
+            save = self.path("s.json")
+            p = subprocess.Popen([sys.executable, os.path.join(ROOT, "run.py"), "--mode", "sweep", "--url",
+                                  stub.url, "--sizes", "1,2", "--max-tokens", "4", "--repeat", "1",
+                                  "--save", save], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            self.assertTrue(wait_for(lambda: len(stub.generation_bodies()) >= 2, 30), "never sent batch 2")
+            p.send_signal(signal.SIGTERM)
+            out, err = p.communicate(timeout=30)
+        self.assertEqual(p.returncode, 143, err)
+        self.assertEqual(self.load("s.json")["summary"]["state"], "terminated")
+        self.assertIn("summary:", out)
+
+
 if __name__ == "__main__":
     unittest.main()
