@@ -91,24 +91,27 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set,
 # ----------------------------------------------------------------------------
 # Constants
 
-SWEEP_SCHEMA = "batch-invariance-lab/sweep/2"   # the "schema" field of sweep save files
+SWEEP_SCHEMA = "batch-invariance-lab/sweep/2"  # the "schema" field of sweep save files
 SWEEP_SCHEMAS_READ = ("batch-invariance-lab/sweep/1", SWEEP_SCHEMA)  # what --baseline reads
-COST_SCHEMA = "batch-invariance-lab/cost/1"     # the "schema" field of cost save files
+COST_SCHEMA = "batch-invariance-lab/cost/1"  # the "schema" field of cost save files
 MODES = ("harness", "sweep", "cost", "help")
 
-EXIT_OK = 0             # ran, and any --expect held
-EXIT_EXPECTATION = 1    # an --expect did not hold
-EXIT_USAGE = 2          # bad arguments or input files, found before any request
-EXIT_SERVER = 3         # the server or the network failed before the run completed
-EXIT_HANGUP = 129       # SIGHUP: the terminal closed; what was measured is saved
+EXIT_OK = 0  # ran, and any --expect held
+EXIT_EXPECTATION = 1  # an --expect did not hold
+EXIT_USAGE = 2  # bad arguments or input files, found before any request
+EXIT_SERVER = 3  # the server or the network failed before the run completed
+EXIT_HANGUP = 129  # SIGHUP: the terminal closed; what was measured is saved
 EXIT_INTERRUPTED = 130  # Ctrl-C; what was measured is saved
 EXIT_BROKEN_PIPE = 141  # stdout closed under us (`run.py ... | head`)
-EXIT_TERMINATED = 143   # SIGTERM: a job scheduler's stop; what was measured is saved
-EXIT_CODES = [          # what each exit code means, as --help and the guide print it
+EXIT_TERMINATED = 143  # SIGTERM: a job scheduler's stop; what was measured is saved
+EXIT_CODES = [  # what each exit code means, as --help and the guide print it
     (EXIT_OK, "ran, and any --expect held"),
     (EXIT_EXPECTATION, "an --expect did not hold"),
     (EXIT_USAGE, "usage or input error, found before any request"),
-    (EXIT_SERVER, "the server or network failed before the run completed (--save keeps what was measured)"),
+    (
+        EXIT_SERVER,
+        "the server or network failed before the run completed (--save keeps what was measured)",
+    ),
     (EXIT_HANGUP, "stopped by SIGHUP, a closed terminal (--save keeps what was measured)"),
     (EXIT_INTERRUPTED, "interrupted by Ctrl-C (--save keeps what was measured)"),
     (EXIT_BROKEN_PIPE, "the output pipe closed (e.g. `run.py ... | head`)"),
@@ -116,41 +119,63 @@ EXIT_CODES = [          # what each exit code means, as --help and the guide pri
 ]
 
 # Sweep defaults
-DEFAULT_PROMPT = ("Explain, step by step, why adding the same floating-point numbers in a "
-                  "different order can give a different answer:")  # a prompt with room to wander
-DEFAULT_MAX_BATCH = 32        # the largest batch of the default ladder (upstream's max-num-seqs)
-DEFAULT_SWEEP_TOKENS = 64     # longer generations give a near-tie more chances to appear
-DEFAULT_LOGPROBS = 5          # top-k logprobs per step, as in vLLM's online test
-MAX_LOGPROBS = 20             # vLLM's default max_logprobs; it answers 400 above
-DEFAULT_TEMPERATURE = 0.0     # greedy: a divergence is unarguable
-DEFAULT_TOP_P = 1.0           # always sent, or the model's generation_config decides
-DEFAULT_SEED = 42             # sent whenever temperature > 0; unseeded sampling depends on the batch
+DEFAULT_PROMPT = (
+    "Explain, step by step, why adding the same floating-point numbers in a "
+    "different order can give a different answer:"
+)  # a prompt with room to wander
+DEFAULT_MAX_BATCH = 32  # the largest batch of the default ladder (upstream's max-num-seqs)
+DEFAULT_SWEEP_TOKENS = 64  # longer generations give a near-tie more chances to appear
+DEFAULT_LOGPROBS = 5  # top-k logprobs per step, as in vLLM's online test
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs; it answers 400 above
+DEFAULT_TEMPERATURE = 0.0  # greedy: a divergence is unarguable
+DEFAULT_TOP_P = 1.0  # always sent, or the model's generation_config decides
+DEFAULT_SEED = 42  # sent whenever temperature > 0; unseeded sampling depends on the batch
 TRAFFIC_SHAPES = ("copies", "concurrent", "mixed")  # how each batch size is sent (see --mode help)
-DEFAULT_REPEAT = 3            # passes through the ladder: a flag-off server is not repeatable run to run
-MAX_REPEAT = 100              # more passes than this is a soak test, not a sweep
-PREFIX_CACHE_CHOICES = ("bypass", "keep")  # bypass: no request is served from an earlier one's cache
-MIXED_FILLER_WORDS = (3, 12, 40, 120, 300, 600)  # filler prompt lengths (about tokens) of mixed traffic
+DEFAULT_REPEAT = 3  # passes through the ladder: a flag-off server is not repeatable run to run
+MAX_REPEAT = 100  # more passes than this is a soak test, not a sweep
+PREFIX_CACHE_CHOICES = (
+    "bypass",
+    "keep",
+)  # bypass: no request is served from an earlier one's cache
+MIXED_FILLER_WORDS = (
+    3,
+    12,
+    40,
+    120,
+    300,
+    600,
+)  # filler prompt lengths (about tokens) of mixed traffic
 
 # Cost defaults
-DEFAULT_BATCH = 32            # prompts per timed request
-DEFAULT_TRIALS = 20           # timed requests per arm
-DEFAULT_WARMUP = 2            # discarded requests per arm before timing
-WARMUP_ATTEMPTS = 2           # a warm-up request may fail once (a cold server); a trial may not
-DEFAULT_COST_TOKENS = 128     # fixed output length per prompt (ignore_eos)
+DEFAULT_BATCH = 32  # prompts per timed request
+DEFAULT_TRIALS = 20  # timed requests per arm
+DEFAULT_WARMUP = 2  # discarded requests per arm before timing
+WARMUP_ATTEMPTS = 2  # a warm-up request may fail once (a cold server); a trial may not
+DEFAULT_COST_TOKENS = 128  # fixed output length per prompt (ignore_eos)
 DEFAULT_PREFIX_TOKENS = 1000  # about this many tokens of shared prefix
-BOOTSTRAP_RESAMPLES = 4000    # resamples of the paired ratios for the 95% interval
-BOOTSTRAP_SEED = 20251        # fixed, so the interval is reproducible
-NOISE_SPREAD = 1.5            # an arm whose max/min exceeds this is flagged noisy
-MIN_PAIRS_FOR_INTERVAL = 6    # below this the bootstrap's 2.5/97.5 % bounds are just the extreme ratios
+BOOTSTRAP_RESAMPLES = 4000  # resamples of the paired ratios for the 95% interval
+BOOTSTRAP_SEED = 20251  # fixed, so the interval is reproducible
+NOISE_SPREAD = 1.5  # an arm whose max/min exceeds this is flagged noisy
+MIN_PAIRS_FOR_INTERVAL = (
+    6  # below this the bootstrap's 2.5/97.5 % bounds are just the extreme ratios
+)
 
 # Transport defaults
-COLOR_CHOICES = ("auto", "always", "never")  # auto: on a terminal, unless NO_COLOR is set and not empty
-DEFAULT_TIMEOUT_S = 600.0     # per request: a 256-wide batch of long completions on a busy GPU is slow
+COLOR_CHOICES = (
+    "auto",
+    "always",
+    "never",
+)  # auto: on a terminal, unless NO_COLOR is set and not empty
+DEFAULT_TIMEOUT_S = (
+    600.0  # per request: a 256-wide batch of long completions on a busy GPU is slow
+)
 DEFAULT_MAX_RESPONSE_MB = 512  # a larger answer is refused rather than held in memory
-CLOCK = time.perf_counter     # what requests are timed with (the tests swap in a virtual clock)
-PROGRESS_INTERVAL_S = 10.0    # off a terminal, at most one progress line this often (logs stay short)
-SAVE_INTERVAL_S = 1.0         # during a run --save is rewritten at most this often (and at every stop)
-SAVE_SHARE = 0.2              # ... and never so often that writing it takes more than this share of the run
+CLOCK = time.perf_counter  # what requests are timed with (the tests swap in a virtual clock)
+PROGRESS_INTERVAL_S = (
+    10.0  # off a terminal, at most one progress line this often (logs stay short)
+)
+SAVE_INTERVAL_S = 1.0  # during a run --save is rewritten at most this often (and at every stop)
+SAVE_SHARE = 0.2  # ... and never so often that writing it takes more than this share of the run
 
 
 # ----------------------------------------------------------------------------
@@ -187,7 +212,9 @@ def ulp_distance(a: float, b: float, width: int = 32) -> int:
     return abs(_ordered(ia, 1 << 63) - _ordered(ib, 1 << 63))
 
 
-def logprob_distance(a: float, b: float, clamps: Sequence[float] = ()) -> Tuple[Optional[int], str]:
+def logprob_distance(
+    a: float, b: float, clamps: Sequence[float] = ()
+) -> Tuple[Optional[int], str]:
     """(ULPs, unit) between two logprobs; ULPs is None where no distance means anything.
 
     unit is "float32" normally, "float64" when either value is not float32-exact (a server
@@ -208,28 +235,42 @@ def logprob_distance(a: float, b: float, clamps: Sequence[float] = ()) -> Tuple[
 @dataclass
 class Completion:
     """One completion, whichever engine produced it."""
+
     text: str
-    tokens: List[str]                    # "token_id:N" where the engine gives ids
-    logprobs: List[float]                # the chosen token's logprob at each step
+    tokens: List[str]  # "token_id:N" where the engine gives ids
+    logprobs: List[float]  # the chosen token's logprob at each step
     top_logprobs: List[Dict[str, float]]  # token -> logprob at each step
     finish_reason: Optional[str] = None
 
     def to_record(self) -> Dict[str, Any]:
-        return {"text": self.text, "tokens": self.tokens, "logprobs": self.logprobs,
-                "top_logprobs": self.top_logprobs, "finish_reason": self.finish_reason}
+        return {
+            "text": self.text,
+            "tokens": self.tokens,
+            "logprobs": self.logprobs,
+            "top_logprobs": self.top_logprobs,
+            "finish_reason": self.finish_reason,
+        }
 
     @classmethod
     def from_record(cls, rec: Dict[str, Any]) -> "Completion":
-        return cls(rec["text"], list(rec["tokens"]), [float(x) for x in rec["logprobs"]],
-                   [dict(d) for d in rec.get("top_logprobs") or [{} for _ in rec["tokens"]]],
-                   rec.get("finish_reason"))
+        return cls(
+            rec["text"],
+            list(rec["tokens"]),
+            [float(x) for x in rec["logprobs"]],
+            [dict(d) for d in rec.get("top_logprobs") or [{} for _ in rec["tokens"]]],
+            rec.get("finish_reason"),
+        )
 
 
 def same_completion(a: Completion, b: Completion) -> bool:
     """Equal tokens, logprobs and top-k lists: nothing a comparison could tell apart. A NaN is
     never equal to anything, itself included (list equality would take one for itself)."""
-    return (a.tokens == b.tokens and a.logprobs == b.logprobs and a.top_logprobs == b.top_logprobs
-            and not has_nan(a))
+    return (
+        a.tokens == b.tokens
+        and a.logprobs == b.logprobs
+        and a.top_logprobs == b.top_logprobs
+        and not has_nan(a)
+    )
 
 
 def has_nan(c: Completion) -> bool:
@@ -242,9 +283,10 @@ def has_nan(c: Completion) -> bool:
 class Margin:
     """How near a tie the first divergence was: in the baseline's own top-k at that step, the
     baseline's chosen token against the token the other completion chose there."""
+
     logprob: Optional[float] = None  # chosen minus other, as logprobs (>= 0 for greedy)
-    ulp: Optional[int] = None        # the same gap in ULPs (float32 where both values are)
-    note: Optional[str] = None       # "not in top-k" (the other token is not in the list), ...
+    ulp: Optional[int] = None  # the same gap in ULPs (float32 where both values are)
+    note: Optional[str] = None  # "not in top-k" (the other token is not in the list), ...
 
     def to_record(self) -> Dict[str, Any]:
         return {"logprob": self.logprob, "ulp": self.ulp, "note": self.note}
@@ -257,8 +299,9 @@ NOT_IN_TOP_K = "not in top-k"
 ENDED_EARLY = "one ended early"
 
 
-def divergence_margin(base: Completion, other: Completion, step: int,
-                      clamps: Sequence[float] = ()) -> Margin:
+def divergence_margin(
+    base: Completion, other: Completion, step: int, clamps: Sequence[float] = ()
+) -> Margin:
     if step >= len(base.tokens) or step >= len(other.tokens):
         return Margin(note=ENDED_EARLY)
     top = base.top_logprobs[step] if step < len(base.top_logprobs) else {}
@@ -272,11 +315,12 @@ def divergence_margin(base: Completion, other: Completion, step: int,
 @dataclass
 class Delta:
     """How one completion differs from the baseline."""
+
     first_token_divergence: Optional[int] = None  # first step whose token differs
-    max_ulp: int = 0                              # over every comparable logprob
-    first_ulp_step: Optional[int] = None          # first step with a non-zero distance
-    ulp_notes: Tuple[str, ...] = ()               # "float64", "clamped", "non-finite", "top-k changed"
-    margin: Optional[Margin] = None               # at the first token divergence
+    max_ulp: int = 0  # over every comparable logprob
+    first_ulp_step: Optional[int] = None  # first step with a non-zero distance
+    ulp_notes: Tuple[str, ...] = ()  # "float64", "clamped", "non-finite", "top-k changed"
+    margin: Optional[Margin] = None  # at the first token divergence
 
 
 IDENTICAL = Delta()
@@ -287,6 +331,7 @@ class ComparablePairs:
     """The logprob pairs of two completions that share a context, flattened: first the chosen
     tokens' logprobs of the steps before the divergence (one per step), then each step's
     top-k entries present on both sides (step t's end at ends[t])."""
+
     diverged: Optional[int]
     xs: List[float]
     ys: List[float]
@@ -325,7 +370,9 @@ def comparable_pairs(base: Completion, other: Completion) -> ComparablePairs:
     return ComparablePairs(diverged, xs, ys, chosen, ends, topk_changed)
 
 
-def pair_ulps(xs: List[float], ys: List[float], clamps: Sequence[float]) -> Tuple[List[Optional[int]], Set[str]]:
+def pair_ulps(
+    xs: List[float], ys: List[float], clamps: Sequence[float]
+) -> Tuple[List[Optional[int]], Set[str]]:
     """The ULP distance of every pair (None: moved, but no distance means anything), and the
     notes on units met. The common case is counted in C; the rest pair by pair."""
     bulk = _negative_float32_ulps(xs, ys, clamps)
@@ -341,7 +388,9 @@ def pair_ulps(xs: List[float], ys: List[float], clamps: Sequence[float]) -> Tupl
     return ulps, notes
 
 
-def _negative_float32_ulps(xs: List[float], ys: List[float], clamps: Sequence[float]) -> Optional[List[int]]:
+def _negative_float32_ulps(
+    xs: List[float], ys: List[float], clamps: Sequence[float]
+) -> Optional[List[int]]:
     """ULPs of each pair, computed in C, for the common case: every value a finite float32
     at or below zero and none a clamp (then the bit patterns order like the values and a
     plain difference counts ULPs). None when any value falls outside that case."""
@@ -358,7 +407,9 @@ def _negative_float32_ulps(xs: List[float], ys: List[float], clamps: Sequence[fl
     return list(map(abs, map(operator.sub, bx, by)))
 
 
-def compare_completions(base: Completion, other: Completion, clamps: Sequence[float] = ()) -> Delta:
+def compare_completions(
+    base: Completion, other: Completion, clamps: Sequence[float] = ()
+) -> Delta:
     """Compare a completion with the baseline, step by step (see comparable_pairs for which
     values count); clamps are the engine's stand-ins for -inf."""
     if same_completion(base, other):
@@ -367,17 +418,23 @@ def compare_completions(base: Completion, other: Completion, clamps: Sequence[fl
     ulps, notes = pair_ulps(pairs.xs, pairs.ys, clamps)
     worst = max((u for u in ulps if u), default=0)
     first_chosen = next((i for i in range(pairs.chosen) if ulps[i] != 0), None)
-    first_top = next((pairs.step_of(i) for i in range(pairs.chosen, len(ulps)) if ulps[i] != 0), None)
+    first_top = next(
+        (pairs.step_of(i) for i in range(pairs.chosen, len(ulps)) if ulps[i] != 0), None
+    )
     if pairs.topk_changed is not None:
         notes.add("top-k changed")
     moved = [s for s in (first_chosen, first_top, pairs.topk_changed) if s is not None]
     margin = None
     if pairs.diverged is not None:
         margin = divergence_margin(base, other, pairs.diverged, clamps)
-    return Delta(pairs.diverged, worst, min(moved) if moved else None, tuple(sorted(notes)), margin)
+    return Delta(
+        pairs.diverged, worst, min(moved) if moved else None, tuple(sorted(notes)), margin
+    )
 
 
-Bucket = Union[int, str, None]  # a graph size; None above the largest (no graph); "?" sizes unknown
+Bucket = Union[
+    int, str, None
+]  # a graph size; None above the largest (no graph); "?" sizes unknown
 
 
 def graph_bucket(batch_size: int, graph_sizes: Sequence[int]) -> Optional[int]:
@@ -396,29 +453,36 @@ def straddling_ladder(max_batch: int, graph_sizes: Sequence[int]) -> List[int]:
 @dataclass
 class Measured:
     """What a sweep measured, as far as its verdict depends on it: for one prompt, or for all."""
-    total: int = 0                 # completions that came back, the baseline's included
-    unique: int = 0                # distinct completion texts, the baseline's included
-    max_ulp: int = 0               # over every comparable logprob
+
+    total: int = 0  # completions that came back, the baseline's included
+    unique: int = 0  # distinct completion texts, the baseline's included
+    max_ulp: int = 0  # over every comparable logprob
     tokens_diverged: bool = False  # some completion chose another token than the baseline
-    text_only: bool = False        # some text differed while every token was the baseline's
-    unmeasured: bool = False       # something moved with no distance (see MOVED_NOTES)
-    compared: bool = False         # a size above batch 1, or a stored baseline, was compared
+    text_only: bool = False  # some text differed while every token was the baseline's
+    unmeasured: bool = False  # something moved with no distance (see MOVED_NOTES)
+    compared: bool = False  # a size above batch 1, or a stored baseline, was compared
     batch1_repeatable: Optional[bool] = None  # batch 1's passes against each other
-    unseeded: bool = False         # sampling that the server does not seed
+    unseeded: bool = False  # sampling that the server does not seed
 
     @classmethod
     def combined(cls, parts: Sequence["Measured"]) -> "Measured":
         """All prompts together: the verdict of a sweep is that of its least invariant prompt."""
         repeatable = [m.batch1_repeatable for m in parts]
-        return cls(total=sum(m.total for m in parts), unique=max((m.unique for m in parts), default=0),
-                   max_ulp=max((m.max_ulp for m in parts), default=0),
-                   tokens_diverged=any(m.tokens_diverged for m in parts),
-                   text_only=any(m.text_only for m in parts),
-                   unmeasured=any(m.unmeasured for m in parts),
-                   compared=any(m.compared for m in parts),
-                   batch1_repeatable=(False if False in repeatable else
-                                      True if repeatable and None not in repeatable else None),
-                   unseeded=any(m.unseeded for m in parts))
+        return cls(
+            total=sum(m.total for m in parts),
+            unique=max((m.unique for m in parts), default=0),
+            max_ulp=max((m.max_ulp for m in parts), default=0),
+            tokens_diverged=any(m.tokens_diverged for m in parts),
+            text_only=any(m.text_only for m in parts),
+            unmeasured=any(m.unmeasured for m in parts),
+            compared=any(m.compared for m in parts),
+            batch1_repeatable=(
+                False
+                if False in repeatable
+                else True if repeatable and None not in repeatable else None
+            ),
+            unseeded=any(m.unseeded for m in parts),
+        )
 
 
 INVARIANT = "invariant"
@@ -426,9 +490,13 @@ TOKENS_DIVERGED = "tokens diverged"
 TEXT_ONLY = "text differs, tokens equal"  # the server's text path, not its arithmetic, moved
 LOGPROBS_MOVED = "logprobs moved but tokens held"
 NOT_REPEATABLE = "batch 1 not repeatable"  # the verdict when the run-to-run control fails
-NOISE_NOT_RULED_OUT = "sampling noise not ruled out"  # the verdict when the server ignores the seed
-NO_DATA = "no data"           # the verdict when no completion came back (the run stopped first)
-NOTHING_COMPARED = "nothing compared"  # batch 1 alone came back: it is the baseline, not a comparison
+NOISE_NOT_RULED_OUT = (
+    "sampling noise not ruled out"  # the verdict when the server ignores the seed
+)
+NO_DATA = "no data"  # the verdict when no completion came back (the run stopped first)
+NOTHING_COMPARED = (
+    "nothing compared"  # batch 1 alone came back: it is the baseline, not a comparison
+)
 BATCH_EFFECTS = (TOKENS_DIVERGED, LOGPROBS_MOVED)  # verdicts batching explains
 UNMEASURED_VERDICTS = (NO_DATA, NOTHING_COMPARED)  # verdicts that claim nothing either way
 MOVED_NOTES = ("clamped", "non-finite", "top-k changed")  # notes that count as moved, ULPs or not
@@ -443,8 +511,14 @@ def verdict(m: Measured) -> str:
         return NO_DATA
     if not m.compared:
         return NOTHING_COMPARED
-    moved = (m.tokens_diverged or m.text_only or m.unique > 1 or m.max_ulp > 0 or m.unmeasured
-             or m.batch1_repeatable is False)
+    moved = (
+        m.tokens_diverged
+        or m.text_only
+        or m.unique > 1
+        or m.max_ulp > 0
+        or m.unmeasured
+        or m.batch1_repeatable is False
+    )
     if m.unseeded and moved:
         return NOISE_NOT_RULED_OUT
     if m.batch1_repeatable is False:
@@ -482,19 +556,22 @@ def aggregate_runs(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     first = min(diverged, key=lambda r: r["first_token_divergence"]) if diverged else None
     ulp_steps = [r["first_ulp_step"] for r in runs if r["first_ulp_step"] is not None]
     cached = [r["cached_tokens"] for r in runs if r.get("cached_tokens") is not None]
-    return {"completions": sum(r["completions"] for r in runs), "distinct_in_batch": len(texts),
-            "same_as_baseline": sum(r["same_as_baseline"] for r in runs),
-            "text_only": sum(r.get("text_only", 0) for r in runs),
-            "first_token_divergence": first["first_token_divergence"] if first else None,
-            "divergence_margin": first.get("divergence_margin") if first else None,
-            "first_ulp_step": min(ulp_steps) if ulp_steps else None,
-            "max_ulp": max((r["max_ulp"] for r in runs), default=0),
-            "ulp_notes": sorted({u for r in runs for u in r["ulp_notes"]}),
-            "seconds": round(sum(r["seconds"] for r in runs), 4),
-            "runs_matched": sum(1 for r in runs if r["matched"]),
-            "cached_tokens": sum(cached) if cached else None,
-            **prefill_aggregate(runs),
-            "distinct_texts": texts}
+    return {
+        "completions": sum(r["completions"] for r in runs),
+        "distinct_in_batch": len(texts),
+        "same_as_baseline": sum(r["same_as_baseline"] for r in runs),
+        "text_only": sum(r.get("text_only", 0) for r in runs),
+        "first_token_divergence": first["first_token_divergence"] if first else None,
+        "divergence_margin": first.get("divergence_margin") if first else None,
+        "first_ulp_step": min(ulp_steps) if ulp_steps else None,
+        "max_ulp": max((r["max_ulp"] for r in runs), default=0),
+        "ulp_notes": sorted({u for r in runs for u in r["ulp_notes"]}),
+        "seconds": round(sum(r["seconds"] for r in runs), 4),
+        "runs_matched": sum(1 for r in runs if r["matched"]),
+        "cached_tokens": sum(cached) if cached else None,
+        **prefill_aggregate(runs),
+        "distinct_texts": texts,
+    }
 
 
 def prefill_aggregate(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -505,14 +582,16 @@ def prefill_aggregate(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
         return {}
     moved = [r for r in checked if r["prefill_first_step"] is not None]
     first = min(moved, key=lambda r: r["prefill_first_step"]) if moved else None
-    return {"prefill_max_ulp": max(r["prefill_max_ulp"] for r in checked),
-            "prefill_first_step": first["prefill_first_step"] if first else None,
-            "prefill_margin": first.get("prefill_margin") if first else None,
-            "prefill_tokens": sum(r.get("prefill_tokens", 0) for r in checked),
-            "prefill_notes": sorted({n for r in checked for n in r["prefill_notes"]})}
+    return {
+        "prefill_max_ulp": max(r["prefill_max_ulp"] for r in checked),
+        "prefill_first_step": first["prefill_first_step"] if first else None,
+        "prefill_margin": first.get("prefill_margin") if first else None,
+        "prefill_tokens": sum(r.get("prefill_tokens", 0) for r in checked),
+        "prefill_notes": sorted({n for r in checked for n in r["prefill_notes"]}),
+    }
 
 
-PREFILL_AGREE = "decode and prefill agree bitwise"   # the prefill check's verdict, kept apart
+PREFILL_AGREE = "decode and prefill agree bitwise"  # the prefill check's verdict, kept apart
 PREFILL_DIFFER = "decode and prefill differ"
 
 
@@ -533,12 +612,18 @@ def mad(values: Sequence[float]) -> float:
     return statistics.median([abs(v - m) for v in values])
 
 
-def bootstrap_median_ci(values: Sequence[float], resamples: int = BOOTSTRAP_RESAMPLES,
-                        seed: int = BOOTSTRAP_SEED, level: float = 0.95) -> Tuple[float, float]:
+def bootstrap_median_ci(
+    values: Sequence[float],
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+    level: float = 0.95,
+) -> Tuple[float, float]:
     """Percentile bootstrap interval of the median; seeded, so the same data give the same interval."""
     rng = random.Random(seed)
     n = len(values)
-    meds = sorted(statistics.median([values[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples))
+    meds = sorted(
+        statistics.median([values[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples)
+    )
     tail = (1.0 - level) / 2.0
     return meds[int(tail * (resamples - 1))], meds[int(math.ceil((1.0 - tail) * (resamples - 1)))]
 
@@ -549,27 +634,43 @@ def overhead_stats(off_s: Sequence[float], on_s: Sequence[float]) -> Dict[str, A
     ratios = [b / a if a > 0 else math.inf for a, b in zip(off_s, on_s)]
     if len(ratios) < MIN_PAIRS_FOR_INTERVAL or not all(map(math.isfinite, ratios)):
         median = statistics.median(ratios) if ratios else math.nan
-        return {"overhead_pct": round((median - 1.0) * 100.0, 3) if math.isfinite(median) else None,
-                "ci95_pct": None, "significant": False, "ratios": [round(r, 6) for r in ratios]}
+        return {
+            "overhead_pct": round((median - 1.0) * 100.0, 3) if math.isfinite(median) else None,
+            "ci95_pct": None,
+            "significant": False,
+            "ratios": [round(r, 6) for r in ratios],
+        }
     lo, hi = bootstrap_median_ci(ratios)
     ci = [round((lo - 1.0) * 100.0, 3), round((hi - 1.0) * 100.0, 3)]
-    return {"overhead_pct": round((statistics.median(ratios) - 1.0) * 100.0, 3), "ci95_pct": ci,
-            "significant": not (ci[0] <= 0.0 <= ci[1]), "ratios": [round(r, 6) for r in ratios]}
+    return {
+        "overhead_pct": round((statistics.median(ratios) - 1.0) * 100.0, 3),
+        "ci95_pct": ci,
+        "significant": not (ci[0] <= 0.0 <= ci[1]),
+        "ratios": [round(r, 6) for r in ratios],
+    }
 
 
 def arm_stats(samples_s: Sequence[float], tokens: Sequence[int]) -> Dict[str, Any]:
     tps = [t / s for t, s in zip(tokens, samples_s) if s > 0]
-    return {"median_s": statistics.median(samples_s), "mad_s": mad(samples_s), "min_s": min(samples_s),
-            "max_s": max(samples_s), "samples_s": list(samples_s), "output_tokens": list(tokens),
-            "tokens_per_s": [round(x, 3) for x in tps],
-            "median_tokens_per_s": statistics.median(tps) if tps else None,
-            "noisy": max(samples_s) / min(samples_s) > NOISE_SPREAD if min(samples_s) > 0 else True}
+    return {
+        "median_s": statistics.median(samples_s),
+        "mad_s": mad(samples_s),
+        "min_s": min(samples_s),
+        "max_s": max(samples_s),
+        "samples_s": list(samples_s),
+        "output_tokens": list(tokens),
+        "tokens_per_s": [round(x, 3) for x in tps],
+        "median_tokens_per_s": statistics.median(tps) if tps else None,
+        "noisy": max(samples_s) / min(samples_s) > NOISE_SPREAD if min(samples_s) > 0 else True,
+    }
 
 
 # Workload prompts for cost mode: pure, so both arms get byte-identical bodies.
 
-_FILLER = ("the quick brown fox jumps over a lazy dog while seven wise owls watch from an old "
-           "oak tree near the river bank and count every star in the clear night sky").split()
+_FILLER = (
+    "the quick brown fox jumps over a lazy dog while seven wise owls watch from an old "
+    "oak tree near the river bank and count every star in the clear night sky"
+).split()
 
 
 def filler_words(count: int, offset: int = 0) -> str:
@@ -577,16 +678,22 @@ def filler_words(count: int, offset: int = 0) -> str:
     return " ".join(_FILLER[(offset + i) % len(_FILLER)] for i in range(count))
 
 
-def workload_prompts(workload: str, batch: int, trial: int, run_id: str,
-                     prefix_tokens: int = DEFAULT_PREFIX_TOKENS) -> List[str]:
+def workload_prompts(
+    workload: str, batch: int, trial: int, run_id: str, prefix_tokens: int = DEFAULT_PREFIX_TOKENS
+) -> List[str]:
     """The prompts of one trial. cold: every prompt opens with its own run, trial and slot, so
     no prefix cache can hit; shared-prefix: one long prefix for every prompt of every trial."""
     if workload == "cold":
-        return ["[%s.%d.%d] Write a short story about %s." % (run_id, trial, i, filler_words(6, trial + i))
-                for i in range(batch)]
+        return [
+            "[%s.%d.%d] Write a short story about %s."
+            % (run_id, trial, i, filler_words(6, trial + i))
+            for i in range(batch)
+        ]
     prefix = "Read this passage and answer the question after it. " + filler_words(prefix_tokens)
-    return ["%s\nQuestion %d.%d: what is word %d of the passage?" % (prefix, trial, i, i + 1)
-            for i in range(batch)]
+    return [
+        "%s\nQuestion %d.%d: what is word %d of the passage?" % (prefix, trial, i, i + 1)
+        for i in range(batch)
+    ]
 
 
 # ----------------------------------------------------------------------------
@@ -609,7 +716,14 @@ class UsageError(Exception):
 def is_loopback(host: str) -> bool:
     """This machine: loopback addresses and names, the any-address engines log, and the
     machine's own name. A proxy cannot reach any of them."""
-    if host.lower() in ("localhost", "localhost.localdomain", "0.0.0.0", "::", "[::]", socket.gethostname().lower()):
+    if host.lower() in (
+        "localhost",
+        "localhost.localdomain",
+        "0.0.0.0",
+        "::",
+        "[::]",
+        socket.gethostname().lower(),
+    ):
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
@@ -629,6 +743,7 @@ class _NoForeignRedirect(urllib.request.HTTPRedirectHandler):
 
 class _OpenedConnections(threading.local):
     """Where a request's thread notes the connections its request opens (a list, or None)."""
+
     into: Optional[List[http.client.HTTPConnection]] = None
 
 
@@ -638,11 +753,13 @@ OPENED = _OpenedConnections()
 def _noted(kind: type) -> Callable[..., http.client.HTTPConnection]:
     """A connection factory for urllib's handlers that notes each connection it makes, so that
     a request given up on (at its deadline, or on a stop) can be closed from another thread."""
+
     def connect(*args: Any, **kwargs: Any) -> http.client.HTTPConnection:
         conn = kind(*args, **kwargs)
         if OPENED.into is not None:
             OPENED.into.append(conn)
         return conn
+
     return connect
 
 
@@ -685,8 +802,10 @@ def server_message(body: bytes) -> str:
     return text[:200] or "no body"
 
 
-STOP_GRACE_S = 1.0   # after a stop signal, a request in flight may take this long; then it is abandoned
-WAIT_SLICE_S = 0.1   # how often a wait for an answer looks at the clock and for a stop
+STOP_GRACE_S = (
+    1.0  # after a stop signal, a request in flight may take this long; then it is abandoned
+)
+WAIT_SLICE_S = 0.1  # how often a wait for an answer looks at the clock and for a stop
 
 
 class StopRequest:
@@ -704,8 +823,12 @@ class StopRequest:
 STOP = StopRequest()
 
 
-def bounded(call: Callable[[], Any], seconds: float, overrun: Callable[[], Exception],
-            abandon: Callable[[], None]) -> Any:
+def bounded(
+    call: Callable[[], Any],
+    seconds: float,
+    overrun: Callable[[], Exception],
+    abandon: Callable[[], None],
+) -> Any:
     """call() in a thread of its own, waited for at most seconds in all (connecting, the status
     line, the headers, every byte of the body), so that no server can hold the lab longer
     than --timeout however it trickles; and once a stop signal came, at most STOP_GRACE_S
@@ -755,7 +878,9 @@ class HttpClient:
             handlers.append(urllib.request.ProxyHandler({}))  # a proxy cannot reach our loopback
         self.opener = urllib.request.build_opener(*handlers)
 
-    def request(self, path: str, body: Optional[Dict[str, Any]] = None, as_text: bool = False) -> Any:
+    def request(
+        self, path: str, body: Optional[Dict[str, Any]] = None, as_text: bool = False
+    ) -> Any:
         """GET (body None) or POST JSON; returns the decoded JSON answer (or, with as_text, the
         answer's text) or raises ServerError."""
         url = self.base_url + path
@@ -773,9 +898,15 @@ class HttpClient:
                 return self._read_capped(resp)
 
         try:
-            raw = bounded(exchange, self.timeout, lambda: ServerError(
-                "no complete answer from %s within %gs (--timeout)" % (self.base_url, self.timeout)),
-                lambda: close_connections(opened))
+            raw = bounded(
+                exchange,
+                self.timeout,
+                lambda: ServerError(
+                    "no complete answer from %s within %gs (--timeout)"
+                    % (self.base_url, self.timeout)
+                ),
+                lambda: close_connections(opened),
+            )
         except urllib.error.HTTPError as err:
             try:
                 body_read = self._read_capped(err) if err.fp else b""
@@ -783,7 +914,9 @@ class HttpClient:
                 err.close()
             raise self.http_error(err.code, path, body_read) from None
         except urllib.error.URLError as err:
-            raise ServerError(describe_network_error(err.reason, self.base_url, self.timeout)) from None
+            raise ServerError(
+                describe_network_error(err.reason, self.base_url, self.timeout)
+            ) from None
         except (OSError, HTTPException) as err:
             raise self.transport_error(err, url) from None
         return self.decode(raw, path, as_text)
@@ -822,13 +955,19 @@ class HttpClient:
                 break
             total += len(chunk)
             if total > self.max_bytes:
-                raise ServerError("answer larger than %d MB refused (--max-response-mb)"
-                                  % (self.max_bytes >> 20))
+                raise ServerError(
+                    "answer larger than %d MB refused (--max-response-mb)" % (self.max_bytes >> 20)
+                )
             if time.monotonic() > deadline:
-                raise ServerError("no complete answer from %s within %gs (--timeout)" % (self.base_url, self.timeout))
+                raise ServerError(
+                    "no complete answer from %s within %gs (--timeout)"
+                    % (self.base_url, self.timeout)
+                )
             chunks.append(chunk)
         if getattr(resp, "length", None):  # the server hung up before the length it announced
-            raise ServerError("connection to %s dropped in the middle of an answer" % self.base_url)
+            raise ServerError(
+                "connection to %s dropped in the middle of an answer" % self.base_url
+            )
         return b"".join(chunks)
 
 
@@ -843,7 +982,9 @@ class PreparedPost:
         self.client, self.path = client, path
         self.data = json.dumps(body).encode("utf-8")
         parts = urllib.parse.urlsplit(client.base_url + path)
-        self.url, self.target = parts.geturl(), parts.path + ("?" + parts.query if parts.query else "")
+        self.url, self.target = parts.geturl(), parts.path + (
+            "?" + parts.query if parts.query else ""
+        )
         host, port = parts.hostname or "", parts.port
         proxy = urllib.request.getproxies().get(parts.scheme)
         if proxy and not is_loopback(host) and not urllib.request.proxy_bypass(host):
@@ -851,12 +992,19 @@ class PreparedPost:
             host, port = proxy_parts.hostname or "", proxy_parts.port
             if parts.scheme == "http":
                 self.target = self.url  # a plain proxy takes the absolute URL
-        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        kind = (
+            http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        )
         self.conn = kind(host, port, timeout=client.timeout)
         if proxy and parts.scheme == "https" and host != parts.hostname:
             self.conn.set_tunnel(parts.hostname, parts.port)
-        head = ["POST %s HTTP/1.1" % self.target, "Host: %s" % parts.netloc.rsplit("@", 1)[-1],
-                "Content-Type: application/json", "Content-Length: %d" % len(self.data), "Connection: close"]
+        head = [
+            "POST %s HTTP/1.1" % self.target,
+            "Host: %s" % parts.netloc.rsplit("@", 1)[-1],
+            "Content-Type: application/json",
+            "Content-Length: %d" % len(self.data),
+            "Connection: close",
+        ]
         if client.api_key:
             head.append("Authorization: Bearer " + client.api_key)
         # The whole request, written in one call: the less each thread does between the
@@ -881,6 +1029,7 @@ class PreparedPost:
             with http.client.HTTPResponse(self.conn.sock, method="POST") as resp:
                 resp.begin()
                 return resp.status, self.client._read_capped(resp)
+
         try:
             status, raw = self._guard(read)
         finally:
@@ -899,17 +1048,23 @@ class PreparedPost:
             resp = self._guard(lambda: http.client.HTTPResponse(self.conn.sock, method="POST"))
             self._guard(resp.begin)
             if resp.status >= 300:
-                raise self.client.http_error(resp.status, self.path, self._guard(lambda: self.client._read_capped(resp)))
+                raise self.client.http_error(
+                    resp.status, self.path, self._guard(lambda: self.client._read_capped(resp))
+                )
             if "text/event-stream" not in (resp.getheader("Content-Type") or ""):
-                raise ServerError("%s did not stream its answer (no text/event-stream): streaming is needed "
-                                  "for --concurrency" % self.path)
+                raise ServerError(
+                    "%s did not stream its answer (no text/event-stream): streaming is needed "
+                    "for --concurrency" % self.path
+                )
             while True:
                 line = self._guard(lambda: resp.readline(1 << 20))
                 if not line:
                     raise ServerError("the stream from %s was cut before it ended" % self.path)
                 if time.monotonic() > deadline:
-                    raise ServerError("no complete answer from %s within %gs (--timeout)"
-                                      % (self.client.base_url, self.client.timeout))
+                    raise ServerError(
+                        "no complete answer from %s within %gs (--timeout)"
+                        % (self.client.base_url, self.client.timeout)
+                    )
                 if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
@@ -928,10 +1083,14 @@ def allow_open_files(connections: int) -> None:
     (a common soft limit is 1024); where it cannot be raised, the connects fail one by one."""
     try:
         import resource
+
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         wanted = connections + 256
         if soft != resource.RLIM_INFINITY and soft < wanted:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted if hard == resource.RLIM_INFINITY else min(wanted, hard), hard))
+            resource.setrlimit(
+                resource.RLIMIT_NOFILE,
+                (wanted if hard == resource.RLIM_INFINITY else min(wanted, hard), hard),
+            )
     except (ImportError, ValueError, OSError):
         pass
 
@@ -958,53 +1117,86 @@ def describe_network_error(reason: Any, base_url: str, timeout: float) -> str:
 @dataclass(frozen=True)
 class Sampling:
     """What every generation request asks for; the saved params are derived from it too."""
+
     temperature: float
     top_p: float
     max_tokens: int
-    logprobs: Optional[int]       # top-k per step; None asks for none
-    seed: Optional[int] = None    # sent only when temperature > 0 (see of())
+    logprobs: Optional[int]  # top-k per step; None asks for none
+    seed: Optional[int] = None  # sent only when temperature > 0 (see of())
     ignore_eos: bool = False
 
     @classmethod
-    def of(cls, temperature: float, max_tokens: int, logprobs: Optional[int], seed: int,
-           ignore_eos: bool = False) -> "Sampling":
+    def of(
+        cls,
+        temperature: float,
+        max_tokens: int,
+        logprobs: Optional[int],
+        seed: int,
+        ignore_eos: bool = False,
+    ) -> "Sampling":
         """The seed is sent only when sampling: greedy needs none, and an unseeded sample
         would draw from a generator the whole batch shares."""
-        return cls(temperature, DEFAULT_TOP_P, max_tokens, logprobs,
-                   seed if temperature > 0 else None, ignore_eos)
+        return cls(
+            temperature,
+            DEFAULT_TOP_P,
+            max_tokens,
+            logprobs,
+            seed if temperature > 0 else None,
+            ignore_eos,
+        )
 
     def params(self) -> Dict[str, Any]:
-        return {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens,
-                "logprobs": self.logprobs, "seed": self.seed}
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_tokens": self.max_tokens,
+            "logprobs": self.logprobs,
+            "seed": self.seed,
+        }
 
 
 @dataclass
 class ServerFacts:
     """What the lab knows of one server, in one shape whichever engine runs it."""
-    engine: str                               # the adapter's name
-    model: str                                # the served model the lab will ask for
+
+    engine: str  # the adapter's name
+    model: str  # the served model the lab will ask for
     version: Any = None
-    flag: Optional[bool] = None               # the batch-invariance flag; None: the server does not say
+    flag: Optional[bool] = None  # the batch-invariance flag; None: the server does not say
     max_model_len: Any = None
-    max_model_len_source: Optional[str] = None  # where the server keeps it (an effective value first)
-    attention_backend: Any = None             # as the adapter spells it (vLLM: the class name)
+    max_model_len_source: Optional[str] = (
+        None  # where the server keeps it (an effective value first)
+    )
+    attention_backend: Any = None  # as the adapter spells it (vLLM: the class name)
     tp: Any = None
-    max_num_seqs: Any = None                  # the most requests the server runs together
-    max_num_seqs_source: Optional[str] = None  # where the server keeps it (an effective value first)
-    seed_honoured: Optional[bool] = None      # does a per-request seed fix the sample? None: unknown
-    seed_note: Optional[str] = None           # why not, when it is not
+    max_num_seqs: Any = None  # the most requests the server runs together
+    max_num_seqs_source: Optional[str] = (
+        None  # where the server keeps it (an effective value first)
+    )
+    seed_honoured: Optional[bool] = None  # does a per-request seed fix the sample? None: unknown
+    seed_note: Optional[str] = None  # why not, when it is not
     load_format: Any = None
-    graph_sizes: List[int] = field(default_factory=list)  # decode CUDA-graph sizes; [] when none run
-    graph_source: str = "assumed"             # reported, derived (from reported settings) or assumed
-    default_graph_sizes: List[int] = field(default_factory=list)  # the engine's own; ladders use them without graphs
-    info_source: Optional[str] = None         # the endpoint the settings came from; None: hidden
-    settings_hint: Optional[str] = None       # how to make a server that hides its settings show them
-    settings: Dict[str, Any] = field(default_factory=dict)   # label -> value, compared between arms
-    flag_sets: Dict[str, Any] = field(default_factory=dict)  # label -> the value the flag itself gives it here
-    hazards: Optional[List[Dict[str, Any]]] = None  # known hazards this server's settings meet; None: hidden
+    graph_sizes: List[int] = field(
+        default_factory=list
+    )  # decode CUDA-graph sizes; [] when none run
+    graph_source: str = "assumed"  # reported, derived (from reported settings) or assumed
+    default_graph_sizes: List[int] = field(
+        default_factory=list
+    )  # the engine's own; ladders use them without graphs
+    info_source: Optional[str] = None  # the endpoint the settings came from; None: hidden
+    settings_hint: Optional[str] = None  # how to make a server that hides its settings show them
+    settings: Dict[str, Any] = field(default_factory=dict)  # label -> value, compared between arms
+    flag_sets: Dict[str, Any] = field(
+        default_factory=dict
+    )  # label -> the value the flag itself gives it here
+    hazards: Optional[List[Dict[str, Any]]] = (
+        None  # known hazards this server's settings meet; None: hidden
+    )
 
     def bucket(self, batch_size: int) -> Bucket:
-        return "?" if self.graph_source == "assumed" else graph_bucket(batch_size, self.graph_sizes)
+        return (
+            "?" if self.graph_source == "assumed" else graph_bucket(batch_size, self.graph_sizes)
+        )
 
     def checked(self) -> "ServerFacts":
         """These facts with every value a server sent made safe to use: a server may send any
@@ -1029,14 +1221,15 @@ class ServerFacts:
 
 class EngineAdapter(Protocol):
     """Everything the modes know of an engine."""
-    name: str                          # as --engine spells it
-    label: str                         # as printed
+
+    name: str  # as --engine spells it
+    label: str  # as printed
     default_port: int
     generate_path: str
     health_path: str
     flag_name: str
     logprob_clamps: Tuple[float, ...]  # the engine's stand-ins for a -inf logprob
-    CACHE_COUNTS_HINT: str             # how to have the server report cached prompt tokens
+    CACHE_COUNTS_HINT: str  # how to have the server report cached prompt tokens
 
     def answers_like(self, client: HttpClient) -> bool:
         """Does the server at client answer this engine's own info endpoint as this engine does?
@@ -1044,7 +1237,9 @@ class EngineAdapter(Protocol):
 
     def read_facts(self, client: HttpClient, model: Optional[str]) -> ServerFacts: ...
 
-    def body(self, model: str, prompts: List[str], sampling: Sampling, isolate: bool = False) -> Dict[str, Any]:
+    def body(
+        self, model: str, prompts: List[str], sampling: Sampling, isolate: bool = False
+    ) -> Dict[str, Any]:
         """The generation request; isolate: nothing an earlier request cached may serve it."""
 
     def before_batch(self, client: HttpClient, isolate: bool) -> None:
@@ -1066,8 +1261,9 @@ class EngineAdapter(Protocol):
     def prompt_token_ids(self, client: HttpClient, model: str, prompt: str) -> List[int]:
         """The prompt as the server tokenizes it for a completion."""
 
-    def prefill_logprobs(self, client: HttpClient, model: str, ids: List[int], start: int,
-                         isolate: bool) -> List[float]:
+    def prefill_logprobs(
+        self, client: HttpClient, model: str, ids: List[int], start: int, isolate: bool
+    ) -> List[float]:
         """The logprob of each token of ids from position start on, as the server computes it
         when it reads ids as one prompt (a prefill)."""
 
@@ -1108,7 +1304,9 @@ def shape_error(what: str) -> ServerError:
 
 def is_number(x: Any) -> bool:
     """A JSON number a float can hold (true and false are not numbers here)."""
-    return isinstance(x, float) or (isinstance(x, int) and not isinstance(x, bool) and abs(x) < 2 ** 1000)
+    return isinstance(x, float) or (
+        isinstance(x, int) and not isinstance(x, bool) and abs(x) < 2**1000
+    )
 
 
 def check_steps(i: int, tokens: Any, logprobs: Any, top: Any) -> None:
@@ -1116,7 +1314,9 @@ def check_steps(i: int, tokens: Any, logprobs: Any, top: Any) -> None:
     if not isinstance(logprobs, list) or not isinstance(tokens, list):
         raise shape_error("completion %d has no logprobs" % i)
     if not isinstance(top, list) or not (len(tokens) == len(logprobs) == len(top)):
-        raise shape_error("completion %d has %d tokens but %d logprobs" % (i, len(tokens), len(logprobs)))
+        raise shape_error(
+            "completion %d has %d tokens but %d logprobs" % (i, len(tokens), len(logprobs))
+        )
     if not all(isinstance(t, str) for t in tokens):
         raise shape_error("completion %d has a token that is not a string" % i)
     if not all(map(is_number, logprobs)):
@@ -1126,7 +1326,9 @@ def check_steps(i: int, tokens: Any, logprobs: Any, top: Any) -> None:
 
 
 def token_ids(values: Any, what: str) -> List[int]:
-    if not isinstance(values, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in values):
+    if not isinstance(values, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in values
+    ):
         raise shape_error("%s are not token ids" % what)
     return values
 
@@ -1140,17 +1342,22 @@ def prefill_values(values: List[Any], count: int, what: str) -> List[float]:
 def choice_order(choices: List[Any]) -> List[Any]:
     """vLLM's choices by their index, which must be the whole numbers 0..n-1, each once."""
     indexes = [c.get("index") if isinstance(c, dict) else None for c in choices]
-    if any(not isinstance(x, int) or isinstance(x, bool) for x in indexes) or sorted(indexes) != list(range(len(choices))):
+    if any(not isinstance(x, int) or isinstance(x, bool) for x in indexes) or sorted(
+        indexes
+    ) != list(range(len(choices))):
         raise shape_error("choice indexes are not 0..%d, each once" % (len(choices) - 1))
     return [c for _, c in sorted(zip(indexes, choices), key=lambda pair: pair[0])]
 
 
 class VllmAdapter:
     name, label, default_port = "vllm", "vLLM", 8000
-    generate_path, health_path = "/v1/completions", "/health"  # /health: 200 once the engine has loaded
+    generate_path, health_path = (
+        "/v1/completions",
+        "/health",
+    )  # /health: 200 once the engine has loaded
     flag_name = "VLLM_BATCH_INVARIANT"
-    logprob_clamps = (-9999.0,)        # vLLM writes -inf logprobs as -9999.0
-    DEFAULT_MAX_NUM_SEQS = 32          # assumed when the server does not say (upstream's test value)
+    logprob_clamps = (-9999.0,)  # vLLM writes -inf logprobs as -9999.0
+    DEFAULT_MAX_NUM_SEQS = 32  # assumed when the server does not say (upstream's test value)
     SETTINGS_HINT = "start vLLM with VLLM_SERVER_DEV_MODE=1 to expose /server_info"
     CACHE_COUNTS_HINT = "start vLLM with --enable-prompt-tokens-details to have them reported"
 
@@ -1191,7 +1398,9 @@ class VllmAdapter:
         return name.rsplit(".", 1)[-1] if isinstance(name, str) else name
 
     def answers_like(self, client: HttpClient) -> bool:
-        return isinstance(dig(answer_or_none(client, "/version"), "version"), str)  # SGLang has no /version
+        return isinstance(
+            dig(answer_or_none(client, "/version"), "version"), str
+        )  # SGLang has no /version
 
     def read_facts(self, client: HttpClient, model: Optional[str]) -> ServerFacts:
         version = dig(client.request("/version"), "version")
@@ -1205,26 +1414,46 @@ class VllmAdapter:
     def facts(self, version: Any, models: Any, info: Any, model: Optional[str]) -> ServerFacts:
         """The common facts record from /version, /v1/models and (dev mode) /server_info."""
         entries = dig(models, "data")
-        entries = [m for m in entries if isinstance(m, dict) and m.get("id")] if isinstance(entries, list) else []
+        entries = (
+            [m for m in entries if isinstance(m, dict) and m.get("id")]
+            if isinstance(entries, list)
+            else []
+        )
         if not entries:
             raise ServerError("/v1/models lists no model")
         ids = [m["id"] for m in entries]
         if model is not None and model not in ids:
-            raise UsageError("the server does not serve %s; it serves: %s" % (model, ", ".join(ids)))
+            raise UsageError(
+                "the server does not serve %s; it serves: %s" % (model, ", ".join(ids))
+            )
         entry = entries[ids.index(model)] if model is not None else entries[0]
-        listed = {"engine version": version, "served model": entry["id"],
-                  "max model length": entry.get("max_model_len")}
+        listed = {
+            "engine version": version,
+            "served model": entry["id"],
+            "max model length": entry.get("max_model_len"),
+        }
         config = dig(info, "vllm_config")
         if not isinstance(config, dict):
             sizes = self.capture_sizes(self.DEFAULT_MAX_NUM_SEQS)
-            return ServerFacts(self.name, entry["id"], version, max_model_len=entry.get("max_model_len"),
-                               max_model_len_source="/v1/models", seed_honoured=True,
-                               graph_sizes=sizes, graph_source="assumed", default_graph_sizes=sizes,
-                               settings_hint=self.SETTINGS_HINT, settings=listed)
+            return ServerFacts(
+                self.name,
+                entry["id"],
+                version,
+                max_model_len=entry.get("max_model_len"),
+                max_model_len_source="/v1/models",
+                seed_honoured=True,
+                graph_sizes=sizes,
+                graph_source="assumed",
+                default_graph_sizes=sizes,
+                settings_hint=self.SETTINGS_HINT,
+                settings=listed,
+            )
         settings = dict(listed, **{label: dig(info, *path) for label, path in self.SETTINGS})
         settings["attention backend"] = backend = self.short_backend(settings["attention backend"])
         max_num_seqs = settings["max num seqs"]
-        defaults = self.capture_sizes(max_num_seqs if isinstance(max_num_seqs, int) else self.DEFAULT_MAX_NUM_SEQS)
+        defaults = self.capture_sizes(
+            max_num_seqs if isinstance(max_num_seqs, int) else self.DEFAULT_MAX_NUM_SEQS
+        )
         reported = settings["CUDA-graph sizes"]
         if settings["enforce eager"]:
             graph, source = [], "reported"
@@ -1233,18 +1462,39 @@ class VllmAdapter:
         else:
             graph, source = defaults, "assumed"
         return ServerFacts(
-            self.name, entry["id"], version, flag=dig(info, "vllm_env", self.flag_name),
-            max_model_len=entry.get("max_model_len"), max_model_len_source="/v1/models",
-            attention_backend=backend, tp=settings["TP size"], max_num_seqs=max_num_seqs,
-            max_num_seqs_source="vllm_config.scheduler_config.max_num_seqs", seed_honoured=True,
+            self.name,
+            entry["id"],
+            version,
+            flag=dig(info, "vllm_env", self.flag_name),
+            max_model_len=entry.get("max_model_len"),
+            max_model_len_source="/v1/models",
+            attention_backend=backend,
+            tp=settings["TP size"],
+            max_num_seqs=max_num_seqs,
+            max_num_seqs_source="vllm_config.scheduler_config.max_num_seqs",
+            seed_honoured=True,
             load_format=settings["load format"],
-            graph_sizes=graph, graph_source=source, default_graph_sizes=defaults,
-            info_source="/server_info", settings=settings, hazards=hazards_in(self.name, info),
-            flag_sets={"prefix caching": False} if backend in self.FLAG_DISABLES_PREFIX_CACHE else {})
+            graph_sizes=graph,
+            graph_source=source,
+            default_graph_sizes=defaults,
+            info_source="/server_info",
+            settings=settings,
+            hazards=hazards_in(self.name, info),
+            flag_sets=(
+                {"prefix caching": False} if backend in self.FLAG_DISABLES_PREFIX_CACHE else {}
+            ),
+        )
 
-    def body(self, model: str, prompts: List[str], s: Sampling, isolate: bool = False) -> Dict[str, Any]:
-        body: Dict[str, Any] = {"model": model, "prompt": prompts, "max_tokens": s.max_tokens,
-                                "temperature": s.temperature, "top_p": s.top_p}
+    def body(
+        self, model: str, prompts: List[str], s: Sampling, isolate: bool = False
+    ) -> Dict[str, Any]:
+        body: Dict[str, Any] = {
+            "model": model,
+            "prompt": prompts,
+            "max_tokens": s.max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+        }
         if isolate:
             # A fresh salt puts the request's prefix-cache entries apart from every other's
             # (CompletionRequest.cache_salt, vllm/entrypoints/openai/completion/protocol.py,
@@ -1275,7 +1525,11 @@ class VllmAdapter:
                 continue
             if not isinstance(lp, dict):
                 raise shape_error("completion %d has no logprobs" % i)
-            tokens, values, top = lp.get("tokens"), lp.get("token_logprobs"), lp.get("top_logprobs")
+            tokens, values, top = (
+                lp.get("tokens"),
+                lp.get("token_logprobs"),
+                lp.get("top_logprobs"),
+            )
             top = [d or {} for d in top] if isinstance(top, list) else top
             check_steps(i, tokens, values, top)
             out.append(Completion(c["text"], tokens, values, top, c.get("finish_reason")))
@@ -1288,8 +1542,11 @@ class VllmAdapter:
         # Usage on every event, so each says how many tokens are out so far (the real stream
         # in tests/fixtures/vllm-0.26.0/stream_usage.body: usage on every event, then a
         # last event with no choices and the final usage, then [DONE]).
-        return dict(self.body(model, [prompt], sampling), stream=True,
-                    stream_options={"include_usage": True, "continuous_usage_stats": True})
+        return dict(
+            self.body(model, [prompt], sampling),
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
 
     def streamed_tokens(self, event: Any) -> Optional[int]:
         count = dig(event, "usage", "completion_tokens")
@@ -1298,23 +1555,38 @@ class VllmAdapter:
     def prompt_token_ids(self, client: HttpClient, model: str, prompt: str) -> List[int]:
         # POST /tokenize (vllm/entrypoints/serve/tokenize/protocol.py, 0.26.0 lines 24-40):
         # special tokens added as a completion adds them.
-        return token_ids(dig(client.request("/tokenize", {"model": model, "prompt": prompt}), "tokens"),
-                         "/tokenize's tokens")
+        return token_ids(
+            dig(client.request("/tokenize", {"model": model, "prompt": prompt}), "tokens"),
+            "/tokenize's tokens",
+        )
 
-    def prefill_logprobs(self, client: HttpClient, model: str, ids: List[int], start: int,
-                         isolate: bool) -> List[float]:
+    def prefill_logprobs(
+        self, client: HttpClient, model: str, ids: List[int], start: int, isolate: bool
+    ) -> List[float]:
         # A token-id prompt with prompt_logprobs (completion/protocol.py, 0.26.0 line 94): each
         # position's entry is keyed by token id and holds the actual token's logprob.
-        body: Dict[str, Any] = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
-                                "prompt_logprobs": 0}
+        body: Dict[str, Any] = {
+            "model": model,
+            "prompt": ids,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,
+        }
         if isolate:
             body["cache_salt"] = "lab-" + os.urandom(12).hex()
-        entries = dig(choice_order(dig(client.request(self.generate_path, body), "choices") or [None])[0],
-                      "prompt_logprobs")
+        entries = dig(
+            choice_order(dig(client.request(self.generate_path, body), "choices") or [None])[0],
+            "prompt_logprobs",
+        )
         if not isinstance(entries, list) or len(entries) != len(ids):
-            raise shape_error("no prompt_logprobs for the token-id prompt (the prefill check needs them)")
-        return prefill_values([dig(entries[p], str(ids[p]), "logprob") for p in range(start, len(ids))],
-                              len(ids) - start, "prompt_logprobs")
+            raise shape_error(
+                "no prompt_logprobs for the token-id prompt (the prefill check needs them)"
+            )
+        return prefill_values(
+            [dig(entries[p], str(ids[p]), "logprob") for p in range(start, len(ids))],
+            len(ids) - start,
+            "prompt_logprobs",
+        )
 
     def output_tokens(self, answer: Any) -> int:
         """Completion tokens of the whole batch (usage; a logprob-free answer has no per-choice count)."""
@@ -1336,20 +1608,37 @@ class SglangAdapter:
     logprob_clamps = (-3.4028234663852886e38,)
     GRAPH_SIZES = [1, 2, 4, 8, 12, 16, 24, 32]  # decode graphs with --cuda-graph-max-bs-decode 32
     CACHE_COUNTS_HINT = "SGLang reports them in meta_info.cached_tokens; this server did not"
-    SEED_NOTE = ("SGLang honours sampling_seed only with --enable-deterministic-inference "
-                 "(python/sglang/srt/sampling/sampling_batch_info.py, 0.5.23 lines 157-171)")
+    SEED_NOTE = (
+        "SGLang honours sampling_seed only with --enable-deterministic-inference "
+        "(python/sglang/srt/sampling/sampling_batch_info.py, 0.5.23 lines 157-171)"
+    )
 
-    SETTINGS = [(label, (key,)) for label, key in [
-        ("model", "model_path"), ("dtype", "dtype"), ("quantization", "quantization"),
-        ("load format", "load_format"), ("max model length", "context_length"),
-        ("attention backend", "attention_backend"), ("TP size", "tp_size"), ("PP size", "pp_size"),
-        ("DP size", "dp_size"), ("max running requests", "max_running_requests"),
-        ("chunked prefill size", "chunked_prefill_size"), ("max prefill tokens", "max_prefill_tokens"),
-        ("radix cache disabled", "disable_radix_cache"), ("KV-cache dtype", "kv_cache_dtype"),
-        ("CUDA graph disabled", "disable_cuda_graph"), ("sampling backend", "sampling_backend"),
-        ("CUDA-graph max bs", "cuda_graph_max_bs_decode"), ("CUDA-graph max bs (old)", "cuda_graph_max_bs"),
-    ]] + [("CUDA-graph sizes", ("cuda_graph_config", "decode", "bs")),
-          ("CUDA-graph decode backend", ("cuda_graph_config", "decode", "backend"))]
+    SETTINGS = [
+        (label, (key,))
+        for label, key in [
+            ("model", "model_path"),
+            ("dtype", "dtype"),
+            ("quantization", "quantization"),
+            ("load format", "load_format"),
+            ("max model length", "context_length"),
+            ("attention backend", "attention_backend"),
+            ("TP size", "tp_size"),
+            ("PP size", "pp_size"),
+            ("DP size", "dp_size"),
+            ("max running requests", "max_running_requests"),
+            ("chunked prefill size", "chunked_prefill_size"),
+            ("max prefill tokens", "max_prefill_tokens"),
+            ("radix cache disabled", "disable_radix_cache"),
+            ("KV-cache dtype", "kv_cache_dtype"),
+            ("CUDA graph disabled", "disable_cuda_graph"),
+            ("sampling backend", "sampling_backend"),
+            ("CUDA-graph max bs", "cuda_graph_max_bs_decode"),
+            ("CUDA-graph max bs (old)", "cuda_graph_max_bs"),
+        ]
+    ] + [
+        ("CUDA-graph sizes", ("cuda_graph_config", "decode", "bs")),
+        ("CUDA-graph decode backend", ("cuda_graph_config", "decode", "backend")),
+    ]
 
     def answers_like(self, client: HttpClient) -> bool:
         info = answer_or_none(client, "/server_info")  # vLLM's (dev mode only) has no model_path
@@ -1369,7 +1658,9 @@ class SglangAdapter:
         return self.facts(info, model, models)
 
     @staticmethod
-    def effective(info: Dict[str, Any], models: Any) -> Tuple[Any, Optional[str], Any, Optional[str]]:
+    def effective(
+        info: Dict[str, Any], models: Any
+    ) -> Tuple[Any, Optional[str], Any, Optional[str]]:
         """(running-request limit, where it came from, context length, where it came from).
         /server_info's max_running_requests and context_length are the raw flags, null by
         default; the limit in force is each DP rank's effective_max_running_requests_per_dp
@@ -1377,10 +1668,17 @@ class SglangAdapter:
         and the context length /v1/models's max_model_len (entrypoints/http_server.py, 0.5.23
         line 2005)."""
         states = info.get("internal_states")
-        limits = [dig(s, "effective_max_running_requests_per_dp") for s in states] if isinstance(states, list) else []
+        limits = (
+            [dig(s, "effective_max_running_requests_per_dp") for s in states]
+            if isinstance(states, list)
+            else []
+        )
         limits = [x for x in limits if isinstance(x, int) and not isinstance(x, bool)]
         if limits:
-            limit, limit_source = min(limits), "internal_states[].effective_max_running_requests_per_dp"
+            limit, limit_source = (
+                min(limits),
+                "internal_states[].effective_max_running_requests_per_dp",
+            )
         elif info.get("max_running_requests") is not None:
             limit, limit_source = info["max_running_requests"], "max_running_requests"
         else:
@@ -1398,9 +1696,13 @@ class SglangAdapter:
             raise shape_error("server info is not SGLang's (no model_path)")
         served = [m for m in (info.get("model_path"), info.get("served_model_name")) if m]
         if model is not None and model not in served:
-            raise UsageError("the server serves %s, not %s" % (served[-1] if served else "?", model))
-        settings = dict([("engine version", info.get("version"))] +
-                        [(label, dig(info, *path)) for label, path in self.SETTINGS])
+            raise UsageError(
+                "the server serves %s, not %s" % (served[-1] if served else "?", model)
+            )
+        settings = dict(
+            [("engine version", info.get("version"))]
+            + [(label, dig(info, *path)) for label, path in self.SETTINGS]
+        )
         reported = settings["CUDA-graph sizes"]
         # Decode graphs can be off while bs stays filled: --cuda-graph-backend-decode disabled,
         # --disable-decode-cuda-graph and automatic disabling set only the decode backend
@@ -1409,7 +1711,9 @@ class SglangAdapter:
             graph, source = [], "reported"
         elif isinstance(reported, list):
             graph, source = reported, "reported"
-        elif info.get("cuda_graph_max_bs_decode", info.get("cuda_graph_max_bs")) == max(self.GRAPH_SIZES):
+        elif info.get("cuda_graph_max_bs_decode", info.get("cuda_graph_max_bs")) == max(
+            self.GRAPH_SIZES
+        ):
             graph, source = self.GRAPH_SIZES, "derived"
         else:
             graph, source = self.GRAPH_SIZES, "assumed"
@@ -1422,17 +1726,36 @@ class SglangAdapter:
         flag = info.get("enable_deterministic_inference")
         limit, limit_source, context, context_source = self.effective(info, models)
         return ServerFacts(
-            self.name, model or info.get("model_path"), info.get("version"), flag=flag,
-            max_model_len=context, max_model_len_source=context_source, attention_backend=backend,
-            tp=info.get("tp_size"), max_num_seqs=limit, max_num_seqs_source=limit_source,
-            seed_honoured=None if flag is None else bool(flag), seed_note=None if flag else self.SEED_NOTE,
-            load_format=info.get("load_format"), graph_sizes=graph, graph_source=source,
-            default_graph_sizes=self.GRAPH_SIZES, info_source="/server_info", settings=settings,
-            flag_sets=flag_sets, hazards=hazards_in(self.name, info))
+            self.name,
+            model or info.get("model_path"),
+            info.get("version"),
+            flag=flag,
+            max_model_len=context,
+            max_model_len_source=context_source,
+            attention_backend=backend,
+            tp=info.get("tp_size"),
+            max_num_seqs=limit,
+            max_num_seqs_source=limit_source,
+            seed_honoured=None if flag is None else bool(flag),
+            seed_note=None if flag else self.SEED_NOTE,
+            load_format=info.get("load_format"),
+            graph_sizes=graph,
+            graph_source=source,
+            default_graph_sizes=self.GRAPH_SIZES,
+            info_source="/server_info",
+            settings=settings,
+            flag_sets=flag_sets,
+            hazards=hazards_in(self.name, info),
+        )
 
-    def body(self, model: str, prompts: List[str], s: Sampling, isolate: bool = False) -> Dict[str, Any]:
-        params: Dict[str, Any] = {"temperature": s.temperature, "top_p": s.top_p,
-                                  "max_new_tokens": s.max_tokens}
+    def body(
+        self, model: str, prompts: List[str], s: Sampling, isolate: bool = False
+    ) -> Dict[str, Any]:
+        params: Dict[str, Any] = {
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "max_new_tokens": s.max_tokens,
+        }
         if s.seed is not None:
             params["sampling_seed"] = s.seed
         if s.ignore_eos:
@@ -1464,15 +1787,22 @@ class SglangAdapter:
                 continue
             steps = dig(item, "meta_info", "output_token_logprobs")
             top = dig(item, "meta_info", "output_top_logprobs") or []
-            if not isinstance(steps, list) or not all(isinstance(s, list) and len(s) >= 2 for s in steps):
+            if not isinstance(steps, list) or not all(
+                isinstance(s, list) and len(s) >= 2 for s in steps
+            ):
                 raise shape_error("completion %d has no logprobs" % i)
             ids = item.get("output_ids")
             if isinstance(ids, list) and len(ids) != len(steps):
-                raise shape_error("completion %d has %d tokens but %d logprobs" % (i, len(ids), len(steps)))
+                raise shape_error(
+                    "completion %d has %d tokens but %d logprobs" % (i, len(ids), len(steps))
+                )
             try:  # entries are [logprob, token id, text or null]
                 tokens = ["token_id:%d" % s[1] for s in steps]
-                tops = ([{"token_id:%d" % e[1]: e[0] for e in (step or [])} for step in top]
-                        if isinstance(top, list) and top else [{} for _ in steps])
+                tops = (
+                    [{"token_id:%d" % e[1]: e[0] for e in (step or [])} for step in top]
+                    if isinstance(top, list) and top
+                    else [{} for _ in steps]
+                )
             except (TypeError, IndexError, KeyError, ValueError, OverflowError):
                 raise shape_error("completion %d has malformed logprob entries" % i) from None
             check_steps(i, tokens, [s[0] for s in steps], tops)
@@ -1486,7 +1816,9 @@ class SglangAdapter:
             return
         text = client.request("/flush_cache", {}, as_text=True)
         if not text.startswith("Cache flushed"):
-            raise ServerError("/flush_cache did not flush the radix cache: %s" % text.strip()[:120])
+            raise ServerError(
+                "/flush_cache did not flush the radix cache: %s" % text.strip()[:120]
+            )
 
     def output_tokens(self, answer: Any) -> int:
         return sum(int(dig(item, "meta_info", "completion_tokens") or 0) for item in answer or [])
@@ -1505,23 +1837,43 @@ class SglangAdapter:
         text] for positions start.., the first logprob None (managers/scheduler_components/
         logprob_result_processor.py, 0.5.23 lines 26-50; logprob_start_len and input_ids:
         managers/io_struct.py lines 188 and 233)."""
-        body = dict(prompt, sampling_params={"max_new_tokens": 1, "temperature": 0.0}, return_logprob=True,
-                    logprob_start_len=start, stream=False)
-        entries = dig(client.request(self.generate_path, body), "meta_info", "input_token_logprobs")
-        if not isinstance(entries, list) or not all(isinstance(e, list) and len(e) >= 2 for e in entries):
+        body = dict(
+            prompt,
+            sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+            return_logprob=True,
+            logprob_start_len=start,
+            stream=False,
+        )
+        entries = dig(
+            client.request(self.generate_path, body), "meta_info", "input_token_logprobs"
+        )
+        if not isinstance(entries, list) or not all(
+            isinstance(e, list) and len(e) >= 2 for e in entries
+        ):
             raise shape_error("no input_token_logprobs (the prefill check needs them)")
         return entries
 
     def prompt_token_ids(self, client: HttpClient, model: str, prompt: str) -> List[int]:
-        return token_ids([e[1] for e in self.input_logprobs(client, {"text": prompt}, 0)], "input token ids")
+        return token_ids(
+            [e[1] for e in self.input_logprobs(client, {"text": prompt}, 0)], "input token ids"
+        )
 
-    def prefill_logprobs(self, client: HttpClient, model: str, ids: List[int], start: int,
-                         isolate: bool) -> List[float]:
-        entries = self.input_logprobs(client, {"input_ids": ids}, start - 1)  # entry 0 is position start-1's None
-        return prefill_values([e[0] for e in entries[1:]], len(ids) - start, "input_token_logprobs")
+    def prefill_logprobs(
+        self, client: HttpClient, model: str, ids: List[int], start: int, isolate: bool
+    ) -> List[float]:
+        entries = self.input_logprobs(
+            client, {"input_ids": ids}, start - 1
+        )  # entry 0 is position start-1's None
+        return prefill_values(
+            [e[0] for e in entries[1:]], len(ids) - start, "input_token_logprobs"
+        )
 
     def cached_tokens(self, answer: Any) -> Optional[int]:
-        counts = [dig(item, "meta_info", "cached_tokens") for item in answer or [] if isinstance(item, dict)]
+        counts = [
+            dig(item, "meta_info", "cached_tokens")
+            for item in answer or []
+            if isinstance(item, dict)
+        ]
         counts = [c for c in counts if isinstance(c, int)]
         return sum(counts) if counts else None
 
@@ -1530,17 +1882,23 @@ class SglangAdapter:
 class Hazard:
     """A server setting reported upstream to break or weaken batch invariance, with the
     evidence read for it. fires(value) is given the setting as /server_info holds it."""
+
     engine: str
-    setting: str                      # what to look at, in the engine's /server_info
-    path: Tuple[str, ...]             # where it sits there
+    setting: str  # what to look at, in the engine's /server_info
+    path: Tuple[str, ...]  # where it sits there
     fires: Callable[[Any], bool]
-    versions: str                     # where it was seen, and whether a fix had landed when read
-    why: str                          # in the lab's words
-    refs: str                         # the upstream reports, repository and number
-    checked: str                      # what was read to keep this row
+    versions: str  # where it was seen, and whether a fix had landed when read
+    why: str  # in the lab's words
+    refs: str  # the upstream reports, repository and number
+    checked: str  # what was read to keep this row
 
     def record(self) -> Dict[str, Any]:
-        return {"setting": self.setting, "versions": self.versions, "why": self.why, "refs": self.refs}
+        return {
+            "setting": self.setting,
+            "versions": self.versions,
+            "why": self.why,
+            "refs": self.refs,
+        }
 
 
 def _is_fp8(value: Any) -> bool:
@@ -1548,39 +1906,65 @@ def _is_fp8(value: Any) -> bool:
 
 
 HAZARDS = [
-    Hazard("vllm", "sequence parallelism / async TP (pass_config.enable_sp or fuse_gemm_comms)",
-           ("vllm_config", "compilation_config", "pass_config"),
-           lambda pc: isinstance(pc, dict) and (pc.get("enable_sp") is True or pc.get("fuse_gemm_comms") is True),
-           "seen on 0.29.0; no guard in the releases then, a fix (PR 56377) open when read",
-           "SP's reduce-scatter sums each token in an order set by which rank owns its chunk, so by "
-           "the batch: 1522 of 1536 logprobs differed between batch 1 and 64 in the report",
-           "vllm-project/vllm#56370, #56377", "the issue's measurement and the PR's description"),
-    Hazard("vllm", "speculative decoding (speculative_config)", ("vllm_config", "speculative_config"),
-           lambda spec: spec not in (None, {}, ""),
-           "reported on 0.20.1 and against main; batch-invariant speculative decoding an open PR (52522) when read",
-           "a verified draft runs the same row as k+1 tokens instead of 1, an axis the batch-invariant "
-           "kernels do not cover; greedy output changed with an ngram draft on 0.20.1",
-           "vllm-project/vllm#54506, #52522, #41758", "the RFC, the PR's config guard, the ngram report"),
-    Hazard("vllm", "online FP8 quantization (model_config.quantization fp8), for MoE models",
-           ("vllm_config", "model_config", "quantization"), _is_fp8,
-           "seen on 0.27.1; a fix (PR 57092) open when read",
-           "the fused-MoE experts quantize their inputs with one scale over the whole batch, so a "
-           "request's numbers depend on its neighbours (dense layers are not affected)",
-           "vllm-project/vllm#57016, #57092", "the issue's reproduction and the PR's diagnosis"),
-    Hazard("sglang", "FP8 KV cache (kv_cache_dtype)", ("kv_cache_dtype",), _is_fp8,
-           "measured on 0.5.18; only a warning proposed (PR 35938) when read",
-           "with --enable-deterministic-inference and an FP8 KV cache, greedy outputs diverged at the "
-           "same position (token 97) for every prompt length; the bf16 control was bit-identical",
-           "sgl-project/sglang#35938, #25790", "the PR's table and the issue's analysis"),
-    Hazard("sglang", "radix cache on (disable_radix_cache false)", ("disable_radix_cache",),
-           lambda disabled: disabled is False,
-           "open when read; on by default in 0.5.18-0.5.23",
-           "a prompt served from the radix cache runs another kernel path than a cold prefill: 18 of 40 "
-           "greedy outputs flipped on a cache hit in the report (--prefix-cache bypass flushes the "
-           "cache before every size and gives every prompt a cache key of its own, so no sweep "
-           "request is served from the cache, as the cached-token counts show; other clients' "
-           "requests and --prefix-cache keep still are)",
-           "sgl-project/sglang#34683", "the issue's cold/warm reproduction"),
+    Hazard(
+        "vllm",
+        "sequence parallelism / async TP (pass_config.enable_sp or fuse_gemm_comms)",
+        ("vllm_config", "compilation_config", "pass_config"),
+        lambda pc: isinstance(pc, dict)
+        and (pc.get("enable_sp") is True or pc.get("fuse_gemm_comms") is True),
+        "seen on 0.29.0; no guard in the releases then, a fix (PR 56377) open when read",
+        "SP's reduce-scatter sums each token in an order set by which rank owns its chunk, so by "
+        "the batch: 1522 of 1536 logprobs differed between batch 1 and 64 in the report",
+        "vllm-project/vllm#56370, #56377",
+        "the issue's measurement and the PR's description",
+    ),
+    Hazard(
+        "vllm",
+        "speculative decoding (speculative_config)",
+        ("vllm_config", "speculative_config"),
+        lambda spec: spec not in (None, {}, ""),
+        "reported on 0.20.1 and against main; batch-invariant speculative decoding an open PR (52522) when read",
+        "a verified draft runs the same row as k+1 tokens instead of 1, an axis the batch-invariant "
+        "kernels do not cover; greedy output changed with an ngram draft on 0.20.1",
+        "vllm-project/vllm#54506, #52522, #41758",
+        "the RFC, the PR's config guard, the ngram report",
+    ),
+    Hazard(
+        "vllm",
+        "online FP8 quantization (model_config.quantization fp8), for MoE models",
+        ("vllm_config", "model_config", "quantization"),
+        _is_fp8,
+        "seen on 0.27.1; a fix (PR 57092) open when read",
+        "the fused-MoE experts quantize their inputs with one scale over the whole batch, so a "
+        "request's numbers depend on its neighbours (dense layers are not affected)",
+        "vllm-project/vllm#57016, #57092",
+        "the issue's reproduction and the PR's diagnosis",
+    ),
+    Hazard(
+        "sglang",
+        "FP8 KV cache (kv_cache_dtype)",
+        ("kv_cache_dtype",),
+        _is_fp8,
+        "measured on 0.5.18; only a warning proposed (PR 35938) when read",
+        "with --enable-deterministic-inference and an FP8 KV cache, greedy outputs diverged at the "
+        "same position (token 97) for every prompt length; the bf16 control was bit-identical",
+        "sgl-project/sglang#35938, #25790",
+        "the PR's table and the issue's analysis",
+    ),
+    Hazard(
+        "sglang",
+        "radix cache on (disable_radix_cache false)",
+        ("disable_radix_cache",),
+        lambda disabled: disabled is False,
+        "open when read; on by default in 0.5.18-0.5.23",
+        "a prompt served from the radix cache runs another kernel path than a cold prefill: 18 of 40 "
+        "greedy outputs flipped on a cache hit in the report (--prefix-cache bypass flushes the "
+        "cache before every size and gives every prompt a cache key of its own, so no sweep "
+        "request is served from the cache, as the cached-token counts show; other clients' "
+        "requests and --prefix-cache keep still are)",
+        "sgl-project/sglang#34683",
+        "the issue's cold/warm reproduction",
+    ),
 ]
 
 
@@ -1600,7 +1984,15 @@ def hazards_in(engine: str, info: Any) -> List[Dict[str, Any]]:
 ADAPTERS: Dict[str, EngineAdapter] = {a.name: a for a in (VllmAdapter(), SglangAdapter())}
 
 # What reading a server's answer can raise when the answer is not what the engine sends.
-SHAPE_FAULTS = (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError, OverflowError)
+SHAPE_FAULTS = (
+    TypeError,
+    ValueError,
+    KeyError,
+    AttributeError,
+    IndexError,
+    RecursionError,
+    OverflowError,
+)
 
 
 def parsed(what: str, parse: Callable[..., Any], *args: Any) -> Any:
@@ -1627,7 +2019,11 @@ def answers_like(adapter: EngineAdapter, client: HttpClient) -> bool:
     try:
         return bool(parsed("the answer", adapter.answers_like, client))
     except ServerError as err:
-        if err.status is None and "wrong shape" not in str(err) and not str(err).startswith("invalid JSON"):
+        if (
+            err.status is None
+            and "wrong shape" not in str(err)
+            and not str(err).startswith("invalid JSON")
+        ):
             raise  # the server cannot be reached: say that, not that it is no engine
         return False
 
@@ -1636,14 +2032,22 @@ def detect_engine(client: HttpClient) -> EngineAdapter:
     """The adapter whose engine answers at client, asked through each adapter's own endpoint."""
     found = next((a for a in ADAPTERS.values() if answers_like(a, client)), None)
     if found is None:
-        raise ServerError("cannot tell which engine answers at %s: it answers neither %s; name it with "
-                          "--engine" % (client.base_url, " nor ".join(
-                              "like %s" % a.label for a in ADAPTERS.values())))
+        raise ServerError(
+            "cannot tell which engine answers at %s: it answers neither %s; name it with "
+            "--engine"
+            % (client.base_url, " nor ".join("like %s" % a.label for a in ADAPTERS.values()))
+        )
     return found
 
 
-def generate(client: HttpClient, adapter: EngineAdapter, model: str, prompts: List[str],
-             sampling: Sampling, isolate: bool = False) -> Tuple[Any, float]:
+def generate(
+    client: HttpClient,
+    adapter: EngineAdapter,
+    model: str,
+    prompts: List[str],
+    sampling: Sampling,
+    isolate: bool = False,
+) -> Tuple[Any, float]:
     """One request carrying every prompt, so that the engine schedules them as one batch."""
     body = adapter.body(model, prompts, sampling, isolate)
     start = CLOCK()
@@ -1658,7 +2062,9 @@ def generate(client: HttpClient, adapter: EngineAdapter, model: str, prompts: Li
 @dataclass
 class Config:
     mode: str
-    engine: Optional[str] = None   # harness: the part to print (None: both); sweep and cost: the adapter (None: ask the server)
+    engine: Optional[str] = (
+        None  # harness: the part to print (None: both); sweep and cost: the adapter (None: ask the server)
+    )
     engine_detected: bool = False  # the engine was found by asking the server, not named
     url: Optional[str] = None
     model: Optional[str] = None
@@ -1666,8 +2072,8 @@ class Config:
     timeout: float = DEFAULT_TIMEOUT_S
     max_response_bytes: int = DEFAULT_MAX_RESPONSE_MB << 20
     json_out: bool = False
-    quiet: bool = False            # no progress lines
-    color: str = "auto"            # one of COLOR_CHOICES
+    quiet: bool = False  # no progress lines
+    color: str = "auto"  # one of COLOR_CHOICES
     wait_ready: Optional[float] = None  # seconds to wait for the servers' health checks first
     save: Optional[str] = None
     prior_save: Optional[Dict[str, Any]] = None  # the document already at --save (cost adds to it)
@@ -1682,7 +2088,7 @@ class Config:
     traffic: str = "copies"
     repeat: int = DEFAULT_REPEAT
     prefix_cache: str = "bypass"
-    seed: int = DEFAULT_SEED       # also places mixed traffic's fillers
+    seed: int = DEFAULT_SEED  # also places mixed traffic's fillers
     prefill_check: bool = False
     # cost
     invariant_url: Optional[str] = None
@@ -1693,8 +2099,10 @@ class Config:
     prefix_tokens: int = DEFAULT_PREFIX_TOKENS
     tp: Optional[int] = None
     allow_mismatch: bool = False
-    concurrency: Optional[int] = None  # load trials: requests in flight at once (None: one batch request)
-    requests: int = 0                  # load trials: requests per trial
+    concurrency: Optional[int] = (
+        None  # load trials: requests in flight at once (None: one batch request)
+    )
+    requests: int = 0  # load trials: requests per trial
     precision: Optional[float] = None  # stop once the interval's half-width is at most this
 
     @property
@@ -1719,6 +2127,7 @@ def parse_whole(text: str) -> Optional[int]:
 
 def whole_number(low: int, high: Optional[int] = None) -> Callable[[str], int]:
     """An argparse type: a whole number from low (to high); its error is one line."""
+
     def parse(text: str) -> int:
         value = parse_whole(text)
         if value is None:
@@ -1727,11 +2136,13 @@ def whole_number(low: int, high: Optional[int] = None) -> Callable[[str], int]:
             wanted = "at least %d" % low if high is None else "%d to %d" % (low, high)
             raise argparse.ArgumentTypeError("give %s (got %d)" % (wanted, value))
         return value
+
     return parse
 
 
 def real_number(low: float, above: bool = False) -> Callable[[str], float]:
     """An argparse type: a finite number at least low (or above it, with above)."""
+
     def parse(text: str) -> float:
         try:
             value = float(text)
@@ -1740,8 +2151,11 @@ def real_number(low: float, above: bool = False) -> Callable[[str], float]:
         if not math.isfinite(value) or not text.strip().isascii():
             raise argparse.ArgumentTypeError("%r is not a finite number" % text)
         if value < low or (above and value == low):
-            raise argparse.ArgumentTypeError("give %s %g (got %g)" % ("a number above" if above else "at least", low, value))
+            raise argparse.ArgumentTypeError(
+                "give %s %g (got %g)" % ("a number above" if above else "at least", low, value)
+            )
         return value
+
     return parse
 
 
@@ -1750,94 +2164,231 @@ def exit_codes_text(indent: str = "  ") -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="run.py", formatter_class=argparse.RawDescriptionHelpFormatter,
-                description="Batch-invariance lab for vLLM and SGLang servers, over plain HTTP.",
-                epilog="exit codes:\n" + exit_codes_text())
-    p.add_argument("--mode", choices=MODES, default="help",
-                   help="harness: upstream harnesses and commands (offline); sweep: unique completions "
-                        "and logprob ULPs across batch sizes; cost: the flag's overhead; help: the guide")
+    p = _Parser(
+        prog="run.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Batch-invariance lab for vLLM and SGLang servers, over plain HTTP.",
+        epilog="exit codes:\n" + exit_codes_text(),
+    )
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="help",
+        help="harness: upstream harnesses and commands (offline); sweep: unique completions "
+        "and logprob ULPs across batch sizes; cost: the flag's overhead; help: the guide",
+    )
     common = p.add_argument_group("all modes")
-    common.add_argument("--engine", choices=sorted(ADAPTERS) + ["auto"], help="sweep and cost: vllm, sglang "
-                        "or auto (the default: ask the server which it is); harness: print only this engine's part")
+    common.add_argument(
+        "--engine",
+        choices=sorted(ADAPTERS) + ["auto"],
+        help="sweep and cost: vllm, sglang "
+        "or auto (the default: ask the server which it is); harness: print only this engine's part",
+    )
     sweep_cost = p.add_argument_group("sweep and cost")
-    sweep_cost.add_argument("--url", help="the server (cost: the flag-off arm), as the engine logs it or as "
-                            "OpenAI clients take it (a trailing /v1 is understood); default http://localhost:8000, "
-                            "or :30000 with --engine sglang")
-    sweep_cost.add_argument("--model", help="served model; default: the first of /v1/models (vllm), "
-                            "model_path of /server_info (sglang)")
-    sweep_cost.add_argument("--api-key", help="bearer token (default: $OPENAI_API_KEY); never printed or saved")
-    sweep_cost.add_argument("--max-tokens", type=whole_number(1), help="tokens per completion (default: "
-                            "sweep %d, cost %d)" % (DEFAULT_SWEEP_TOKENS, DEFAULT_COST_TOKENS))
-    sweep_cost.add_argument("--save", metavar="PATH", help="write the result as JSON (sweep: rewritten "
-                            "after every batch size; cost: adds its cell to the file)")
-    sweep_cost.add_argument("--json", action="store_true", help="print the result as JSON, not a table")
-    sweep_cost.add_argument("--wait-ready", type=real_number(0.0, above=True), metavar="SECONDS",
-                            help="first wait up to this long for the server(s) to answer their health "
-                                 "check (a server just started takes minutes to load)")
-    sweep_cost.add_argument("--quiet", action="store_true", help="no progress lines on stderr (warnings "
-                            "and errors still appear)")
-    sweep_cost.add_argument("--color", choices=COLOR_CHOICES, default="auto",
-                            help="bold summary lines: auto (on a terminal, unless NO_COLOR is set to a "
-                                 "non-empty value, as no-color.org asks), always, never (default auto)")
-    sweep_cost.add_argument("--timeout", type=real_number(0.0, above=True), default=DEFAULT_TIMEOUT_S,
-                            help="seconds to wait for one answer (default %g)" % DEFAULT_TIMEOUT_S)
-    sweep_cost.add_argument("--max-response-mb", type=whole_number(1), default=DEFAULT_MAX_RESPONSE_MB,
-                            help="refuse a larger answer (default %d)" % DEFAULT_MAX_RESPONSE_MB)
+    sweep_cost.add_argument(
+        "--url",
+        help="the server (cost: the flag-off arm), as the engine logs it or as "
+        "OpenAI clients take it (a trailing /v1 is understood); default http://localhost:8000, "
+        "or :30000 with --engine sglang",
+    )
+    sweep_cost.add_argument(
+        "--model",
+        help="served model; default: the first of /v1/models (vllm), "
+        "model_path of /server_info (sglang)",
+    )
+    sweep_cost.add_argument(
+        "--api-key", help="bearer token (default: $OPENAI_API_KEY); never printed or saved"
+    )
+    sweep_cost.add_argument(
+        "--max-tokens",
+        type=whole_number(1),
+        help="tokens per completion (default: "
+        "sweep %d, cost %d)" % (DEFAULT_SWEEP_TOKENS, DEFAULT_COST_TOKENS),
+    )
+    sweep_cost.add_argument(
+        "--save",
+        metavar="PATH",
+        help="write the result as JSON (sweep: rewritten "
+        "after every batch size; cost: adds its cell to the file)",
+    )
+    sweep_cost.add_argument(
+        "--json", action="store_true", help="print the result as JSON, not a table"
+    )
+    sweep_cost.add_argument(
+        "--wait-ready",
+        type=real_number(0.0, above=True),
+        metavar="SECONDS",
+        help="first wait up to this long for the server(s) to answer their health "
+        "check (a server just started takes minutes to load)",
+    )
+    sweep_cost.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress lines on stderr (warnings " "and errors still appear)",
+    )
+    sweep_cost.add_argument(
+        "--color",
+        choices=COLOR_CHOICES,
+        default="auto",
+        help="bold summary lines: auto (on a terminal, unless NO_COLOR is set to a "
+        "non-empty value, as no-color.org asks), always, never (default auto)",
+    )
+    sweep_cost.add_argument(
+        "--timeout",
+        type=real_number(0.0, above=True),
+        default=DEFAULT_TIMEOUT_S,
+        help="seconds to wait for one answer (default %g)" % DEFAULT_TIMEOUT_S,
+    )
+    sweep_cost.add_argument(
+        "--max-response-mb",
+        type=whole_number(1),
+        default=DEFAULT_MAX_RESPONSE_MB,
+        help="refuse a larger answer (default %d)" % DEFAULT_MAX_RESPONSE_MB,
+    )
     sweep = p.add_argument_group("sweep")
-    sweep.add_argument("--sizes", help="batch sizes, e.g. 1,15,16,17 (default: a ladder to --max-batch "
-                       "that straddles every CUDA-graph size)")
-    sweep.add_argument("--max-batch", type=whole_number(1), default=DEFAULT_MAX_BATCH,
-                       help="largest batch of the default ladder (default %d)" % DEFAULT_MAX_BATCH)
-    sweep.add_argument("--prompt", action="append", default=[], metavar="TEXT",
-                       help="a prompt; repeat for more (each gets its own sweep)")
+    sweep.add_argument(
+        "--sizes",
+        help="batch sizes, e.g. 1,15,16,17 (default: a ladder to --max-batch "
+        "that straddles every CUDA-graph size)",
+    )
+    sweep.add_argument(
+        "--max-batch",
+        type=whole_number(1),
+        default=DEFAULT_MAX_BATCH,
+        help="largest batch of the default ladder (default %d)" % DEFAULT_MAX_BATCH,
+    )
+    sweep.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a prompt; repeat for more (each gets its own sweep)",
+    )
     sweep.add_argument("--prompt-file", metavar="PATH", help="prompts, one per line")
-    sweep.add_argument("--temperature", type=real_number(0.0), default=DEFAULT_TEMPERATURE,
-                       help="default %g (greedy); above 0 a --seed is always sent" % DEFAULT_TEMPERATURE)
-    sweep.add_argument("--seed", type=whole_number(0), default=DEFAULT_SEED, help="sampling seed when "
-                       "temperature > 0 (default %d)" % DEFAULT_SEED)
-    sweep.add_argument("--logprobs", type=whole_number(0, MAX_LOGPROBS), default=DEFAULT_LOGPROBS,
-                       help="top-k logprobs per step, 0..%d (default %d)" % (MAX_LOGPROBS, DEFAULT_LOGPROBS))
-    sweep.add_argument("--traffic", choices=TRAFFIC_SHAPES, default="copies",
-                       help="copies: one request of n copies of the prompt; concurrent: n one-prompt "
-                            "requests in flight at once; mixed: the prompt once among n-1 other prompts "
-                            "(default copies; see --mode help)")
-    sweep.add_argument("--repeat", type=whole_number(1, MAX_REPEAT), default=DEFAULT_REPEAT,
-                       help="passes through the whole ladder, batch 1 included; batch 1's passes are "
-                            "the run-to-run control (default %d)" % DEFAULT_REPEAT)
-    sweep.add_argument("--prefix-cache", choices=PREFIX_CACHE_CHOICES, default="bypass",
-                       help="bypass: no request may be served from an earlier one's prefix cache; keep: "
-                            "leave the cache alone and save the cached-token counts (default bypass)")
-    sweep.add_argument("--baseline", metavar="PATH", help="compare with the batch-1 completions of an "
-                       "earlier sweep's --save file (same model and prompts)")
-    sweep.add_argument("--prefill-check", action="store_true", help="also read every distinct completion "
-                       "back as one token-id prompt and compare each token's decode-time logprob with its "
-                       "prefill-time one (what RL training on-policy needs; see --mode help)")
-    sweep.add_argument("--expect", choices=("invariant", "variant", "prefill-equal"), help="exit 1 unless the "
-                       "result is invariant (flag on), shows a difference (flag off, the negative control), "
-                       "or (with --prefill-check) decode and prefill agree bitwise")
+    sweep.add_argument(
+        "--temperature",
+        type=real_number(0.0),
+        default=DEFAULT_TEMPERATURE,
+        help="default %g (greedy); above 0 a --seed is always sent" % DEFAULT_TEMPERATURE,
+    )
+    sweep.add_argument(
+        "--seed",
+        type=whole_number(0),
+        default=DEFAULT_SEED,
+        help="sampling seed when " "temperature > 0 (default %d)" % DEFAULT_SEED,
+    )
+    sweep.add_argument(
+        "--logprobs",
+        type=whole_number(0, MAX_LOGPROBS),
+        default=DEFAULT_LOGPROBS,
+        help="top-k logprobs per step, 0..%d (default %d)" % (MAX_LOGPROBS, DEFAULT_LOGPROBS),
+    )
+    sweep.add_argument(
+        "--traffic",
+        choices=TRAFFIC_SHAPES,
+        default="copies",
+        help="copies: one request of n copies of the prompt; concurrent: n one-prompt "
+        "requests in flight at once; mixed: the prompt once among n-1 other prompts "
+        "(default copies; see --mode help)",
+    )
+    sweep.add_argument(
+        "--repeat",
+        type=whole_number(1, MAX_REPEAT),
+        default=DEFAULT_REPEAT,
+        help="passes through the whole ladder, batch 1 included; batch 1's passes are "
+        "the run-to-run control (default %d)" % DEFAULT_REPEAT,
+    )
+    sweep.add_argument(
+        "--prefix-cache",
+        choices=PREFIX_CACHE_CHOICES,
+        default="bypass",
+        help="bypass: no request may be served from an earlier one's prefix cache; keep: "
+        "leave the cache alone and save the cached-token counts (default bypass)",
+    )
+    sweep.add_argument(
+        "--baseline",
+        metavar="PATH",
+        help="compare with the batch-1 completions of an "
+        "earlier sweep's --save file (same model and prompts)",
+    )
+    sweep.add_argument(
+        "--prefill-check",
+        action="store_true",
+        help="also read every distinct completion "
+        "back as one token-id prompt and compare each token's decode-time logprob with its "
+        "prefill-time one (what RL training on-policy needs; see --mode help)",
+    )
+    sweep.add_argument(
+        "--expect",
+        choices=("invariant", "variant", "prefill-equal"),
+        help="exit 1 unless the "
+        "result is invariant (flag on), shows a difference (flag off, the negative control), "
+        "or (with --prefill-check) decode and prefill agree bitwise",
+    )
     cost = p.add_argument_group("cost")
     cost.add_argument("--invariant", metavar="URL", help="the flag-on arm (required)")
-    cost.add_argument("--batch", type=whole_number(1), default=DEFAULT_BATCH, help="prompts per timed "
-                      "request (default %d)" % DEFAULT_BATCH)
-    cost.add_argument("--trials", type=whole_number(1), default=DEFAULT_TRIALS, help="timed requests per "
-                      "arm (default %d)" % DEFAULT_TRIALS)
-    cost.add_argument("--warmup", type=whole_number(0), default=DEFAULT_WARMUP, help="discarded requests "
-                      "per arm (default %d)" % DEFAULT_WARMUP)
-    cost.add_argument("--workload", choices=("cold", "shared-prefix"), default="cold",
-                      help="cold: no prefix can be cached; shared-prefix: one long prefix for all")
-    cost.add_argument("--prefix-tokens", type=whole_number(1), default=DEFAULT_PREFIX_TOKENS,
-                      help="length of the shared prefix (default about %d tokens)" % DEFAULT_PREFIX_TOKENS)
-    cost.add_argument("--concurrency", type=whole_number(1), metavar="C", help="time a server under load "
-                      "instead of one batch request: each trial is --requests one-prompt streamed requests, at "
-                      "most C in flight (throughput, TTFT, TPOT and latency of both arms)")
-    cost.add_argument("--requests", type=whole_number(1), metavar="R", help="requests per load trial "
-                      "(default 4 x --concurrency; at least C)")
-    cost.add_argument("--precision", type=real_number(0.0, above=True), metavar="P", help="keep timing trial "
-                      "pairs until the overhead's 95%% interval is at most +-P points wide, or --trials is reached")
-    cost.add_argument("--tp", type=whole_number(1), help="TP degree for the label when the server does "
-                      "not report it")
-    cost.add_argument("--allow-mismatch", action="store_true", help="time even when the two servers "
-                      "differ in more than the flag (the result records the differences)")
+    cost.add_argument(
+        "--batch",
+        type=whole_number(1),
+        default=DEFAULT_BATCH,
+        help="prompts per timed " "request (default %d)" % DEFAULT_BATCH,
+    )
+    cost.add_argument(
+        "--trials",
+        type=whole_number(1),
+        default=DEFAULT_TRIALS,
+        help="timed requests per " "arm (default %d)" % DEFAULT_TRIALS,
+    )
+    cost.add_argument(
+        "--warmup",
+        type=whole_number(0),
+        default=DEFAULT_WARMUP,
+        help="discarded requests " "per arm (default %d)" % DEFAULT_WARMUP,
+    )
+    cost.add_argument(
+        "--workload",
+        choices=("cold", "shared-prefix"),
+        default="cold",
+        help="cold: no prefix can be cached; shared-prefix: one long prefix for all",
+    )
+    cost.add_argument(
+        "--prefix-tokens",
+        type=whole_number(1),
+        default=DEFAULT_PREFIX_TOKENS,
+        help="length of the shared prefix (default about %d tokens)" % DEFAULT_PREFIX_TOKENS,
+    )
+    cost.add_argument(
+        "--concurrency",
+        type=whole_number(1),
+        metavar="C",
+        help="time a server under load "
+        "instead of one batch request: each trial is --requests one-prompt streamed requests, at "
+        "most C in flight (throughput, TTFT, TPOT and latency of both arms)",
+    )
+    cost.add_argument(
+        "--requests",
+        type=whole_number(1),
+        metavar="R",
+        help="requests per load trial " "(default 4 x --concurrency; at least C)",
+    )
+    cost.add_argument(
+        "--precision",
+        type=real_number(0.0, above=True),
+        metavar="P",
+        help="keep timing trial "
+        "pairs until the overhead's 95%% interval is at most +-P points wide, or --trials is reached",
+    )
+    cost.add_argument(
+        "--tp",
+        type=whole_number(1),
+        help="TP degree for the label when the server does " "not report it",
+    )
+    cost.add_argument(
+        "--allow-mismatch",
+        action="store_true",
+        help="time even when the two servers "
+        "differ in more than the flag (the result records the differences)",
+    )
     return p
 
 
@@ -1852,7 +2403,9 @@ def parse_sizes(text: str) -> List[int]:
     if any(s < 1 for s in sizes):
         raise UsageError("--sizes: batch sizes start at 1 (got %d)" % min(sizes))
     if len(set(sizes)) != len(sizes):
-        raise UsageError("--sizes: %d is listed twice" % next(s for s in sizes if sizes.count(s) > 1))
+        raise UsageError(
+            "--sizes: %d is listed twice" % next(s for s in sizes if sizes.count(s) > 1)
+        )
     return sizes
 
 
@@ -1871,8 +2424,10 @@ def check_url(url: str, option: str) -> str:
     parts = urllib.parse.urlsplit(url)
     if parts.username is not None or parts.password is not None:
         # Never echo the URL: it holds a secret. Credentials go in a header, never a URL.
-        raise UsageError("%s: a user name or password in the URL is not accepted (it would be printed "
-                         "and saved); give the key with --api-key or $OPENAI_API_KEY" % option)
+        raise UsageError(
+            "%s: a user name or password in the URL is not accepted (it would be printed "
+            "and saved); give the key with --api-key or $OPENAI_API_KEY" % option
+        )
     try:
         parts.port  # raises on a port that is not a number
     except ValueError:
@@ -1942,15 +2497,23 @@ def check_save_target(path: str, schemas: Sequence[str]) -> Optional[Dict[str, A
         return None
     data = read_json_file(path, "--save")
     if data.get("schema") not in schemas:
-        raise UsageError("--save: %s holds %s, not %s results; refusing to overwrite it"
-                         % (path, data.get("schema") or "something else", schemas[0].split("/")[1]))
+        raise UsageError(
+            "--save: %s holds %s, not %s results; refusing to overwrite it"
+            % (path, data.get("schema") or "something else", schemas[0].split("/")[1])
+        )
     if data.get("prompts") is not None and dig(data, "summary", "state") == "complete":
-        raise UsageError("--save: %s holds a finished sweep; save to another file (or remove it)" % path)
+        raise UsageError(
+            "--save: %s holds a finished sweep; save to another file (or remove it)" % path
+        )
     return data
 
 
 def read_prompt_file(path: str) -> List[str]:
-    prompts = [line.rstrip("\r") for line in read_input_file(path, "--prompt-file").split("\n") if line.strip()]
+    prompts = [
+        line.rstrip("\r")
+        for line in read_input_file(path, "--prompt-file").split("\n")
+        if line.strip()
+    ]
     if not prompts:
         raise UsageError("--prompt-file: %s holds no prompt" % path)
     return prompts
@@ -1963,7 +2526,9 @@ def configure(argv: Optional[Sequence[str]]) -> Config:
     cfg = Config(mode=args.mode, engine=engine)
     if args.mode in ("harness", "help"):
         return cfg
-    default_port = ADAPTERS[engine or "vllm"].default_port  # vLLM's port when the engine is to be found
+    default_port = ADAPTERS[
+        engine or "vllm"
+    ].default_port  # vLLM's port when the engine is to be found
     cfg.url = check_url(args.url or "http://localhost:%d" % default_port, "--url")
     cfg.model = args.model
     cfg.api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or None
@@ -1972,7 +2537,9 @@ def configure(argv: Optional[Sequence[str]]) -> Config:
     cfg.color = args.color
     if args.save:
         cfg.save = args.save
-        cfg.prior_save = check_save_target(args.save, SWEEP_SCHEMAS_READ if args.mode == "sweep" else (COST_SCHEMA,))
+        cfg.prior_save = check_save_target(
+            args.save, SWEEP_SCHEMAS_READ if args.mode == "sweep" else (COST_SCHEMA,)
+        )
     if args.mode == "sweep":
         configure_sweep(cfg, args)
     else:
@@ -1985,19 +2552,28 @@ def configure_sweep(cfg: Config, args: argparse.Namespace) -> None:
     cfg.sampling = Sampling.of(args.temperature, max_tokens, args.logprobs, args.seed)
     cfg.max_batch = args.max_batch
     cfg.sizes = parse_sizes(args.sizes) if args.sizes is not None else None
-    cfg.prompts = list(args.prompt) + (read_prompt_file(args.prompt_file) if args.prompt_file else [])
+    cfg.prompts = list(args.prompt) + (
+        read_prompt_file(args.prompt_file) if args.prompt_file else []
+    )
     if any(not p.strip() for p in cfg.prompts):
         raise UsageError("--prompt: a prompt is empty")
     cfg.prompts = cfg.prompts or [DEFAULT_PROMPT]
     if len(set(cfg.prompts)) != len(cfg.prompts):
         raise UsageError("--prompt: the same prompt is given twice")
     cfg.expect = args.expect
-    cfg.traffic, cfg.repeat, cfg.prefix_cache, cfg.seed = args.traffic, args.repeat, args.prefix_cache, args.seed
+    cfg.traffic, cfg.repeat, cfg.prefix_cache, cfg.seed = (
+        args.traffic,
+        args.repeat,
+        args.prefix_cache,
+        args.seed,
+    )
     cfg.prefill_check = args.prefill_check
     if cfg.expect == "prefill-equal" and not cfg.prefill_check:
         raise UsageError("--expect prefill-equal needs --prefill-check")
     if cfg.traffic == "mixed" and (max(cfg.sizes) if cfg.sizes else cfg.max_batch) == 1:
-        raise UsageError("--traffic mixed: batch 1 has no room for other prompts; give sizes above 1")
+        raise UsageError(
+            "--traffic mixed: batch 1 has no room for other prompts; give sizes above 1"
+        )
     if args.baseline:
         cfg.baseline_path = args.baseline
         cfg.baseline = read_json_file(args.baseline, "--baseline")
@@ -2012,12 +2588,17 @@ def check_baseline(cfg: Config) -> None:
     if cfg.engine is not None:
         check_baseline_engine(cfg, cfg.engine)
     if cfg.model is not None and doc.get("model") != cfg.model:
-        raise UsageError("--baseline: %s was recorded for model %s, not %s" % (path, doc.get("model"), cfg.model))
+        raise UsageError(
+            "--baseline: %s was recorded for model %s, not %s"
+            % (path, doc.get("model"), cfg.model)
+        )
     mine, theirs = cfg.sampling.params(), doc.get("params") or {}
     for key in ("temperature", "top_p", "max_tokens", "seed"):
         if theirs.get(key) != mine[key]:
-            raise UsageError("--baseline: %s was recorded with %s=%s, this sweep uses %s"
-                             % (path, key, theirs.get(key), mine[key]))
+            raise UsageError(
+                "--baseline: %s was recorded with %s=%s, this sweep uses %s"
+                % (path, key, theirs.get(key), mine[key])
+            )
     for i, entry in enumerate(doc["prompts"], 1):
         if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str):
             raise UsageError("--baseline: %s: prompts[%d] is not a prompt record" % (path, i))
@@ -2025,7 +2606,9 @@ def check_baseline(cfg: Config) -> None:
     for prompt in cfg.prompts:
         entry = recorded.get(prompt)
         if entry is None:
-            raise UsageError("--baseline: %s has no baseline for the prompt %r" % (path, prompt[:60]))
+            raise UsageError(
+                "--baseline: %s has no baseline for the prompt %r" % (path, prompt[:60])
+            )
         fault = baseline_fault(entry.get("baseline"))
         if fault:
             raise UsageError("--baseline: %s: the baseline of %r: %s" % (path, prompt[:60], fault))
@@ -2053,7 +2636,9 @@ def baseline_fault(rec: Any) -> Optional[str]:
     if not isinstance(top, list) or len(top) != len(tokens):
         return "baseline.top_logprobs is not a list of one entry per token"
     for t, step in enumerate(top):
-        if not isinstance(step, dict) or not all(isinstance(k, str) and is_number(v) for k, v in step.items()):
+        if not isinstance(step, dict) or not all(
+            isinstance(k, str) and is_number(v) for k, v in step.items()
+        ):
             return "baseline.top_logprobs[%d] is not a map of token to logprob" % t
     if rec.get("finish_reason") is not None and not isinstance(rec["finish_reason"], str):
         return "baseline.finish_reason is not a string"
@@ -2063,7 +2648,10 @@ def baseline_fault(rec: Any) -> Optional[str]:
 def check_baseline_engine(cfg: Config, engine: str) -> None:
     recorded = cfg.baseline.get("engine")
     if recorded != engine:
-        raise UsageError("--baseline: %s was recorded on %s, this sweep is on %s" % (cfg.baseline_path, recorded, engine))
+        raise UsageError(
+            "--baseline: %s was recorded on %s, this sweep is on %s"
+            % (cfg.baseline_path, recorded, engine)
+        )
 
 
 def configure_cost(cfg: Config, args: argparse.Namespace) -> None:
@@ -2083,7 +2671,10 @@ def configure_cost(cfg: Config, args: argparse.Namespace) -> None:
     if cfg.concurrency:
         cfg.requests = 4 * cfg.concurrency if args.requests is None else args.requests
         if cfg.requests < cfg.concurrency:
-            raise UsageError("--requests: give at least --concurrency (%d), or some slots stay empty" % cfg.concurrency)
+            raise UsageError(
+                "--requests: give at least --concurrency (%d), or some slots stay empty"
+                % cfg.concurrency
+            )
 
 
 # ----------------------------------------------------------------------------
@@ -2155,10 +2746,19 @@ class Progress:
 
     def status(self) -> str:
         elapsed = time.monotonic() - self.start
-        left = (" ~%s left" % fmt_duration(elapsed / self.done * (self.total - self.done))
-                if 0 < self.done < self.total else "")
+        left = (
+            " ~%s left" % fmt_duration(elapsed / self.done * (self.total - self.done))
+            if 0 < self.done < self.total
+            else ""
+        )
         return "%d/%d %s, %d completions, %s elapsed%s" % (
-            self.done, self.total, self.unit, self.completions, fmt_duration(elapsed), left)
+            self.done,
+            self.total,
+            self.unit,
+            self.completions,
+            fmt_duration(elapsed),
+            left,
+        )
 
     def running(self, what: str) -> None:
         if self.live:
@@ -2168,7 +2768,11 @@ class Progress:
         self.done += 1
         self.completions += completions
         now = time.monotonic()
-        due = self.last_line is None or now - self.last_line >= PROGRESS_INTERVAL_S or self.done == self.total
+        due = (
+            self.last_line is None
+            or now - self.last_line >= PROGRESS_INTERVAL_S
+            or self.done == self.total
+        )
         if self.plain and due:
             self.out.stderr.write("run.py: progress: %s done | %s\n" % (what, self.status()))
             self.last_line = now
@@ -2234,7 +2838,8 @@ def _finite(value: Any) -> Any:
 def write_json_atomic(path: str, doc: Dict[str, Any]) -> None:
     """Write through a temporary file and a rename: a crash never leaves half a file, and a
     failed write leaves the old file as it was. Compact JSON, one line: only json.dumps without
-    indent runs in C, ten times faster on a large sweep (`python3 -m json.tool FILE` indents it)."""
+    indent runs in C, ten times faster on a large sweep (`python3 -m json.tool FILE` indents it).
+    """
     folder = os.path.dirname(os.path.abspath(path))
     text = json_text(doc)
     try:
@@ -2264,6 +2869,7 @@ class FolderLock:
     def __enter__(self) -> "FolderLock":
         try:
             import fcntl
+
             self.fd = os.open(self.folder, os.O_RDONLY)
             fcntl.flock(self.fd, fcntl.LOCK_EX)
         except (ImportError, OSError):
@@ -2293,8 +2899,11 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
-STOP_SIGNALS = {"SIGINT": (EXIT_INTERRUPTED, "interrupted"), "SIGTERM": (EXIT_TERMINATED, "terminated"),
-                "SIGHUP": (EXIT_HANGUP, "hung up")}  # signal -> (exit code, state); SIGHUP is not on Windows
+STOP_SIGNALS = {
+    "SIGINT": (EXIT_INTERRUPTED, "interrupted"),
+    "SIGTERM": (EXIT_TERMINATED, "terminated"),
+    "SIGHUP": (EXIT_HANGUP, "hung up"),
+}  # signal -> (exit code, state); SIGHUP is not on Windows
 
 
 class DeferredInterrupt:
@@ -2315,8 +2924,10 @@ class DeferredInterrupt:
             raise Stopped(signum)
         self.signum = signum
         STOP.ask(signum)
-        self.out.stderr.write("\nrun.py: %s: stopping after the current request (at most %gs more; "
-                              "again to abort it)\n" % (signal.Signals(signum).name, STOP_GRACE_S))
+        self.out.stderr.write(
+            "\nrun.py: %s: stopping after the current request (at most %gs more; "
+            "again to abort it)\n" % (signal.Signals(signum).name, STOP_GRACE_S)
+        )
 
     def __enter__(self) -> "DeferredInterrupt":
         STOP.event.clear()
@@ -2353,8 +2964,10 @@ def wait_until_ready(cfg: Config, servers: Sequence[Tuple[str, str]], out: Out) 
     deadline = time.monotonic() + cfg.wait_ready
     for url, what in servers:
         if not cfg.quiet:
-            out.stderr.write("run.py: progress: waiting up to %s for %s at %s to answer %s\n"
-                             % (fmt_duration(deadline - time.monotonic()), what, url, " or ".join(paths)))
+            out.stderr.write(
+                "run.py: progress: waiting up to %s for %s at %s to answer %s\n"
+                % (fmt_duration(deadline - time.monotonic()), what, url, " or ".join(paths))
+            )
         while True:
             remaining = deadline - time.monotonic()
             client = HttpClient(url, cfg.api_key, max(0.1, min(5.0, remaining)), 1 << 20)
@@ -2364,8 +2977,10 @@ def wait_until_ready(cfg: Config, servers: Sequence[Tuple[str, str]], out: Out) 
                 break
             except ServerError as err:
                 if remaining <= WAIT_POLL_S:
-                    raise ServerError("%s at %s was not ready within %gs (--wait-ready): %s"
-                                      % (what, url, cfg.wait_ready, err)) from None
+                    raise ServerError(
+                        "%s at %s was not ready within %gs (--wait-ready): %s"
+                        % (what, url, cfg.wait_ready, err)
+                    ) from None
             time.sleep(WAIT_POLL_S)
 
 
@@ -2381,8 +2996,12 @@ def resolve_engine(cfg: Config, servers: Sequence[Tuple[str, str]]) -> Config:
         except ServerError as err:
             raise ServerError("%s at %s: %s" % (what, url, err)) from None
     if len({a.name for a in found}) > 1:
-        raise UsageError("the servers run different engines: %s" % ", ".join(
-            "%s answers like %s" % (what, a.label) for (url, what), a in zip(servers, found)))
+        raise UsageError(
+            "the servers run different engines: %s"
+            % ", ".join(
+                "%s answers like %s" % (what, a.label) for (url, what), a in zip(servers, found)
+            )
+        )
     return dataclasses.replace(cfg, engine=found[0].name, engine_detected=True)
 
 
@@ -2398,11 +3017,20 @@ def read_facts(cfg: Config, url: str, arm: str = "the server") -> ServerFacts:
             other = next((a for a in others if answers_like(a, client)), None)
         except ServerError:
             other = None  # unreachable: the first error says so
-        hint = "; it answers like %s: pass --engine %s, or leave --engine out" % (other.label, other.name) if other else ""
-        raise ServerError("cannot read the facts of %s at %s: %s%s" % (arm, url, err, hint)) from None
+        hint = (
+            "; it answers like %s: pass --engine %s, or leave --engine out"
+            % (other.label, other.name)
+            if other
+            else ""
+        )
+        raise ServerError(
+            "cannot read the facts of %s at %s: %s%s" % (arm, url, err, hint)
+        ) from None
 
 
-def measure_until_stopped(out: Out, what: str, loop: Callable[[DeferredInterrupt], None]) -> Tuple[str, int]:
+def measure_until_stopped(
+    out: Out, what: str, loop: Callable[[DeferredInterrupt], None]
+) -> Tuple[str, int]:
     """Run a measuring loop. A server error or Ctrl-C ends it early; either way the caller
     keeps, reports and saves what was measured. Returns (state, exit code)."""
     state, code, message = "complete", EXIT_OK, None
@@ -2410,7 +3038,11 @@ def measure_until_stopped(out: Out, what: str, loop: Callable[[DeferredInterrupt
         try:
             loop(interrupt)
         except ServerError as err:
-            state, code, message = "stopped: server error", EXIT_SERVER, "%s stopped at %s" % (what, err)
+            state, code, message = (
+                "stopped: server error",
+                EXIT_SERVER,
+                "%s stopped at %s" % (what, err),
+            )
         except KeyboardInterrupt as stop:
             name = signal.Signals(getattr(stop, "signum", signal.SIGINT)).name
             code, state = STOP_SIGNALS[name]
@@ -2439,16 +3071,27 @@ def describe_flag(flag: Optional[bool], adapter: EngineAdapter) -> str:
     return "flag %s (%s=%s)" % ("on" if flag else "off", adapter.flag_name, str(flag).lower())
 
 
-def server_lines(facts: Dict[str, Any], adapter: EngineAdapter, detected: bool = False) -> List[str]:
+def server_lines(
+    facts: Dict[str, Any], adapter: EngineAdapter, detected: bool = False
+) -> List[str]:
     """The header of a table, from a saved facts record."""
     return [
-        "server: %s %s%s, model %s, %s" % (adapter.label, fmt_opt(facts.get("version"), "?"),
-                                           " (found by asking the server)" if detected else "",
-                                           facts.get("model"), describe_flag(facts.get("flag"), adapter)),
-        "        attention %s, TP %s, max-num-seqs %s, max model length %s, graph sizes %s" % (
-            fmt_opt(facts.get("attention_backend"), "?"), fmt_opt(facts.get("tp"), "?"),
-            fmt_opt(facts.get("max_num_seqs"), "?"), fmt_opt(facts.get("max_model_len"), "?"),
-            fmt_graph_sizes(facts)),
+        "server: %s %s%s, model %s, %s"
+        % (
+            adapter.label,
+            fmt_opt(facts.get("version"), "?"),
+            " (found by asking the server)" if detected else "",
+            facts.get("model"),
+            describe_flag(facts.get("flag"), adapter),
+        ),
+        "        attention %s, TP %s, max-num-seqs %s, max model length %s, graph sizes %s"
+        % (
+            fmt_opt(facts.get("attention_backend"), "?"),
+            fmt_opt(facts.get("tp"), "?"),
+            fmt_opt(facts.get("max_num_seqs"), "?"),
+            fmt_opt(facts.get("max_model_len"), "?"),
+            fmt_graph_sizes(facts),
+        ),
     ] + hazard_lines(facts)
 
 
@@ -2459,8 +3102,13 @@ def hazard_lines(facts: Dict[str, Any], whose: str = "") -> List[str]:
         return ["        %sknown hazards: unknown (the server hides its settings)" % whose]
     if not hazards:
         return ["        %sknown hazards: none known" % whose]
-    return ["        %sHAZARD: %s: %s (%s; %s)" % (whose, h["setting"], h["why"], h["refs"], h["versions"])
-            for h in hazards]
+    return [
+        "        %sHAZARD: %s: %s (%s; %s)"
+        % (whose, h["setting"], h["why"], h["refs"], h["versions"])
+        for h in hazards
+    ]
+
+
 # ----------------------------------------------------------------------------
 # --mode harness: the upstream harnesses, quoted, with what each one does not tell you
 
@@ -2472,25 +3120,30 @@ SGLANG_REV = "SGLang 0.5.23 (same text and lines in 0.5.18-0.5.23)"
 class Excerpt:
     engine: str
     title: str
-    source: str       # file, lines and version it was read at
-    text: str         # verbatim upstream text
-    note: str         # what a reader needs so as not to be misled, in the lab's words
+    source: str  # file, lines and version it was read at
+    text: str  # verbatim upstream text
+    note: str  # what a reader needs so as not to be misled, in the lab's words
 
 
 HARNESS_EXCERPTS = [
-    Excerpt("vllm", "the autouse fixture",
-            "tests/v1/determinism/conftest.py, lines 8-12, " + VLLM_REV,
-            '''@pytest.fixture(autouse=True)
+    Excerpt(
+        "vllm",
+        "the autouse fixture",
+        "tests/v1/determinism/conftest.py, lines 8-12, " + VLLM_REV,
+        '''@pytest.fixture(autouse=True)
 def enable_batch_invariant_mode(monkeypatch: pytest.MonkeyPatch):
     """Automatically enable batch invariant kernel overrides for all tests."""
     monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", True)
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")''',
-            "Every test in tests/v1/determinism/ runs with the flag ON, whatever your shell says. "
-            "A test that needs the flag off has to switch it off itself, as the next one does."),
-    Excerpt("vllm", "the negative control that must see differences",
-            "tests/v1/determinism/test_batch_invariance.py, lines 432-446 (def 432-434, docstring from "
-            "436, comment 444), " + VLLM_REV,
-            '''def test_logprobs_without_batch_invariance_should_fail(
+        "Every test in tests/v1/determinism/ runs with the flag ON, whatever your shell says. "
+        "A test that needs the flag off has to switch it off itself, as the next one does.",
+    ),
+    Excerpt(
+        "vllm",
+        "the negative control that must see differences",
+        "tests/v1/determinism/test_batch_invariance.py, lines 432-446 (def 432-434, docstring from "
+        "436, comment 444), " + VLLM_REV,
+        '''def test_logprobs_without_batch_invariance_should_fail(
     backend, monkeypatch: pytest.MonkeyPatch
 ):
     """
@@ -2505,17 +3158,23 @@ def enable_batch_invariant_mode(monkeypatch: pytest.MonkeyPatch):
     # CRITICAL: Disable batch invariance for this test
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
     monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", False)''',
-            "Because of the autouse fixture above, this test must undo the flag itself (the two "
-            "monkeypatch lines). A green result here means differences WERE seen with the flag off: "
-            "the lab's `--mode sweep --expect variant` is the same negative control over HTTP."),
-    Excerpt("vllm", "the model is an environment variable",
-            "tests/v1/determinism/utils.py, lines 23-24, " + VLLM_REV,
-            '''DEFAULT_MODEL = "Qwen/Qwen3-1.7B"
-TEST_MODEL = os.getenv("VLLM_TEST_MODEL", DEFAULT_MODEL)''',
-            "Set VLLM_TEST_MODEL to point the whole suite at your own weights; there is no flag."),
-    Excerpt("vllm", "the online test's sampling and server arguments",
-            "tests/v1/determinism/test_online_batch_invariance.py, lines 144-161, " + VLLM_REV,
-            '''    sp_kwargs: dict[str, Any] = {
+        "Because of the autouse fixture above, this test must undo the flag itself (the two "
+        "monkeypatch lines). A green result here means differences WERE seen with the flag off: "
+        "the lab's `--mode sweep --expect variant` is the same negative control over HTTP.",
+    ),
+    Excerpt(
+        "vllm",
+        "the model is an environment variable",
+        "tests/v1/determinism/utils.py, lines 23-24, " + VLLM_REV,
+        """DEFAULT_MODEL = "Qwen/Qwen3-1.7B"
+TEST_MODEL = os.getenv("VLLM_TEST_MODEL", DEFAULT_MODEL)""",
+        "Set VLLM_TEST_MODEL to point the whole suite at your own weights; there is no flag.",
+    ),
+    Excerpt(
+        "vllm",
+        "the online test's sampling and server arguments",
+        "tests/v1/determinism/test_online_batch_invariance.py, lines 144-161, " + VLLM_REV,
+        """    sp_kwargs: dict[str, Any] = {
         "temperature": 0.6,
         "top_p": 1.0,
         "max_tokens": 8,
@@ -2532,38 +3191,47 @@ TEST_MODEL = os.getenv("VLLM_TEST_MODEL", DEFAULT_MODEL)''',
     if tp_size:
         server_args += ["-tp", tp_size]
 
-    with RemoteOpenAIServer(TEST_MODEL, server_args) as server:''',
-            "Seeded sampling at temperature 0.6, not greedy, and only 8 tokens: a short window for a "
-            "near-tie to show up. The lab defaults to greedy and 64 tokens; run it with --temperature 0.6 "
-            "too. The TP size here is read from VLLM_TP_SIZE, not VLLM_TEST_TP_SIZE."),
-    Excerpt("vllm", "the online test's bitwise comparison",
-            "tests/v1/determinism/test_online_batch_invariance.py, lines 126-133, " + VLLM_REV,
-            '''        for t, (a, b) in enumerate(zip(logprobs_bs1, logprobs_bsN)):
+    with RemoteOpenAIServer(TEST_MODEL, server_args) as server:""",
+        "Seeded sampling at temperature 0.6, not greedy, and only 8 tokens: a short window for a "
+        "near-tie to show up. The lab defaults to greedy and 64 tokens; run it with --temperature 0.6 "
+        "too. The TP size here is read from VLLM_TP_SIZE, not VLLM_TEST_TP_SIZE.",
+    ),
+    Excerpt(
+        "vllm",
+        "the online test's bitwise comparison",
+        "tests/v1/determinism/test_online_batch_invariance.py, lines 126-133, " + VLLM_REV,
+        """        for t, (a, b) in enumerate(zip(logprobs_bs1, logprobs_bsN)):
             if a != b:
                 diff = abs(a - b)
                 raise AssertionError(
                     f"Prompt {i} Step {t}: Bitwise mismatch "
                     f"(abs diff={diff:.6e}). "
                     f"BS=1 tokens: {tokens_bs1} BS=N tokens: {tokens_bsN}"
-                )''',
-            "The upstream check is on logprobs, bit for bit, not on text. It stops at the first "
-            "mismatch; the lab reports the largest float32 ULP distance over every comparable step."),
-    Excerpt("vllm", "the performance harness",
-            "benchmarks/benchmark_batch_invariance.py, lines 149-152 and 191-192, " + VLLM_REV,
-            '''        print("Generating baseline (warmup)...")
+                )""",
+        "The upstream check is on logprobs, bit for bit, not on text. It stops at the first "
+        "mismatch; the lab reports the largest float32 ULP distance over every comparable step.",
+    ),
+    Excerpt(
+        "vllm",
+        "the performance harness",
+        "benchmarks/benchmark_batch_invariance.py, lines 149-152 and 191-192, " + VLLM_REV,
+        """        print("Generating baseline (warmup)...")
         baseline_out = llm.generate([needle_prompt], sampling)
         assert len(baseline_out) == 1
         baseline_text = baseline_out[0].outputs[0].text
 [...]
             needle_output = outputs[needle_pos]
-            assert needle_output.prompt == needle_prompt''',
-            "This is a timing harness, not a determinism test. baseline_text is printed but never "
-            "compared with anything, and the assertion compares the prompt sent with the prompt echoed "
-            "back, which holds by construction. Its green output and its `Overhead: +X%` line say "
-            "nothing about invariance. It also needs an SM90+ GPU."),
-    Excerpt("sglang", "the driver's single mode",
-            "python/sglang/test/test_deterministic.py, lines 460-471, " + SGLANG_REV,
-            '''def test_deterministic(args):
+            assert needle_output.prompt == needle_prompt""",
+        "This is a timing harness, not a determinism test. baseline_text is printed but never "
+        "compared with anything, and the assertion compares the prompt sent with the prompt echoed "
+        "back, which holds by construction. Its green output and its `Overhead: +X%` line say "
+        "nothing about invariance. It also needs an SM90+ GPU.",
+    ),
+    Excerpt(
+        "sglang",
+        "the driver's single mode",
+        "python/sglang/test/test_deterministic.py, lines 460-471, " + SGLANG_REV,
+        """def test_deterministic(args):
     if args.test_mode == "single":
         # In single mode, we test the deterministic behavior by sending the same prompt in batch sizes ranging from 1 to n_trials.
         texts = []
@@ -2574,33 +3242,39 @@ TEST_MODEL = os.getenv("VLLM_TEST_MODEL", DEFAULT_MODEL)''',
             print(f"Trial {i} with batch size {batch_size}: {text}")
             texts.append(text)
         print(f"Total samples: {len(texts)}, Unique samples: {len(set(texts))}")
-        return [len(set(texts))]''',
-            "In 0.5.18 to 0.5.23 (the releases read from their wheels), send_single keeps only the "
-            "FIRST completion of each batch (pick_first_result defaults to True, lines 106 and "
-            "181-182) and single mode compares text only: no logprobs, and it returns the count "
-            "without failing. Completions 2..n of every batch are never looked at. Drivers newer "
-            "than 0.5.23 may compare more; read your checkout's single mode. The lab compares every "
-            "completion, and the logprobs too."),
-    Excerpt("sglang", "the in-tree test's model and server arguments",
-            "python/sglang/test/test_deterministic_utils.py, lines 12-18, " + SGLANG_REV,
-            '''DEFAULT_MODEL = "Qwen/Qwen3-8B"
+        return [len(set(texts))]""",
+        "In 0.5.18 to 0.5.23 (the releases read from their wheels), send_single keeps only the "
+        "FIRST completion of each batch (pick_first_result defaults to True, lines 106 and "
+        "181-182) and single mode compares text only: no logprobs, and it returns the count "
+        "without failing. Completions 2..n of every batch are never looked at. Drivers newer "
+        "than 0.5.23 may compare more; read your checkout's single mode. The lab compares every "
+        "completion, and the logprobs too.",
+    ),
+    Excerpt(
+        "sglang",
+        "the in-tree test's model and server arguments",
+        "python/sglang/test/test_deterministic_utils.py, lines 12-18, " + SGLANG_REV,
+        """DEFAULT_MODEL = "Qwen/Qwen3-8B"
 COMMON_SERVER_ARGS = [
     "--trust-remote-code",
     "--cuda-graph-max-bs-decode",
     "32",
     "--enable-deterministic-inference",
-]''',
-            "--cuda-graph-max-bs-decode 32 fixes the decode bucket ladder (1, 2, 4, 8, 12, 16, 24, 32): "
-            "a batch pads up to the next size, and above 32 there is no graph to pad into. That decides "
-            "which batch sizes can differ at all. It is defined in 0.5.18 python/sglang/srt/server_args.py "
-            "L1879-1883 and resolved at L4524-4525; in 0.5.23 in srt/arg_groups/fields/exec_.py L629-631 "
-            "and srt/arg_groups/cuda_graph_hook.py L72-73. (Line numbers L1906-L1910 / L4561-L4562, "
-            "quoted elsewhere, match none of the releases checked.) Older versions of this test class used "
-            "--cuda-graph-max-bs 32; from 0.5.20 on that spelling is rejected as ambiguous."),
-    Excerpt("sglang", "the deterministic attention-backend fallback",
-            "python/sglang/srt/arg_groups/overrides.py, lines 1112-1123, SGLang 0.5.23 (the function "
-            "spans 1093-1123; in 0.5.18 it spans 2078-2108 of the same file)",
-            '''        logger.warning(
+]""",
+        "--cuda-graph-max-bs-decode 32 fixes the decode bucket ladder (1, 2, 4, 8, 12, 16, 24, 32): "
+        "a batch pads up to the next size, and above 32 there is no graph to pad into. That decides "
+        "which batch sizes can differ at all. It is defined in 0.5.18 python/sglang/srt/server_args.py "
+        "L1879-1883 and resolved at L4524-4525; in 0.5.23 in srt/arg_groups/fields/exec_.py L629-631 "
+        "and srt/arg_groups/cuda_graph_hook.py L72-73. (Line numbers L1906-L1910 / L4561-L4562, "
+        "quoted elsewhere, match none of the releases checked.) Older versions of this test class used "
+        "--cuda-graph-max-bs 32; from 0.5.20 on that spelling is rejected as ambiguous.",
+    ),
+    Excerpt(
+        "sglang",
+        "the deterministic attention-backend fallback",
+        "python/sglang/srt/arg_groups/overrides.py, lines 1112-1123, SGLang 0.5.23 (the function "
+        "spans 1093-1123; in 0.5.18 it spans 2078-2108 of the same file)",
+        """        logger.warning(
             f"Attention backend not specified. Falling back to '{backend}' for deterministic inference. "
             f"You can explicitly set --attention-backend to one of {DETERMINISTIC_ATTENTION_BACKEND_CHOICES}."
         )
@@ -2611,11 +3285,12 @@ COMMON_SERVER_ARGS = [
             f"Currently only {DETERMINISTIC_ATTENTION_BACKEND_CHOICES} attention backends are supported for deterministic inference, "
             f"but you explicitly specified '{view.attention_backend}'."
         )
-    return {}''',
-            "A comparison hazard, not a convenience: with the flag on and no --attention-backend, "
-            "SGLang picks one for you (fa3 before Blackwell, flashinfer or triton on it), and your "
-            "flag-off arm may be running another. Then the difference you measure is not the one you "
-            "meant. Pin --attention-backend in BOTH arms; the lab's cost mode refuses mismatched arms."),
+    return {}""",
+        "A comparison hazard, not a convenience: with the flag on and no --attention-backend, "
+        "SGLang picks one for you (fa3 before Blackwell, flashinfer or triton on it), and your "
+        "flag-off arm may be running another. Then the difference you measure is not the one you "
+        "meant. Pin --attention-backend in BOTH arms; the lab's cost mode refuses mismatched arms.",
+    ),
 ]
 
 VLLM_COMMANDS = """\
@@ -2684,17 +3359,27 @@ The same experiment with the lab (the sizes straddle the 16, 24 and 32 buckets):
 
 
 def harness_text(engine: Optional[str], out: Out) -> List[str]:
-    lines = ["Upstream batch-invariance harnesses, quoted verbatim (Apache-2.0; see README), "
-             "with what each one does not tell you.", ""]
-    for name, label, commands in (("vllm", "vLLM", VLLM_COMMANDS), ("sglang", "SGLang", SGLANG_COMMANDS)):
+    lines = [
+        "Upstream batch-invariance harnesses, quoted verbatim (Apache-2.0; see README), "
+        "with what each one does not tell you.",
+        "",
+    ]
+    for name, label, commands in (
+        ("vllm", "vLLM", VLLM_COMMANDS),
+        ("sglang", "SGLang", SGLANG_COMMANDS),
+    ):
         if engine not in (None, name):
             continue
         lines.append(out.style("=" * 78, "1"))
         lines.append(out.style("%s" % label, "1"))
         lines.append(out.style("=" * 78, "1"))
         for ex in (e for e in HARNESS_EXCERPTS if e.engine == name):
-            lines += ["", out.style("--- %s: %s" % (label, ex.title), "1;36"),
-                      "Quoted from %s %s" % (label, ex.source), ""]
+            lines += [
+                "",
+                out.style("--- %s: %s" % (label, ex.title), "1;36"),
+                "Quoted from %s %s" % (label, ex.source),
+                "",
+            ]
             lines += ["    > " + row if row else "    >" for row in ex.text.splitlines()]
             lines += ["", "Note: " + ex.note]
         lines += ["", out.style("--- %s: commands" % label, "1;36"), "", commands]
@@ -2829,7 +3514,6 @@ def run_help(cfg: Config, out: Out) -> int:
     return EXIT_OK
 
 
-
 # ----------------------------------------------------------------------------
 # --mode sweep
 
@@ -2850,15 +3534,17 @@ def sweep_ladder(cfg: Config, facts: ServerFacts) -> List[int]:
 class SentBatch:
     """What one batch size's traffic brought back: the completions to compare (the measured
     prompt's only) and what the server said about them."""
+
     completions: List[Completion]
-    seconds: float                  # from the first send to the last answer
-    cached_tokens: Optional[int]    # prompt tokens served from the prefix cache, if the server says
+    seconds: float  # from the first send to the last answer
+    cached_tokens: Optional[int]  # prompt tokens served from the prefix cache, if the server says
     send_spread: Optional[float] = None  # concurrent: first to last request's send time
 
 
 @dataclass
 class Sender:
     """How a sweep sends one batch size in each traffic shape, to one server."""
+
     client: HttpClient
     adapter: EngineAdapter
     model: str
@@ -2866,7 +3552,9 @@ class Sender:
     isolate: bool  # bypass the prefix cache
 
     def one_request(self, prompts: List[str]) -> Tuple[List[Completion], float, Optional[int]]:
-        answer, seconds = generate(self.client, self.adapter, self.model, prompts, self.sampling, self.isolate)
+        answer, seconds = generate(
+            self.client, self.adapter, self.model, prompts, self.sampling, self.isolate
+        )
         completions = parsed("the answer", self.adapter.completions, answer, len(prompts), True)
         return completions, seconds, parsed("the answer", self.adapter.cached_tokens, answer)
 
@@ -2889,8 +3577,13 @@ class Sender:
         if n == 1:
             return self.copies(prompt, 1, seed)
         allow_open_files(n)
-        posts = [self.client.prepare_post(self.adapter.generate_path, self.adapter.body(
-            self.model, [prompt], self.sampling, self.isolate)) for _ in range(n)]
+        posts = [
+            self.client.prepare_post(
+                self.adapter.generate_path,
+                self.adapter.body(self.model, [prompt], self.sampling, self.isolate),
+            )
+            for _ in range(n)
+        ]
         outcomes: List[Any] = [None] * n  # a ServerError, or (completion, cached tokens)
         ready, all_sent = threading.Semaphore(0), threading.Event()
 
@@ -2904,12 +3597,16 @@ class Sender:
             if outcomes[i] is None:
                 try:
                     answer = posts[i].answer()
-                    outcomes[i] = (parsed("the answer", self.adapter.completions, answer, 1, True)[0],
-                                   parsed("the answer", self.adapter.cached_tokens, answer))
+                    outcomes[i] = (
+                        parsed("the answer", self.adapter.completions, answer, 1, True)[0],
+                        parsed("the answer", self.adapter.cached_tokens, answer),
+                    )
                 except ServerError as err:
                     outcomes[i] = err
 
-        threads = [threading.Thread(target=client_thread, args=(i,), daemon=True) for i in range(n)]
+        threads = [
+            threading.Thread(target=client_thread, args=(i,), daemon=True) for i in range(n)
+        ]
         for t in threads:
             t.start()
         for _ in range(n):
@@ -2929,10 +3626,16 @@ class Sender:
         seconds = CLOCK() - start
         failed = [o for o in outcomes if isinstance(o, ServerError)]
         if failed:
-            raise ServerError("%s (%d of %d concurrent requests failed)" % (failed[0], len(failed), n))
+            raise ServerError(
+                "%s (%d of %d concurrent requests failed)" % (failed[0], len(failed), n)
+            )
         cached = [o[1] for o in outcomes if o[1] is not None]
-        return SentBatch([o[0] for o in outcomes], seconds, sum(cached) if cached else None,
-                         round(sent[-1] - sent[0], 6))
+        return SentBatch(
+            [o[0] for o in outcomes],
+            seconds,
+            sum(cached) if cached else None,
+            round(sent[-1] - sent[0], 6),
+        )
 
 
 class PrefillCheck:
@@ -2952,18 +3655,30 @@ class PrefillCheck:
         if key not in self.prefills:
             s = self.sender
             if prompt not in self.prompt_ids:
-                self.prompt_ids[prompt] = parsed("the prompt's token ids", s.adapter.prompt_token_ids,
-                                                 s.client, s.model, prompt)
+                self.prompt_ids[prompt] = parsed(
+                    "the prompt's token ids", s.adapter.prompt_token_ids, s.client, s.model, prompt
+                )
             head = self.prompt_ids[prompt]
             if not head or not all(t.startswith("token_id:") and t[9:].isdigit() for t in tokens):
-                raise ServerError("the prefill check needs token ids, and %s" % (
-                    "the prompt has none" if not head else "the server's tokens are not ids"))
+                raise ServerError(
+                    "the prefill check needs token ids, and %s"
+                    % ("the prompt has none" if not head else "the server's tokens are not ids")
+                )
             ids = head + [int(t[9:]) for t in tokens]
-            self.prefills[key] = parsed("the prefill answer", s.adapter.prefill_logprobs,
-                                        s.client, s.model, ids, len(head), s.isolate)
+            self.prefills[key] = parsed(
+                "the prefill answer",
+                s.adapter.prefill_logprobs,
+                s.client,
+                s.model,
+                ids,
+                len(head),
+                s.isolate,
+            )
         return self.prefills[key]
 
-    def compare(self, prompt: str, completions: List[Completion], clamps: Sequence[float]) -> Dict[str, Any]:
+    def compare(
+        self, prompt: str, completions: List[Completion], clamps: Sequence[float]
+    ) -> Dict[str, Any]:
         """The row fields: largest ULP distance, first step that differs, unit notes."""
         worst, first, notes, margin, compared = 0, None, set(), None, 0
         seen: List[Completion] = []
@@ -2978,8 +3693,13 @@ class PrefillCheck:
             moved = next((i for i, u in enumerate(ulps) if u != 0), None)
             if moved is not None and (first is None or moved < first):
                 first, margin = moved, runner_up_margin(c, moved, clamps)
-        return {"prefill_max_ulp": worst, "prefill_first_step": first, "prefill_notes": sorted(notes),
-                "prefill_margin": margin.to_record() if margin else None, "prefill_tokens": compared}
+        return {
+            "prefill_max_ulp": worst,
+            "prefill_first_step": first,
+            "prefill_notes": sorted(notes),
+            "prefill_margin": margin.to_record() if margin else None,
+            "prefill_tokens": compared,
+        }
 
 
 def runner_up_margin(c: Completion, step: int, clamps: Sequence[float] = ()) -> Margin:
@@ -2998,12 +3718,17 @@ def runner_up_margin(c: Completion, step: int, clamps: Sequence[float] = ()) -> 
 @dataclass
 class PromptSweep:
     """Everything measured for one prompt so far: per batch size, one row per pass."""
+
     prompt: str
     baseline: Optional[Completion] = None
     baseline_source: str = "batch 1"
-    runs: Dict[int, List[Dict[str, Any]]] = field(default_factory=dict)  # batch size -> a row per pass
+    runs: Dict[int, List[Dict[str, Any]]] = field(
+        default_factory=dict
+    )  # batch size -> a row per pass
     buckets: Dict[int, Bucket] = field(default_factory=dict)
-    texts: Set[str] = field(default_factory=set)  # every distinct completion text, baseline included
+    texts: Set[str] = field(
+        default_factory=set
+    )  # every distinct completion text, baseline included
     batch1: List[Completion] = field(default_factory=list)  # batch 1's completion in every pass
     unseeded: bool = False  # sampled at temperature > 0 by a server that ignores the seed
 
@@ -3011,7 +3736,9 @@ class PromptSweep:
         self.baseline, self.baseline_source = baseline, source
         self.texts.add(baseline.text)
 
-    def add(self, n: int, bucket: Bucket, row: Dict[str, Any], completions: List[Completion]) -> None:
+    def add(
+        self, n: int, bucket: Bucket, row: Dict[str, Any], completions: List[Completion]
+    ) -> None:
         self.runs.setdefault(n, []).append(row)
         self.buckets[n] = bucket
         self.texts.update(c.text for c in completions)
@@ -3021,7 +3748,9 @@ class PromptSweep:
     def size(self, n: int) -> Dict[str, Any]:
         """Batch size n over every pass so far, as the saved document and the table hold it."""
         runs = self.runs[n]
-        return dict({"batch_size": n, "bucket": self.buckets[n]}, **aggregate_runs(runs), runs=runs)
+        return dict(
+            {"batch_size": n, "bucket": self.buckets[n]}, **aggregate_runs(runs), runs=runs
+        )
 
     def sizes(self) -> List[Dict[str, Any]]:
         return [self.size(n) for n in self.runs]
@@ -3030,7 +3759,10 @@ class PromptSweep:
         """Batch 1's passes against each other: None until there are two."""
         if len(self.batch1) < 2:
             return None
-        return all(same_completion(c, self.batch1[0]) and c.text == self.batch1[0].text for c in self.batch1[1:])
+        return all(
+            same_completion(c, self.batch1[0]) and c.text == self.batch1[0].text
+            for c in self.batch1[1:]
+        )
 
     def total(self) -> int:
         return sum(r["completions"] for runs in self.runs.values() for r in runs)
@@ -3044,26 +3776,37 @@ class PromptSweep:
     def measured(self) -> Measured:
         rows = self.rows()
         return Measured(
-            total=self.total(), unique=len(self.texts), max_ulp=self.max_ulp(),
+            total=self.total(),
+            unique=len(self.texts),
+            max_ulp=self.max_ulp(),
             tokens_diverged=any(r["first_token_divergence"] is not None for r in rows),
             text_only=any(r.get("text_only", 0) for r in rows),
             unmeasured=any(u in MOVED_NOTES for r in rows for u in r["ulp_notes"]),
             compared=self.baseline_source != "batch 1" or any(n > 1 for n in self.runs),
-            batch1_repeatable=self.batch1_repeatable(), unseeded=self.unseeded)
+            batch1_repeatable=self.batch1_repeatable(),
+            unseeded=self.unseeded,
+        )
 
     def verdict(self) -> str:
         return verdict(self.measured())
 
     def to_record(self) -> Dict[str, Any]:
-        return {"prompt": self.prompt,
-                "baseline": self.baseline.to_record() if self.baseline else None,
-                "baseline_source": self.baseline_source, "sizes": self.sizes(),
-                "unique_completions": len(self.texts), "total_completions": self.total(),
-                "max_ulp": self.max_ulp(), "batch1_repeatable": self.batch1_repeatable(),
-                "verdict": self.verdict()}
+        return {
+            "prompt": self.prompt,
+            "baseline": self.baseline.to_record() if self.baseline else None,
+            "baseline_source": self.baseline_source,
+            "sizes": self.sizes(),
+            "unique_completions": len(self.texts),
+            "total_completions": self.total(),
+            "max_ulp": self.max_ulp(),
+            "batch1_repeatable": self.batch1_repeatable(),
+            "verdict": self.verdict(),
+        }
 
 
-def compare_batch(completions: List[Completion], baseline: Completion, clamps: Sequence[float]) -> Dict[str, Any]:
+def compare_batch(
+    completions: List[Completion], baseline: Completion, clamps: Sequence[float]
+) -> Dict[str, Any]:
     """What one batch's completions show against the baseline, as a table row holds it."""
     deltas, previous, last = [], None, IDENTICAL
     for c in completions:
@@ -3076,16 +3819,25 @@ def compare_batch(completions: List[Completion], baseline: Completion, clamps: S
     first = min(diverged, key=lambda d: d.first_token_divergence) if diverged else None
     ulp_steps = [d.first_ulp_step for d in deltas if d.first_ulp_step is not None]
     texts = [c.text for c in completions]
-    held = [c.text == baseline.text for c, d in zip(completions, deltas) if d.first_token_divergence is None]
-    return {"completions": len(completions), "distinct_in_batch": len(set(texts)), "same_as_baseline": sum(held),
-            "text_only": held.count(False),
-            "first_token_divergence": first.first_token_divergence if first else None,
-            "divergence_margin": first.margin.to_record() if first and first.margin else None,
-            "first_ulp_step": min(ulp_steps) if ulp_steps else None,
-            "max_ulp": max(d.max_ulp for d in deltas),
-            "ulp_notes": sorted({u for d in deltas for u in d.ulp_notes}),
-            "matched": sum(held) == len(completions) and all(d is IDENTICAL or d == IDENTICAL for d in deltas),
-            "distinct_texts": sorted(set(texts))}
+    held = [
+        c.text == baseline.text
+        for c, d in zip(completions, deltas)
+        if d.first_token_divergence is None
+    ]
+    return {
+        "completions": len(completions),
+        "distinct_in_batch": len(set(texts)),
+        "same_as_baseline": sum(held),
+        "text_only": held.count(False),
+        "first_token_divergence": first.first_token_divergence if first else None,
+        "divergence_margin": first.margin.to_record() if first and first.margin else None,
+        "first_ulp_step": min(ulp_steps) if ulp_steps else None,
+        "max_ulp": max(d.max_ulp for d in deltas),
+        "ulp_notes": sorted({u for d in deltas for u in d.ulp_notes}),
+        "matched": sum(held) == len(completions)
+        and all(d is IDENTICAL or d == IDENTICAL for d in deltas),
+        "distinct_texts": sorted(set(texts)),
+    }
 
 
 def baseline_from_file(cfg: Config, prompt: str) -> Completion:
@@ -3093,31 +3845,63 @@ def baseline_from_file(cfg: Config, prompt: str) -> Completion:
     return Completion.from_record(entry["baseline"])
 
 
-def sweep_document(cfg: Config, facts: ServerFacts, sweeps: List[PromptSweep],
-                   sizes: List[int], state: str) -> Dict[str, Any]:
+def sweep_document(
+    cfg: Config, facts: ServerFacts, sweeps: List[PromptSweep], sizes: List[int], state: str
+) -> Dict[str, Any]:
     measured = Measured.combined([s.measured() for s in sweeps])
-    summary = {"unique_completions": measured.unique, "total_completions": measured.total,
-               "max_ulp": measured.max_ulp, "batch1_repeatable": measured.batch1_repeatable,
-               "traffic": cfg.traffic, "repeat": cfg.repeat, "verdict": verdict(measured),
-               "prefix_cache_bypass": bypass_check(sweeps) if cfg.prefix_cache == "bypass" else None}
-    summary["ulp_notes"] = sorted({u for s in sweeps for runs in s.runs.values() for r in runs for u in r["ulp_notes"]})
+    summary = {
+        "unique_completions": measured.unique,
+        "total_completions": measured.total,
+        "max_ulp": measured.max_ulp,
+        "batch1_repeatable": measured.batch1_repeatable,
+        "traffic": cfg.traffic,
+        "repeat": cfg.repeat,
+        "verdict": verdict(measured),
+        "prefix_cache_bypass": bypass_check(sweeps) if cfg.prefix_cache == "bypass" else None,
+    }
+    summary["ulp_notes"] = sorted(
+        {u for s in sweeps for runs in s.runs.values() for r in runs for u in r["ulp_notes"]}
+    )
     summary["state"] = state
     if cfg.prefill_check:
         checked = prefill_aggregate([r for s in sweeps for runs in s.runs.values() for r in runs])
-        summary.update(checked or {"prefill_max_ulp": None, "prefill_first_step": None, "prefill_margin": None,
-                                   "prefill_tokens": 0, "prefill_notes": []})
+        summary.update(
+            checked
+            or {
+                "prefill_max_ulp": None,
+                "prefill_first_step": None,
+                "prefill_margin": None,
+                "prefill_tokens": 0,
+                "prefill_notes": [],
+            }
+        )
         summary["prefill_verdict"] = prefill_verdict(checked)
-    params = dict(cfg.sampling.params(), sizes=sizes, prompts=len(cfg.prompts), traffic=cfg.traffic,
-                  repeat=cfg.repeat, prefix_cache=cfg.prefix_cache, seed_honoured=facts.seed_honoured,
-                  prefill_check=cfg.prefill_check)
+    params = dict(
+        cfg.sampling.params(),
+        sizes=sizes,
+        prompts=len(cfg.prompts),
+        traffic=cfg.traffic,
+        repeat=cfg.repeat,
+        prefix_cache=cfg.prefix_cache,
+        seed_honoured=facts.seed_honoured,
+        prefill_check=cfg.prefill_check,
+    )
     if cfg.traffic == "mixed":
         params["mixed_seed"] = cfg.seed
     if cfg.baseline_path:
         params["baseline_file"] = cfg.baseline_path
-    return {"schema": SWEEP_SCHEMA, "engine": cfg.engine, "engine_detected": cfg.engine_detected,
-            "url": cfg.url, "model": facts.model,
-            "server": facts.to_record(), "params": params, "prompts": [s.to_record() for s in sweeps],
-            "summary": summary, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return {
+        "schema": SWEEP_SCHEMA,
+        "engine": cfg.engine,
+        "engine_detected": cfg.engine_detected,
+        "url": cfg.url,
+        "model": facts.model,
+        "server": facts.to_record(),
+        "params": params,
+        "prompts": [s.to_record() for s in sweeps],
+        "summary": summary,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 BYPASS_HELD, BYPASS_FAILED, BYPASS_UNVERIFIED = "held", "did not hold", "unverified"
@@ -3126,9 +3910,17 @@ BYPASS_HELD, BYPASS_FAILED, BYPASS_UNVERIFIED = "held", "did not hold", "unverif
 def bypass_check(sweeps: List[PromptSweep]) -> Dict[str, Any]:
     """Did --prefix-cache bypass hold? Proven by the cached-token counts the server reports:
     any count above 0 is a prefill served from the cache; no counts at all prove nothing."""
-    counts = [r["cached_tokens"] for s in sweeps for r in s.rows() if r.get("cached_tokens") is not None]
-    hits = sorted({n for s in sweeps for n, runs in s.runs.items()
-                   if any((r.get("cached_tokens") or 0) > 0 for r in runs)})
+    counts = [
+        r["cached_tokens"] for s in sweeps for r in s.rows() if r.get("cached_tokens") is not None
+    ]
+    hits = sorted(
+        {
+            n
+            for s in sweeps
+            for n, runs in s.runs.items()
+            if any((r.get("cached_tokens") or 0) > 0 for r in runs)
+        }
+    )
     status = BYPASS_UNVERIFIED if not counts else BYPASS_FAILED if hits else BYPASS_HELD
     return {"status": status, "hit_sizes": hits}
 
@@ -3140,23 +3932,33 @@ def unseeded(sampling: Sampling, facts: ServerFacts) -> bool:
 
 def sweep_warnings(facts: ServerFacts, sizes: List[int], sampling: Sampling, out: Out) -> None:
     if unseeded(sampling, facts):
-        out.warn("the server does not honour the seed (%s): at temperature %g every request samples "
-                 "unseeded, so differences include plain sampling noise, and the verdict will not put "
-                 "them down to batching" % (facts.seed_note, sampling.temperature))
+        out.warn(
+            "the server does not honour the seed (%s): at temperature %g every request samples "
+            "unseeded, so differences include plain sampling noise, and the verdict will not put "
+            "them down to batching" % (facts.seed_note, sampling.temperature)
+        )
     limit = facts.max_num_seqs
     if isinstance(limit, int) and max(sizes) > limit:
-        out.warn("batch sizes above %d exceed the server's max-num-seqs: those requests are not "
-                 "all scheduled together" % limit)
+        out.warn(
+            "batch sizes above %d exceed the server's max-num-seqs: those requests are not "
+            "all scheduled together" % limit
+        )
     if facts.load_format == "dummy":
-        out.warn("the server runs dummy weights (--load-format dummy): flat logits have no near-ties, "
-                 "so a clean flag-off result is expected and means nothing")
+        out.warn(
+            "the server runs dummy weights (--load-format dummy): flat logits have no near-ties, "
+            "so a clean flag-off result is expected and means nothing"
+        )
     if facts.flag is None:
-        out.warn("the server does not say whether the flag is on%s" % (
-            " (%s)" % facts.settings_hint if facts.settings_hint else ""))
+        out.warn(
+            "the server does not say whether the flag is on%s"
+            % (" (%s)" % facts.settings_hint if facts.settings_hint else "")
+        )
 
 
-SWEEP_COLUMNS = ("  batch  bucket  distinct  same/all  runs matched  first token  tie margin  max ULP"
-                 "  first ULP step  seconds  notes")
+SWEEP_COLUMNS = (
+    "  batch  bucket  distinct  same/all  runs matched  first token  tie margin  max ULP"
+    "  first ULP step  seconds  notes"
+)
 
 
 class SweepTable:
@@ -3167,36 +3969,70 @@ class SweepTable:
     def __init__(self, cfg: Config, out: Out):
         self.cfg, self.out = cfg, out
         self.rows: Dict[int, Set[int]] = {}  # prompt number -> batch sizes whose rows are out
-        self.closed: Set[int] = set()        # prompt numbers whose closing line is out
+        self.closed: Set[int] = set()  # prompt numbers whose closing line is out
 
     def header(self, doc: Dict[str, Any]) -> None:
         out = self.out
-        for line in server_lines(doc["server"], self.cfg.adapter, doc.get("engine_detected", False)):
+        for line in server_lines(
+            doc["server"], self.cfg.adapter, doc.get("engine_detected", False)
+        ):
             out.line(line)
         p = doc["params"]
-        sampling = "greedy" if p["temperature"] == 0 else "temperature %g, seed %s%s" % (
-            p["temperature"], p["seed"],
-            {True: " (honoured)", False: " (IGNORED by the server)"}.get(p.get("seed_honoured"), ""))
+        sampling = (
+            "greedy"
+            if p["temperature"] == 0
+            else "temperature %g, seed %s%s"
+            % (
+                p["temperature"],
+                p["seed"],
+                {True: " (honoured)", False: " (IGNORED by the server)"}.get(
+                    p.get("seed_honoured"), ""
+                ),
+            )
+        )
         repeat = p.get("repeat", 1)
-        out.line("params: %d tokens, %s, top-%d logprobs, sizes %s" % (
-            p["max_tokens"], sampling, p["logprobs"], ",".join(str(s) for s in p["sizes"])))
-        out.line("        traffic %s, %d pass%s through the ladder, prefix cache %s" % (
-            p.get("traffic", "copies"), repeat, "" if repeat == 1 else "es", p.get("prefix_cache", "keep")))
+        out.line(
+            "params: %d tokens, %s, top-%d logprobs, sizes %s"
+            % (p["max_tokens"], sampling, p["logprobs"], ",".join(str(s) for s in p["sizes"]))
+        )
+        out.line(
+            "        traffic %s, %d pass%s through the ladder, prefix cache %s"
+            % (
+                p.get("traffic", "copies"),
+                repeat,
+                "" if repeat == 1 else "es",
+                p.get("prefix_cache", "keep"),
+            )
+        )
 
     def size_done(self, number: int, total: int, sweep: "PromptSweep", n: int) -> None:
         if number not in self.rows:
             self.rows[number] = set()
             self.out.line("")
-            self.out.line("prompt %d/%d: %s  (baseline: %s)" % (number, total, json.dumps(
-                sweep.prompt[:70] + ("..." if len(sweep.prompt) > 70 else "")), sweep.baseline_source))
+            self.out.line(
+                "prompt %d/%d: %s  (baseline: %s)"
+                % (
+                    number,
+                    total,
+                    json.dumps(sweep.prompt[:70] + ("..." if len(sweep.prompt) > 70 else "")),
+                    sweep.baseline_source,
+                )
+            )
             self.out.line(SWEEP_COLUMNS)
         self.rows[number].add(n)
         self.out.line(size_row(sweep.size(n), self.cfg.prefix_cache == "bypass"))
 
     def prompt_done(self, number: int, record: Dict[str, Any]) -> None:
         self.closed.add(number)
-        self.out.line("  unique completions %d of %d, max ULP %d: %s" % (
-            record["unique_completions"], record["total_completions"], record["max_ulp"], record["verdict"]))
+        self.out.line(
+            "  unique completions %d of %d, max ULP %d: %s"
+            % (
+                record["unique_completions"],
+                record["total_completions"],
+                record["max_ulp"],
+                record["verdict"],
+            )
+        )
 
     def finish(self, doc: Dict[str, Any], sweeps: List["PromptSweep"]) -> None:
         out, sm = self.out, doc["summary"]
@@ -3211,40 +4047,85 @@ class SweepTable:
             out.line("* %s" % "; ".join(ULP_NOTE_TEXT[n] for n in sm["ulp_notes"]))
         bypass = sm.get("prefix_cache_bypass") or {}
         if bypass.get("status") == BYPASS_UNVERIFIED:
-            out.line("prefix cache bypass unverified: the server reports no cached-token counts (%s)"
-                     % self.cfg.adapter.CACHE_COUNTS_HINT)
+            out.line(
+                "prefix cache bypass unverified: the server reports no cached-token counts (%s)"
+                % self.cfg.adapter.CACHE_COUNTS_HINT
+            )
         repeat = doc["params"].get("repeat", 1)
-        control = {True: "batch 1 repeatable over %d passes" % repeat, False: "batch 1 NOT repeatable",
-                   None: "no run-to-run control (one pass)"}[sm.get("batch1_repeatable")]
+        control = {
+            True: "batch 1 repeatable over %d passes" % repeat,
+            False: "batch 1 NOT repeatable",
+            None: "no run-to-run control (one pass)",
+        }[sm.get("batch1_repeatable")]
         reasons = [] if sm["state"] == "complete" else [sm["state"]]
         if bypass.get("status") == BYPASS_FAILED:
-            reasons.append("cache hit: bypass did not hold at batch size%s %s" % (
-                "" if len(bypass["hit_sizes"]) == 1 else "s", ",".join(map(str, bypass["hit_sizes"]))))
-        out.line(out.style("summary: unique completions %d, total %d, max ULP %d, %s: %s%s" % (
-            sm["unique_completions"], sm["total_completions"], sm["max_ulp"], control, sm["verdict"],
-            " (%s)" % "; ".join(reasons) if reasons else ""), "1"))
+            reasons.append(
+                "cache hit: bypass did not hold at batch size%s %s"
+                % (
+                    "" if len(bypass["hit_sizes"]) == 1 else "s",
+                    ",".join(map(str, bypass["hit_sizes"])),
+                )
+            )
+        out.line(
+            out.style(
+                "summary: unique completions %d, total %d, max ULP %d, %s: %s%s"
+                % (
+                    sm["unique_completions"],
+                    sm["total_completions"],
+                    sm["max_ulp"],
+                    control,
+                    sm["verdict"],
+                    " (%s)" % "; ".join(reasons) if reasons else "",
+                ),
+                "1",
+            )
+        )
         if "prefill_verdict" in sm:
-            per_size = ", ".join("%d: %s" % (s["batch_size"], fmt_opt(s.get("prefill_max_ulp"), "?"))
-                                 for r in doc["prompts"] for s in r["sizes"])
+            per_size = ", ".join(
+                "%d: %s" % (s["batch_size"], fmt_opt(s.get("prefill_max_ulp"), "?"))
+                for r in doc["prompts"]
+                for s in r["sizes"]
+            )
             out.line("prefill check, max ULP per batch size: %s" % per_size)
             margin = ""
             if sm.get("prefill_margin"):
-                margin = " (there, the decode's runner-up was %s behind)" % margin_text(sm["prefill_margin"])
-            out.line(out.style("prefill check: max ULP %s, first differing step %s%s: %s" % (
-                fmt_opt(sm["prefill_max_ulp"], "?"), fmt_opt(sm["prefill_first_step"]), margin,
-                sm["prefill_verdict"]), "1"))
+                margin = " (there, the decode's runner-up was %s behind)" % margin_text(
+                    sm["prefill_margin"]
+                )
+            out.line(
+                out.style(
+                    "prefill check: max ULP %s, first differing step %s%s: %s"
+                    % (
+                        fmt_opt(sm["prefill_max_ulp"], "?"),
+                        fmt_opt(sm["prefill_first_step"]),
+                        margin,
+                        sm["prefill_verdict"],
+                    ),
+                    "1",
+                )
+            )
 
 
 def size_row(s: Dict[str, Any], bypass: bool) -> str:
     """One batch size's row of the table, from its saved record."""
     ulp = str(s["max_ulp"]) + ("*" if s["ulp_notes"] else "")
     runs = s.get("runs") or [s]
-    return ("  %5d  %6s  %8d  %8s  %12s  %11s  %10s  %7s  %14s  %7.2f  %s" % (
-        s["batch_size"], fmt_opt(s["bucket"], "none"), s["distinct_in_batch"],
-        "%d/%d" % (s["same_as_baseline"], s["completions"]),
-        "%d/%d" % (s.get("runs_matched", 0), len(runs)), fmt_opt(s["first_token_divergence"]),
-        margin_text(s.get("divergence_margin")), ulp, fmt_opt(s["first_ulp_step"]), s["seconds"],
-        size_notes(s, bypass))).rstrip()
+    return (
+        "  %5d  %6s  %8d  %8s  %12s  %11s  %10s  %7s  %14s  %7.2f  %s"
+        % (
+            s["batch_size"],
+            fmt_opt(s["bucket"], "none"),
+            s["distinct_in_batch"],
+            "%d/%d" % (s["same_as_baseline"], s["completions"]),
+            "%d/%d" % (s.get("runs_matched", 0), len(runs)),
+            fmt_opt(s["first_token_divergence"]),
+            margin_text(s.get("divergence_margin")),
+            ulp,
+            fmt_opt(s["first_ulp_step"]),
+            s["seconds"],
+            size_notes(s, bypass),
+        )
+    ).rstrip()
 
 
 def margin_text(margin: Optional[Dict[str, Any]]) -> str:
@@ -3263,17 +4144,19 @@ def size_notes(size: Dict[str, Any], bypass: bool) -> str:
     if "top-k changed" in size["ulp_notes"]:
         notes.append("top-k changed")
     if bypass and (size.get("cached_tokens") or 0) > 0:
-        notes.append("cache hit: bypass did not hold (%s cached tokens)" % size.get("cached_tokens"))
+        notes.append(
+            "cache hit: bypass did not hold (%s cached tokens)" % size.get("cached_tokens")
+        )
     return "; ".join(notes)
 
 
 ULP_NOTE_TEXT = {
     "top-k changed": "a step's top-k token set differed from batch 1's (a candidate swapped places "
-                     "with one outside the list): counted as moved; the ULPs cover the shared entries",
+    "with one outside the list): counted as moved; the ULPs cover the shared entries",
     "float64": "some logprobs were not float32-exact (a server that rounds or works in float64): "
-               "those distances are float64 ULPs",
+    "those distances are float64 ULPs",
     "clamped": "a logprob was a clamped -inf (the engine's stand-in value) on one side only: "
-               "no distance, counted as moved",
+    "no distance, counted as moved",
     "non-finite": "a logprob was inf or NaN on one side: no distance, counted as moved",
 }
 
@@ -3295,15 +4178,19 @@ def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
         text("Nothing was compared: %s. No verdict on invariance can be given." % why)
     elif sm["verdict"] == NOISE_NOT_RULED_OUT:
         text("")
-        text("The server ignores the seed, so at this temperature every request samples on its own: "
-             "the differences above may be sampling noise alone. Measure batching greedy "
-             "(--temperature 0), or with the flag on, where the seed is honoured.")
+        text(
+            "The server ignores the seed, so at this temperature every request samples on its own: "
+            "the differences above may be sampling noise alone. Measure batching greedy "
+            "(--temperature 0), or with the flag on, where the seed is honoured."
+        )
     elif sm["verdict"] == NOT_REPEATABLE:
         text("")
-        text("Batch 1 alone gave different answers on different passes: the server is not repeatable "
-             "even without other requests beside it, so differences at other sizes cannot be put down "
-             "to batching. Check for unseeded sampling, a server restarted between passes, or other "
-             "traffic on it.")
+        text(
+            "Batch 1 alone gave different answers on different passes: the server is not repeatable "
+            "even without other requests beside it, so differences at other sizes cannot be put down "
+            "to batching. Check for unseeded sampling, a server restarted between passes, or other "
+            "traffic on it."
+        )
     elif moved and doc["server"].get("flag"):
         text("")
         text("The server reports the flag ON, yet results moved.")
@@ -3313,14 +4200,22 @@ def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
                 text(line)
         text(COVERAGE_CHECKLIST)
         text("If none applies, this is worth a bug report: attach the --save file.")
-    if not moved and not unmeasured and (doc["server"].get("flag") is not True or cfg.expect == "variant"):
-        text("Nothing moved. With the flag off that usually means no near-tie was met: try more "
-             "prompts (--prompt-file), longer generations (--max-tokens 256), --temperature 0.6 or "
-             "--traffic concurrent; see --mode help.")
+    if (
+        not moved
+        and not unmeasured
+        and (doc["server"].get("flag") is not True or cfg.expect == "variant")
+    ):
+        text(
+            "Nothing moved. With the flag off that usually means no near-tie was met: try more "
+            "prompts (--prompt-file), longer generations (--max-tokens 256), --temperature 0.6 or "
+            "--traffic concurrent; see --mode help."
+        )
     if cfg.expect == "prefill-equal":
         if sm.get("prefill_verdict") != PREFILL_AGREE:
-            text("expectation failed: --expect prefill-equal, but the prefill check found: %s"
-                 % sm.get("prefill_verdict"))
+            text(
+                "expectation failed: --expect prefill-equal, but the prefill check found: %s"
+                % sm.get("prefill_verdict")
+            )
             return EXIT_EXPECTATION
         text("expect prefill-equal: held (max ULP 0 over %d tokens)" % sm.get("prefill_tokens", 0))
         return EXIT_OK
@@ -3328,14 +4223,30 @@ def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
         text("expectation failed: --expect invariant, but the result is: %s" % sm["verdict"])
         return EXIT_EXPECTATION
     if cfg.expect == "variant" and sm["verdict"] not in BATCH_EFFECTS:
-        text("expectation failed: --expect variant, but %s" % (
-            "nothing was compared" if unmeasured else "nothing moved" if not moved
-            else "what moved is not put down to batching (%s)" % sm["verdict"]))
+        text(
+            "expectation failed: --expect variant, but %s"
+            % (
+                "nothing was compared"
+                if unmeasured
+                else (
+                    "nothing moved"
+                    if not moved
+                    else "what moved is not put down to batching (%s)" % sm["verdict"]
+                )
+            )
+        )
         return EXIT_EXPECTATION
     if cfg.expect:
-        text("expect %s: held (%s%d unique of %d, max ULP %d)" % (
-            cfg.expect, "" if cfg.expect == "invariant" else sm["verdict"] + ": ",
-            sm["unique_completions"], sm["total_completions"], sm["max_ulp"]))
+        text(
+            "expect %s: held (%s%d unique of %d, max ULP %d)"
+            % (
+                cfg.expect,
+                "" if cfg.expect == "invariant" else sm["verdict"] + ": ",
+                sm["unique_completions"],
+                sm["total_completions"],
+                sm["max_ulp"],
+            )
+        )
     return EXIT_OK
 
 
@@ -3358,8 +4269,10 @@ def run_sweep(cfg: Config, out: Out) -> int:
     client, adapter = cfg.client(cfg.url), cfg.adapter
     facts = read_facts(cfg, cfg.url)
     if cfg.baseline is not None and cfg.baseline.get("model") != facts.model:
-        raise UsageError("--baseline: %s was recorded for model %s, this server serves %s"
-                         % (cfg.baseline_path, cfg.baseline.get("model"), facts.model))
+        raise UsageError(
+            "--baseline: %s was recorded for model %s, this server serves %s"
+            % (cfg.baseline_path, cfg.baseline.get("model"), facts.model)
+        )
     sizes = sweep_ladder(cfg, facts)
     sweep_warnings(facts, sizes, cfg.sampling, out)
     isolate = cfg.prefix_cache == "bypass"
@@ -3383,31 +4296,57 @@ def run_sweep(cfg: Config, out: Out) -> int:
             for pass_no in range(1, cfg.repeat + 1):
                 for n in sizes:
                     interrupt.check()
-                    step = "prompt %d/%d, pass %d/%d, batch %d" % (pi, len(cfg.prompts), pass_no, cfg.repeat, n)
+                    step = "prompt %d/%d, pass %d/%d, batch %d" % (
+                        pi,
+                        len(cfg.prompts),
+                        pass_no,
+                        cfg.repeat,
+                        n,
+                    )
                     progress.running(step)
                     try:
                         adapter.before_batch(client, isolate)
                         batch = send(prompt, n, cfg.seed)
                     except ServerError as err:
-                        raise ServerError("batch size %d%s%s: %s" % (
-                            n, " (prompt %d)" % pi if len(cfg.prompts) > 1 else "",
-                            ", pass %d" % pass_no if cfg.repeat > 1 else "", err)) from None
+                        raise ServerError(
+                            "batch size %d%s%s: %s"
+                            % (
+                                n,
+                                " (prompt %d)" % pi if len(cfg.prompts) > 1 else "",
+                                ", pass %d" % pass_no if cfg.repeat > 1 else "",
+                                err,
+                            )
+                        ) from None
                     if sweep.baseline is None:
                         sweep.set_baseline(batch.completions[0], "batch 1")
                     row = compare_batch(batch.completions, sweep.baseline, adapter.logprob_clamps)
-                    row.update({"pass": pass_no, "seconds": round(batch.seconds, 4), "cached_tokens": batch.cached_tokens})
+                    row.update(
+                        {
+                            "pass": pass_no,
+                            "seconds": round(batch.seconds, 4),
+                            "cached_tokens": batch.cached_tokens,
+                        }
+                    )
                     if batch.send_spread is not None:
                         row["send_spread_s"] = batch.send_spread
                     if prefill is not None:
                         try:
-                            row.update(prefill.compare(prompt, batch.completions, adapter.logprob_clamps))
+                            row.update(
+                                prefill.compare(prompt, batch.completions, adapter.logprob_clamps)
+                            )
                         except ServerError as err:
-                            raise ServerError("prefill check at batch size %d: %s" % (n, err)) from None
+                            raise ServerError(
+                                "prefill check at batch size %d: %s" % (n, err)
+                            ) from None
                     sweep.add(n, facts.bucket(n), row, batch.completions)
                     progress.finished(step, len(batch.completions))
                     if table and pass_no == cfg.repeat:
                         table.size_done(pi, len(cfg.prompts), sweep, n)
-                    saves.offer(lambda path: write_json_atomic(path, sweep_document(cfg, facts, sweeps, sizes, "running")))
+                    saves.offer(
+                        lambda path: write_json_atomic(
+                            path, sweep_document(cfg, facts, sweeps, sizes, "running")
+                        )
+                    )
             if table:
                 table.prompt_done(pi, sweep.to_record())
 
@@ -3429,35 +4368,44 @@ def run_sweep(cfg: Config, out: Out) -> int:
 @dataclass
 class Arm:
     """One server of a cost comparison, and what was timed on it."""
-    name: str                 # "off" or "on": the flag it should report
-    option: str               # the option that named it
+
+    name: str  # "off" or "on": the flag it should report
+    option: str  # the option that named it
     url: str
     client: HttpClient
     facts: ServerFacts
     samples: List[float] = field(default_factory=list)  # seconds of each timed trial
-    tokens: List[int] = field(default_factory=list)     # output tokens of each timed trial
+    tokens: List[int] = field(default_factory=list)  # output tokens of each timed trial
 
     @classmethod
     def open(cls, cfg: Config, name: str, option: str, url: str) -> "Arm":
         facts = read_facts(cfg, url, "the flag-%s arm (%s)" % (name, option))
         return cls(name, option, url, cfg.client(url), facts)
 
-    requests: List[List[Dict[str, float]]] = field(default_factory=list)  # load trials: per request timings
+    requests: List[List[Dict[str, float]]] = field(
+        default_factory=list
+    )  # load trials: per request timings
 
-    def timed(self, cfg: Config, prompts: List[str]) -> Tuple[float, int, Optional[List[Dict[str, Any]]]]:
+    def timed(
+        self, cfg: Config, prompts: List[str]
+    ) -> Tuple[float, int, Optional[List[Dict[str, Any]]]]:
         """One trial, (seconds, output tokens, per-request timings of a load run or None): one
         batch request, or a load run with --concurrency."""
         if cfg.concurrency:
             return self.load_trial(cfg, prompts)
         return self.trial(cfg.adapter, prompts, cfg.sampling) + (None,)
 
-    def trial(self, adapter: EngineAdapter, prompts: List[str], sampling: Sampling) -> Tuple[float, int]:
+    def trial(
+        self, adapter: EngineAdapter, prompts: List[str], sampling: Sampling
+    ) -> Tuple[float, int]:
         """One timed request: (seconds, output tokens). The answer's shape must hold even when timing."""
         answer, seconds = generate(self.client, adapter, self.facts.model, prompts, sampling)
         parsed("the answer", adapter.completions, answer, len(prompts), False)
         return seconds, parsed("the answer", adapter.output_tokens, answer)
 
-    def load_trial(self, cfg: Config, prompts: List[str]) -> Tuple[float, int, List[Dict[str, Any]]]:
+    def load_trial(
+        self, cfg: Config, prompts: List[str]
+    ) -> Tuple[float, int, List[Dict[str, Any]]]:
         """A closed-loop load run: every prompt its own streamed request, at most --concurrency
         in flight (a request leaves, the next goes). Per request: time to first token, time per
         output token after it, end-to-end latency. Returns (seconds, output tokens)."""
@@ -3466,7 +4414,9 @@ class Arm:
         lock = threading.Lock()
 
         def stream_one(prompt: str) -> Dict[str, float]:
-            post = self.client.prepare_post(adapter.generate_path, adapter.stream_body(self.facts.model, prompt, cfg.sampling))
+            post = self.client.prepare_post(
+                adapter.generate_path, adapter.stream_body(self.facts.model, prompt, cfg.sampling)
+            )
             start = CLOCK()
             post.connect()
             post.send()
@@ -3481,10 +4431,17 @@ class Arm:
             if first is None:
                 raise shape_error("the stream held no token")
             if count > cfg.sampling.max_tokens:
-                raise shape_error("the stream reported %d output tokens, more than --max-tokens %d "
-                                  "allows" % (count, cfg.sampling.max_tokens))
-            timing = {"ttft_s": None, "latency_s": last - start, "tokens": count, "tpot_s": None,
-                      "progress_events": events}
+                raise shape_error(
+                    "the stream reported %d output tokens, more than --max-tokens %d "
+                    "allows" % (count, cfg.sampling.max_tokens)
+                )
+            timing = {
+                "ttft_s": None,
+                "latency_s": last - start,
+                "tokens": count,
+                "tpot_s": None,
+                "progress_events": events,
+            }
             if token_by_token(first_count, events, count):
                 timing["ttft_s"] = first - start
                 timing["tpot_s"] = (last - first) / (count - 1) if count > 1 else None
@@ -3502,7 +4459,10 @@ class Arm:
                     timings[i] = err
 
         allow_open_files(cfg.concurrency)
-        threads = [threading.Thread(target=worker, daemon=True) for _ in range(min(cfg.concurrency, len(prompts)))]
+        threads = [
+            threading.Thread(target=worker, daemon=True)
+            for _ in range(min(cfg.concurrency, len(prompts)))
+        ]
         start = CLOCK()
         for t in threads:
             t.start()
@@ -3528,43 +4488,72 @@ def comparison_hazards(off: ServerFacts, on: ServerFacts) -> List[Dict[str, Any]
 
 def cell_key(cell: Dict[str, Any]) -> Tuple:
     """What makes two cells the same measurement: a newer one replaces the older."""
-    return (cell["tp"], cell["workload"], cell["batch"], cell.get("concurrency"), cell["max_tokens"], cell["model"])
+    return (
+        cell["tp"],
+        cell["workload"],
+        cell["batch"],
+        cell.get("concurrency"),
+        cell["max_tokens"],
+        cell["model"],
+    )
 
 
 def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[Dict[str, Any]]:
     """Refuse arms the wrong way round or differing in more than the flag; print their settings."""
     adapter = cfg.adapter
     if off.facts.flag is True or on.facts.flag is False:
-        raise UsageError("the arms are the wrong way round: --url reports the %s and --invariant "
-                         "reports the %s" % (describe_flag(off.facts.flag, adapter), describe_flag(on.facts.flag, adapter)))
+        raise UsageError(
+            "the arms are the wrong way round: --url reports the %s and --invariant "
+            "reports the %s"
+            % (describe_flag(off.facts.flag, adapter), describe_flag(on.facts.flag, adapter))
+        )
     hazards = comparison_hazards(off.facts, on.facts)
     for arm in (off, on):
         if arm.facts.info_source is None:
-            out.warn("the %s arm does not expose its settings, so the lab cannot check that the arms "
-                     "differ in the flag only (%s)" % (arm.name, arm.facts.settings_hint))
+            out.warn(
+                "the %s arm does not expose its settings, so the lab cannot check that the arms "
+                "differ in the flag only (%s)" % (arm.name, arm.facts.settings_hint)
+            )
     if not cfg.json_out:
         print_cost_servers(off.facts, on.facts, hazards, adapter, out)
         for arm in (off, on):
             for line in hazard_lines(arm.facts.to_record(), "flag-%s arm: " % arm.name):
                 out.line(line.strip())
     if hazards and not cfg.allow_mismatch:
-        raise UsageError("the two servers differ in more than the flag (%s); pin them equal, or "
-                         "pass --allow-mismatch to time them anyway" % ", ".join(h["setting"] for h in hazards))
+        raise UsageError(
+            "the two servers differ in more than the flag (%s); pin them equal, or "
+            "pass --allow-mismatch to time them anyway" % ", ".join(h["setting"] for h in hazards)
+        )
     return hazards
 
 
-def print_cost_servers(off: ServerFacts, on: ServerFacts, hazards: List[Dict[str, Any]],
-                       adapter: EngineAdapter, out: Out) -> None:
+def print_cost_servers(
+    off: ServerFacts,
+    on: ServerFacts,
+    hazards: List[Dict[str, Any]],
+    adapter: EngineAdapter,
+    out: Out,
+) -> None:
     hazard_labels = {h["setting"] for h in hazards}
     row = "%-24s %-26s %-26s%s"
     show = {None: "unknown", True: "on", False: "off"}
     out.line(row % ("setting", "--url (flag off)", "--invariant (flag on)", ""))
-    out.line(row % (adapter.flag_name[:24], show.get(off.flag, str(off.flag)), show.get(on.flag, str(on.flag)), ""))
+    out.line(
+        row
+        % (
+            adapter.flag_name[:24],
+            show.get(off.flag, str(off.flag)),
+            show.get(on.flag, str(on.flag)),
+            "",
+        )
+    )
     for label in sorted(off.settings.keys() | on.settings.keys()):
         a, b = off.settings.get(label), on.settings.get(label)
         if a is None and b is None:
             continue
-        mark = "  <- differs" if label in hazard_labels else ("  (set by the flag)" if a != b else "")
+        mark = (
+            "  <- differs" if label in hazard_labels else ("  (set by the flag)" if a != b else "")
+        )
         out.line(row % (label, fmt_setting(a), fmt_setting(b), mark))
 
 
@@ -3578,27 +4567,44 @@ def cost_table_lines(doc: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
     shape = lambda c: (c["model"], c["batch"], c.get("concurrency"), c["max_tokens"])
     same = [c for c in doc["cells"] if shape(c) == shape(current)]
     tps = sorted({c["tp"] for c in same if c["tp"] not in (1, None)}, key=str) or ["k"]
-    lines = ["cost cells for %s, %s, %d tokens (from the saved file):" % (
-        current["model"], cell_shape(current), current["max_tokens"]),
-        "  %-8s %-28s %-28s" % ("", "cold", "shared-prefix")]
+    lines = [
+        "cost cells for %s, %s, %d tokens (from the saved file):"
+        % (current["model"], cell_shape(current), current["max_tokens"]),
+        "  %-8s %-28s %-28s" % ("", "cold", "shared-prefix"),
+    ]
     filled = 0
     for tp in [1] + tps:
         row = []
         for workload in ("cold", "shared-prefix"):
             cell = next((c for c in same if c["tp"] == tp and c["workload"] == workload), None)
             filled += cell is not None
-            row.append("missing" if cell is None else "%s%s" % (
-                fmt_overhead(cell, "%+.1f%% [%+.1f, %+.1f]%s", "%+.1f%% (no interval)", " n.s."),
-                "" if cell.get("state") == "complete" else " partial"))
+            row.append(
+                "missing"
+                if cell is None
+                else "%s%s"
+                % (
+                    fmt_overhead(
+                        cell, "%+.1f%% [%+.1f, %+.1f]%s", "%+.1f%% (no interval)", " n.s."
+                    ),
+                    "" if cell.get("state") == "complete" else " partial",
+                )
+            )
         lines.append("  %-8s %-28s %-28s" % ("TP=%s" % tp, row[0], row[1]))
     if filled < 4:
-        lines.append("One cell alone is not a result: report all four (TP=1 and your real TP, cold and "
-                     "shared-prefix), or none.")
+        lines.append(
+            "One cell alone is not a result: report all four (TP=1 and your real TP, cold and "
+            "shared-prefix), or none."
+        )
     return lines
 
 
-def warm_up(cfg: Config, arms: Sequence[Arm], prompts: Callable[[int], List[str]],
-            interrupt: DeferredInterrupt, progress: Progress) -> None:
+def warm_up(
+    cfg: Config,
+    arms: Sequence[Arm],
+    prompts: Callable[[int], List[str]],
+    interrupt: DeferredInterrupt,
+    progress: Progress,
+) -> None:
     """Untimed requests on both arms; each may fail once (a server still settling)."""
     for w in range(cfg.warmup):
         for arm in arms:
@@ -3610,19 +4616,28 @@ def warm_up(cfg: Config, arms: Sequence[Arm], prompts: Callable[[int], List[str]
                     break
                 except ServerError as err:
                     if attempt == WARMUP_ATTEMPTS:
-                        raise ServerError("warm-up %d, %s arm: %s" % (w + 1, arm.name, err)) from None
-                    progress.out.warn("warm-up request failed on the %s arm (%s); retrying once, as only "
-                                      "warm-up may" % (arm.name, err))
+                        raise ServerError(
+                            "warm-up %d, %s arm: %s" % (w + 1, arm.name, err)
+                        ) from None
+                    progress.out.warn(
+                        "warm-up request failed on the %s arm (%s); retrying once, as only "
+                        "warm-up may" % (arm.name, err)
+                    )
 
 
 def run_cost(cfg: Config, out: Out) -> int:
-    arms = [(cfg.url, "the flag-off arm (--url)"), (cfg.invariant_url, "the flag-on arm (--invariant)")]
+    arms = [
+        (cfg.url, "the flag-off arm (--url)"),
+        (cfg.invariant_url, "the flag-on arm (--invariant)"),
+    ]
     wait_until_ready(cfg, arms, out)
     cfg = resolve_engine(cfg, arms)
     off = Arm.open(cfg, "off", "--url", cfg.url)
     on = Arm.open(cfg, "on", "--invariant", cfg.invariant_url)
     hazards = check_arms(cfg, off, on, out)
-    run_id = "%08x" % random.SystemRandom().getrandbits(32)  # no prefix cache hit across runs either
+    run_id = "%08x" % random.SystemRandom().getrandbits(
+        32
+    )  # no prefix cache hit across runs either
     doc = copy.deepcopy(cfg.prior_save) if cfg.prior_save else {"schema": COST_SCHEMA, "cells": []}
     short: List[Tuple[int, str, int]] = []  # (trial, arm, tokens) of trials that stopped early
     per_trial = cfg.requests if cfg.concurrency else cfg.batch  # prompts in one trial
@@ -3644,18 +4659,24 @@ def run_cost(cfg: Config, out: Out) -> int:
                 try:
                     seconds, count, timings = arm.timed(cfg, prompts(trial))
                 except ServerError as err:
-                    raise ServerError("trial %d, %s arm: %s" % (trial + 1, arm.name, err)) from None
+                    raise ServerError(
+                        "trial %d, %s arm: %s" % (trial + 1, arm.name, err)
+                    ) from None
                 if count > expected_tokens:
-                    raise ServerError("trial %d, %s arm: the server reported %d output tokens, more "
-                                      "than %d prompts x --max-tokens %d allow" % (
-                                          trial + 1, arm.name, count, per_trial, cfg.sampling.max_tokens))
+                    raise ServerError(
+                        "trial %d, %s arm: the server reported %d output tokens, more "
+                        "than %d prompts x --max-tokens %d allow"
+                        % (trial + 1, arm.name, count, per_trial, cfg.sampling.max_tokens)
+                    )
                 if count < expected_tokens:
                     short.append((trial + 1, arm.name, count))
                 arm.samples.append(seconds)
                 arm.tokens.append(count)
                 if timings is not None:
                     arm.requests.append(timings)
-            saves.offer(lambda path: save_cell(path, cost_cell(cfg, (off, on), hazards, "running")))
+            saves.offer(
+                lambda path: save_cell(path, cost_cell(cfg, (off, on), hazards, "running"))
+            )
             progress.finished("trial %d/%d" % (trial + 1, cfg.trials), 2 * per_trial)
             if cfg.precision and precise_enough(off.samples, on.samples, cfg.precision):
                 stopped_by.append("precision")
@@ -3663,14 +4684,18 @@ def run_cost(cfg: Config, out: Out) -> int:
 
     state, code = measure_until_stopped(out, "cost", measure)
     for trial, arm_name, got in short[:3]:
-        out.warn("trial %d, %s arm: %d output tokens, not %d x %d (the server stopped early: is "
-                 "ignore_eos honoured?)" % (trial, arm_name, got, per_trial, cfg.sampling.max_tokens))
+        out.warn(
+            "trial %d, %s arm: %d output tokens, not %d x %d (the server stopped early: is "
+            "ignore_eos honoured?)" % (trial, arm_name, got, per_trial, cfg.sampling.max_tokens)
+        )
     if not off.samples or not on.samples:
         out.stderr.write("run.py: no complete trial pair; nothing to report\n")
         return code or EXIT_SERVER
     cell = cost_cell(cfg, (off, on), hazards, state)
     if cfg.precision:
-        cell["stopped_by"] = stopped_by[0] if stopped_by else ("trials" if state == "complete" else state)
+        cell["stopped_by"] = (
+            stopped_by[0] if stopped_by else ("trials" if state == "complete" else state)
+        )
     doc = saves.write(lambda path: save_cell(path, cell)) or add_cell(doc, cell)
     if cfg.json_out:
         out.line(json_text(cell, indent=1))
@@ -3703,10 +4728,12 @@ def token_by_token(first_count: int, events: int, count: int) -> bool:
     return first_count == 1 and 2 * events >= count
 
 
-UNMEASURED_STREAM = ("the stream does not report its progress token by token (its first event "
-                     "carries several tokens, or most tokens arrive together), so neither the first "
-                     "token's arrival nor the time between tokens can be seen: latency and "
-                     "throughput stand")
+UNMEASURED_STREAM = (
+    "the stream does not report its progress token by token (its first event "
+    "carries several tokens, or most tokens arrive together), so neither the first "
+    "token's arrival nor the time between tokens can be seen: latency and "
+    "throughput stand"
+)
 
 
 def percentile(values: Sequence[float], share: float) -> float:
@@ -3722,60 +4749,100 @@ def load_stats(arm: Arm) -> Dict[str, Any]:
     stats: Dict[str, Any] = {}
     for key in ("latency_s", "ttft_s", "tpot_s"):
         values = [r[key] for r in requests if r[key] is not None]
-        stats[key.replace("_s", "")] = ({"median_s": statistics.median(values), "p99_s": percentile(values, 0.99)}
-                                        if values else None)
+        stats[key.replace("_s", "")] = (
+            {"median_s": statistics.median(values), "p99_s": percentile(values, 0.99)}
+            if values
+            else None
+        )
     if stats["ttft"] is None:
         stats["unmeasured"] = UNMEASURED_STREAM
-    stats["median_tokens_per_s"] = statistics.median(t / s for t, s in zip(arm.tokens, arm.samples) if s > 0)
-    stats["median_requests_per_s"] = statistics.median(len(trial) / s for trial, s in zip(arm.requests, arm.samples))
+    stats["median_tokens_per_s"] = statistics.median(
+        t / s for t, s in zip(arm.tokens, arm.samples) if s > 0
+    )
+    stats["median_requests_per_s"] = statistics.median(
+        len(trial) / s for trial, s in zip(arm.requests, arm.samples)
+    )
     stats["requests"] = arm.requests
     return stats
 
 
 def per_token(arm: Arm, pairs: int) -> List[float]:
-    return [seconds / tokens if tokens > 0 else math.inf
-            for seconds, tokens in zip(arm.samples[:pairs], arm.tokens[:pairs])]
+    return [
+        seconds / tokens if tokens > 0 else math.inf
+        for seconds, tokens in zip(arm.samples[:pairs], arm.tokens[:pairs])
+    ]
 
 
 def per_trial_medians(arm: Arm, key: str) -> List[float]:
-    return [statistics.median([r[key] for r in trial if r[key] is not None] or [math.nan]) for trial in arm.requests]
+    return [
+        statistics.median([r[key] for r in trial if r[key] is not None] or [math.nan])
+        for trial in arm.requests
+    ]
 
 
-def cost_cell(cfg: Config, arms: Tuple[Arm, Arm], hazards: List[Dict[str, Any]], state: str) -> Dict[str, Any]:
+def cost_cell(
+    cfg: Config, arms: Tuple[Arm, Arm], hazards: List[Dict[str, Any]], state: str
+) -> Dict[str, Any]:
     """One labelled cell of the 2x2 table, from the trials measured so far."""
     off, on = arms
     pairs = min(len(off.samples), len(on.samples))
-    cell = {"tp": off.facts.tp or cfg.tp, "workload": cfg.workload, "batch": cfg.batch,
-            "max_tokens": cfg.sampling.max_tokens, "trials": pairs, "warmup": cfg.warmup,
-            "model": off.facts.model, "engine": cfg.engine,
-            "prefix_tokens": cfg.prefix_tokens if cfg.workload == "shared-prefix" else None,
-            "off": arm_stats(off.samples, off.tokens), "on": arm_stats(on.samples, on.tokens),
-            "servers": {arm.name: dict(arm.facts.to_record(), url=arm.url) for arm in arms},
-            "differences": hazards, "state": state,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    cell = {
+        "tp": off.facts.tp or cfg.tp,
+        "workload": cfg.workload,
+        "batch": cfg.batch,
+        "max_tokens": cfg.sampling.max_tokens,
+        "trials": pairs,
+        "warmup": cfg.warmup,
+        "model": off.facts.model,
+        "engine": cfg.engine,
+        "prefix_tokens": cfg.prefix_tokens if cfg.workload == "shared-prefix" else None,
+        "off": arm_stats(off.samples, off.tokens),
+        "on": arm_stats(on.samples, on.tokens),
+        "servers": {arm.name: dict(arm.facts.to_record(), url=arm.url) for arm in arms},
+        "differences": hazards,
+        "state": state,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     same_tokens = off.tokens[:pairs] == on.tokens[:pairs]
     if same_tokens:
-        cell.update(overhead_stats(off.samples[:pairs], on.samples[:pairs]), compared_on="time per trial")
+        cell.update(
+            overhead_stats(off.samples[:pairs], on.samples[:pairs]), compared_on="time per trial"
+        )
     else:  # compare what both did: the time each took per output token
-        cell.update(overhead_stats(per_token(off, pairs), per_token(on, pairs)),
-                    compared_on="time per output token (the arms produced different token counts)")
+        cell.update(
+            overhead_stats(per_token(off, pairs), per_token(on, pairs)),
+            compared_on="time per output token (the arms produced different token counts)",
+        )
     if cfg.concurrency:
         # Under load the primary figure is throughput's time cost: the on/off ratio of the
         # time each trial took for the same tokens (+30 %: the flag costs 30 % more time per
         # token, i.e. throughput falls to 1/1.3). Latency, TTFT and TPOT: paired per-trial medians.
-        cell.update(batch=None, concurrency=cfg.concurrency, requests=cfg.requests, primary="throughput",
-                    load={arm.name: load_stats(arm) for arm in arms})
-        cell["overheads"] = {"throughput": {k: cell[k] for k in ("overhead_pct", "ci95_pct", "significant")}}
+        cell.update(
+            batch=None,
+            concurrency=cfg.concurrency,
+            requests=cfg.requests,
+            primary="throughput",
+            load={arm.name: load_stats(arm) for arm in arms},
+        )
+        cell["overheads"] = {
+            "throughput": {k: cell[k] for k in ("overhead_pct", "ci95_pct", "significant")}
+        }
         for key in ("latency_s", "ttft_s", "tpot_s"):
             name = key.replace("_s", "")
             a, b = per_trial_medians(off, key)[:pairs], per_trial_medians(on, key)[:pairs]
             if not all(map(math.isfinite, a + b)):
                 why = UNMEASURED_STREAM if name != "latency" else "a trial had no latency"
-                cell["overheads"][name] = {"overhead_pct": None, "ci95_pct": None, "significant": False,
-                                           "unmeasured": why}
+                cell["overheads"][name] = {
+                    "overhead_pct": None,
+                    "ci95_pct": None,
+                    "significant": False,
+                    "unmeasured": why,
+                }
                 continue
             figures = overhead_stats(a, b)
-            cell["overheads"][name] = {k: figures[k] for k in ("overhead_pct", "ci95_pct", "significant")}
+            cell["overheads"][name] = {
+                k: figures[k] for k in ("overhead_pct", "ci95_pct", "significant")
+            }
     return cell
 
 
@@ -3805,7 +4872,9 @@ def add_cell(doc: Dict[str, Any], cell: Dict[str, Any]) -> Dict[str, Any]:
     return doc
 
 
-def fmt_overhead(cell: Dict[str, Any], with_interval: str, without: str, not_significant: str) -> str:
+def fmt_overhead(
+    cell: Dict[str, Any], with_interval: str, without: str, not_significant: str
+) -> str:
     """A cell's overhead: with_interval % (value, low, high, mark), mark being not_significant
     when the interval contains 0; without % value when there are too few pairs for one."""
     value = cell.get("overhead_pct")
@@ -3825,54 +4894,112 @@ def cell_shape(cell: Dict[str, Any]) -> str:
 
 def print_load_report(cell: Dict[str, Any], out: Out) -> None:
     """Under load: each arm's throughput and latencies, and what the flag costs in each."""
-    ms = lambda figure: "%.1f/%.1f ms" % (1000 * figure["median_s"], 1000 * figure["p99_s"]) if figure else "unmeasured"
+    ms = lambda figure: (
+        "%.1f/%.1f ms" % (1000 * figure["median_s"], 1000 * figure["p99_s"])
+        if figure
+        else "unmeasured"
+    )
     for arm in ("off", "on"):
         s = cell["load"][arm]
-        out.line("  flag %-3s %.1f tokens/s, %.2f requests/s; median/p99: latency %s, TTFT %s, TPOT %s" % (
-            arm, s["median_tokens_per_s"], s["median_requests_per_s"], ms(s["latency"]), ms(s["ttft"]), ms(s["tpot"])))
+        out.line(
+            "  flag %-3s %.1f tokens/s, %.2f requests/s; median/p99: latency %s, TTFT %s, TPOT %s"
+            % (
+                arm,
+                s["median_tokens_per_s"],
+                s["median_requests_per_s"],
+                ms(s["latency"]),
+                ms(s["ttft"]),
+                ms(s["tpot"]),
+            )
+        )
     for name in ("latency", "ttft", "tpot"):
         figure = cell["overheads"][name]
         label = name.upper() if name != "latency" else "latency"
         if figure.get("unmeasured"):
             out.line("  %-8s unmeasured: %s" % (label, figure["unmeasured"]))
             continue
-        out.line("  %-8s overhead %s" % (label, fmt_overhead(
-            figure, "%+.1f%% [%+.1f%%, %+.1f%%]%s", "%+.1f%% (no interval)", " n.s.")))
+        out.line(
+            "  %-8s overhead %s"
+            % (
+                label,
+                fmt_overhead(
+                    figure, "%+.1f%% [%+.1f%%, %+.1f%%]%s", "%+.1f%% (no interval)", " n.s."
+                ),
+            )
+        )
     if cell.get("compared_on", "time per trial") != "time per trial":
         out.line("  compared on %s" % cell["compared_on"])
 
 
 def print_cost_report(cell: Dict[str, Any], out: Out) -> None:
     out.line("")
-    out.line("cell: TP=%s, workload %s, %s, %d tokens, model %s, %d trial pairs%s" % (
-        fmt_opt(cell["tp"], "?"), cell["workload"], cell_shape(cell), cell["max_tokens"], cell["model"],
-        cell["trials"], "" if cell["state"] == "complete" else " (%s)" % cell["state"]))
+    out.line(
+        "cell: TP=%s, workload %s, %s, %d tokens, model %s, %d trial pairs%s"
+        % (
+            fmt_opt(cell["tp"], "?"),
+            cell["workload"],
+            cell_shape(cell),
+            cell["max_tokens"],
+            cell["model"],
+            cell["trials"],
+            "" if cell["state"] == "complete" else " (%s)" % cell["state"],
+        )
+    )
     for arm in ("off", "on"):
         s = cell[arm]
-        out.line("  flag %-3s median %.4fs  MAD %.4fs  min-max %.4f-%.4fs  %s tokens/s%s" % (
-            arm, s["median_s"], s["mad_s"], s["min_s"], s["max_s"],
-            "%.1f" % s["median_tokens_per_s"] if s["median_tokens_per_s"] else "?",
-            "  NOISY (max/min > %.1f)" % NOISE_SPREAD if s["noisy"] else ""))
-    out.line(out.style("  overhead " + fmt_overhead(
-        cell, "%+.1f%%, 95%% interval [%+.1f%%, %+.1f%%]%s",
-        "%%+.1f%%%%, no interval: %d trial pairs, an interval needs at least %d" % (
-            cell["trials"], MIN_PAIRS_FOR_INTERVAL), ": not significant (the interval contains 0)"), "1"))
+        out.line(
+            "  flag %-3s median %.4fs  MAD %.4fs  min-max %.4f-%.4fs  %s tokens/s%s"
+            % (
+                arm,
+                s["median_s"],
+                s["mad_s"],
+                s["min_s"],
+                s["max_s"],
+                "%.1f" % s["median_tokens_per_s"] if s["median_tokens_per_s"] else "?",
+                "  NOISY (max/min > %.1f)" % NOISE_SPREAD if s["noisy"] else "",
+            )
+        )
+    out.line(
+        out.style(
+            "  overhead "
+            + fmt_overhead(
+                cell,
+                "%+.1f%%, 95%% interval [%+.1f%%, %+.1f%%]%s",
+                "%%+.1f%%%%, no interval: %d trial pairs, an interval needs at least %d"
+                % (cell["trials"], MIN_PAIRS_FOR_INTERVAL),
+                ": not significant (the interval contains 0)",
+            ),
+            "1",
+        )
+    )
     if cell.get("load"):
         print_load_report(cell, out)
     if cell.get("stopped_by"):
-        out.line("  %s" % {"precision": "stopped once the interval was within the asked precision (--precision)",
-                           "trials": "ran every trial (--trials) before the interval was within --precision"}.get(
-                               cell["stopped_by"], "stopped: %s" % cell["stopped_by"]))
+        out.line(
+            "  %s"
+            % {
+                "precision": "stopped once the interval was within the asked precision (--precision)",
+                "trials": "ran every trial (--trials) before the interval was within --precision",
+            }.get(cell["stopped_by"], "stopped: %s" % cell["stopped_by"])
+        )
     if cell["differences"]:
-        out.line("  timed despite differences (--allow-mismatch): " + ", ".join(
-            "%s %s vs %s" % (d["setting"], d["off"], d["on"]) for d in cell["differences"]))
+        out.line(
+            "  timed despite differences (--allow-mismatch): "
+            + ", ".join(
+                "%s %s vs %s" % (d["setting"], d["off"], d["on"]) for d in cell["differences"]
+            )
+        )
 
 
 # ----------------------------------------------------------------------------
 # main
 
 RUNNERS: Dict[str, Callable[[Config, Out], int]] = {
-    "harness": run_harness, "help": run_help, "sweep": run_sweep, "cost": run_cost}
+    "harness": run_harness,
+    "help": run_help,
+    "sweep": run_sweep,
+    "cost": run_cost,
+}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
