@@ -91,6 +91,7 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set,
 # ----------------------------------------------------------------------------
 # Constants
 
+LAB_VERSION = "0.9.0"  # run.py --version; saved in every result, with the command that made it
 SWEEP_SCHEMA = "batch-invariance-lab/sweep/2"  # the "schema" field of sweep save files
 SWEEP_SCHEMAS_READ = ("batch-invariance-lab/sweep/1", SWEEP_SCHEMA)  # what --baseline reads
 COST_SCHEMA = "batch-invariance-lab/cost/1"  # the "schema" field of cost save files
@@ -587,12 +588,27 @@ def prefill_aggregate(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
         "prefill_first_step": first["prefill_first_step"] if first else None,
         "prefill_margin": first.get("prefill_margin") if first else None,
         "prefill_tokens": sum(r.get("prefill_tokens", 0) for r in checked),
+        **prefill_kl(checked),
         "prefill_notes": sorted({n for r in checked for n in r["prefill_notes"]}),
     }
 
 
 PREFILL_AGREE = "decode and prefill agree bitwise"  # the prefill check's verdict, kept apart
 PREFILL_DIFFER = "decode and prefill differ"
+
+
+def prefill_kl(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The KL figures of the prefill check over rows: divergent tokens, and the K3 estimate's
+    mean and largest term over them."""
+    divergent = sum(r.get("prefill_divergent", 0) for r in rows)
+    total = sum(r.get("prefill_kl_sum", 0.0) for r in rows)
+    largest = [r["prefill_kl_max"] for r in rows if r.get("prefill_kl_max") is not None]
+    return {
+        "prefill_divergent": divergent,
+        "prefill_kl_sum": total,
+        "prefill_kl_mean": total / divergent if divergent else None,
+        "prefill_kl_max": max(largest) if largest else None,
+    }
 
 
 def prefill_verdict(checked: Dict[str, Any]) -> str:
@@ -2069,6 +2085,7 @@ class Config:
     url: Optional[str] = None
     model: Optional[str] = None
     api_key: Optional[str] = field(default=None, repr=False)
+    provenance: Dict[str, Any] = field(default_factory=dict)  # how the results were made
     timeout: float = DEFAULT_TIMEOUT_S
     max_response_bytes: int = DEFAULT_MAX_RESPONSE_MB << 20
     json_out: bool = False
@@ -2163,6 +2180,26 @@ def exit_codes_text(indent: str = "  ") -> str:
     return "\n".join("%s%-4d %s" % (indent, code, meaning) for code, meaning in EXIT_CODES)
 
 
+def provenance(argv: Sequence[str]) -> Dict[str, Any]:
+    """What a saved result records of how it was made: the lab's version, the command line
+    with any key removed, the client's host and when the run started."""
+    command, hide = [], False
+    for word in argv:
+        if hide:
+            command.append("[api key]")
+            hide = False
+        elif word == "--api-key":
+            command.append(word)
+            hide = True
+        elif word.startswith("--api-key="):
+            command.append("--api-key=[api key]")
+        else:
+            command.append(word)
+    return {"version": LAB_VERSION, "command": ["run.py"] + command, "host": socket.gethostname(),
+            "python": "%d.%d.%d" % sys.version_info[:3],
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="run.py",
@@ -2170,6 +2207,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Batch-invariance lab for vLLM and SGLang servers, over plain HTTP.",
         epilog="exit codes:\n" + exit_codes_text(),
     )
+    p.add_argument("--version", action="version", version="run.py (batch-invariance lab) " + LAB_VERSION)
     p.add_argument(
         "--mode",
         choices=MODES,
@@ -2524,6 +2562,7 @@ def configure(argv: Optional[Sequence[str]]) -> Config:
     args = build_parser().parse_args(argv)
     engine = None if args.engine == "auto" else args.engine
     cfg = Config(mode=args.mode, engine=engine)
+    cfg.provenance = provenance(sys.argv[1:] if argv is None else list(argv))
     if args.mode in ("harness", "help"):
         return cfg
     default_port = ADAPTERS[
@@ -3681,12 +3720,15 @@ class PrefillCheck:
     ) -> Dict[str, Any]:
         """The row fields: largest ULP distance, first step that differs, unit notes."""
         worst, first, notes, margin, compared = 0, None, set(), None, 0
+        kl = KlEstimate()
         seen: List[Completion] = []
         for c in completions:
             if any(same_completion(c, s) for s in seen):
                 continue
             seen.append(c)
-            ulps, units = pair_ulps(list(c.logprobs), self.prefill(prompt, c.tokens), clamps)
+            prefill = self.prefill(prompt, c.tokens)
+            ulps, units = pair_ulps(list(c.logprobs), prefill, clamps)
+            kl.add(c.logprobs, prefill, clamps)
             compared += len(ulps)
             notes |= units
             worst = max([worst] + [u for u in ulps if u])
@@ -3699,6 +3741,36 @@ class PrefillCheck:
             "prefill_notes": sorted(notes),
             "prefill_margin": margin.to_record() if margin else None,
             "prefill_tokens": compared,
+            **kl.to_record(),
+        }
+
+
+@dataclass
+class KlEstimate:
+    """KL(decode || prefill) over the tokens whose two logprobs differ, by the K3 estimator
+    SGLang's p_vs_d mode reports: with log r = prefill - decode at a decoded token,
+    (exp(log r) - 1) - log r, never negative, 0 where the two agree. Clamped and non-finite
+    values give no estimate (their ULP notes say so)."""
+
+    divergent: int = 0  # tokens whose decode and prefill logprobs differ
+    total: float = 0.0  # their K3 terms, summed
+    largest: float = 0.0
+
+    def add(self, decode: Sequence[float], prefill: Sequence[float], clamps: Sequence[float]) -> None:
+        for d, p in zip(decode, prefill):
+            if d == p or not (math.isfinite(d) and math.isfinite(p)) or d in clamps or p in clamps:
+                continue
+            log_r = p - d
+            term = math.expm1(log_r) - log_r
+            self.divergent += 1
+            self.total += term
+            self.largest = max(self.largest, term)
+
+    def to_record(self) -> Dict[str, Any]:
+        return {
+            "prefill_divergent": self.divergent,
+            "prefill_kl_sum": self.total,
+            "prefill_kl_max": self.largest if self.divergent else None,
         }
 
 
@@ -3872,6 +3944,9 @@ def sweep_document(
                 "prefill_first_step": None,
                 "prefill_margin": None,
                 "prefill_tokens": 0,
+                "prefill_divergent": 0,
+                "prefill_kl_mean": None,
+                "prefill_kl_max": None,
                 "prefill_notes": [],
             }
         )
@@ -3901,6 +3976,7 @@ def sweep_document(
         "prompts": [s.to_record() for s in sweeps],
         "summary": summary,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "lab": dict(cfg.provenance, ended=None if state == "running" else now_stamp()),
     }
 
 
@@ -3923,6 +3999,10 @@ def bypass_check(sweeps: List[PromptSweep]) -> Dict[str, Any]:
     )
     status = BYPASS_UNVERIFIED if not counts else BYPASS_FAILED if hits else BYPASS_HELD
     return {"status": status, "hit_sizes": hits}
+
+
+def now_stamp() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def unseeded(sampling: Sampling, facts: ServerFacts) -> bool:
@@ -4104,6 +4184,13 @@ class SweepTable:
                     "1",
                 )
             )
+            if sm.get("prefill_divergent"):
+                out.line(
+                    "prefill check, KL(decode || prefill), K3 estimate over the %d divergent of %d "
+                    "tokens: mean %.3g, max %.3g"
+                    % (sm["prefill_divergent"], sm["prefill_tokens"], sm["prefill_kl_mean"],
+                       sm["prefill_kl_max"])
+                )
 
 
 def size_row(s: Dict[str, Any], bypass: bool) -> str:
@@ -4802,6 +4889,7 @@ def cost_cell(
         "differences": hazards,
         "state": state,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "lab": dict(cfg.provenance, ended=None if state == "running" else now_stamp()),
     }
     same_tokens = off.tokens[:pairs] == on.tokens[:pairs]
     if same_tokens:

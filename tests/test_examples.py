@@ -193,6 +193,39 @@ class Samples(unittest.TestCase):
                 self.assertTrue(lo <= self.KNOWN_PCT[(cell["tp"], cell["workload"])] <= hi, (lo, hi))
 
 
+class Compare(unittest.TestCase):
+    def compare(self, *names):
+        return subprocess.run([sys.executable, os.path.join(EXAMPLES, "compare.py")]
+                              + [os.path.join(EXAMPLES, n) for n in names], capture_output=True, text=True,
+                              timeout=60)
+
+    def test_two_sweeps_side_by_side_with_what_changed(self):
+        p = self.compare("sample_sweep_off.json", "sample_sweep_on.json")
+        self.assertEqual(p.returncode, 0, p.stderr)
+        lines = {line.split()[0]: line.split()[1:] for line in p.stdout.splitlines() if line.startswith("  ")}
+        off, on = self.load("sample_sweep_off.json"), self.load("sample_sweep_on.json")
+        self.assertEqual(lines["flag"], ["False", "True", "changed"])
+        want = on["summary"]["unique_completions"] - off["summary"]["unique_completions"]
+        self.assertEqual(lines["unique_completions"][-1], "%+d" % want)
+        self.assertIn("verdict             tokens diverged           invariant                 changed",
+                      p.stdout)
+
+    def test_two_cost_files_cell_by_cell(self):
+        p = self.compare("sample_cost.json", os.path.join("real", "cost_4cells.json"))
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertIn("TP=2 shared-prefix", p.stdout)
+        self.assertIn("old only", p.stdout)
+        self.assertIn("new only", p.stdout)
+
+    def test_two_of_different_kinds_are_refused(self):
+        p = self.compare("sample_cost.json", "sample_sweep_on.json")
+        self.assertEqual(p.returncode, 2)
+        self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+
+    def load(self, name):
+        return json.loads(read(name))
+
+
 class PlotScripts(unittest.TestCase):
     def plot(self, script, *args, env=None):
         return subprocess.run([sys.executable, os.path.join(EXAMPLES, script)] + list(args),

@@ -2,6 +2,7 @@
 computes when prompt + completion is read back as one token-id prompt?"""
 
 import json
+import math
 import unittest
 from unittest import mock
 
@@ -28,7 +29,31 @@ def expected_prefill(engine, n, invariant):
     return max(distances), next((i for i, d in enumerate(distances) if d), None)
 
 
+def expected_kl(engine, invariant):
+    """(divergent tokens, mean and largest K3 term) of a flag-on sweep, whose completions are
+    all batch 1's: computed from the stub's own arithmetic with the K3 formula written here."""
+    ids, decode, _, _ = stub_completion(engine, PROMPT, 1, TOKENS, 5, invariant=invariant)
+    prefill = stub_server.prefill_logprobs(PROMPT, ids, stub_server.PREFILL_PLAN)
+    terms = [math.exp(p - d) - 1.0 - (p - d) for d, p in zip(decode, prefill) if d != p]
+    return len(terms), sum(terms) / len(terms), max(terms)
+
+
 class DecodeVersusPrefill(TempDirTest):
+    def test_the_kl_estimate_of_the_divergent_tokens(self):
+        for engine in ("vllm", "sglang"):
+            with self.subTest(engine=engine), StubServer(StubConfig(engine=engine, invariant=True)) as stub:
+                r = sweep(stub)
+            self.assertEqual(r.code, 0, r)
+            sm = r.json()["summary"]
+            divergent, mean, largest = expected_kl(engine, True)
+            self.assertGreater(divergent, 0)
+            # every size's completion is batch 1's, so each distinct one is checked once a size
+            self.assertEqual(sm["prefill_divergent"], divergent * len(SIZES))
+            self.assertAlmostEqual(sm["prefill_kl_mean"], mean, delta=1e-12 + 1e-9 * mean)
+            self.assertAlmostEqual(sm["prefill_kl_max"], largest, delta=1e-12 + 1e-9 * largest)
+            self.assertEqual(sm["prefill_tokens"], TOKENS * len(SIZES))
+
+
     def test_with_the_agreement_switch_they_agree_bitwise(self):
         for engine in ("vllm", "sglang"):
             with self.subTest(engine=engine):

@@ -292,5 +292,30 @@ class Colour(unittest.TestCase):
         self.assertIn("\033[1msummary:", bold.stdout)
 
 
+class Provenance(TempDirTest):
+    def test_saved_results_say_how_they_were_made_without_the_key(self):
+        with StubServer(StubConfig()) as off, StubServer(StubConfig(invariant=True)) as on:
+            sweep = run_lab("--mode", "sweep", "--url", off.url, "--sizes", "1,2", "--max-tokens", 4,
+                            "--api-key", "sk-secret-1", "--save", self.path("s.json"))
+            cost = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", 1,
+                           "--trials", 1, "--warmup", 0, "--max-tokens", 2, "--api-key=sk-secret-2",
+                           "--save", self.path("c.json"))
+        self.assertEqual((sweep.code, cost.code), (0, 0), (sweep, cost))
+        for lab in (self.load("s.json")["lab"], self.load("c.json")["cells"][0]["lab"]):
+            with self.subTest(command=lab["command"][:3]):
+                self.assertEqual(lab["version"], run.LAB_VERSION)
+                self.assertEqual(lab["command"][0], "run.py")
+                self.assertIn("--save", lab["command"])
+                self.assertNotIn("sk-secret", json.dumps(lab))
+                self.assertTrue(lab["started"] <= lab["ended"])
+                self.assertTrue(lab["host"])
+        self.assertIn("[api key]", self.load("s.json")["lab"]["command"])
+
+    def test_version(self):
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "run.py"), "--version"], capture_output=True,
+                           text=True, timeout=60)
+        self.assertEqual((p.returncode, p.stdout.strip()), (0, "run.py (batch-invariance lab) %s" % run.LAB_VERSION))
+
+
 if __name__ == "__main__":
     unittest.main()
