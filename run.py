@@ -131,6 +131,7 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs; it answers 400 above
 DEFAULT_TEMPERATURE = 0.0  # greedy: a divergence is unarguable
 DEFAULT_TOP_P = 1.0  # always sent, or the model's generation_config decides
 DEFAULT_SEED = 42  # sent whenever temperature > 0; unseeded sampling depends on the batch
+MAX_REQUEST_RATE = 100000.0  # --request-rate above this is a burst in all but name
 TRAFFIC_SHAPES = ("copies", "concurrent", "mixed")  # how each batch size is sent (see --mode help)
 DEFAULT_REPEAT = 3  # passes through the ladder: a flag-off server is not repeatable run to run
 MAX_REPEAT = 100  # more passes than this is a soak test, not a sweep
@@ -2120,6 +2121,7 @@ class Config:
         None  # load trials: requests in flight at once (None: one batch request)
     )
     requests: int = 0  # load trials: requests per trial
+    request_rate: Optional[float] = None  # Poisson arrivals a second; None: a burst
     precision: Optional[float] = None  # stop once the interval's half-width is at most this
 
     @property
@@ -2258,6 +2260,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="first wait up to this long for the server(s) to answer their health "
         "check (a server just started takes minutes to load)",
+    )
+    sweep_cost.add_argument(
+        "--request-rate",
+        type=real_number(0.0, above=True),
+        metavar="R",
+        help="with --traffic concurrent (sweep) or --concurrency (cost): requests arrive at R a "
+        "second, Poisson (exponential gaps drawn from --seed, so a run repeats), as vllm bench "
+        "serve's --request-rate; default: all at once (a burst)",
     )
     sweep_cost.add_argument(
         "--quiet",
@@ -2574,6 +2584,9 @@ def configure(argv: Optional[Sequence[str]]) -> Config:
     cfg.timeout, cfg.max_response_bytes = args.timeout, args.max_response_mb << 20
     cfg.json_out, cfg.quiet, cfg.wait_ready = args.json, args.quiet, args.wait_ready
     cfg.color = args.color
+    cfg.request_rate = args.request_rate
+    if cfg.request_rate is not None and cfg.request_rate > MAX_REQUEST_RATE:
+        raise UsageError("--request-rate: at most %g a second" % MAX_REQUEST_RATE)
     if args.save:
         cfg.save = args.save
         cfg.prior_save = check_save_target(
@@ -2581,8 +2594,12 @@ def configure(argv: Optional[Sequence[str]]) -> Config:
         )
     if args.mode == "sweep":
         configure_sweep(cfg, args)
+        if cfg.request_rate is not None and cfg.traffic != "concurrent":
+            raise UsageError("--request-rate goes with --traffic concurrent (one request a prompt)")
     else:
         configure_cost(cfg, args)
+        if cfg.request_rate is not None and not cfg.concurrency:
+            raise UsageError("--request-rate goes with --concurrency (one streamed request a prompt)")
     return cfg
 
 
@@ -3580,6 +3597,31 @@ class SentBatch:
     send_spread: Optional[float] = None  # concurrent: first to last request's send time
 
 
+@dataclass(frozen=True)
+class Arrivals:
+    """When requests go out: all at once (rate None, a burst), or as a Poisson process at rate
+    a second, its exponential gaps drawn from a seed so that a run can be repeated."""
+
+    rate: Optional[float] = None
+
+    def schedule(self, n: int, seed: int) -> List[float]:
+        """Each request's send time, in seconds after the first."""
+        if not self.rate:
+            return [0.0] * n
+        rng, at, times = random.Random(seed), 0.0, []
+        for _ in range(n):
+            times.append(at)
+            at += rng.expovariate(self.rate)
+        return times
+
+    def wait_until(self, when: float) -> None:
+        if self.rate:
+            time.sleep(max(0.0, when - CLOCK()))
+
+    def describe(self) -> str:
+        return "burst" if not self.rate else "poisson at %g/s" % self.rate
+
+
 @dataclass
 class Sender:
     """How a sweep sends one batch size in each traffic shape, to one server."""
@@ -3589,6 +3631,7 @@ class Sender:
     model: str
     sampling: Sampling
     isolate: bool  # bypass the prefix cache
+    arrivals: Arrivals = Arrivals()  # when concurrent requests go out
 
     def one_request(self, prompts: List[str]) -> Tuple[List[Completion], float, Optional[int]]:
         answer, seconds = generate(
@@ -3650,10 +3693,12 @@ class Sender:
             t.start()
         for _ in range(n):
             ready.acquire()
+        schedule = self.arrivals.schedule(n, seed + n)
         start = CLOCK()
         sent = []
         for i, post in enumerate(posts):
             if outcomes[i] is None:
+                self.arrivals.wait_until(start + schedule[i])
                 sent.append(CLOCK())
                 try:
                     post.send()
@@ -3956,6 +4001,7 @@ def sweep_document(
         sizes=sizes,
         prompts=len(cfg.prompts),
         traffic=cfg.traffic,
+        arrivals=Arrivals(cfg.request_rate).describe(),
         repeat=cfg.repeat,
         prefix_cache=cfg.prefix_cache,
         seed_honoured=facts.seed_honoured,
@@ -4363,7 +4409,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
     sizes = sweep_ladder(cfg, facts)
     sweep_warnings(facts, sizes, cfg.sampling, out)
     isolate = cfg.prefix_cache == "bypass"
-    sender = Sender(client, adapter, facts.model, cfg.sampling, isolate)
+    sender = Sender(client, adapter, facts.model, cfg.sampling, isolate, Arrivals(cfg.request_rate))
     prefill = PrefillCheck(sender) if cfg.prefill_check else None
     send = getattr(sender, cfg.traffic)
     sweeps: List[PromptSweep] = []
@@ -4534,12 +4580,16 @@ class Arm:
                 timing["tpot_s"] = (last - first) / (count - 1) if count > 1 else None
             return timing
 
+        arrivals = Arrivals(cfg.request_rate)
+        schedule = arrivals.schedule(len(prompts), DEFAULT_SEED + len(self.samples))
+
         def worker() -> None:
             while True:
                 with lock:
                     if not pending or any(isinstance(t, ServerError) for t in timings):
                         return
                     i, prompt = pending.pop(0)
+                arrivals.wait_until(start + schedule[i])
                 try:
                     timings[i] = stream_one(prompt)
                 except ServerError as err:
@@ -4580,6 +4630,7 @@ def cell_key(cell: Dict[str, Any]) -> Tuple:
         cell["workload"],
         cell["batch"],
         cell.get("concurrency"),
+        (cell.get("arrivals") or "burst") if cell.get("concurrency") else None,
         cell["max_tokens"],
         cell["model"],
     )
@@ -4910,6 +4961,7 @@ def cost_cell(
             concurrency=cfg.concurrency,
             requests=cfg.requests,
             primary="throughput",
+            arrivals=Arrivals(cfg.request_rate).describe(),
             load={arm.name: load_stats(arm) for arm in arms},
         )
         cell["overheads"] = {

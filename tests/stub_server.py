@@ -967,6 +967,7 @@ class StubHTTPServer(ThreadingHTTPServer):
         self.generation_requests = 0
         self.requests = []  # (method, path, headers) of every request, for tests
         self.bodies = []    # and the raw body of each
+        self.arrived = []   # and when it arrived (monotonic seconds)
         super().__init__((config.host, config.port), StubHandler)
 
     def handle_error(self, request, client_address):
@@ -978,6 +979,7 @@ class StubHTTPServer(ThreadingHTTPServer):
         with self.lock:
             self.requests.append((handler.command, handler.path, dict(handler.headers)))
             self.bodies.append(body)
+            self.arrived.append(time.monotonic())  # when its body was in
 
     def next_fault(self) -> Optional[str]:
         with self.lock:

@@ -227,5 +227,61 @@ class BadInput(unittest.TestCase):
         self.assertIn("exceed the server's max-num-seqs", r.stderr)
 
 
+class RequestRate(unittest.TestCase):
+    """--request-rate: arrivals that a recording loopback server sees as Poisson at that rate."""
+
+    def gaps(self, stub):
+        times = [t for (m, path, _), t in zip(stub.requests, stub.httpd.arrived)
+                 if m == "POST" and path == "/v1/completions"]
+        return [b - a for a, b in zip(times, times[1:])]
+
+    def test_concurrent_requests_arrive_at_the_rate(self):
+        with StubServer(StubConfig()) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--traffic", "concurrent", "--sizes", "1,201",
+                        "--max-tokens", 1, "--repeat", 1, "--request-rate", 100, "--json")
+            gaps = self.gaps(stub)[1:]  # the 200 gaps between batch 201's requests
+        self.assertEqual(r.code, 0, r)
+        self.assertEqual(r.json()["params"]["arrivals"], "poisson at 100/s")
+        self.assertEqual(len(gaps), 200)
+        mean = sum(gaps) / len(gaps)
+        self.assertLess(abs(mean - 0.01) / 0.01, 0.10, mean)
+        # exponential gaps: their spread is about their mean (a burst's, or a fixed pace's, is not)
+        spread = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5
+        self.assertTrue(0.7 < spread / mean < 1.3, (spread, mean))
+
+    def test_the_default_is_a_burst(self):
+        with StubServer(StubConfig()) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--traffic", "concurrent", "--sizes", "1,50",
+                        "--max-tokens", 1, "--repeat", 1, "--json")
+            gaps = self.gaps(stub)[1:]
+        self.assertEqual(r.json()["params"]["arrivals"], "burst")
+        self.assertLess(sum(gaps), 0.5 * 50 / 100)  # far faster than any rate the test above sets
+
+    def test_a_seed_repeats_the_schedule(self):
+        a = run.Arrivals(50.0).schedule(100, 7)
+        self.assertEqual(a, run.Arrivals(50.0).schedule(100, 7))
+        self.assertNotEqual(a, run.Arrivals(50.0).schedule(100, 8))
+        self.assertEqual(run.Arrivals(None).schedule(3, 7), [0.0, 0.0, 0.0])
+
+    def test_load_trials_arrive_at_the_rate_too(self):
+        with StubServer(StubConfig()) as off, StubServer(StubConfig(invariant=True)) as on:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--concurrency", 64,
+                        "--requests", 101, "--trials", 1, "--warmup", 0, "--max-tokens", 1,
+                        "--request-rate", 100, "--quiet", "--json")
+            gaps = self.gaps(off)
+        self.assertEqual(r.code, 0, r)
+        self.assertEqual(r.json()["arrivals"], "poisson at 100/s")
+        mean = sum(gaps) / len(gaps)
+        self.assertLess(abs(mean - 0.01) / 0.01, 0.15, mean)
+
+    def test_only_where_requests_go_one_a_prompt(self):
+        with StubServer(StubConfig()) as stub, StubServer(StubConfig(invariant=True)) as on:
+            for extra in (("--mode", "sweep", "--traffic", "copies"), ("--mode", "cost", "--invariant", on.url)):
+                with self.subTest(extra=extra):
+                    r = run_lab("--url", stub.url, "--request-rate", 10, *extra)
+                    self.assertEqual(r.code, 2, r)
+                    self.assertIn("--request-rate goes with", r.stderr)
+
+
 if __name__ == "__main__":
     unittest.main()
