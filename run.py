@@ -131,6 +131,7 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs; it answers 400 above
 DEFAULT_TEMPERATURE = 0.0  # greedy: a divergence is unarguable
 DEFAULT_TOP_P = 1.0  # always sent, or the model's generation_config decides
 DEFAULT_SEED = 42  # sent whenever temperature > 0; unseeded sampling depends on the batch
+MAX_PROMPT_TOKENS = 1000000  # --prompt-tokens above this is no prompt a server takes
 MAX_REQUEST_RATE = 100000.0  # --request-rate above this is a burst in all but name
 TRAFFIC_SHAPES = ("copies", "concurrent", "mixed")  # how each batch size is sent (see --mode help)
 DEFAULT_REPEAT = 3  # passes through the ladder: a flag-off server is not repeatable run to run
@@ -1247,6 +1248,7 @@ class EngineAdapter(Protocol):
     flag_name: str
     logprob_clamps: Tuple[float, ...]  # the engine's stand-ins for a -inf logprob
     CACHE_COUNTS_HINT: str  # how to have the server report cached prompt tokens
+    PREFILL_BUDGET: str  # the settings label of the chunked-prefill budget
 
     def answers_like(self, client: HttpClient) -> bool:
         """Does the server at client answer this engine's own info endpoint as this engine does?
@@ -1377,6 +1379,7 @@ class VllmAdapter:
     DEFAULT_MAX_NUM_SEQS = 32  # assumed when the server does not say (upstream's test value)
     SETTINGS_HINT = "start vLLM with VLLM_SERVER_DEV_MODE=1 to expose /server_info"
     CACHE_COUNTS_HINT = "start vLLM with --enable-prompt-tokens-details to have them reported"
+    PREFILL_BUDGET = "max num batched tokens"  # the setting that splits a long prefill into chunks
 
     # (label, path in /server_info) of every setting that changes the arithmetic or the batching
     SETTINGS = [
@@ -1625,6 +1628,7 @@ class SglangAdapter:
     logprob_clamps = (-3.4028234663852886e38,)
     GRAPH_SIZES = [1, 2, 4, 8, 12, 16, 24, 32]  # decode graphs with --cuda-graph-max-bs-decode 32
     CACHE_COUNTS_HINT = "SGLang reports them in meta_info.cached_tokens; this server did not"
+    PREFILL_BUDGET = "chunked prefill size"  # the setting that splits a long prefill into chunks
     SEED_NOTE = (
         "SGLang honours sampling_seed only with --enable-deterministic-inference "
         "(python/sglang/srt/sampling/sampling_batch_info.py, 0.5.23 lines 157-171)"
@@ -2108,6 +2112,8 @@ class Config:
     prefix_cache: str = "bypass"
     seed: int = DEFAULT_SEED  # also places mixed traffic's fillers
     prefill_check: bool = False
+    prompt_tokens: Optional[int] = None  # build a prompt of about this many tokens
+    long_prompt: Optional["LongPrompt"] = None  # the prompt so built, as the server counted it
     # cost
     invariant_url: Optional[str] = None
     batch: int = DEFAULT_BATCH
@@ -2358,6 +2364,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="compare with the batch-1 completions of an "
         "earlier sweep's --save file (same model and prompts)",
+    )
+    sweep.add_argument(
+        "--prompt-tokens",
+        type=whole_number(1, MAX_PROMPT_TOKENS),
+        metavar="N",
+        help="measure a prompt of about N tokens, built of plain words until the server's own "
+        "tokenizer counts N within a few, instead of --prompt (to cross the chunked-prefill budget)",
     )
     sweep.add_argument(
         "--prefill-check",
@@ -2624,6 +2637,9 @@ def configure_sweep(cfg: Config, args: argparse.Namespace) -> None:
         args.seed,
     )
     cfg.prefill_check = args.prefill_check
+    cfg.prompt_tokens = args.prompt_tokens
+    if cfg.prompt_tokens and (args.prompt or args.prompt_file):
+        raise UsageError("--prompt-tokens builds the prompt itself: leave out --prompt and --prompt-file")
     if cfg.expect == "prefill-equal" and not cfg.prefill_check:
         raise UsageError("--expect prefill-equal needs --prefill-check")
     if cfg.traffic == "mixed" and (max(cfg.sizes) if cfg.sizes else cfg.max_batch) == 1:
@@ -4000,6 +4016,7 @@ def sweep_document(
         cfg.sampling.params(),
         sizes=sizes,
         prompts=len(cfg.prompts),
+        prompt_tokens=cfg.long_prompt.to_record() if cfg.long_prompt else None,
         traffic=cfg.traffic,
         arrivals=Arrivals(cfg.request_rate).describe(),
         repeat=cfg.repeat,
@@ -4054,6 +4071,44 @@ def now_stamp() -> str:
 def unseeded(sampling: Sampling, facts: ServerFacts) -> bool:
     """Sampling that the server does not seed: its differences may be plain sampling noise."""
     return sampling.temperature > 0 and facts.seed_honoured is False
+
+
+@dataclass(frozen=True)
+class LongPrompt:
+    """A prompt built to about a number of tokens, as the server counts them."""
+
+    text: str
+    asked: int  # --prompt-tokens
+    tokens: int  # what the server's tokenizer made of it
+    budget: Optional[int]  # the chunked-prefill budget, where the server says
+
+    def to_record(self) -> Dict[str, Any]:
+        chunks = -(-self.tokens // self.budget) if self.budget else None
+        return {"asked": self.asked, "tokens": self.tokens, "prefill_budget": self.budget,
+                "prefill_chunks": chunks}
+
+
+PROMPT_FIT_TRIES = 6  # rounds of counting and resizing a built prompt
+
+
+def built_prompt(client: HttpClient, adapter: EngineAdapter, facts: ServerFacts, n: int) -> LongPrompt:
+    """Plain words, resized until the server's own tokenizer counts n within max(2, n/100)."""
+
+    def count(text: str) -> int:
+        ids = parsed("the prompt's token ids", adapter.prompt_token_ids, client, facts.model, text)
+        return len(ids)
+
+    words = n
+    tokens = count(filler_words(words))
+    for _ in range(PROMPT_FIT_TRIES):
+        if abs(tokens - n) <= max(2, n // 100):
+            break
+        words = max(1, round(words * n / max(tokens, 1)))
+        tokens = count(filler_words(words))
+    budget = facts.settings.get(adapter.PREFILL_BUDGET)
+    if not (isinstance(budget, int) and not isinstance(budget, bool) and budget > 0):
+        budget = None
+    return LongPrompt(filler_words(words), n, tokens, budget)
 
 
 def sweep_warnings(facts: ServerFacts, sizes: List[int], sampling: Sampling, out: Out) -> None:
@@ -4130,6 +4185,18 @@ class SweepTable:
                 p.get("prefix_cache", "keep"),
             )
         )
+        long_prompt = p.get("prompt_tokens")
+        if long_prompt:
+            if long_prompt["prefill_budget"]:
+                crossing = ("crosses the chunked-prefill budget of %d tokens: prefilled in %d chunks"
+                            % (long_prompt["prefill_budget"], long_prompt["prefill_chunks"])
+                            if long_prompt["prefill_chunks"] > 1 else
+                            "fits in one chunk of the chunked-prefill budget (%d tokens)"
+                            % long_prompt["prefill_budget"])
+            else:
+                crossing = "the server does not say its chunked-prefill budget"
+            out.line("        prompt of %d tokens by the server's tokenizer (asked %d): %s"
+                     % (long_prompt["tokens"], long_prompt["asked"], crossing))
 
     def size_done(self, number: int, total: int, sweep: "PromptSweep", n: int) -> None:
         if number not in self.rows:
@@ -4406,6 +4473,9 @@ def run_sweep(cfg: Config, out: Out) -> int:
             "--baseline: %s was recorded for model %s, this server serves %s"
             % (cfg.baseline_path, cfg.baseline.get("model"), facts.model)
         )
+    if cfg.prompt_tokens:
+        built = built_prompt(client, adapter, facts, cfg.prompt_tokens)
+        cfg = dataclasses.replace(cfg, prompts=[built.text], long_prompt=built)
     sizes = sweep_ladder(cfg, facts)
     sweep_warnings(facts, sizes, cfg.sampling, out)
     isolate = cfg.prefix_cache == "bypass"

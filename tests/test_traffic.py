@@ -4,6 +4,7 @@ control, against a practice engine that batches concurrent requests as a server 
 import json
 import unittest
 
+import stub_server
 from support import StubConfig, StubServer, TempDirTest, expected_sweep, run, run_lab
 
 PROMPT = run.DEFAULT_PROMPT
@@ -281,6 +282,41 @@ class RequestRate(unittest.TestCase):
                     r = run_lab("--url", stub.url, "--request-rate", 10, *extra)
                     self.assertEqual(r.code, 2, r)
                     self.assertIn("--request-rate goes with", r.stderr)
+
+
+class LongPrompts(unittest.TestCase):
+    """--prompt-tokens: a prompt built to N tokens as the server counts them, and whether its
+    prefill crosses the chunked-prefill budget."""
+
+    def test_a_prompt_across_a_2048_token_budget(self):
+        budget = {("vllm_config", "scheduler_config", "max_num_batched_tokens"): 2048}
+        with StubServer(StubConfig(info_overrides=budget)) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--prompt-tokens", 3000, "--sizes", "1,2",
+                        "--max-tokens", 4, "--repeat", 1, "--json")
+            bodies = [json.loads(b) for b in stub.generation_bodies()]
+        self.assertEqual(r.code, 0, r)
+        found = r.json()["params"]["prompt_tokens"]
+        # the practice engine's tokenizer: one id per UTF-8 byte, counted here on its own
+        counted = len(stub_server.tokenize(bodies[0]["prompt"][0]))
+        self.assertEqual(found["tokens"], counted)
+        self.assertLessEqual(abs(counted - 3000), 30)
+        self.assertEqual((found["asked"], found["prefill_budget"], found["prefill_chunks"]), (3000, 2048, 2))
+        with StubServer(StubConfig(info_overrides=budget)) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--prompt-tokens", 3000, "--sizes", "1,2",
+                        "--max-tokens", 4, "--repeat", 1)
+        self.assertIn("crosses the chunked-prefill budget of 2048 tokens: prefilled in 2 chunks", r.stdout)
+
+    def test_one_that_fits(self):
+        with StubServer(StubConfig()) as stub:  # the template's budget: 8192
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--prompt-tokens", 500, "--sizes", "1,2",
+                        "--max-tokens", 4, "--repeat", 1)
+        self.assertEqual(r.code, 0, r)
+        self.assertIn("fits in one chunk of the chunked-prefill budget (8192 tokens)", r.stdout)
+
+    def test_not_with_a_prompt_of_ones_own(self):
+        r = run_lab("--mode", "sweep", "--prompt-tokens", 100, "--prompt", "hello")
+        self.assertEqual(r.code, 2, r)
+        self.assertIn("--prompt-tokens builds the prompt itself", r.stderr)
 
 
 if __name__ == "__main__":
