@@ -2113,6 +2113,8 @@ class Config:
     seed: int = DEFAULT_SEED  # also places mixed traffic's fillers
     prefill_check: bool = False
     prompt_tokens: Optional[int] = None  # build a prompt of about this many tokens
+    baseline_url: Optional[str] = None  # --baseline URL: batch 1 comes from this server
+    baseline_differences: List[Dict[str, Any]] = field(default_factory=list)  # its settings vs ours
     long_prompt: Optional["LongPrompt"] = None  # the prompt so built, as the server counted it
     # cost
     invariant_url: Optional[str] = None
@@ -2361,9 +2363,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sweep.add_argument(
         "--baseline",
-        metavar="PATH",
+        metavar="PATH|URL",
         help="compare with the batch-1 completions of an "
-        "earlier sweep's --save file (same model and prompts)",
+        "earlier sweep's --save file (same model and prompts), or of another server, measured "
+        "first with the same prompts and sampling: restart to restart, TP to TP, version to version",
     )
     sweep.add_argument(
         "--prompt-tokens",
@@ -2646,7 +2649,11 @@ def configure_sweep(cfg: Config, args: argparse.Namespace) -> None:
         raise UsageError(
             "--traffic mixed: batch 1 has no room for other prompts; give sizes above 1"
         )
-    if args.baseline:
+    if args.baseline and urllib.parse.urlsplit(args.baseline).scheme in ("http", "https"):
+        cfg.baseline_url = check_url(args.baseline, "--baseline")
+        if server_address(cfg.baseline_url) == server_address(cfg.url):
+            raise UsageError("--baseline names the server under test (--url); give another server")
+    elif args.baseline:
         cfg.baseline_path = args.baseline
         cfg.baseline = read_json_file(args.baseline, "--baseline")
         check_baseline(cfg)
@@ -3517,6 +3524,10 @@ THE MODES
                    vLLM request (one request takes one salt, and copies hit each other's
                    prefix). The cached-token counts prove it: a count above 0 marks the
                    size "cache hit: bypass did not hold"; no counts leave it unverified.
+                   --baseline URL holds the sweep against batch 1 of another server (asked
+                   first, with the same prompts and sampling): the restart-to-restart,
+                   TP-to-TP and version-to-version check; the header names the settings
+                   in which the two servers differ.
                      python3 run.py --mode sweep --url http://localhost:8000 --save off.json
                      python3 run.py --mode sweep --url http://localhost:8001 --expect invariant
   --mode cost      Times the same workload on a flag-off and a flag-on server, arms
@@ -3973,6 +3984,41 @@ def compare_batch(
     }
 
 
+@dataclass
+class BaselineServer:
+    """--baseline URL: another server whose batch 1 is the baseline (another restart, TP degree
+    or version of the same model), asked with the same prompts and sampling before the sweep."""
+
+    sender: "Sender"
+    facts: ServerFacts
+
+    @classmethod
+    def open(cls, cfg: Config, facts: ServerFacts, isolate: bool) -> "BaselineServer":
+        theirs = read_facts(cfg, cfg.baseline_url, "the baseline server (--baseline)")
+        if theirs.model != facts.model:
+            raise UsageError("--baseline: %s serves %s, the server under test %s"
+                             % (cfg.baseline_url, theirs.model, facts.model))
+        client = cfg.client(cfg.baseline_url)
+        return cls(Sender(client, cfg.adapter, theirs.model, cfg.sampling, isolate), theirs)
+
+    def batch1(self, prompt: str) -> Completion:
+        try:
+            self.sender.adapter.before_batch(self.sender.client, self.sender.isolate)
+            return self.sender.copies(prompt, 1, 0).completions[0]
+        except ServerError as err:
+            raise ServerError("the baseline server, batch 1: %s" % err) from None
+
+
+def server_differences(theirs: ServerFacts, ours: ServerFacts) -> List[Dict[str, Any]]:
+    """Every setting two servers report differently, the flag among them."""
+    found = [{"setting": "flag", "baseline": theirs.flag, "here": ours.flag}] if theirs.flag != ours.flag else []
+    for label in sorted(theirs.settings.keys() | ours.settings.keys()):
+        a, b = theirs.settings.get(label), ours.settings.get(label)
+        if a != b:
+            found.append({"setting": label, "baseline": a, "here": b})
+    return found
+
+
 def baseline_from_file(cfg: Config, prompt: str) -> Completion:
     entry = next(p for p in cfg.baseline["prompts"] if p.get("prompt") == prompt)
     return Completion.from_record(entry["baseline"])
@@ -4028,6 +4074,9 @@ def sweep_document(
         params["mixed_seed"] = cfg.seed
     if cfg.baseline_path:
         params["baseline_file"] = cfg.baseline_path
+    if cfg.baseline_url:
+        params["baseline_server"] = cfg.baseline_url
+        params["baseline_differences"] = cfg.baseline_differences
     return {
         "schema": SWEEP_SCHEMA,
         "engine": cfg.engine,
@@ -4185,6 +4234,11 @@ class SweepTable:
                 p.get("prefix_cache", "keep"),
             )
         )
+        if p.get("baseline_server"):
+            differences = p.get("baseline_differences") or []
+            out.line("        baseline: batch 1 of %s, %s" % (p["baseline_server"], "; ".join(
+                "%s %s there, %s here" % (d["setting"], fmt_setting(d["baseline"]), fmt_setting(d["here"]))
+                for d in differences) or "reporting the same settings"))
         long_prompt = p.get("prompt_tokens")
         if long_prompt:
             if long_prompt["prefill_budget"]:
@@ -4273,6 +4327,8 @@ class SweepTable:
                 "1",
             )
         )
+        if doc["params"].get("baseline_server"):
+            out.line("  against batch 1 of %s" % doc["params"]["baseline_server"])
         if "prefill_verdict" in sm:
             per_size = ", ".join(
                 "%d: %s" % (s["batch_size"], fmt_opt(s.get("prefill_max_ulp"), "?"))
@@ -4480,6 +4536,10 @@ def run_sweep(cfg: Config, out: Out) -> int:
     sweep_warnings(facts, sizes, cfg.sampling, out)
     isolate = cfg.prefix_cache == "bypass"
     sender = Sender(client, adapter, facts.model, cfg.sampling, isolate, Arrivals(cfg.request_rate))
+    reference = None
+    if cfg.baseline_url:
+        reference = BaselineServer.open(cfg, facts, isolate)
+        cfg = dataclasses.replace(cfg, baseline_differences=server_differences(reference.facts, facts))
     prefill = PrefillCheck(sender) if cfg.prefill_check else None
     send = getattr(sender, cfg.traffic)
     sweeps: List[PromptSweep] = []
@@ -4496,6 +4556,8 @@ def run_sweep(cfg: Config, out: Out) -> int:
             sweeps.append(sweep)
             if cfg.baseline is not None:
                 sweep.set_baseline(baseline_from_file(cfg, prompt), cfg.baseline_path)
+            elif reference is not None:
+                sweep.set_baseline(reference.batch1(prompt), "batch 1 of %s" % cfg.baseline_url)
             for pass_no in range(1, cfg.repeat + 1):
                 for n in sizes:
                     interrupt.check()

@@ -271,6 +271,8 @@ class StubConfig:
     prefill_agrees: bool = False             # prefill computes as a batch-1 decode step does
     prompt_logprobs: bool = True             # False: a server that returns no prompt logprobs
     info_overrides: Dict[Tuple[str, ...], object] = field(default_factory=dict)  # /server_info path -> value
+    rotation_offset: int = 0                 # another kernel build (a TP degree, a version): every
+                                             # reduction starts this many terms further on
     topk_edge_swap: bool = False             # above batch 1 the k-th top entry swaps with the (k+1)-th
 
     def sizes(self) -> List[int]:
@@ -435,12 +437,13 @@ def run_batch(config: StubConfig, state: EngineState, prompts: List[str], max_to
     if not config.honour_ignore_eos:
         max_tokens = max(1, max_tokens // 2)  # as if each completion met its end early
     plan = reduction_plan(step_size, config.sizes(), config.invariant and not config.coverage_gap)
+    plan = (plan[0], plan[1] + config.rotation_offset)
     results = []
     for i, prompt in enumerate(prompts):
         prefix = prefixes[i] if prefixes else []
         # A reproducible completion depends on nothing else: computed once, it is served again
         # (what a request sees is the same; only the practice engine's own CPU is spared).
-        key = (prompt, tuple(prefix), step_size, max_tokens, temperature, top_p, seed, ignore_eos)
+        key = (prompt, tuple(prefix), plan, max_tokens, temperature, top_p, seed, ignore_eos)
         reproducible = temperature <= 0.0 or seed is not None
         if reproducible and key in state.computed:
             results.append(state.computed[key])

@@ -226,5 +226,38 @@ class PrefillMargin(unittest.TestCase):
         self.assertGreater(sm["prefill_tokens"], 0)
 
 
+class AgainstAnotherServer(TempDirTest):
+    """--baseline URL: batch 1 of another server (a TP degree, a version, a restart)."""
+
+    def test_a_server_with_other_arithmetic_is_reported_against_the_baseline_server(self):
+        with StubServer(StubConfig(invariant=True)) as base, \
+                StubServer(StubConfig(invariant=True, tp_size=2, rotation_offset=1)) as other:
+            r = sweep(other, "--sizes", "1,2", "--baseline", base.url, "--expect", "invariant",
+                      "--save", self.path("s.json"))
+            base_bodies = base.generation_bodies()
+        self.assertEqual(r.code, 1, r)  # the arithmetic moved between the servers
+        doc = self.load("s.json")
+        self.assertEqual(doc["params"]["baseline_server"], base.url)
+        self.assertIn({"setting": "TP size", "baseline": 1, "here": 2}, doc["params"]["baseline_differences"])
+        self.assertEqual(doc["prompts"][0]["baseline_source"], "batch 1 of %s" % base.url)
+        self.assertIn(doc["summary"]["verdict"], ("tokens diverged", "logprobs moved but tokens held"))
+        self.assertGreater(sizes_of(doc)[1]["max_ulp"], 0)  # its own batch 1 differs from the baseline's
+        self.assertEqual(len(base_bodies), 1)  # the baseline server answered batch 1 once
+        self.assertIn("baseline: batch 1 of %s, TP size 1 there, 2 here" % base.url, r.stdout)
+        self.assertIn("against batch 1 of %s" % base.url, r.stdout)
+
+    def test_two_servers_alike_are_invariant_against_each_other(self):
+        with StubServer(StubConfig(invariant=True)) as base, StubServer(StubConfig(invariant=True)) as other:
+            r = sweep(other, "--sizes", "1,2,9", "--baseline", base.url, "--expect", "invariant")
+        self.assertEqual(r.code, 0, r)
+        self.assertIn("reporting the same settings", r.stdout)
+
+    def test_the_server_under_test_is_no_baseline(self):
+        with StubServer(StubConfig()) as stub:
+            r = sweep(stub, "--baseline", stub.url.replace("127.0.0.1", "localhost"))
+        self.assertEqual(r.code, 2, r)
+        self.assertIn("--baseline names the server under test", r.stderr)
+
+
 if __name__ == "__main__":
     unittest.main()
