@@ -443,7 +443,7 @@ def run_batch(config: StubConfig, state: EngineState, prompts: List[str], max_to
         prefix = prefixes[i] if prefixes else []
         # A reproducible completion depends on nothing else: computed once, it is served again
         # (what a request sees is the same; only the practice engine's own CPU is spared).
-        key = (prompt, tuple(prefix), plan, max_tokens, temperature, top_p, seed, ignore_eos)
+        key = (prompt, tuple(prefix), step_size, max_tokens, temperature, top_p, seed, ignore_eos)
         reproducible = temperature <= 0.0 or seed is not None
         if reproducible and key in state.computed:
             results.append(state.computed[key])
@@ -1055,6 +1055,8 @@ def main(argv=None) -> int:
     p.add_argument("--jitter", type=float, default=0.0, help="+- share of the delay, seeded")
     p.add_argument("--tp-size", type=int, default=1, help="TP degree to report")
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling and of the jitter")
+    p.add_argument("--rotation-offset", type=int, default=0, help="another kernel build: every "
+                   "reduction starts this many terms further on (try --baseline URL against it)")
     p.add_argument("--scheduler-window", type=float, default=0.05, help="seconds a step batch waits for "
                    "more requests to join it (default 0.05; 0 runs every request alone)")
     p.add_argument("--prompt-tokens-details", action="store_true", help="vLLM: report cached prompt tokens")
@@ -1070,7 +1072,7 @@ def main(argv=None) -> int:
         max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
         dev_mode=not args.no_dev_mode, step_delay=args.step_delay, slowdown=args.slowdown,
         jitter=args.jitter, seed=args.seed, tp_size=args.tp_size, scheduler_window=args.scheduler_window,
-        prompt_tokens_details=args.prompt_tokens_details, prefix_caching=not args.no_prefix_caching,
+        prompt_tokens_details=args.prompt_tokens_details, rotation_offset=args.rotation_offset, prefix_caching=not args.no_prefix_caching,
         decode_graphs=not args.no_decode_graphs,
         prefill_agrees=args.prefill_agrees,
         faults=parse_faults(args.fault))
