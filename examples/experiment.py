@@ -350,6 +350,7 @@ class Experiment:
         self.ended: Optional[float] = None
         self.exit_code = 0
         self.stopped_by: Optional[str] = None
+        self.first_tp: Optional[int] = None  # the first degree measured: the others against it
 
     def lab(self, *args: str) -> List[str]:
         return [sys.executable, os.path.join(ROOT, "run.py")] + list(args)
@@ -455,6 +456,7 @@ class Experiment:
             self.run_step(
                 Step("flag-%s sweep" % key, tp, outputs=[save]), argv, save[:-5] + ".txt"
             )
+        self.tp_against_first(tp)
         cost = os.path.join(self.run_dir, "cost.json")
         for workload in ("cold", "shared-prefix"):
             argv = self.lab(
@@ -480,6 +482,24 @@ class Experiment:
                 Step("cost, %s" % workload, tp, outputs=[cost]), argv, cost[:-5] + ".txt"
             )
         self.stop_arms()
+
+    def tp_against_first(self, tp: int) -> None:
+        """TP invariance of batch 1: the flag-on arm at this degree against the first degree's
+        flag-on batch 1 (its saved sweep as --baseline), once there is a first degree."""
+        first = self.first_tp
+        if first is None:
+            self.first_tp = tp
+            return
+        baseline = os.path.join(self.run_dir, "tp%d" % first, "sweep_on.json")
+        if not os.path.exists(baseline):
+            return
+        s = self.settings
+        save = os.path.join(self.run_dir, "tp%d" % tp, "tp%d_vs_tp%d.json" % (tp, first))
+        argv = self.lab("--mode", "sweep", "--engine", s.engine, "--url", s.urls["on"],
+                        "--wait-ready", "60", *s.sweep_args, "--baseline", baseline, "--sizes", "1",
+                        "--repeat", "1", "--expect", "invariant", "--save", save)
+        self.run_step(Step("TP %d against TP %d, batch 1, flag on" % (tp, first), tp, outputs=[save]),
+                      argv, save[:-5] + ".txt")
 
     def pictures(self) -> None:
         try:
@@ -638,6 +658,12 @@ def report(exp: Experiment) -> str:
                                        for arm, doc in found.items()])
         lines += ["", "Logs: `tp%d/server_off.log`, `tp%d/server_on.log`." % (tp, tp)]
         lines += ["No sweep saved for the flag-%s arm." % arm for arm in docs if arm not in found]
+        for name in sorted(os.listdir(folder)):
+            if name.startswith("tp%d_vs_tp" % tp) and name.endswith(".json"):
+                versus = load(os.path.join(folder, name)) or {}
+                sm = versus.get("summary") or {}
+                lines += ["", "TP invariance of batch 1 (flag on, `%s`): %s, max ULP %s." % (
+                    name, fmt(sm.get("verdict")), fmt(sm.get("max_ulp")))]
         if os.path.exists(os.path.join(folder, "sweep.png")):
             lines += ["", "![sweeps at TP %d](tp%d/sweep.png)" % (tp, tp)]
         lines.append("")

@@ -176,6 +176,11 @@ class ExperimentRuns(Experiment):
         self.assertIn("## TP 1", report)
         self.assertIn("## TP 2", report)
         self.assertIn("| 2 | shared-prefix |", report)
+        # batch 1 of the flag-on arm at TP 2 against TP 1's: the practice engine does not shard
+        versus = self.load_run("tp2", "tp2_vs_tp1.json")
+        self.assertEqual(versus["summary"]["verdict"], "invariant")
+        self.assertIn("TP invariance of batch 1 (flag on, `tp2_vs_tp1.json`): invariant, max ULP 0.", report)
+        self.assertIn("| 2 | TP 2 against TP 1, batch 1, flag on | 0 |", report)
 
     def test_a_degree_the_devices_cannot_hold_is_skipped_with_a_line(self):
         code, out, err = self.finish(self.start(GPUS="0", TP="1,2"))
