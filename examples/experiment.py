@@ -496,10 +496,10 @@ class Experiment:
         s = self.settings
         save = os.path.join(self.run_dir, "tp%d" % tp, "tp%d_vs_tp%d.json" % (tp, first))
         argv = self.lab("--mode", "sweep", "--engine", s.engine, "--url", s.urls["on"],
-                        "--wait-ready", "60", *s.sweep_args, "--baseline", baseline, "--sizes", "1",
-                        "--repeat", "1", "--expect", "invariant", "--save", save)
-        self.run_step(Step("TP %d against TP %d, batch 1, flag on" % (tp, first), tp, outputs=[save]),
-                      argv, save[:-5] + ".txt")
+                        "--wait-ready", "60", *s.sweep_args, "--baseline", baseline,
+                        "--sizes", "1", "--repeat", "1", "--expect", "invariant", "--save", save)
+        step = Step("TP %d against TP %d, batch 1, flag on" % (tp, first), tp, outputs=[save])
+        self.run_step(step, argv, save[:-5] + ".txt")
 
     def pictures(self) -> None:
         try:
