@@ -1257,9 +1257,15 @@ class EngineAdapter(Protocol):
     def read_facts(self, client: HttpClient, model: Optional[str]) -> ServerFacts: ...
 
     def body(
-        self, model: str, prompts: List[str], sampling: Sampling, isolate: bool = False
+        self,
+        model: str,
+        prompts: List[str],
+        sampling: Sampling,
+        isolate: bool = False,
+        cache_key: Optional[str] = None,
     ) -> Dict[str, Any]:
-        """The generation request; isolate: nothing an earlier request cached may serve it."""
+        """The generation request; isolate: nothing an earlier request cached may serve it
+        (a fresh cache key); cache_key: this key, so that a repeat is served from the cache."""
 
     def before_batch(self, client: HttpClient, isolate: bool) -> None:
         """Called before every batch size is sent; isolate as in body()."""
@@ -1506,7 +1512,12 @@ class VllmAdapter:
         )
 
     def body(
-        self, model: str, prompts: List[str], s: Sampling, isolate: bool = False
+        self,
+        model: str,
+        prompts: List[str],
+        s: Sampling,
+        isolate: bool = False,
+        cache_key: Optional[str] = None,
     ) -> Dict[str, Any]:
         body: Dict[str, Any] = {
             "model": model,
@@ -1519,7 +1530,9 @@ class VllmAdapter:
             # A fresh salt puts the request's prefix-cache entries apart from every other's
             # (CompletionRequest.cache_salt, vllm/entrypoints/openai/completion/protocol.py,
             # lines 185-195 in vLLM 0.26.0; an empty salt is refused at lines 555-566).
-            body["cache_salt"] = "lab-" + os.urandom(12).hex()
+            body["cache_salt"] = cache_key or fresh_cache_key()
+        elif cache_key:
+            body["cache_salt"] = cache_key
         if s.logprobs is not None:
             body["logprobs"] = s.logprobs
             body["return_tokens_as_token_ids"] = True  # compare ids, not decoded text
@@ -1770,7 +1783,12 @@ class SglangAdapter:
         )
 
     def body(
-        self, model: str, prompts: List[str], s: Sampling, isolate: bool = False
+        self,
+        model: str,
+        prompts: List[str],
+        s: Sampling,
+        isolate: bool = False,
+        cache_key: Optional[str] = None,
     ) -> Dict[str, Any]:
         params: Dict[str, Any] = {
             "temperature": s.temperature,
@@ -1787,7 +1805,9 @@ class SglangAdapter:
             # list; the radix cache is namespaced by it: 0.5.17 managers/io_struct.py line 287,
             # mem_cache/radix_cache.py lines 198-207), so that copies in one request do not
             # share a prefix; before_batch also flushes the cache between sizes.
-            body["extra_key"] = ["lab-" + os.urandom(12).hex() for _ in prompts]
+            body["extra_key"] = [fresh_cache_key() for _ in prompts]
+        if cache_key:  # one key per prompt, the same in a repeat
+            body["extra_key"] = ["%s-%d" % (cache_key, i) for i in range(len(prompts))]
         if s.logprobs is not None:
             body["return_logprob"] = True
             body["top_logprobs_num"] = s.logprobs
@@ -2061,6 +2081,11 @@ def detect_engine(client: HttpClient) -> EngineAdapter:
     return found
 
 
+def fresh_cache_key() -> str:
+    """A prefix-cache key no earlier request used."""
+    return "lab-" + os.urandom(12).hex()
+
+
 def generate(
     client: HttpClient,
     adapter: EngineAdapter,
@@ -2068,9 +2093,10 @@ def generate(
     prompts: List[str],
     sampling: Sampling,
     isolate: bool = False,
+    cache_key: Optional[str] = None,
 ) -> Tuple[Any, float]:
     """One request carrying every prompt, so that the engine schedules them as one batch."""
-    body = adapter.body(model, prompts, sampling, isolate)
+    body = adapter.body(model, prompts, sampling, isolate, cache_key)
     start = CLOCK()
     answer = client.request(adapter.generate_path, body)
     return answer, CLOCK() - start
@@ -2113,6 +2139,7 @@ class Config:
     seed: int = DEFAULT_SEED  # also places mixed traffic's fillers
     prefill_check: bool = False
     prompt_tokens: Optional[int] = None  # build a prompt of about this many tokens
+    cache_check: bool = False  # each batch again from the prefix cache, compared with the cold one
     baseline_url: Optional[str] = None  # --baseline URL: batch 1 comes from this server
     baseline_differences: List[Dict[str, Any]] = field(default_factory=list)  # its settings vs ours
     long_prompt: Optional["LongPrompt"] = None  # the prompt so built, as the server counted it
@@ -2384,10 +2411,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sweep.add_argument(
         "--expect",
-        choices=("invariant", "variant", "prefill-equal"),
+        choices=("invariant", "variant", "prefill-equal", "cache-equal"),
         help="exit 1 unless the "
         "result is invariant (flag on), shows a difference (flag off, the negative control), "
-        "or (with --prefill-check) decode and prefill agree bitwise",
+        "(with --prefill-check) decode and prefill agree bitwise, or (with --cache-check) a "
+        "verified cache hit equals the cold prefill bitwise",
+    )
+    sweep.add_argument(
+        "--cache-check",
+        action="store_true",
+        help="also send every batch again at once, with "
+        "the cold request's cache key, so that the prefix cache serves it, and compare it with "
+        "the cold one bitwise; the cached-token counts prove the hit (copies traffic, bypass)",
     )
     cost = p.add_argument_group("cost")
     cost.add_argument("--invariant", metavar="URL", help="the flag-on arm (required)")
@@ -2645,6 +2680,12 @@ def configure_sweep(cfg: Config, args: argparse.Namespace) -> None:
         raise UsageError("--prompt-tokens builds the prompt itself: leave out --prompt and --prompt-file")
     if cfg.expect == "prefill-equal" and not cfg.prefill_check:
         raise UsageError("--expect prefill-equal needs --prefill-check")
+    cfg.cache_check = args.cache_check
+    if cfg.expect == "cache-equal" and not cfg.cache_check:
+        raise UsageError("--expect cache-equal needs --cache-check")
+    if cfg.cache_check and (cfg.traffic != "copies" or cfg.prefix_cache != "bypass"):
+        raise UsageError("--cache-check goes with --traffic copies and --prefix-cache bypass (its "
+                         "cold request must be cold)")
     if cfg.traffic == "mixed" and (max(cfg.sizes) if cfg.sizes else cfg.max_batch) == 1:
         raise UsageError(
             "--traffic mixed: batch 1 has no room for other prompts; give sizes above 1"
@@ -3524,6 +3565,9 @@ THE MODES
                    vLLM request (one request takes one salt, and copies hit each other's
                    prefix). The cached-token counts prove it: a count above 0 marks the
                    size "cache hit: bypass did not hold"; no counts leave it unverified.
+                   --cache-check sends every batch again at once with its cold request's
+                   cache key and compares the cached answer with the cold one bitwise
+                   (--expect cache-equal); the cached-token counts prove the hit.
                    --baseline URL holds the sweep against batch 1 of another server (asked
                    first, with the same prompts and sampling): the restart-to-restart,
                    TP-to-TP and version-to-version check; the header names the settings
@@ -3660,16 +3704,18 @@ class Sender:
     isolate: bool  # bypass the prefix cache
     arrivals: Arrivals = Arrivals()  # when concurrent requests go out
 
-    def one_request(self, prompts: List[str]) -> Tuple[List[Completion], float, Optional[int]]:
+    def one_request(
+        self, prompts: List[str], cache_key: Optional[str] = None
+    ) -> Tuple[List[Completion], float, Optional[int]]:
         answer, seconds = generate(
-            self.client, self.adapter, self.model, prompts, self.sampling, self.isolate
+            self.client, self.adapter, self.model, prompts, self.sampling, self.isolate, cache_key
         )
         completions = parsed("the answer", self.adapter.completions, answer, len(prompts), True)
         return completions, seconds, parsed("the answer", self.adapter.cached_tokens, answer)
 
-    def copies(self, prompt: str, n: int, seed: int) -> SentBatch:
-        """n copies of the prompt in one request."""
-        return SentBatch(*self.one_request([prompt] * n))
+    def copies(self, prompt: str, n: int, seed: int, cache_key: Optional[str] = None) -> SentBatch:
+        """n copies of the prompt in one request (cache_key: see EngineAdapter.body)."""
+        return SentBatch(*self.one_request([prompt] * n, cache_key))
 
     def mixed(self, prompt: str, n: int, seed: int) -> SentBatch:
         """The prompt once among n-1 fillers in one request; only its own completion counts."""
@@ -4042,6 +4088,8 @@ def sweep_document(
         {u for s in sweeps for runs in s.runs.values() for r in runs for u in r["ulp_notes"]}
     )
     summary["state"] = state
+    if cfg.cache_check:
+        summary.update(cache_summary(sweeps))
     if cfg.prefill_check:
         checked = prefill_aggregate([r for s in sweeps for runs in s.runs.values() for r in runs])
         summary.update(
@@ -4069,6 +4117,7 @@ def sweep_document(
         prefix_cache=cfg.prefix_cache,
         seed_honoured=facts.seed_honoured,
         prefill_check=cfg.prefill_check,
+        cache_check=cfg.cache_check,
     )
     if cfg.traffic == "mixed":
         params["mixed_seed"] = cfg.seed
@@ -4111,6 +4160,65 @@ def bypass_check(sweeps: List[PromptSweep]) -> Dict[str, Any]:
     )
     status = BYPASS_UNVERIFIED if not counts else BYPASS_FAILED if hits else BYPASS_HELD
     return {"status": status, "hit_sizes": hits}
+
+
+CACHE_EQUAL = "cache hit equals cold prefill bitwise"  # the cache check's verdicts, kept apart
+CACHE_DIFFER = "cache hit differs from cold prefill"
+CACHE_UNVERIFIED = "equal, but the hit is unverified (the server reports no cached-token counts)"
+CACHE_MISSED = "equal, but the repeat was not served from the cache (cached-token count 0)"
+
+
+@dataclass(frozen=True)
+class CacheComparison:
+    """One batch sent cold, then at once again with the same cache key: served from the
+    prefix cache, it must equal the cold answer bit for bit."""
+
+    max_ulp: int
+    first_step: Optional[int]  # first step whose token or logprob differs
+    tokens_diverged: bool
+    notes: Tuple[str, ...]
+    margin: Optional[Margin]  # at the first token divergence
+    cached_tokens: Optional[int]  # of the repeat, as the server reports them
+    cold_cached_tokens: Optional[int]
+
+    def to_record(self) -> Dict[str, Any]:
+        return {"max_ulp": self.max_ulp, "first_step": self.first_step,
+                "tokens_diverged": self.tokens_diverged, "notes": list(self.notes),
+                "margin": self.margin.to_record() if self.margin else None,
+                "cached_tokens": self.cached_tokens, "cold_cached_tokens": self.cold_cached_tokens}
+
+
+def cache_comparison(cold: "SentBatch", warm: "SentBatch", clamps: Sequence[float]) -> CacheComparison:
+    deltas = [compare_completions(c, w, clamps) for c, w in zip(cold.completions, warm.completions)]
+    steps = [s for d in deltas for s in (d.first_token_divergence, d.first_ulp_step) if s is not None]
+    diverged = [d for d in deltas if d.first_token_divergence is not None]
+    first = min(diverged, key=lambda d: d.first_token_divergence) if diverged else None
+    texts_differ = any(c.text != w.text for c, w in zip(cold.completions, warm.completions))
+    notes = sorted({u for d in deltas for u in d.ulp_notes} | ({"text differs"} if texts_differ else set()))
+    return CacheComparison(max((d.max_ulp for d in deltas), default=0), min(steps) if steps else None,
+                           bool(diverged), tuple(notes), first.margin if first else None,
+                           warm.cached_tokens, cold.cached_tokens)
+
+
+def cache_summary(sweeps: List["PromptSweep"]) -> Dict[str, Any]:
+    """The cache check over every batch: its verdict, proven by the repeats' cached-token counts."""
+    checked = [r["cache_check"] for s in sweeps for r in s.rows() if "cache_check" in r]
+    counts = [c["cached_tokens"] for c in checked if c["cached_tokens"] is not None]
+    moved = any(c["max_ulp"] or c["tokens_diverged"] or c["notes"] for c in checked)
+    if not checked:
+        verdict = NO_DATA
+    elif moved:
+        verdict = CACHE_DIFFER
+    elif not counts:
+        verdict = CACHE_UNVERIFIED
+    elif all(x > 0 for x in counts) and len(counts) == len(checked):
+        verdict = CACHE_EQUAL
+    else:
+        verdict = CACHE_MISSED
+    steps = [c["first_step"] for c in checked if c["first_step"] is not None]
+    return {"cache_verdict": verdict, "cache_batches": len(checked),
+            "cache_max_ulp": max((c["max_ulp"] for c in checked), default=None),
+            "cache_first_step": min(steps) if steps else None}
 
 
 def now_stamp() -> str:
@@ -4329,6 +4437,11 @@ class SweepTable:
         )
         if doc["params"].get("baseline_server"):
             out.line("  against batch 1 of %s" % doc["params"]["baseline_server"])
+        if "cache_verdict" in sm:
+            out.line(out.style("cache check, over %d batches each sent again from the cache: max ULP "
+                               "%s, first differing step %s: %s" % (
+                                   sm["cache_batches"], fmt_opt(sm["cache_max_ulp"], "?"),
+                                   fmt_opt(sm["cache_first_step"]), sm["cache_verdict"]), "1"))
         if "prefill_verdict" in sm:
             per_size = ", ".join(
                 "%d: %s" % (s["batch_size"], fmt_opt(s.get("prefill_max_ulp"), "?"))
@@ -4466,6 +4579,14 @@ def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
             "prompts (--prompt-file), longer generations (--max-tokens 256), --temperature 0.6 or "
             "--traffic concurrent; see --mode help."
         )
+    if cfg.cache_check and "cache_verdict" in sm:
+        if cfg.expect == "cache-equal" and sm["cache_verdict"] != CACHE_EQUAL:
+            text("expectation failed: --expect cache-equal, but the cache check found: %s"
+                 % sm["cache_verdict"])
+            return EXIT_EXPECTATION
+        if cfg.expect == "cache-equal":
+            text("expect cache-equal: held (max ULP 0 over %d cached batches)" % sm["cache_batches"])
+            return EXIT_OK
     if cfg.expect == "prefill-equal":
         if sm.get("prefill_verdict") != PREFILL_AGREE:
             text(
@@ -4569,9 +4690,13 @@ def run_sweep(cfg: Config, out: Out) -> int:
                         n,
                     )
                     progress.running(step)
+                    cache_key = fresh_cache_key() if cfg.cache_check else None
                     try:
                         adapter.before_batch(client, isolate)
-                        batch = send(prompt, n, cfg.seed)
+                        if cache_key:
+                            batch = sender.copies(prompt, n, cfg.seed, cache_key)
+                        else:
+                            batch = send(prompt, n, cfg.seed)
                     except ServerError as err:
                         raise ServerError(
                             "batch size %d%s%s: %s"
@@ -4594,6 +4719,14 @@ def run_sweep(cfg: Config, out: Out) -> int:
                     )
                     if batch.send_spread is not None:
                         row["send_spread_s"] = batch.send_spread
+                    if cache_key:
+                        try:
+                            warm = sender.copies(prompt, n, cfg.seed, cache_key)
+                        except ServerError as err:
+                            raise ServerError("cache check at batch size %d: %s" % (n, err)) from None
+                        row["cache_check"] = cache_comparison(
+                            batch, warm, adapter.logprob_clamps
+                        ).to_record()
                     if prefill is not None:
                         try:
                             row.update(

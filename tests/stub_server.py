@@ -273,6 +273,8 @@ class StubConfig:
     info_overrides: Dict[Tuple[str, ...], object] = field(default_factory=dict)  # /server_info path -> value
     rotation_offset: int = 0                 # another kernel build (a TP degree, a version): every
                                              # reduction starts this many terms further on
+    cache_path_differs: bool = False         # a prompt served from the prefix cache is computed
+                                             # another way (as a cached prefill's kernel may be)
     topk_edge_swap: bool = False             # above batch 1 the k-th top entry swaps with the (k+1)-th
 
     def sizes(self) -> List[int]:
@@ -428,7 +430,7 @@ def paced_only(prompt: str, max_tokens: int) -> Dict:
 
 def run_batch(config: StubConfig, state: EngineState, prompts: List[str], max_tokens: int,
               temperature: float, top_p: float, seed: Optional[int], ignore_eos: bool,
-              prefixes: Optional[List[List[int]]] = None) -> List[Dict]:
+              prefixes: Optional[List[List[int]]] = None, hits: Optional[List[bool]] = None) -> List[Dict]:
     """Every prompt of one request, computed with the arithmetic of the step batch it joined."""
     step_size = state.scheduler.join(len(prompts))
     if state.streaming() and config.step_delay > 0:
@@ -441,15 +443,18 @@ def run_batch(config: StubConfig, state: EngineState, prompts: List[str], max_to
     results = []
     for i, prompt in enumerate(prompts):
         prefix = prefixes[i] if prefixes else []
+        cached_path = bool(config.cache_path_differs and hits and hits[i])
+        own_plan = (plan[0], plan[1] + 3) if cached_path else plan
         # A reproducible completion depends on nothing else: computed once, it is served again
         # (what a request sees is the same; only the practice engine's own CPU is spared).
-        key = (prompt, tuple(prefix), step_size, max_tokens, temperature, top_p, seed, ignore_eos)
+        key = (prompt, tuple(prefix), step_size, cached_path, max_tokens, temperature, top_p, seed,
+               ignore_eos)
         reproducible = temperature <= 0.0 or seed is not None
         if reproducible and key in state.computed:
             results.append(state.computed[key])
             continue
         rng = random.Random(seed) if seed is not None else state.shared_rng
-        out = generate(prompt, max_tokens, plan, temperature, top_p, rng, ignore_eos, prefix)
+        out = generate(prompt, max_tokens, own_plan, temperature, top_p, rng, ignore_eos, prefix)
         out["step_size"] = step_size
         if reproducible:
             state.remember(key, out)
@@ -509,7 +514,7 @@ def vllm_completions(config: StubConfig, body: Dict, state: EngineState) -> Dict
                          "(parameter=cache_salt)\"}", "Bad Request", "cache_salt")
     cached = [state.cached_tokens(salt, p) for p in prompts]
     outs = run_batch(config, state, prompts, max_tokens, temperature, float(body.get("top_p", 1.0)),
-                     body.get("seed"), bool(body.get("ignore_eos")), prefixes)
+                     body.get("seed"), bool(body.get("ignore_eos")), prefixes, [c > 0 for c in cached])
     prompt_k = body.get("prompt_logprobs")
     swap = edge_swapper(config)
     as_ids = bool(body.get("return_tokens_as_token_ids"))
@@ -650,7 +655,7 @@ def sglang_generate(config: StubConfig, body: Dict, state: EngineState):
     cached = [state.cached_tokens(key, p) for key, p in zip(keys, prompts)]
     outs = run_batch(config, state, prompts, int(sp.get("max_new_tokens", 128)),
                      float(sp.get("temperature", 1.0)), float(sp.get("top_p", 1.0)), seed,
-                     bool(sp.get("ignore_eos")), prefixes)
+                     bool(sp.get("ignore_eos")), prefixes, [c > 0 for c in cached])
     start = body.get("logprob_start_len", -1)
     with_logprobs = bool(body.get("return_logprob"))
     k = int(body.get("top_logprobs_num") or 0)
@@ -1055,6 +1060,8 @@ def main(argv=None) -> int:
     p.add_argument("--jitter", type=float, default=0.0, help="+- share of the delay, seeded")
     p.add_argument("--tp-size", type=int, default=1, help="TP degree to report")
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling and of the jitter")
+    p.add_argument("--cache-path-differs", action="store_true", help="a prompt served from the "
+                   "prefix cache is computed another way (try --cache-check against it)")
     p.add_argument("--rotation-offset", type=int, default=0, help="another kernel build: every "
                    "reduction starts this many terms further on (try --baseline URL against it)")
     p.add_argument("--scheduler-window", type=float, default=0.05, help="seconds a step batch waits for "
@@ -1072,7 +1079,8 @@ def main(argv=None) -> int:
         max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
         dev_mode=not args.no_dev_mode, step_delay=args.step_delay, slowdown=args.slowdown,
         jitter=args.jitter, seed=args.seed, tp_size=args.tp_size, scheduler_window=args.scheduler_window,
-        prompt_tokens_details=args.prompt_tokens_details, rotation_offset=args.rotation_offset, prefix_caching=not args.no_prefix_caching,
+        prompt_tokens_details=args.prompt_tokens_details, rotation_offset=args.rotation_offset,
+        cache_path_differs=args.cache_path_differs, prefix_caching=not args.no_prefix_caching,
         decode_graphs=not args.no_decode_graphs,
         prefill_agrees=args.prefill_agrees,
         faults=parse_faults(args.fault))
