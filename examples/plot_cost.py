@@ -19,18 +19,16 @@ Needs matplotlib (pip install matplotlib); run.py itself does not.
 """
 
 import argparse
+import os
 import sys
 
 import labplot
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import run  # noqa: E402  (run.py: what makes two cells the same measurement)
+
 COST_SCHEMAS = ("batch-invariance-lab/cost/1",)
 WORKLOADS = ("cold", "shared-prefix")
-
-
-def cell_key(cell):
-    """What makes two cells the same measurement (as run.py's cell_key)."""
-    return (cell.get("tp"), cell.get("workload"), cell.get("batch"), cell.get("concurrency"),
-            cell.get("max_tokens"), cell.get("model"))
 
 
 def is_cell(doc):
@@ -49,7 +47,7 @@ def load(paths, say=lambda line: sys.stderr.write(line + "\n")):
         for cell in cells:
             if not isinstance(cell, dict) or not is_cell(cell):
                 raise ValueError("%s holds something that is not a cost cell" % path)
-            key = cell_key(cell)
+            key = run.cell_key(cell)  # the lab's own rule for one measurement
             if key in merged:
                 say("plot_cost.py: the cell TP=%s %s of %s replaces the one of %s" % (
                     cell.get("tp"), cell.get("workload"), path, origin[key]))
