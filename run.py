@@ -1606,7 +1606,7 @@ class VllmAdapter:
             "prompt_logprobs": 0,
         }
         if isolate:
-            body["cache_salt"] = "lab-" + os.urandom(12).hex()
+            body["cache_salt"] = fresh_cache_key()
         entries = dig(
             choice_order(dig(client.request(self.generate_path, body), "choices") or [None])[0],
             "prompt_logprobs",
