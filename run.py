@@ -64,8 +64,12 @@ import array
 import bisect
 import copy
 import dataclasses
+import errno
+import functools
 import http.client
+import io
 import ipaddress
+import itertools
 import json
 import math
 import operator
@@ -86,7 +90,19 @@ import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from http.client import HTTPException
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set, Tuple, Union
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterator,
+    List,
+    Optional,
+    Protocol,
+    Sequence,
+    Set,
+    Tuple,
+    Union,
+)
 
 # ----------------------------------------------------------------------------
 # Constants
@@ -101,6 +117,8 @@ EXIT_OK = 0  # ran, and any --expect held
 EXIT_EXPECTATION = 1  # an --expect did not hold
 EXIT_USAGE = 2  # bad arguments or input files, found before any request
 EXIT_SERVER = 3  # the server or the network failed before the run completed
+EXIT_INTERNAL = 70  # a fault of the lab's own (sysexits' EX_SOFTWARE); what was measured is saved
+EXIT_OUTPUT = 74  # stdout or stderr could not be written (EX_IOERR); what was measured is saved
 EXIT_HANGUP = 129  # SIGHUP: the terminal closed; what was measured is saved
 EXIT_INTERRUPTED = 130  # Ctrl-C; what was measured is saved
 EXIT_BROKEN_PIPE = 141  # stdout closed under us (`run.py ... | head`)
@@ -113,10 +131,34 @@ EXIT_CODES = [  # what each exit code means, as --help and the guide print it
         EXIT_SERVER,
         "the server or network failed before the run completed (--save keeps what was measured)",
     ),
+    (EXIT_INTERNAL, "a fault of the lab's own, to report (--save keeps what was measured)"),
+    (EXIT_OUTPUT, "stdout or stderr could not be written (--save keeps what was measured)"),
     (EXIT_HANGUP, "stopped by SIGHUP, a closed terminal (--save keeps what was measured)"),
     (EXIT_INTERRUPTED, "interrupted by Ctrl-C (--save keeps what was measured)"),
     (EXIT_BROKEN_PIPE, "the output pipe closed (e.g. `run.py ... | head`)"),
     (EXIT_TERMINATED, "stopped by SIGTERM, e.g. a job scheduler (--save keeps what was measured)"),
+]
+
+# Limits on what the lab is asked to send, checked before any request (--help lists them)
+MAX_BATCH_SIZE = 4096  # batch sizes, --batch, --concurrency: no engine runs more at once
+MAX_PROMPTS = 100000  # prompts a sweep takes (--prompt, --prompt-file)
+MAX_PROMPT_CHARS = 1 << 22  # characters in one prompt: some 1M tokens, more than any context
+MAX_TOKENS = 1 << 20  # --max-tokens: no model writes more in one completion
+MAX_PROMPT_TOKENS = 1000000  # --prompt-tokens and --prefix-tokens above this fit no context
+MAX_TRIALS = 100000  # --trials and --warmup
+MAX_REQUESTS = 1000000  # --requests in one load trial
+MAX_REPEAT = 100  # --repeat: more passes than this is a soak test, not a sweep
+MAX_REQUEST_RATE = 100000.0  # --request-rate above this is a burst in all but name
+LIMITS = [  # what --help says of them
+    ("batch sizes, --max-batch, --batch, --concurrency", MAX_BATCH_SIZE),
+    ("prompts", MAX_PROMPTS),
+    ("characters in a prompt", MAX_PROMPT_CHARS),
+    ("--max-tokens", MAX_TOKENS),
+    ("--prompt-tokens, --prefix-tokens", MAX_PROMPT_TOKENS),
+    ("--trials, --warmup", MAX_TRIALS),
+    ("--requests", MAX_REQUESTS),
+    ("--repeat", MAX_REPEAT),
+    ("--request-rate (a second)", int(MAX_REQUEST_RATE)),
 ]
 
 # Sweep defaults
@@ -131,11 +173,8 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs; it answers 400 above
 DEFAULT_TEMPERATURE = 0.0  # greedy: a divergence is unarguable
 DEFAULT_TOP_P = 1.0  # always sent, or the model's generation_config decides
 DEFAULT_SEED = 42  # sent whenever temperature > 0; unseeded sampling depends on the batch
-MAX_PROMPT_TOKENS = 1000000  # --prompt-tokens above this is no prompt a server takes
-MAX_REQUEST_RATE = 100000.0  # --request-rate above this is a burst in all but name
 TRAFFIC_SHAPES = ("copies", "concurrent", "mixed")  # how each batch size is sent (see --mode help)
 DEFAULT_REPEAT = 3  # passes through the ladder: a flag-off server is not repeatable run to run
-MAX_REPEAT = 100  # more passes than this is a soak test, not a sweep
 PREFIX_CACHE_CHOICES = (
     "bypass",
     "keep",
@@ -150,6 +189,7 @@ MIXED_FILLER_WORDS = (
 )  # filler prompt lengths (about tokens) of mixed traffic
 
 # Cost defaults
+WORKLOADS = ("cold", "shared-prefix")  # no prefix can be cached; one long prefix shared by all
 DEFAULT_BATCH = 32  # prompts per timed request
 DEFAULT_TRIALS = 20  # timed requests per arm
 DEFAULT_WARMUP = 2  # discarded requests per arm before timing
@@ -164,19 +204,15 @@ MIN_PAIRS_FOR_INTERVAL = (
 )
 
 # Transport defaults
-COLOR_CHOICES = (
-    "auto",
-    "always",
-    "never",
-)  # auto: on a terminal, unless NO_COLOR is set and not empty
-DEFAULT_TIMEOUT_S = (
-    600.0  # per request: a 256-wide batch of long completions on a busy GPU is slow
-)
+# auto: on a terminal, unless NO_COLOR is set and not empty
+COLOR_CHOICES = ("auto", "always", "never")
+# per answer, connecting to last byte: a 256-wide batch of long completions on a busy GPU is slow
+DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_MAX_RESPONSE_MB = 512  # a larger answer is refused rather than held in memory
+MAX_EVENT_LINE = 1 << 20  # a streamed event line longer than this is no engine's event
+SHORT_SECRET = 8  # an API key shorter than this is hidden only where it stands as a word
 CLOCK = time.perf_counter  # what requests are timed with (the tests swap in a virtual clock)
-PROGRESS_INTERVAL_S = (
-    10.0  # off a terminal, at most one progress line this often (logs stay short)
-)
+PROGRESS_INTERVAL_S = 10.0  # off a terminal, at most one progress line this often (short logs)
 SAVE_INTERVAL_S = 1.0  # during a run --save is rewritten at most this often (and at every stop)
 SAVE_SHARE = 0.2  # ... and never so often that writing it takes more than this share of the run
 
@@ -244,6 +280,8 @@ class Completion:
     logprobs: List[float]  # the chosen token's logprob at each step
     top_logprobs: List[Dict[str, float]]  # token -> logprob at each step
     finish_reason: Optional[str] = None
+    # What the comparisons work out once per completion (has_nan, flat_view), not compared
+    memo: Dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def to_record(self) -> Dict[str, Any]:
         return {
@@ -267,19 +305,119 @@ class Completion:
 
 def same_completion(a: Completion, b: Completion) -> bool:
     """Equal tokens, logprobs and top-k lists: nothing a comparison could tell apart. A NaN is
-    never equal to anything, itself included (list equality would take one for itself)."""
+    never equal to anything, itself included (list equality would take one for itself: json
+    decodes every NaN to one object). What equals b holds a NaN only where b does, so only
+    b is looked at: pass the completion a run of copies is compared with as b."""
     return (
         a.tokens == b.tokens
         and a.logprobs == b.logprobs
         and a.top_logprobs == b.top_logprobs
-        and not has_nan(a)
+        and not has_nan(b)
     )
 
 
 def has_nan(c: Completion) -> bool:
-    # A sum is NaN when any term is (or when +inf meets -inf: also nothing to call equal); the
-    # sums run in C, which matters when a sweep compares hundreds of thousands of values.
-    return math.isnan(sum(c.logprobs)) or any(math.isnan(sum(d.values())) for d in c.top_logprobs)
+    """Any NaN among c's logprobs (looked for once per completion, in C)."""
+    if "nan" not in c.memo:
+        values = itertools.chain(c.logprobs, *map(dict.values, c.top_logprobs))
+        c.memo["nan"] = any(map(math.isnan, values))
+    return c.memo["nan"]
+
+
+@dataclass(frozen=True)
+class FlatView:
+    """A completion's logprobs in the order comparable_pairs lays them out when nothing
+    diverged: the chosen tokens' (one a step), then each step's top-k entries."""
+
+    top_keys: List[str]  # every step's top-k tokens, in the order listed (ends marks the steps)
+    values: List[float]
+    ends: List[int]  # where each step's top-k entries end in values
+    bits: Optional[List[int]]  # negative_float32_bits(values), if they are that case
+    raw: bytes = b""  # bits as bytes, to find where two views first differ
+
+
+def flat_view(
+    c: Completion, clamps: Sequence[float], values: Optional[List[float]] = None
+) -> FlatView:
+    """c's FlatView, worked out once (a baseline is compared with every other completion);
+    values, when given, are c's logprobs already laid out so."""
+    key = ("flat", tuple(clamps))
+    if key not in c.memo:
+        top = c.top_logprobs
+        if values is None:
+            values = c.logprobs + list(itertools.chain.from_iterable(map(dict.values, top)))
+        ends = list(itertools.accumulate(map(len, top), initial=len(c.logprobs)))[1:]
+        keys = list(itertools.chain.from_iterable(top))
+        bits = negative_float32_bits(values, clamps)
+        if bits is None:
+            c.memo[key] = FlatView(keys, values, ends, None)
+        else:  # a list maps faster than an array; the bytes find the first difference
+            c.memo[key] = FlatView(keys, values, ends, bits.tolist(), bits.tobytes())
+    return c.memo[key]
+
+
+NEG_INF_BITS = -(1 << 23)  # float32 -inf's bit pattern read as a signed int: finite below it
+MINUS_ZERO_BITS = -(1 << 31)  # -0.0's
+_FLOAT_HIGH_BYTE = 3 if sys.byteorder == "little" else 0  # the sign and high exponent bits
+_ABOVE_0x80 = bytes(range(0x81, 0x100))  # the high bytes of negative normal float32 values
+
+
+def negative_float32_bits(values: List[float], clamps: Sequence[float]) -> Optional[array.array]:
+    """values' float32 bit patterns as signed ints, for the common case: every value a finite
+    float32 at or below zero and none a clamp. Then the patterns order like the values and a
+    plain difference counts ULPs (+0.0, a certain token, is written as -0.0, so that every
+    sign bit is set). None when any value falls outside that case.
+
+    All in C, a sweep looking at millions of values: the float32 round trip shows precision,
+    the high bytes (a strided slice) the sign and range. Zeros, tiny and positive values
+    take the exact way."""
+    if not values:
+        return None
+    f32 = array.array("f", values)
+    if f32.tolist() != values:
+        return None  # more precision or range than a float32 holds, or a NaN
+    raw = f32.tobytes()
+    high = raw[_FLOAT_HIGH_BYTE::4]
+    if high.translate(None, _ABOVE_0x80):  # above zero, NaN, a zero or a subnormal is left
+        return _negative_float32_bits_exactly(values, clamps)
+    # A clamp's bytes found across two values is only a false alarm: the slow path then.
+    if any(clamp in raw for clamp in float32_bytes(tuple(clamps))):
+        return None
+    bits = array.array("i", raw)
+    if 0xFF in high and max(bits) >= NEG_INF_BITS:  # -inf
+        return None
+    return bits
+
+
+@functools.lru_cache(maxsize=None)
+def float32_bytes(values: Tuple[float, ...]) -> Tuple[bytes, ...]:
+    """Each float32-exact value's 4 bytes, in the machine's order."""
+    return tuple(array.array("f", [v]).tobytes() for v in values if is_float32_exact(v))
+
+
+def _negative_float32_bits_exactly(
+    values: List[float], clamps: Sequence[float]
+) -> Optional[array.array]:
+    if max(values) > 0.0 or any(c in values for c in clamps) or -math.inf in values:
+        return None
+    f32 = array.array("f", [v or -0.0 for v in values])
+    if f32.tolist() != values:  # not float32 values (a zero compares equal to -0.0), or NaN
+        return None
+    return array.array("i", f32.tobytes())
+
+
+def first_difference(a: bytes, b: bytes, start: int, stop: int) -> Optional[int]:
+    """The first index in start..stop-1 where two arrays of 4-byte values differ, or None:
+    a binary search over slices compared in C."""
+    if a[4 * start : 4 * stop] == b[4 * start : 4 * stop]:
+        return None
+    while stop - start > 1:
+        mid = (start + stop) // 2
+        if a[4 * start : 4 * mid] == b[4 * start : 4 * mid]:
+            start = mid
+        else:
+            stop = mid
+    return start
 
 
 @dataclass(frozen=True)
@@ -341,17 +479,24 @@ class ComparablePairs:
     chosen: int
     ends: List[int]
     topk_changed: Optional[int] = None  # first step whose top-k token set differs
+    views: Optional[Tuple[FlatView, FlatView]] = None  # both sides, when both have float32 bits
 
     def step_of(self, i: int) -> int:
         return i if i < self.chosen else bisect.bisect_right(self.ends, i)
 
 
-def comparable_pairs(base: Completion, other: Completion) -> ComparablePairs:
+def comparable_pairs(
+    base: Completion, other: Completion, clamps: Sequence[float] = ()
+) -> ComparablePairs:
     """Before the first token divergence: the chosen token's logprob and every token in both
     top-k lists. At the divergence step: only tokens in both top-k lists. After it: nothing,
     because the two contexts differ. Built with C-level extends: a sweep compares thousands."""
     steps = min(len(base.tokens), len(other.tokens))
-    diverged = next((t for t in range(steps) if base.tokens[t] != other.tokens[t]), None)
+    diverged = (
+        None
+        if base.tokens == other.tokens
+        else next((t for t in range(steps) if base.tokens[t] != other.tokens[t]), None)
+    )
     if diverged is None and len(base.tokens) != len(other.tokens):
         diverged = steps  # one ended early: its end is the divergence
     last = steps - 1 if diverged is None else min(diverged, steps - 1)
@@ -359,6 +504,13 @@ def comparable_pairs(base: Completion, other: Completion) -> ComparablePairs:
     xs, ys = base.logprobs[:chosen], other.logprobs[:chosen]
     ends: List[int] = []
     topk_changed = None
+    if diverged is None:
+        bv, ov = flat_view(base, clamps), flat_view(other, clamps)
+        if bv.ends == ov.ends and bv.top_keys == ov.top_keys:
+            # The common case, worked out once per completion and in C: nothing diverged and
+            # every step lists the same tokens in the same order.
+            views = (bv, ov) if bv.bits is not None and ov.bits is not None else None
+            return ComparablePairs(None, bv.values, ov.values, chosen, bv.ends, None, views)
     for t in range(last + 1):
         bt, ot = base.top_logprobs[t], other.top_logprobs[t]
         if bt.keys() == ot.keys():
@@ -394,20 +546,19 @@ def pair_ulps(
 def _negative_float32_ulps(
     xs: List[float], ys: List[float], clamps: Sequence[float]
 ) -> Optional[List[int]]:
-    """ULPs of each pair, computed in C, for the common case: every value a finite float32
-    at or below zero and none a clamp (then the bit patterns order like the values and a
-    plain difference counts ULPs). None when any value falls outside that case."""
-    if not xs or max(xs) > 0.0 or max(ys) > 0.0:
+    """ULPs of each pair, computed in C, when both sides are negative_float32_bits' case."""
+    bx, by = negative_float32_bits(xs, clamps), negative_float32_bits(ys, clamps)
+    if bx is None or by is None:
         return None
-    if 0.0 in xs or 0.0 in ys:  # a certain token: write +0.0 as -0.0, so every sign bit is set
-        xs, ys = [v or -0.0 for v in xs], [v or -0.0 for v in ys]
-    if any(c in xs or c in ys for c in clamps) or -math.inf in xs or -math.inf in ys:
-        return None
-    fx, fy = array.array("f", xs), array.array("f", ys)
-    if fx.tolist() != xs or fy.tolist() != ys:  # not float32 values, or NaN
-        return None
-    bx, by = array.array("i", fx.tobytes()), array.array("i", fy.tobytes())
     return list(map(abs, map(operator.sub, bx, by)))
+
+
+def first_true(flags: List[bool], start: int, stop: int) -> Optional[int]:
+    """The first index in start..stop-1 whose flag is true, or None (found in C)."""
+    try:
+        return flags.index(True, start, stop)
+    except ValueError:
+        return None
 
 
 def compare_completions(
@@ -417,13 +568,21 @@ def compare_completions(
     values count); clamps are the engine's stand-ins for -inf."""
     if same_completion(base, other):
         return IDENTICAL
-    pairs = comparable_pairs(base, other)
+    pairs = comparable_pairs(base, other, clamps)
+    if pairs.views is not None:  # the common case, in C
+        bv, ov = pairs.views
+        first_chosen = first_difference(bv.raw, ov.raw, 0, pairs.chosen)
+        first_top = first_difference(bv.raw, ov.raw, pairs.chosen, len(bv.values))
+        steps = [pairs.step_of(i) for i in (first_chosen, first_top) if i is not None]
+        worst = max(map(abs, map(operator.sub, bv.bits, ov.bits)))
+        return Delta(None, worst, min(steps) if steps else None, (), None)
     ulps, notes = pair_ulps(pairs.xs, pairs.ys, clamps)
-    worst = max((u for u in ulps if u), default=0)
-    first_chosen = next((i for i in range(pairs.chosen) if ulps[i] != 0), None)
-    first_top = next(
-        (pairs.step_of(i) for i in range(pairs.chosen, len(ulps)) if ulps[i] != 0), None
-    )
+    worst = max(filter(None, ulps), default=0)
+    # None (moved, but no distance) counts as moved; the common all-int case is mapped in C
+    moved_at = [u != 0 for u in ulps] if None in ulps else list(map(operator.truth, ulps))
+    first_chosen = first_true(moved_at, 0, pairs.chosen)
+    first_top = first_true(moved_at, pairs.chosen, len(ulps))
+    first_top = None if first_top is None else pairs.step_of(first_top)
     if pairs.topk_changed is not None:
         notes.add("top-k changed")
     moved = [s for s in (first_chosen, first_top, pairs.topk_changed) if s is not None]
@@ -719,12 +878,17 @@ def workload_prompts(
 
 
 class ServerError(Exception):
-    """The server or network failed; the message is one line, ready for the user. status is
-    the HTTP status when the server answered with an error."""
+    """The server or network failed; the message is one line, ready for the user. kind says
+    which way: HTTP (the server answered with an error status, kept in status), ANSWER (it
+    answered, but not with what the engine sends: invalid JSON, the wrong shape), or NETWORK
+    (no answer: refused, dropped, timed out, redirected away)."""
 
-    def __init__(self, message: str, status: Optional[int] = None):
+    HTTP, ANSWER, NETWORK = "http", "answer", "network"
+
+    def __init__(self, message: str, status: Optional[int] = None, kind: Optional[str] = None):
         super().__init__(message)
         self.status = status
+        self.kind = kind or (self.HTTP if status is not None else self.NETWORK)
 
 
 class UsageError(Exception):
@@ -750,12 +914,19 @@ def is_loopback(host: str) -> bool:
 
 
 class _NoForeignRedirect(urllib.request.HTTPRedirectHandler):
-    """Follow redirects only to http(s); the key is an unredirected header, so it never follows."""
+    """Follow a redirect only to the same server (scheme, host and port): one elsewhere is
+    refused, naming where the server tried to send the lab, so that no answer is blamed on
+    the wrong server. The key is an unredirected header: it follows no redirect at all."""
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):
-        scheme = urllib.parse.urlsplit(newurl).scheme
-        if scheme not in ("http", "https"):
-            raise ServerError("refused a redirect to %s" % newurl)
+        here, there = urllib.parse.urlsplit(req.full_url), urllib.parse.urlsplit(newurl)
+        if (there.scheme, there.netloc) != (here.scheme, here.netloc):
+            shown = urllib.parse.urlunsplit((there.scheme, there.netloc, there.path, "", ""))
+            raise ServerError(
+                "%s://%s answered HTTP %d, redirecting to %s, another server: the lab follows no "
+                "redirect away from the server it was given (give that URL instead, if it is "
+                "the one)" % (here.scheme, here.netloc, code, shown[:200])
+            )
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
@@ -803,6 +974,29 @@ def close_connections(connections: List[http.client.HTTPConnection]) -> None:
         conn.close()
 
 
+class Secrets:
+    """What the lab must never print or save (the API key): hidden in any case, wherever it
+    turns up, in what a server echoes or reports about itself as much as in the lab's own text."""
+
+    def __init__(self):
+        self.pattern: Optional["re.Pattern[str]"] = None
+
+    def keep(self, *secrets: Optional[str]) -> None:
+        """Hide these from now on. A key shorter than SHORT_SECRET (a placeholder such as
+        EMPTY) is hidden as a whole word only, so that ordinary words stay readable."""
+        words = sorted({w for w in secrets if w}, key=len, reverse=True)
+        alternatives = [
+            re.escape(w) if len(w) >= SHORT_SECRET else r"\b%s\b" % re.escape(w) for w in words
+        ]
+        self.pattern = re.compile("|".join(alternatives), re.IGNORECASE) if words else None
+
+    def hide(self, text: str) -> str:
+        return self.pattern.sub("[api key]", text) if self.pattern else text
+
+
+SECRETS = Secrets()
+
+
 def server_message(body: bytes) -> str:
     """The server's own error text: {"error": {"message": ...}}, {"error": "..."}, {"message": ...}."""
     try:
@@ -817,12 +1011,10 @@ def server_message(body: bytes) -> str:
             if isinstance(data.get(key), str):
                 return data[key]
     text = body.decode("utf-8", "replace").strip().replace("\n", " ")
-    return text[:200] or "no body"
+    return SECRETS.hide(text)[:200] or "no body"  # hidden before it is cut: no key's first part
 
 
-STOP_GRACE_S = (
-    1.0  # after a stop signal, a request in flight may take this long; then it is abandoned
-)
+STOP_GRACE_S = 1.0  # after a stop signal, a request in flight may take this long, then it is cut
 WAIT_SLICE_S = 0.1  # how often a wait for an answer looks at the clock and for a stop
 
 
@@ -841,17 +1033,33 @@ class StopRequest:
 STOP = StopRequest()
 
 
-def bounded(
-    call: Callable[[], Any],
-    seconds: float,
-    overrun: Callable[[], Exception],
-    abandon: Callable[[], None],
-) -> Any:
-    """call() in a thread of its own, waited for at most seconds in all (connecting, the status
-    line, the headers, every byte of the body), so that no server can hold the lab longer
-    than --timeout however it trickles; and once a stop signal came, at most STOP_GRACE_S
-    more, so that a stuck request never holds a stop. A call given up on is abandon()ed (its
-    connections closed, which ends its thread). What call() raises is raised here."""
+class Deadline:
+    """One answer's time limit, from connecting to its last byte, and a stop signal's grace:
+    every wait for a server asks left() for how long it may block, so neither a server that
+    trickles its bytes nor a stuck request outlasts --timeout, or a stop by STOP_GRACE_S."""
+
+    def __init__(self, seconds: float, overrun: Callable[[], Exception]):
+        self.at = time.monotonic() + seconds
+        self.overrun = overrun  # what to raise when the time is up
+        self.give_up: Optional[float] = None  # once a stop signal came: when to abandon
+
+    def left(self) -> float:
+        """How long the next wait may block (at most WAIT_SLICE_S); raises overrun() once the
+        time is up, or Stopped once a stop signal's grace is over."""
+        now = time.monotonic()
+        if STOP.event.is_set():
+            self.give_up = self.give_up or now + STOP_GRACE_S
+            if now >= self.give_up:
+                raise Stopped(STOP.signum)
+        if now >= self.at:
+            raise self.overrun()
+        return min(WAIT_SLICE_S, self.at - now)
+
+
+def bounded(call: Callable[[], Any], deadline: Deadline, abandon: Callable[[], None]) -> Any:
+    """call() in a thread of its own, waited for until the deadline (urllib's reads cannot be
+    sliced, so the wait is). A call given up on is abandon()ed (its connections closed, which
+    ends its thread). What call() raises is raised here."""
     done = threading.Event()
     box: Dict[str, Any] = {}
 
@@ -864,18 +1072,12 @@ def bounded(
             done.set()
 
     threading.Thread(target=target, name="lab-request", daemon=True).start()
-    deadline = time.monotonic() + seconds
-    give_up = None
-    while not done.wait(WAIT_SLICE_S):
-        now = time.monotonic()
-        if STOP.event.is_set():
-            give_up = give_up or now + STOP_GRACE_S
-            if now >= give_up:
-                abandon()
-                raise Stopped(STOP.signum)
-        if now >= deadline:
-            abandon()
-            raise overrun()
+    try:
+        while not done.wait(deadline.left()):
+            pass
+    except BaseException:
+        abandon()
+        raise
     error = box.pop("error", None)
     if error is not None:
         try:
@@ -885,16 +1087,65 @@ def bounded(
     return box["value"]
 
 
+class _SlicedReader(io.RawIOBase):
+    """A socket's reading side under a Deadline: each read blocks at most one slice, so the
+    deadline and a stop signal are seen however slowly the bytes come (a per-read timeout
+    alone never fires on a server that sends a byte a second)."""
+
+    def __init__(self, sock: socket.socket, deadline: Deadline):
+        self.sock, self.deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while True:
+            self.sock.settimeout(self.deadline.left())
+            try:
+                return self.sock.recv_into(buffer)
+            except TIMEOUTS:
+                continue
+
+
+class _SlicedSocket:
+    """What http.client.HTTPResponse takes as its socket: one whose reads are sliced."""
+
+    def __init__(self, sock: socket.socket, deadline: Deadline):
+        self.reader = io.BufferedReader(_SlicedReader(sock, deadline))
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        return self.reader
+
+
+def send_sliced(sock: socket.socket, data: bytes, deadline: Deadline) -> None:
+    """sock.sendall(data) under the deadline: a server that stops reading cannot hold it."""
+    view = memoryview(data)
+    while view:
+        sock.settimeout(deadline.left())
+        try:
+            view = view[sock.send(view) :]
+        except TIMEOUTS:
+            continue
+
+
+@functools.lru_cache(maxsize=None)
+def opener(loopback: bool, proxies: Tuple[Tuple[str, str], ...]) -> urllib.request.OpenerDirector:
+    """The lab's urllib opener, built once for the environment's proxies (building one costs
+    more than a request)."""
+    handlers: List[Any] = [_NoForeignRedirect(), _NotedHTTPHandler(), _NotedHTTPSHandler()]
+    if loopback:
+        handlers.append(urllib.request.ProxyHandler({}))  # a proxy cannot reach our loopback
+    return urllib.request.build_opener(*handlers)
+
+
 class HttpClient:
     def __init__(self, base_url: str, api_key: Optional[str], timeout: float, max_bytes: int):
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.timeout = timeout
         self.max_bytes = max_bytes
-        handlers: List[Any] = [_NoForeignRedirect(), _NotedHTTPHandler(), _NotedHTTPSHandler()]
-        if is_loopback(urllib.parse.urlsplit(base_url).hostname or ""):
-            handlers.append(urllib.request.ProxyHandler({}))  # a proxy cannot reach our loopback
-        self.opener = urllib.request.build_opener(*handlers)
+        loopback = is_loopback(urllib.parse.urlsplit(base_url).hostname or "")
+        self.opener = opener(loopback, tuple(sorted(urllib.request.getproxies().items())))
 
     def request(
         self, path: str, body: Optional[Dict[str, Any]] = None, as_text: bool = False
@@ -910,45 +1161,50 @@ class HttpClient:
             req.add_unredirected_header("Authorization", "Bearer " + self.api_key)
         opened: List[http.client.HTTPConnection] = []
 
-        def exchange() -> bytes:
+        def exchange() -> Tuple[int, bytes]:
             OPENED.into = opened
-            with self.opener.open(req, timeout=self.timeout) as resp:
-                return self._read_capped(resp)
+            try:
+                with self.opener.open(req, timeout=self.timeout) as resp:
+                    return resp.status, self._read_capped(resp)
+            except urllib.error.HTTPError as err:
+                with err:
+                    return err.code, self._read_capped(err) if err.fp else b""
 
         try:
-            raw = bounded(
-                exchange,
-                self.timeout,
-                lambda: ServerError(
-                    "no complete answer from %s within %gs (--timeout)"
-                    % (self.base_url, self.timeout)
-                ),
-                lambda: close_connections(opened),
-            )
-        except urllib.error.HTTPError as err:
-            try:
-                body_read = self._read_capped(err) if err.fp else b""
-            finally:
-                err.close()
-            raise self.http_error(err.code, path, body_read) from None
+            status, raw = bounded(exchange, self.deadline(), lambda: close_connections(opened))
         except urllib.error.URLError as err:
-            raise ServerError(
-                describe_network_error(err.reason, self.base_url, self.timeout)
-            ) from None
+            raise self.transport_error(err.reason, url) from None
         except (OSError, HTTPException) as err:
             raise self.transport_error(err, url) from None
+        if status >= 300:
+            raise self.http_error(status, path, raw)
         return self.decode(raw, path, as_text)
 
-    def http_error(self, status: int, path: str, body: bytes) -> ServerError:
-        message = server_message(body)
-        if self.api_key:  # a server may echo the key back in its error
-            message = message.replace(self.api_key, "[api key]")
-        return ServerError("HTTP %d from %s: %s" % (status, path, message), status)
+    def deadline(self) -> Deadline:
+        """The deadline of one answer, starting now."""
+        return Deadline(
+            self.timeout,
+            lambda: ServerError(
+                "no complete answer from %s within %gs (--timeout)" % (self.base_url, self.timeout)
+            ),
+        )
 
-    def transport_error(self, err: BaseException, url: str) -> ServerError:
-        if isinstance(err, TIMEOUTS + (ConnectionRefusedError, socket.gaierror)):
-            return ServerError(describe_network_error(err, self.base_url, self.timeout))
-        return ServerError("connection to %s dropped (%s)" % (url, type(err).__name__))
+    def http_error(self, status: int, path: str, body: bytes) -> ServerError:
+        message = SECRETS.hide(server_message(body))  # a server may echo the key back
+        return ServerError("HTTP %d from %s: %s" % (status, path, message[:300]), status)
+
+    def transport_error(self, reason: Any, url: str) -> ServerError:
+        """What went wrong on the way to the server, said as what it is."""
+        if isinstance(reason, OSError) and reason.errno in (errno.EMFILE, errno.ENFILE):
+            return ServerError(
+                "this machine ran out of open files (%s), not the server: raise the limit "
+                "(ulimit -n) or send fewer requests at once" % os.strerror(reason.errno)
+            )
+        if isinstance(reason, (OSError, HTTPException)) and not isinstance(
+            reason, TIMEOUTS + (ConnectionRefusedError, socket.gaierror)
+        ):
+            return ServerError("connection to %s dropped (%s)" % (url, type(reason).__name__))
+        return ServerError(describe_network_error(reason, self.base_url, self.timeout))
 
     @staticmethod
     def decode(raw: bytes, path: str, as_text: bool = False) -> Any:
@@ -957,16 +1213,16 @@ class HttpClient:
         try:
             return json.loads(raw)
         except (ValueError, RecursionError):  # RecursionError: nested deeper than Python parses
-            raise ServerError("invalid JSON from %s (%d bytes)" % (path, len(raw))) from None
+            raise ServerError(
+                "invalid JSON from %s (%d bytes)" % (path, len(raw)), kind=ServerError.ANSWER
+            ) from None
 
     def prepare_post(self, path: str, body: Dict[str, Any]) -> "PreparedPost":
         return PreparedPost(self, path, body)
 
     def _read_capped(self, resp) -> bytes:
-        """The body, no larger than --max-response-mb and no slower than --timeout in all: a
-        server that trickles a byte at a time never waits out a per-read timeout."""
+        """The body, no larger than --max-response-mb (its deadline is the caller's)."""
         chunks, total = [], 0
-        deadline = time.monotonic() + self.timeout
         while True:
             chunk = resp.read1(1 << 16)
             if not chunk:
@@ -975,11 +1231,6 @@ class HttpClient:
             if total > self.max_bytes:
                 raise ServerError(
                     "answer larger than %d MB refused (--max-response-mb)" % (self.max_bytes >> 20)
-                )
-            if time.monotonic() > deadline:
-                raise ServerError(
-                    "no complete answer from %s within %gs (--timeout)"
-                    % (self.base_url, self.timeout)
                 )
             chunks.append(chunk)
         if getattr(resp, "length", None):  # the server hung up before the length it announced
@@ -1035,53 +1286,60 @@ class PreparedPost:
         except (OSError, HTTPException) as err:
             self.conn.close()
             raise self.client.transport_error(err, self.url) from None
+        except BaseException:
+            self.conn.close()
+            raise
 
     def connect(self) -> None:
+        """Open the connection (within --timeout); the answer's deadline starts at send()."""
         self._guard(self.conn.connect)
 
     def send(self) -> None:
-        self._guard(lambda: self.conn.sock.sendall(self.raw))
+        """Write the request; from here one deadline covers the rest of the answer."""
+        self.deadline = self.client.deadline()
+        self._guard(lambda: send_sliced(self.conn.sock, self.raw, self.deadline))
+
+    def _response(self) -> http.client.HTTPResponse:
+        """The response, its status line and headers read under the deadline."""
+        resp = http.client.HTTPResponse(
+            _SlicedSocket(self.conn.sock, self.deadline), method="POST"
+        )
+        self._guard(resp.begin)
+        if resp.status >= 300:
+            raise self.client.http_error(
+                resp.status, self.path, self._guard(lambda: self.client._read_capped(resp))
+            )
+        return resp
 
     def answer(self) -> Any:
-        def read() -> Tuple[int, bytes]:
-            with http.client.HTTPResponse(self.conn.sock, method="POST") as resp:
-                resp.begin()
-                return resp.status, self.client._read_capped(resp)
-
         try:
-            status, raw = self._guard(read)
+            resp = self._response()
+            raw = self._guard(lambda: self.client._read_capped(resp))
         finally:
             self.conn.close()
-        if status >= 300:
-            raise self.client.http_error(status, self.path, raw)
         return self.client.decode(raw, self.path)
 
     def events(self) -> Any:
         """The answer as server-sent events: each `data:` line's JSON, as it arrives, until
         `data: [DONE]`. Both engines stream so (vLLM's /v1/completions and SGLang's /generate
         with stream true). An answer that is not a stream, an error event, or a stream that
-        ends before [DONE] raises ServerError."""
-        deadline = time.monotonic() + self.client.timeout
+        ends before [DONE] raises ServerError; the whole stream is under one deadline."""
         try:
-            resp = self._guard(lambda: http.client.HTTPResponse(self.conn.sock, method="POST"))
-            self._guard(resp.begin)
-            if resp.status >= 300:
-                raise self.client.http_error(
-                    resp.status, self.path, self._guard(lambda: self.client._read_capped(resp))
-                )
+            resp = self._response()
             if "text/event-stream" not in (resp.getheader("Content-Type") or ""):
                 raise ServerError(
                     "%s did not stream its answer (no text/event-stream): streaming is needed "
                     "for --concurrency" % self.path
                 )
             while True:
-                line = self._guard(lambda: resp.readline(1 << 20))
+                line = self._guard(lambda: resp.readline(MAX_EVENT_LINE + 1))
                 if not line:
                     raise ServerError("the stream from %s was cut before it ended" % self.path)
-                if time.monotonic() > deadline:
+                if len(line) > MAX_EVENT_LINE:
                     raise ServerError(
-                        "no complete answer from %s within %gs (--timeout)"
-                        % (self.client.base_url, self.client.timeout)
+                        "a stream line from %s is longer than %d MiB: refused"
+                        % (self.path, MAX_EVENT_LINE >> 20),
+                        kind=ServerError.ANSWER,
                     )
                 if not line.startswith(b"data:"):
                     continue
@@ -1293,9 +1551,33 @@ class EngineAdapter(Protocol):
         when it reads ids as one prompt (a prefill)."""
 
 
+MAX_SERVER_COUNT = 10**12  # a token count above this is no server's: arithmetic never sees it
+
+
 def is_count(x: Any) -> bool:
-    """A whole number of at least 1 (true is not a count)."""
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+    """A whole number from 1 to MAX_SERVER_COUNT (true is not a count)."""
+    return isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= MAX_SERVER_COUNT
+
+
+def server_count(value: Any, what: str, absent: Optional[int] = None) -> Optional[int]:
+    """A count a server reports (tokens, cached tokens): a whole number from 0 to
+    MAX_SERVER_COUNT, checked before any arithmetic; absent when the server sent none."""
+    if value is None:
+        return absent
+    if not (isinstance(value, int) and not isinstance(value, bool)):
+        raise shape_error("%s is not a whole number" % what)
+    if not 0 <= value <= MAX_SERVER_COUNT:
+        raise shape_error("%s is %s, out of range" % (what, str(value)[:30]))
+    return value
+
+
+TOKEN_ID = re.compile(r"token_id:([0-9]{1,12})")  # how both engines spell a token by its id
+
+
+def token_id(token: str) -> Optional[int]:
+    """The id in a token spelled "token_id:N" (N ASCII digits only), or None."""
+    found = TOKEN_ID.fullmatch(token)
+    return int(found.group(1)) if found else None
 
 
 def plain_scalar(value: Any) -> Any:
@@ -1324,7 +1606,7 @@ def dig(data: Any, *keys: str) -> Any:
 
 
 def shape_error(what: str) -> ServerError:
-    return ServerError("answer of the wrong shape: " + what)
+    return ServerError("answer of the wrong shape: " + what, kind=ServerError.ANSWER)
 
 
 def is_number(x: Any) -> bool:
@@ -1334,20 +1616,50 @@ def is_number(x: Any) -> bool:
     )
 
 
-def check_steps(i: int, tokens: Any, logprobs: Any, top: Any) -> None:
-    """Refuse per-step lists that downstream code could not compare."""
+def checked_completion(
+    i: int,
+    text: str,
+    tokens: Any,
+    logprobs: Any,
+    top: Any,
+    finish: Any,
+    clamps: Sequence[float],
+    previous: Optional[Completion],
+) -> Completion:
+    """Completion i of an answer, from its per-step lists, refused when downstream code could
+    not compare them. Its flat view is worked out now, while the answer's objects are still
+    in the processor's cache (a sweep compares thousands), or taken from the previous
+    completion of the answer when the values are the same (copies of one prompt mostly are)."""
     if not isinstance(logprobs, list) or not isinstance(tokens, list):
         raise shape_error("completion %d has no logprobs" % i)
     if not isinstance(top, list) or not (len(tokens) == len(logprobs) == len(top)):
         raise shape_error(
             "completion %d has %d tokens but %d logprobs" % (i, len(tokens), len(logprobs))
         )
-    if not all(isinstance(t, str) for t in tokens):
+    # The types of every value at once, in C: the per-value checks run only on the rare
+    # answer that holds something other than strings, floats and objects of floats.
+    if not set(map(type, tokens)) <= {str}:
         raise shape_error("completion %d has a token that is not a string" % i)
-    if not all(map(is_number, logprobs)):
-        raise shape_error("completion %d has a logprob that is not a number" % i)
-    if not all(isinstance(d, dict) and all(map(is_number, d.values())) for d in top):
+    if not set(map(type, top)) <= {dict}:
         raise shape_error("completion %d has malformed top logprobs" % i)
+    copy = previous is not None and logprobs == previous.logprobs and top == previous.top_logprobs
+    # A copy's values equal the previous completion's: its types alone are left to check
+    values = (
+        itertools.chain(logprobs, *map(dict.values, top))
+        if copy
+        else logprobs + list(itertools.chain.from_iterable(map(dict.values, top)))
+    )
+    if not set(map(type, values)) <= {float}:
+        if not all(map(is_number, logprobs)):
+            raise shape_error("completion %d has a logprob that is not a number" % i)
+        if not all(map(is_number, itertools.chain.from_iterable(map(dict.values, top)))):
+            raise shape_error("completion %d has malformed top logprobs" % i)
+    c = Completion(text, tokens, logprobs, top, plain_scalar(finish))
+    if copy:
+        c.memo.update(previous.memo)  # the same values: the same views
+    else:
+        flat_view(c, clamps, values)
+    return c
 
 
 def token_ids(values: Any, what: str) -> List[int]:
@@ -1563,9 +1875,21 @@ class VllmAdapter:
                 lp.get("token_logprobs"),
                 lp.get("top_logprobs"),
             )
-            top = [d or {} for d in top] if isinstance(top, list) else top
-            check_steps(i, tokens, values, top)
-            out.append(Completion(c["text"], tokens, values, top, c.get("finish_reason")))
+            if isinstance(top, list) and None in top:  # a step without top-k entries
+                top = [d or {} for d in top]
+            finish = c.get("finish_reason")
+            out.append(
+                checked_completion(
+                    i,
+                    c["text"],
+                    tokens,
+                    values,
+                    top,
+                    finish,
+                    self.logprob_clamps,
+                    (out or [None])[-1],
+                )
+            )
         return out
 
     def before_batch(self, client: HttpClient, isolate: bool) -> None:
@@ -1582,8 +1906,7 @@ class VllmAdapter:
         )
 
     def streamed_tokens(self, event: Any) -> Optional[int]:
-        count = dig(event, "usage", "completion_tokens")
-        return count if isinstance(count, int) and not isinstance(count, bool) else None
+        return server_count(dig(event, "usage", "completion_tokens"), "usage.completion_tokens")
 
     def prompt_token_ids(self, client: HttpClient, model: str, prompt: str) -> List[int]:
         # POST /tokenize (vllm/entrypoints/serve/tokenize/protocol.py, 0.26.0 lines 24-40):
@@ -1623,13 +1946,15 @@ class VllmAdapter:
 
     def output_tokens(self, answer: Any) -> int:
         """Completion tokens of the whole batch (usage; a logprob-free answer has no per-choice count)."""
-        return int(dig(answer, "usage", "completion_tokens") or 0)
+        return server_count(
+            dig(answer, "usage", "completion_tokens"), "usage.completion_tokens", 0
+        )
 
     def cached_tokens(self, answer: Any) -> Optional[int]:
         # Only with --enable-prompt-tokens-details, and for a list prompt only the last
         # prompt's count (vllm/entrypoints/openai/completion/serving.py, 0.26.0, lines 608-616).
         value = dig(answer, "usage", "prompt_tokens_details", "cached_tokens")
-        return value if isinstance(value, int) else None
+        return server_count(value, "usage.prompt_tokens_details.cached_tokens")
 
 
 class SglangAdapter:
@@ -1682,7 +2007,7 @@ class SglangAdapter:
         try:
             info = client.request("/server_info")
         except ServerError as err:
-            if "HTTP 404" not in str(err):
+            if err.status != 404:
                 raise
             info = client.request("/get_server_info")  # SGLang before /server_info existed
         try:
@@ -1846,8 +2171,19 @@ class SglangAdapter:
                 )
             except (TypeError, IndexError, KeyError, ValueError, OverflowError):
                 raise shape_error("completion %d has malformed logprob entries" % i) from None
-            check_steps(i, tokens, [s[0] for s in steps], tops)
-            out.append(Completion(item["text"], tokens, [s[0] for s in steps], tops, finish))
+            values = [s[0] for s in steps]
+            out.append(
+                checked_completion(
+                    i,
+                    item["text"],
+                    tokens,
+                    values,
+                    tops,
+                    finish,
+                    self.logprob_clamps,
+                    (out or [None])[-1],
+                )
+            )
         return out
 
     def before_batch(self, client: HttpClient, isolate: bool) -> None:
@@ -1862,7 +2198,10 @@ class SglangAdapter:
             )
 
     def output_tokens(self, answer: Any) -> int:
-        return sum(int(dig(item, "meta_info", "completion_tokens") or 0) for item in answer or [])
+        return sum(
+            server_count(dig(item, "meta_info", "completion_tokens"), "completion_tokens", 0)
+            for item in answer or []
+        )
 
     def stream_body(self, model: str, prompt: str, sampling: Sampling) -> Dict[str, Any]:
         # One prompt as a string: each event is one object, its meta_info counting the
@@ -1870,8 +2209,7 @@ class SglangAdapter:
         return dict(self.body(model, [prompt], sampling), text=prompt, stream=True)
 
     def streamed_tokens(self, event: Any) -> Optional[int]:
-        count = dig(event, "meta_info", "completion_tokens")
-        return count if isinstance(count, int) and not isinstance(count, bool) else None
+        return server_count(dig(event, "meta_info", "completion_tokens"), "completion_tokens")
 
     def input_logprobs(self, client: HttpClient, prompt: Dict[str, Any], start: int) -> List[Any]:
         """meta_info.input_token_logprobs of one prompt read from start: entries [logprob, id,
@@ -1915,7 +2253,7 @@ class SglangAdapter:
             for item in answer or []
             if isinstance(item, dict)
         ]
-        counts = [c for c in counts if isinstance(c, int)]
+        counts = [server_count(c, "cached_tokens") for c in counts if c is not None]
         return sum(counts) if counts else None
 
 
@@ -2051,7 +2389,7 @@ def answer_or_none(client: HttpClient, path: str) -> Any:
     try:
         return client.request(path)
     except ServerError as err:
-        if err.status is None and not str(err).startswith("invalid JSON"):
+        if err.kind == ServerError.NETWORK:
             raise
         return None
 
@@ -2060,25 +2398,26 @@ def answers_like(adapter: EngineAdapter, client: HttpClient) -> bool:
     try:
         return bool(parsed("the answer", adapter.answers_like, client))
     except ServerError as err:
-        if (
-            err.status is None
-            and "wrong shape" not in str(err)
-            and not str(err).startswith("invalid JSON")
-        ):
+        if err.kind == ServerError.NETWORK:
             raise  # the server cannot be reached: say that, not that it is no engine
         return False
 
 
 def detect_engine(client: HttpClient) -> EngineAdapter:
     """The adapter whose engine answers at client, asked through each adapter's own endpoint."""
-    found = next((a for a in ADAPTERS.values() if answers_like(a, client)), None)
-    if found is None:
+    found = [a for a in ADAPTERS.values() if answers_like(a, client)]
+    if not found:
         raise ServerError(
             "cannot tell which engine answers at %s: it answers neither %s; name it with "
             "--engine"
             % (client.base_url, " nor ".join("like %s" % a.label for a in ADAPTERS.values()))
         )
-    return found
+    if len(found) > 1:
+        raise UsageError(
+            "%s answers like %s at once (a gateway in front of both?): name the engine with "
+            "--engine" % (client.base_url, " and like ".join(a.label for a in found))
+        )
+    return found[0]
 
 
 def fresh_cache_key() -> str:
@@ -2141,7 +2480,9 @@ class Config:
     prompt_tokens: Optional[int] = None  # build a prompt of about this many tokens
     cache_check: bool = False  # each batch again from the prefix cache, compared with the cold one
     baseline_url: Optional[str] = None  # --baseline URL: batch 1 comes from this server
-    baseline_differences: List[Dict[str, Any]] = field(default_factory=list)  # its settings vs ours
+    baseline_differences: List[Dict[str, Any]] = field(
+        default_factory=list
+    )  # its settings vs ours
     long_prompt: Optional["LongPrompt"] = None  # the prompt so built, as the server counted it
     # cost
     invariant_url: Optional[str] = None
@@ -2213,6 +2554,10 @@ def real_number(low: float, above: bool = False) -> Callable[[str], float]:
     return parse
 
 
+def limits_text(indent: str = "  ") -> str:
+    return "\n".join("%s%-50s at most %d" % (indent, what, most) for what, most in LIMITS)
+
+
 def exit_codes_text(indent: str = "  ") -> str:
     return "\n".join("%s%-4d %s" % (indent, code, meaning) for code, meaning in EXIT_CODES)
 
@@ -2232,9 +2577,13 @@ def provenance(argv: Sequence[str]) -> Dict[str, Any]:
             command.append("--api-key=[api key]")
         else:
             command.append(word)
-    return {"version": LAB_VERSION, "command": ["run.py"] + command, "host": socket.gethostname(),
-            "python": "%d.%d.%d" % sys.version_info[:3],
-            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return {
+        "version": LAB_VERSION,
+        "command": ["run.py"] + command,
+        "host": socket.gethostname(),
+        "python": "%d.%d.%d" % sys.version_info[:3],
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -2242,9 +2591,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="run.py",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Batch-invariance lab for vLLM and SGLang servers, over plain HTTP.",
-        epilog="exit codes:\n" + exit_codes_text(),
+        epilog="exit codes:\n"
+        + exit_codes_text()
+        + "\n\nlimits (larger is refused):\n"
+        + limits_text(),
     )
-    p.add_argument("--version", action="version", version="run.py (batch-invariance lab) " + LAB_VERSION)
+    p.add_argument(
+        "--version", action="version", version="run.py (batch-invariance lab) " + LAB_VERSION
+    )
     p.add_argument(
         "--mode",
         choices=MODES,
@@ -2276,7 +2630,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sweep_cost.add_argument(
         "--max-tokens",
-        type=whole_number(1),
+        type=whole_number(1, MAX_TOKENS),
         help="tokens per completion (default: "
         "sweep %d, cost %d)" % (DEFAULT_SWEEP_TOKENS, DEFAULT_COST_TOKENS),
     )
@@ -2336,7 +2690,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sweep.add_argument(
         "--max-batch",
-        type=whole_number(1),
+        type=whole_number(1, MAX_BATCH_SIZE),
         default=DEFAULT_MAX_BATCH,
         help="largest batch of the default ladder (default %d)" % DEFAULT_MAX_BATCH,
     )
@@ -2428,37 +2782,37 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--invariant", metavar="URL", help="the flag-on arm (required)")
     cost.add_argument(
         "--batch",
-        type=whole_number(1),
+        type=whole_number(1, MAX_BATCH_SIZE),
         default=DEFAULT_BATCH,
         help="prompts per timed " "request (default %d)" % DEFAULT_BATCH,
     )
     cost.add_argument(
         "--trials",
-        type=whole_number(1),
+        type=whole_number(1, MAX_TRIALS),
         default=DEFAULT_TRIALS,
         help="timed requests per " "arm (default %d)" % DEFAULT_TRIALS,
     )
     cost.add_argument(
         "--warmup",
-        type=whole_number(0),
+        type=whole_number(0, MAX_TRIALS),
         default=DEFAULT_WARMUP,
         help="discarded requests " "per arm (default %d)" % DEFAULT_WARMUP,
     )
     cost.add_argument(
         "--workload",
-        choices=("cold", "shared-prefix"),
+        choices=WORKLOADS,
         default="cold",
         help="cold: no prefix can be cached; shared-prefix: one long prefix for all",
     )
     cost.add_argument(
         "--prefix-tokens",
-        type=whole_number(1),
+        type=whole_number(1, MAX_PROMPT_TOKENS),
         default=DEFAULT_PREFIX_TOKENS,
         help="length of the shared prefix (default about %d tokens)" % DEFAULT_PREFIX_TOKENS,
     )
     cost.add_argument(
         "--concurrency",
-        type=whole_number(1),
+        type=whole_number(1, MAX_BATCH_SIZE),
         metavar="C",
         help="time a server under load "
         "instead of one batch request: each trial is --requests one-prompt streamed requests, at "
@@ -2466,7 +2820,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cost.add_argument(
         "--requests",
-        type=whole_number(1),
+        type=whole_number(1, MAX_REQUESTS),
         metavar="R",
         help="requests per load trial " "(default 4 x --concurrency; at least C)",
     )
@@ -2501,6 +2855,10 @@ def parse_sizes(text: str) -> List[int]:
     sizes = [int(p) for p in parts]
     if any(s < 1 for s in sizes):
         raise UsageError("--sizes: batch sizes start at 1 (got %d)" % min(sizes))
+    if max(sizes) > MAX_BATCH_SIZE:
+        raise UsageError(
+            "--sizes: batch sizes go up to %d (got %d)" % (MAX_BATCH_SIZE, max(sizes))
+        )
     if len(set(sizes)) != len(sizes):
         raise UsageError(
             "--sizes: %d is listed twice" % next(s for s in sizes if sizes.count(s) > 1)
@@ -2520,29 +2878,59 @@ def server_address(url: str) -> Tuple[str, str, int, str]:
 def check_url(url: str, option: str) -> str:
     """The server's base URL: as an engine logs it (http://0.0.0.0:8000, which is this machine)
     or as OpenAI clients take it (ending in /v1, which the lab adds itself)."""
-    parts = urllib.parse.urlsplit(url)
+    if any(c.isspace() for c in url):
+        raise UsageError("%s: the URL has a space in it (quote it whole, or remove it)" % option)
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError as err:  # a malformed IPv6 address
+        raise UsageError("%s: not a URL the lab can use (%s)" % (option, err)) from None
     if parts.username is not None or parts.password is not None:
         # Never echo the URL: it holds a secret. Credentials go in a header, never a URL.
         raise UsageError(
             "%s: a user name or password in the URL is not accepted (it would be printed "
             "and saved); give the key with --api-key or $OPENAI_API_KEY" % option
         )
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        # Never echo it: a query string is where a key is often put.
+        raise UsageError(
+            "%s: give the server's base URL without a query string or fragment (a key goes "
+            "in --api-key or $OPENAI_API_KEY)" % option
+        )
     try:
-        parts.port  # raises on a port that is not a number
+        parts.port
     except ValueError:
         raise UsageError("%s: %r has a port that is not a number" % (option, url)) from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UsageError("%s: %r is not an http:// or https:// URL" % (option, url))
     path = parts.path.rstrip("/")
+    endpoint = next((e for e in ENDPOINT_PATHS if path.endswith(e)), None)
+    if endpoint:
+        raise UsageError(
+            "%s: give the server's base URL, not an endpoint: %s (the lab adds %s itself)"
+            % (
+                option,
+                urllib.parse.urlunsplit(
+                    (parts.scheme, parts.netloc, path[: -len(endpoint)], "", "")
+                ),
+                endpoint,
+            )
+        )
     if path.endswith("/v1"):
         path = path[:-3]
     netloc = parts.netloc
     for any_address, local in (("0.0.0.0", "127.0.0.1"), ("[::]", "[::1]")):
         if parts.hostname == any_address.strip("[]"):
             netloc = netloc.replace(any_address, local)
-    return urllib.parse.urlunsplit((parts.scheme, netloc, path, parts.query, ""))
+    return urllib.parse.urlunsplit((parts.scheme, netloc, path, "", ""))
 
 
+# Endpoints a base URL is mistaken for: the adapters add their own paths to the base URL
+ENDPOINT_PATHS = sorted(
+    {p for a in ADAPTERS.values() for p in (a.generate_path, a.health_path)}
+    | {"/v1/chat/completions", "/v1/models"},
+    key=len,
+    reverse=True,
+)
 MAX_INPUT_FILE_MB = 1024  # a prompt file or lab result larger than this is refused, not read
 
 
@@ -2592,7 +2980,7 @@ def check_save_target(path: str, schemas: Sequence[str]) -> Optional[Dict[str, A
         os.unlink(probe)
     except OSError as err:
         raise UsageError("--save: cannot write in %s (%s)" % (folder, err.strerror)) from None
-    if not os.path.lexists(path):
+    if not os.path.exists(path):  # nothing there yet (a link to a file still to be made)
         return None
     data = read_json_file(path, "--save")
     if data.get("schema") not in schemas:
@@ -2607,6 +2995,50 @@ def check_save_target(path: str, schemas: Sequence[str]) -> Optional[Dict[str, A
     return data
 
 
+def cost_file_fault(doc: Dict[str, Any]) -> Optional[str]:
+    """What is wrong with a cost file's cells, as the cost table and the cell keys read them,
+    or None: checked before the first request, so that no run measures and then cannot save."""
+    for section in ("cells", "incomplete_cells"):
+        cells = doc.get(section, [])
+        if not isinstance(cells, list):
+            return "%s is not a list" % section
+        for i, cell in enumerate(cells, 1):
+            fault = cell_fault(cell)
+            if fault:
+                return "%s %d: %s" % (section.replace("_", " ")[:-1], i, fault)
+    return None
+
+
+def cell_fault(cell: Any) -> Optional[str]:
+    if not isinstance(cell, dict):
+        return "not an object"
+    whole = lambda x, low: isinstance(x, int) and not isinstance(x, bool) and x >= low
+    checks = [
+        ("model", isinstance(cell.get("model"), str)),
+        ("workload", cell.get("workload") in WORKLOADS),
+        ("tp", cell.get("tp") is None or whole(cell.get("tp"), 1)),
+        ("batch", whole(cell.get("batch"), 1)),
+        ("max_tokens", whole(cell.get("max_tokens"), 1)),
+        ("concurrency", cell.get("concurrency") is None or whole(cell.get("concurrency"), 1)),
+        ("requests", not cell.get("concurrency") or whole(cell.get("requests"), 1)),
+        ("arrivals", cell.get("arrivals") is None or isinstance(cell.get("arrivals"), str)),
+        ("state", isinstance(cell.get("state"), str)),
+        ("overhead_pct", cell.get("overhead_pct") is None or is_number(cell["overhead_pct"])),
+        (
+            "ci95_pct",
+            cell.get("ci95_pct") is None
+            or (
+                isinstance(cell["ci95_pct"], list)
+                and len(cell["ci95_pct"]) == 2
+                and all(map(is_number, cell["ci95_pct"]))
+                and isinstance(cell.get("significant"), bool)
+            ),
+        ),
+    ]
+    bad = next((name for name, good in checks if not good), None)
+    return None if bad is None else "its %s is missing or malformed" % bad
+
+
 def read_prompt_file(path: str) -> List[str]:
     prompts = [
         line.rstrip("\r")
@@ -2615,6 +3047,18 @@ def read_prompt_file(path: str) -> List[str]:
     ]
     if not prompts:
         raise UsageError("--prompt-file: %s holds no prompt" % path)
+    return check_prompts(prompts, "--prompt-file")
+
+
+def check_prompts(prompts: List[str], option: str) -> List[str]:
+    if len(prompts) > MAX_PROMPTS:
+        raise UsageError("%s: at most %d prompts (got %d)" % (option, MAX_PROMPTS, len(prompts)))
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    if len(prompts[longest]) > MAX_PROMPT_CHARS:
+        raise UsageError(
+            "%s: prompt %d has %d characters; at most %d"
+            % (option, longest + 1, len(prompts[longest]), MAX_PROMPT_CHARS)
+        )
     return prompts
 
 
@@ -2643,14 +3087,24 @@ def configure(argv: Optional[Sequence[str]]) -> Config:
         cfg.prior_save = check_save_target(
             args.save, SWEEP_SCHEMAS_READ if args.mode == "sweep" else (COST_SCHEMA,)
         )
+        fault = cfg.prior_save and args.mode == "cost" and cost_file_fault(cfg.prior_save)
+        if fault:
+            raise UsageError(
+                "--save: %s holds cost results the lab cannot add to (%s); save to another "
+                "file" % (args.save, fault)
+            )
     if args.mode == "sweep":
         configure_sweep(cfg, args)
         if cfg.request_rate is not None and cfg.traffic != "concurrent":
-            raise UsageError("--request-rate goes with --traffic concurrent (one request a prompt)")
+            raise UsageError(
+                "--request-rate goes with --traffic concurrent (one request a prompt)"
+            )
     else:
         configure_cost(cfg, args)
         if cfg.request_rate is not None and not cfg.concurrency:
-            raise UsageError("--request-rate goes with --concurrency (one streamed request a prompt)")
+            raise UsageError(
+                "--request-rate goes with --concurrency (one streamed request a prompt)"
+            )
     return cfg
 
 
@@ -2664,7 +3118,7 @@ def configure_sweep(cfg: Config, args: argparse.Namespace) -> None:
     )
     if any(not p.strip() for p in cfg.prompts):
         raise UsageError("--prompt: a prompt is empty")
-    cfg.prompts = cfg.prompts or [DEFAULT_PROMPT]
+    cfg.prompts = check_prompts(cfg.prompts or [DEFAULT_PROMPT], "--prompt")
     if len(set(cfg.prompts)) != len(cfg.prompts):
         raise UsageError("--prompt: the same prompt is given twice")
     cfg.expect = args.expect
@@ -2677,15 +3131,19 @@ def configure_sweep(cfg: Config, args: argparse.Namespace) -> None:
     cfg.prefill_check = args.prefill_check
     cfg.prompt_tokens = args.prompt_tokens
     if cfg.prompt_tokens and (args.prompt or args.prompt_file):
-        raise UsageError("--prompt-tokens builds the prompt itself: leave out --prompt and --prompt-file")
+        raise UsageError(
+            "--prompt-tokens builds the prompt itself: leave out --prompt and --prompt-file"
+        )
     if cfg.expect == "prefill-equal" and not cfg.prefill_check:
         raise UsageError("--expect prefill-equal needs --prefill-check")
     cfg.cache_check = args.cache_check
     if cfg.expect == "cache-equal" and not cfg.cache_check:
         raise UsageError("--expect cache-equal needs --cache-check")
     if cfg.cache_check and (cfg.traffic != "copies" or cfg.prefix_cache != "bypass"):
-        raise UsageError("--cache-check goes with --traffic copies and --prefix-cache bypass (its "
-                         "cold request must be cold)")
+        raise UsageError(
+            "--cache-check goes with --traffic copies and --prefix-cache bypass (its "
+            "cold request must be cold)"
+        )
     if cfg.traffic == "mixed" and (max(cfg.sizes) if cfg.sizes else cfg.max_batch) == 1:
         raise UsageError(
             "--traffic mixed: batch 1 has no room for other prompts; give sizes above 1"
@@ -2732,10 +3190,6 @@ def check_baseline(cfg: Config) -> None:
         fault = baseline_fault(entry.get("baseline"))
         if fault:
             raise UsageError("--baseline: %s: the baseline of %r: %s" % (path, prompt[:60], fault))
-
-
-def is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def baseline_fault(rec: Any) -> Optional[str]:
@@ -2812,43 +3266,74 @@ def fmt_duration(seconds: float) -> str:
     return "%dh %02dm %02ds" % (minutes // 60, minutes % 60, secs)
 
 
+class OutputFailed(Exception):
+    """stdout or stderr could not be written: closed, or its disk full. The run ends (what was
+    measured is saved) with EXIT_BROKEN_PIPE for a closed pipe, EXIT_OUTPUT otherwise."""
+
+    def __init__(self, stream: str, err: BaseException):
+        reason = os.strerror(err.errno) if isinstance(err, OSError) and err.errno else str(err)
+        super().__init__("cannot write to %s (%s)" % (stream, reason))
+        self.stream = stream
+        self.code = EXIT_BROKEN_PIPE if isinstance(err, BrokenPipeError) else EXIT_OUTPUT
+
+
 class Out:
     """Plain text to stdout; colour on a terminal unless NO_COLOR is set (non-empty) or --color
-    says otherwise; progress on a stderr terminal."""
+    says otherwise; progress on a stderr terminal. Every line passes SECRETS.hide. A stream
+    that cannot be written raises OutputFailed once; after that nothing more is written to it."""
 
     def __init__(self, stdout=None, stderr=None):
         self.stdout = stdout or sys.stdout
         self.stderr = stderr or sys.stderr
         self.colour = self.stdout.isatty() and not os.environ.get("NO_COLOR")
         self.progress_on = self.stderr.isatty()
+        self.failure: Optional[OutputFailed] = None
 
     def use_colour(self, choice: str) -> None:
         """--color: auto keeps what __init__ found; always and never decide it."""
         if choice != "auto":
             self.colour = choice == "always"
 
+    def _write(self, which: str, text: str, raising: bool = True) -> None:
+        """Write to "stdout" or "stderr", flushed at once."""
+        if self.failure is not None and self.failure.stream == which:
+            return
+        stream = self.stdout if which == "stdout" else self.stderr
+        try:
+            stream.write(SECRETS.hide(text))
+            stream.flush()
+        except (OSError, ValueError) as err:  # ValueError: the stream was closed
+            self.failure = OutputFailed(which, err)
+            if raising:
+                raise self.failure from None
+
     def line(self, text: str = "") -> None:
         """A line of results, out at once (a table is printed as it is measured)."""
         if self.progress_on:
-            self.stderr.write("\r\033[K")  # the live progress line comes back with the next update
-        self.stdout.write(text + "\n")
-        self.stdout.flush()
+            self._write("stderr", "\r\033[K")  # the progress line returns with its next update
+        self._write("stdout", text + "\n")
+
+    def note(self, text: str = "") -> None:
+        """A plain line on stderr: the results' commentary when stdout carries JSON."""
+        self._write("stderr", text + "\n")
+
+    def say(self, text: str, raising: bool = True) -> None:
+        """A line about the run, on stderr ("run.py: ..."); raising False for the last words."""
+        self._write("stderr", "run.py: %s\n" % text, raising)
 
     def style(self, text: str, code: str) -> str:
         return "\033[%sm%s\033[0m" % (code, text) if self.colour else text
 
     def warn(self, text: str) -> None:
-        self.stderr.write("run.py: warning: %s\n" % text)
+        self.say("warning: " + text)
 
     def progress(self, text: str) -> None:
         if self.progress_on:
-            self.stderr.write("\r\033[K" + text)
-            self.stderr.flush()
+            self._write("stderr", "\r\033[K" + text)
 
     def progress_done(self) -> None:
         if self.progress_on:
-            self.stderr.write("\r\033[K")
-            self.stderr.flush()
+            self._write("stderr", "\r\033[K", raising=False)
 
 
 class Progress:
@@ -2894,7 +3379,7 @@ class Progress:
             or self.done == self.total
         )
         if self.plain and due:
-            self.out.stderr.write("run.py: progress: %s done | %s\n" % (what, self.status()))
+            self.out.say("progress: %s done | %s" % (what, self.status()))
             self.last_line = now
 
 
@@ -2940,9 +3425,10 @@ def json_text(doc: Dict[str, Any], indent: Optional[int] = None) -> str:
     written as the strings "NaN", "Infinity" and "-Infinity". Compact unless indented."""
     separators = (",", ":") if indent is None else (",", ": ")
     try:
-        return json.dumps(doc, indent=indent, separators=separators, allow_nan=False)
+        text = json.dumps(doc, indent=indent, separators=separators, allow_nan=False)
     except ValueError:
-        return json.dumps(_finite(doc), indent=indent, separators=separators, allow_nan=False)
+        text = json.dumps(_finite(doc), indent=indent, separators=separators, allow_nan=False)
+    return SECRETS.hide(text)  # the key, wherever a server echoed it, is never saved
 
 
 def _finite(value: Any) -> Any:
@@ -2955,20 +3441,36 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def write_json_atomic(path: str, doc: Dict[str, Any]) -> None:
+def json_chunks(doc: Dict[str, Any], listed: str) -> Iterator[str]:
+    """json_text(doc) in pieces, the list doc[listed] one item at a time, so that writing a
+    large document never holds all of its text at once (a sweep of 1000 prompts is 30 MB)."""
+    marker = "\0%s\0" % os.urandom(8).hex()  # no text a server sends holds it
+    head, tail = json_text(dict(doc, **{listed: marker})).split(json.dumps(marker))
+    yield head + "["
+    for i, item in enumerate(doc[listed]):
+        yield ("," if i else "") + json_text(item)
+    yield "]" + tail
+
+
+def write_json_atomic(path: str, doc: Dict[str, Any], listed: Optional[str] = None) -> None:
     """Write through a temporary file and a rename: a crash never leaves half a file, and a
     failed write leaves the old file as it was. Compact JSON, one line: only json.dumps without
-    indent runs in C, ten times faster on a large sweep (`python3 -m json.tool FILE` indents it).
+    indent runs in C, ten times faster on a large sweep (`python3 -m json.tool FILE` indents it);
+    with listed, written a piece at a time (json_chunks). A symbolic link stays: the file it
+    points to is the one written.
     """
-    folder = os.path.dirname(os.path.abspath(path))
-    text = json_text(doc)
+    path = os.path.realpath(path)
+    folder = os.path.dirname(path)
+    chunks = json_chunks(doc, listed) if listed else [json_text(doc)]
     try:
         fd, tmp = tempfile.mkstemp(prefix=".run-", suffix=".json", dir=folder)
     except OSError as err:
         raise SaveError("--save: cannot write in %s (%s)" % (folder, err.strerror)) from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+            for chunk in chunks:
+                f.write(chunk)
+            f.write("\n")
         os.chmod(tmp, _file_mode(path))
         os.replace(tmp, path)
     except OSError as err:
@@ -2983,7 +3485,7 @@ class FolderLock:
     turns (where the platform has flock; elsewhere nothing is locked)."""
 
     def __init__(self, path: str):
-        self.folder = os.path.dirname(os.path.abspath(path))
+        self.folder = os.path.dirname(os.path.realpath(path))  # a link's target's folder
         self.fd: Optional[int] = None
 
     def __enter__(self) -> "FolderLock":
@@ -3044,9 +3546,10 @@ class DeferredInterrupt:
             raise Stopped(signum)
         self.signum = signum
         STOP.ask(signum)
-        self.out.stderr.write(
-            "\nrun.py: %s: stopping after the current request (at most %gs more; "
-            "again to abort it)\n" % (signal.Signals(signum).name, STOP_GRACE_S)
+        self.out.say(  # in a signal handler: a failed write must not raise here
+            "%s: stopping after the current request (at most %gs more; again to abort it)"
+            % (signal.Signals(signum).name, STOP_GRACE_S),
+            raising=False,
         )
 
     def __enter__(self) -> "DeferredInterrupt":
@@ -3084,8 +3587,8 @@ def wait_until_ready(cfg: Config, servers: Sequence[Tuple[str, str]], out: Out) 
     deadline = time.monotonic() + cfg.wait_ready
     for url, what in servers:
         if not cfg.quiet:
-            out.stderr.write(
-                "run.py: progress: waiting up to %s for %s at %s to answer %s\n"
+            out.say(
+                "progress: waiting up to %s for %s at %s to answer %s"
                 % (fmt_duration(deadline - time.monotonic()), what, url, " or ".join(paths))
             )
         while True:
@@ -3151,26 +3654,43 @@ def read_facts(cfg: Config, url: str, arm: str = "the server") -> ServerFacts:
 def measure_until_stopped(
     out: Out, what: str, loop: Callable[[DeferredInterrupt], None]
 ) -> Tuple[str, int]:
-    """Run a measuring loop. A server error or Ctrl-C ends it early; either way the caller
-    keeps, reports and saves what was measured. Returns (state, exit code)."""
+    """Run a measuring loop. A server error, a stop signal, an output that cannot be written
+    or a fault of the lab's own ends it early; whichever it was, the caller keeps, reports
+    and saves what was measured. Returns (state, exit code)."""
     state, code, message = "complete", EXIT_OK, None
     with DeferredInterrupt(out) as interrupt:
         try:
             loop(interrupt)
         except ServerError as err:
-            state, code, message = (
-                "stopped: server error",
-                EXIT_SERVER,
-                "%s stopped at %s" % (what, err),
-            )
+            state, code = "stopped: server error", EXIT_SERVER
+            message = "%s stopped at %s" % (what, err)
         except KeyboardInterrupt as stop:
             name = signal.Signals(getattr(stop, "signum", signal.SIGINT)).name
             code, state = STOP_SIGNALS[name]
             message = "%s; showing what was measured" % state
+        except OutputFailed as err:
+            state, code = "stopped: output failed", err.code
+            message = "%s stopped: %s" % (what, err)
+        except Exception as err:  # a fault of the lab's own: what was measured still counts
+            state, code = "stopped: internal error", EXIT_INTERNAL
+            message = "%s stopped: %s" % (what, internal_error(err))
     out.progress_done()
     if message:
-        out.stderr.write("run.py: %s\n" % message)
+        out.say(message, raising=False)
     return state, code
+
+
+def internal_error(err: BaseException) -> str:
+    """One line for a fault of the lab's own, with where it happened, to report."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = " at run.py line %d" % tb.tb_lineno if tb is not None else ""
+    return "internal error (%s%s: %s); please report it" % (
+        type(err).__name__,
+        where,
+        str(err)[:200],
+    )
 
 
 def fmt_opt(value: Any, none: str = "-") -> str:
@@ -3686,11 +4206,32 @@ class Arrivals:
         return times
 
     def wait_until(self, when: float) -> None:
+        """Sleep until the request's send time; a stop signal ends the wait (and the sending)."""
         if self.rate:
-            time.sleep(max(0.0, when - CLOCK()))
+            STOP.event.wait(max(0.0, when - CLOCK()))
+        if STOP.event.is_set():
+            raise Stopped(STOP.signum)  # no request starts after a stop signal
 
     def describe(self) -> str:
         return "burst" if not self.rate else "poisson at %g/s" % self.rate
+
+
+def failed_outcome(outcomes: Sequence[Any], what: str) -> None:
+    """Raise, in the thread that sent them, what the worst of many requests' threads raised:
+    a stop first, then anything unforeseen (so that it ends the run as in this thread), then
+    the first server error, with how many failed."""
+    raised = [o for o in outcomes if isinstance(o, BaseException)]
+    if not raised:
+        return
+    stop = next((o for o in raised if isinstance(o, KeyboardInterrupt)), None)
+    unforeseen = next((o for o in raised if not isinstance(o, ServerError)), None)
+    if stop or unforeseen:
+        raise stop or unforeseen
+    raise ServerError(
+        "%s (%d of %d %s failed)" % (raised[0], len(raised), len(outcomes), what),
+        raised[0].status,
+        raised[0].kind,
+    )
 
 
 @dataclass
@@ -3739,13 +4280,13 @@ class Sender:
             )
             for _ in range(n)
         ]
-        outcomes: List[Any] = [None] * n  # a ServerError, or (completion, cached tokens)
+        outcomes: List[Any] = [None] * n  # what failed, or (completion, cached tokens)
         ready, all_sent = threading.Semaphore(0), threading.Event()
 
         def client_thread(i: int) -> None:
             try:
                 posts[i].connect()
-            except ServerError as err:
+            except BaseException as err:  # raised in the sending thread, by failed_outcome
                 outcomes[i] = err
             ready.release()
             all_sent.wait()
@@ -3756,7 +4297,7 @@ class Sender:
                         parsed("the answer", self.adapter.completions, answer, 1, True)[0],
                         parsed("the answer", self.adapter.cached_tokens, answer),
                     )
-                except ServerError as err:
+                except BaseException as err:
                     outcomes[i] = err
 
         threads = [
@@ -3769,23 +4310,21 @@ class Sender:
         schedule = self.arrivals.schedule(n, seed + n)
         start = CLOCK()
         sent = []
-        for i, post in enumerate(posts):
-            if outcomes[i] is None:
-                self.arrivals.wait_until(start + schedule[i])
-                sent.append(CLOCK())
-                try:
-                    post.send()
-                except ServerError as err:
-                    outcomes[i] = err
-        all_sent.set()
+        try:
+            for i, post in enumerate(posts):
+                if outcomes[i] is None:
+                    try:
+                        self.arrivals.wait_until(start + schedule[i])
+                        sent.append(CLOCK())
+                        post.send()
+                    except BaseException as err:
+                        outcomes[i] = err
+        finally:
+            all_sent.set()  # even on a second stop signal: no thread waits for ever
         for t in threads:
             t.join()
         seconds = CLOCK() - start
-        failed = [o for o in outcomes if isinstance(o, ServerError)]
-        if failed:
-            raise ServerError(
-                "%s (%d of %d concurrent requests failed)" % (failed[0], len(failed), n)
-            )
+        failed_outcome(outcomes, "concurrent requests")
         cached = [o[1] for o in outcomes if o[1] is not None]
         return SentBatch(
             [o[0] for o in outcomes],
@@ -3816,12 +4355,14 @@ class PrefillCheck:
                     "the prompt's token ids", s.adapter.prompt_token_ids, s.client, s.model, prompt
                 )
             head = self.prompt_ids[prompt]
-            if not head or not all(t.startswith("token_id:") and t[9:].isdigit() for t in tokens):
+            generated = [token_id(t) for t in tokens]
+            if not head or None in generated:
                 raise ServerError(
                     "the prefill check needs token ids, and %s"
-                    % ("the prompt has none" if not head else "the server's tokens are not ids")
+                    % ("the prompt has none" if not head else "the server's tokens are not ids"),
+                    kind=ServerError.ANSWER,
                 )
-            ids = head + [int(t[9:]) for t in tokens]
+            ids = head + generated
             self.prefills[key] = parsed(
                 "the prefill answer",
                 s.adapter.prefill_logprobs,
@@ -3874,7 +4415,9 @@ class KlEstimate:
     total: float = 0.0  # their K3 terms, summed
     largest: float = 0.0
 
-    def add(self, decode: Sequence[float], prefill: Sequence[float], clamps: Sequence[float]) -> None:
+    def add(
+        self, decode: Sequence[float], prefill: Sequence[float], clamps: Sequence[float]
+    ) -> None:
         for d, p in zip(decode, prefill):
             if d == p or not (math.isfinite(d) and math.isfinite(p)) or d in clamps or p in clamps:
                 continue
@@ -3946,8 +4489,9 @@ class PromptSweep:
         return [self.size(n) for n in self.runs]
 
     def batch1_repeatable(self) -> Optional[bool]:
-        """Batch 1's passes against each other: None until there are two."""
-        if len(self.batch1) < 2:
+        """Batch 1's passes against each other: None until there are two, or when a NaN
+        leaves nothing to compare (NaN against NaN is no evidence either way)."""
+        if len(self.batch1) < 2 or any(map(has_nan, self.batch1)):
             return None
         return all(
             same_completion(c, self.batch1[0]) and c.text == self.batch1[0].text
@@ -4003,8 +4547,8 @@ def compare_batch(
         # Copies of one completion are common; compare each distinct one once.
         if previous is None or not same_completion(c, previous):
             last = compare_completions(baseline, c, clamps)
+            previous = c
         deltas.append(last)
-        previous = c
     diverged = [d for d in deltas if d.first_token_divergence is not None]
     first = min(diverged, key=lambda d: d.first_token_divergence) if diverged else None
     ulp_steps = [d.first_ulp_step for d in deltas if d.first_ulp_step is not None]
@@ -4042,8 +4586,10 @@ class BaselineServer:
     def open(cls, cfg: Config, facts: ServerFacts, isolate: bool) -> "BaselineServer":
         theirs = read_facts(cfg, cfg.baseline_url, "the baseline server (--baseline)")
         if theirs.model != facts.model:
-            raise UsageError("--baseline: %s serves %s, the server under test %s"
-                             % (cfg.baseline_url, theirs.model, facts.model))
+            raise UsageError(
+                "--baseline: %s serves %s, the server under test %s"
+                % (cfg.baseline_url, theirs.model, facts.model)
+            )
         client = cfg.client(cfg.baseline_url)
         return cls(Sender(client, cfg.adapter, theirs.model, cfg.sampling, isolate), theirs)
 
@@ -4057,7 +4603,11 @@ class BaselineServer:
 
 def server_differences(theirs: ServerFacts, ours: ServerFacts) -> List[Dict[str, Any]]:
     """Every setting two servers report differently, the flag among them."""
-    found = [{"setting": "flag", "baseline": theirs.flag, "here": ours.flag}] if theirs.flag != ours.flag else []
+    found = (
+        [{"setting": "flag", "baseline": theirs.flag, "here": ours.flag}]
+        if theirs.flag != ours.flag
+        else []
+    )
     for label in sorted(theirs.settings.keys() | ours.settings.keys()):
         a, b = theirs.settings.get(label), ours.settings.get(label)
         if a != b:
@@ -4182,22 +4732,41 @@ class CacheComparison:
     cold_cached_tokens: Optional[int]
 
     def to_record(self) -> Dict[str, Any]:
-        return {"max_ulp": self.max_ulp, "first_step": self.first_step,
-                "tokens_diverged": self.tokens_diverged, "notes": list(self.notes),
-                "margin": self.margin.to_record() if self.margin else None,
-                "cached_tokens": self.cached_tokens, "cold_cached_tokens": self.cold_cached_tokens}
+        return {
+            "max_ulp": self.max_ulp,
+            "first_step": self.first_step,
+            "tokens_diverged": self.tokens_diverged,
+            "notes": list(self.notes),
+            "margin": self.margin.to_record() if self.margin else None,
+            "cached_tokens": self.cached_tokens,
+            "cold_cached_tokens": self.cold_cached_tokens,
+        }
 
 
-def cache_comparison(cold: "SentBatch", warm: "SentBatch", clamps: Sequence[float]) -> CacheComparison:
-    deltas = [compare_completions(c, w, clamps) for c, w in zip(cold.completions, warm.completions)]
-    steps = [s for d in deltas for s in (d.first_token_divergence, d.first_ulp_step) if s is not None]
+def cache_comparison(
+    cold: "SentBatch", warm: "SentBatch", clamps: Sequence[float]
+) -> CacheComparison:
+    deltas = [
+        compare_completions(c, w, clamps) for c, w in zip(cold.completions, warm.completions)
+    ]
+    steps = [
+        s for d in deltas for s in (d.first_token_divergence, d.first_ulp_step) if s is not None
+    ]
     diverged = [d for d in deltas if d.first_token_divergence is not None]
     first = min(diverged, key=lambda d: d.first_token_divergence) if diverged else None
     texts_differ = any(c.text != w.text for c, w in zip(cold.completions, warm.completions))
-    notes = sorted({u for d in deltas for u in d.ulp_notes} | ({"text differs"} if texts_differ else set()))
-    return CacheComparison(max((d.max_ulp for d in deltas), default=0), min(steps) if steps else None,
-                           bool(diverged), tuple(notes), first.margin if first else None,
-                           warm.cached_tokens, cold.cached_tokens)
+    notes = sorted(
+        {u for d in deltas for u in d.ulp_notes} | ({"text differs"} if texts_differ else set())
+    )
+    return CacheComparison(
+        max((d.max_ulp for d in deltas), default=0),
+        min(steps) if steps else None,
+        bool(diverged),
+        tuple(notes),
+        first.margin if first else None,
+        warm.cached_tokens,
+        cold.cached_tokens,
+    )
 
 
 def cache_summary(sweeps: List["PromptSweep"]) -> Dict[str, Any]:
@@ -4216,9 +4785,12 @@ def cache_summary(sweeps: List["PromptSweep"]) -> Dict[str, Any]:
     else:
         verdict = CACHE_MISSED
     steps = [c["first_step"] for c in checked if c["first_step"] is not None]
-    return {"cache_verdict": verdict, "cache_batches": len(checked),
-            "cache_max_ulp": max((c["max_ulp"] for c in checked), default=None),
-            "cache_first_step": min(steps) if steps else None}
+    return {
+        "cache_verdict": verdict,
+        "cache_batches": len(checked),
+        "cache_max_ulp": max((c["max_ulp"] for c in checked), default=None),
+        "cache_first_step": min(steps) if steps else None,
+    }
 
 
 def now_stamp() -> str:
@@ -4241,14 +4813,20 @@ class LongPrompt:
 
     def to_record(self) -> Dict[str, Any]:
         chunks = -(-self.tokens // self.budget) if self.budget else None
-        return {"asked": self.asked, "tokens": self.tokens, "prefill_budget": self.budget,
-                "prefill_chunks": chunks}
+        return {
+            "asked": self.asked,
+            "tokens": self.tokens,
+            "prefill_budget": self.budget,
+            "prefill_chunks": chunks,
+        }
 
 
 PROMPT_FIT_TRIES = 6  # rounds of counting and resizing a built prompt
 
 
-def built_prompt(client: HttpClient, adapter: EngineAdapter, facts: ServerFacts, n: int) -> LongPrompt:
+def built_prompt(
+    client: HttpClient, adapter: EngineAdapter, facts: ServerFacts, n: int
+) -> LongPrompt:
     """Plain words, resized until the server's own tokenizer counts n within max(2, n/100)."""
 
     def count(text: str) -> int:
@@ -4344,21 +4922,34 @@ class SweepTable:
         )
         if p.get("baseline_server"):
             differences = p.get("baseline_differences") or []
-            out.line("        baseline: batch 1 of %s, %s" % (p["baseline_server"], "; ".join(
-                "%s %s there, %s here" % (d["setting"], fmt_setting(d["baseline"]), fmt_setting(d["here"]))
-                for d in differences) or "reporting the same settings"))
+            out.line(
+                "        baseline: batch 1 of %s, %s"
+                % (
+                    p["baseline_server"],
+                    "; ".join(
+                        "%s %s there, %s here"
+                        % (d["setting"], fmt_setting(d["baseline"]), fmt_setting(d["here"]))
+                        for d in differences
+                    )
+                    or "reporting the same settings",
+                )
+            )
         long_prompt = p.get("prompt_tokens")
         if long_prompt:
             if long_prompt["prefill_budget"]:
-                crossing = ("crosses the chunked-prefill budget of %d tokens: prefilled in %d chunks"
-                            % (long_prompt["prefill_budget"], long_prompt["prefill_chunks"])
-                            if long_prompt["prefill_chunks"] > 1 else
-                            "fits in one chunk of the chunked-prefill budget (%d tokens)"
-                            % long_prompt["prefill_budget"])
+                crossing = (
+                    "crosses the chunked-prefill budget of %d tokens: prefilled in %d chunks"
+                    % (long_prompt["prefill_budget"], long_prompt["prefill_chunks"])
+                    if long_prompt["prefill_chunks"] > 1
+                    else "fits in one chunk of the chunked-prefill budget (%d tokens)"
+                    % long_prompt["prefill_budget"]
+                )
             else:
                 crossing = "the server does not say its chunked-prefill budget"
-            out.line("        prompt of %d tokens by the server's tokenizer (asked %d): %s"
-                     % (long_prompt["tokens"], long_prompt["asked"], crossing))
+            out.line(
+                "        prompt of %d tokens by the server's tokenizer (asked %d): %s"
+                % (long_prompt["tokens"], long_prompt["asked"], crossing)
+            )
 
     def size_done(self, number: int, total: int, sweep: "PromptSweep", n: int) -> None:
         if number not in self.rows:
@@ -4406,12 +4997,7 @@ class SweepTable:
                 "prefix cache bypass unverified: the server reports no cached-token counts (%s)"
                 % self.cfg.adapter.CACHE_COUNTS_HINT
             )
-        repeat = doc["params"].get("repeat", 1)
-        control = {
-            True: "batch 1 repeatable over %d passes" % repeat,
-            False: "batch 1 NOT repeatable",
-            None: "no run-to-run control (one pass)",
-        }[sm.get("batch1_repeatable")]
+        control = control_text(sm.get("batch1_repeatable"), doc["params"].get("repeat", 1), sweeps)
         reasons = [] if sm["state"] == "complete" else [sm["state"]]
         if bypass.get("status") == BYPASS_FAILED:
             reasons.append(
@@ -4438,10 +5024,19 @@ class SweepTable:
         if doc["params"].get("baseline_server"):
             out.line("  against batch 1 of %s" % doc["params"]["baseline_server"])
         if "cache_verdict" in sm:
-            out.line(out.style("cache check, over %d batches each sent again from the cache: max ULP "
-                               "%s, first differing step %s: %s" % (
-                                   sm["cache_batches"], fmt_opt(sm["cache_max_ulp"], "?"),
-                                   fmt_opt(sm["cache_first_step"]), sm["cache_verdict"]), "1"))
+            out.line(
+                out.style(
+                    "cache check, over %d batches each sent again from the cache: max ULP "
+                    "%s, first differing step %s: %s"
+                    % (
+                        sm["cache_batches"],
+                        fmt_opt(sm["cache_max_ulp"], "?"),
+                        fmt_opt(sm["cache_first_step"]),
+                        sm["cache_verdict"],
+                    ),
+                    "1",
+                )
+            )
         if "prefill_verdict" in sm:
             per_size = ", ".join(
                 "%d: %s" % (s["batch_size"], fmt_opt(s.get("prefill_max_ulp"), "?"))
@@ -4458,7 +5053,7 @@ class SweepTable:
                 out.style(
                     "prefill check: max ULP %s, first differing step %s%s: %s"
                     % (
-                        fmt_opt(sm["prefill_max_ulp"], "?"),
+                        fmt_opt(sm["prefill_max_ulp"], "?") + ("*" if sm["prefill_notes"] else ""),
                         fmt_opt(sm["prefill_first_step"]),
                         margin,
                         sm["prefill_verdict"],
@@ -4466,13 +5061,36 @@ class SweepTable:
                     "1",
                 )
             )
+            if sm["prefill_notes"]:
+                out.line(
+                    "  * %s" % "; ".join(ULP_NOTE_TEXT.get(n, n) for n in sm["prefill_notes"])
+                )
             if sm.get("prefill_divergent"):
                 out.line(
                     "prefill check, KL(decode || prefill), K3 estimate over the %d divergent of %d "
                     "tokens: mean %.3g, max %.3g"
-                    % (sm["prefill_divergent"], sm["prefill_tokens"], sm["prefill_kl_mean"],
-                       sm["prefill_kl_max"])
+                    % (
+                        sm["prefill_divergent"],
+                        sm["prefill_tokens"],
+                        sm["prefill_kl_mean"],
+                        sm["prefill_kl_max"],
+                    )
                 )
+
+
+def control_text(repeatable: Optional[bool], repeat: int, sweeps: List["PromptSweep"]) -> str:
+    """The run-to-run control as the table's last line says it, and why there is none."""
+    if repeatable is not None:
+        return (
+            "batch 1 repeatable over %d passes" % repeat
+            if repeatable
+            else "batch 1 NOT repeatable"
+        )
+    if repeat == 1:
+        return "no run-to-run control (one pass)"
+    if any(len(s.batch1) < 2 for s in sweeps):
+        return "no run-to-run control (stopped before a second pass)"
+    return "no run-to-run control (batch 1's logprobs hold NaN, which compares to nothing)"
 
 
 def size_row(s: Dict[str, Any], bypass: bool) -> str:
@@ -4535,7 +5153,7 @@ def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
     sm = doc["summary"]
     unmeasured = sm["verdict"] in UNMEASURED_VERDICTS
     moved = sm["verdict"] != INVARIANT and not unmeasured
-    text = out.line if not cfg.json_out else (lambda line="": out.stderr.write(line + "\n"))
+    text = out.line if not cfg.json_out else out.note
     if unmeasured:
         text("")
         if sm["verdict"] == NO_DATA:
@@ -4581,11 +5199,15 @@ def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
         )
     if cfg.cache_check and "cache_verdict" in sm:
         if cfg.expect == "cache-equal" and sm["cache_verdict"] != CACHE_EQUAL:
-            text("expectation failed: --expect cache-equal, but the cache check found: %s"
-                 % sm["cache_verdict"])
+            text(
+                "expectation failed: --expect cache-equal, but the cache check found: %s"
+                % sm["cache_verdict"]
+            )
             return EXIT_EXPECTATION
         if cfg.expect == "cache-equal":
-            text("expect cache-equal: held (max ULP 0 over %d cached batches)" % sm["cache_batches"])
+            text(
+                "expect cache-equal: held (max ULP 0 over %d cached batches)" % sm["cache_batches"]
+            )
             return EXIT_OK
     if cfg.expect == "prefill-equal":
         if sm.get("prefill_verdict") != PREFILL_AGREE:
@@ -4631,10 +5253,10 @@ def report_save(cfg: Config, saves: ThrottledSave, code: int, out: Out) -> int:
     """The last line of a run: where it was saved, or why it was not (a run whose results
     could not be saved has failed: exit 3, unless it had already failed otherwise)."""
     if saves.failure is not None:
-        out.stderr.write("run.py: %s; the results above are not in it\n" % saves.failure)
+        out.say("%s; the results above are not in it" % saves.failure, raising=False)
         return code or EXIT_SERVER
     if cfg.save:
-        out.stderr.write("run.py: saved %s\n" % cfg.save)
+        out.say("saved %s" % cfg.save, raising=False)
     return code
 
 
@@ -4656,11 +5278,15 @@ def run_sweep(cfg: Config, out: Out) -> int:
     sizes = sweep_ladder(cfg, facts)
     sweep_warnings(facts, sizes, cfg.sampling, out)
     isolate = cfg.prefix_cache == "bypass"
-    sender = Sender(client, adapter, facts.model, cfg.sampling, isolate, Arrivals(cfg.request_rate))
+    sender = Sender(
+        client, adapter, facts.model, cfg.sampling, isolate, Arrivals(cfg.request_rate)
+    )
     reference = None
     if cfg.baseline_url:
         reference = BaselineServer.open(cfg, facts, isolate)
-        cfg = dataclasses.replace(cfg, baseline_differences=server_differences(reference.facts, facts))
+        cfg = dataclasses.replace(
+            cfg, baseline_differences=server_differences(reference.facts, facts)
+        )
     prefill = PrefillCheck(sender) if cfg.prefill_check else None
     send = getattr(sender, cfg.traffic)
     sweeps: List[PromptSweep] = []
@@ -4723,7 +5349,9 @@ def run_sweep(cfg: Config, out: Out) -> int:
                         try:
                             warm = sender.copies(prompt, n, cfg.seed, cache_key)
                         except ServerError as err:
-                            raise ServerError("cache check at batch size %d: %s" % (n, err)) from None
+                            raise ServerError(
+                                "cache check at batch size %d: %s" % (n, err)
+                            ) from None
                         row["cache_check"] = cache_comparison(
                             batch, warm, adapter.logprob_clamps
                         ).to_record()
@@ -4742,7 +5370,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
                         table.size_done(pi, len(cfg.prompts), sweep, n)
                     saves.offer(
                         lambda path: write_json_atomic(
-                            path, sweep_document(cfg, facts, sweeps, sizes, "running")
+                            path, sweep_document(cfg, facts, sweeps, sizes, "running"), "prompts"
                         )
                     )
             if table:
@@ -4750,7 +5378,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
 
     state, code = measure_until_stopped(out, "sweep", measure)
     doc = sweep_document(cfg, facts, sweeps, sizes, state)
-    saves.write(lambda path: write_json_atomic(path, doc))
+    saves.write(lambda path: write_json_atomic(path, doc, "prompts"))
     if table:
         table.finish(doc, sweeps)
     else:
@@ -4807,7 +5435,7 @@ class Arm:
         """A closed-loop load run: every prompt its own streamed request, at most --concurrency
         in flight (a request leaves, the next goes). Per request: time to first token, time per
         output token after it, end-to-end latency. Returns (seconds, output tokens)."""
-        adapter, pending = cfg.adapter, list(enumerate(prompts))
+        adapter, pending = cfg.adapter, list(enumerate(prompts))[::-1]  # popped from the end
         timings: List[Any] = [None] * len(prompts)
         lock = threading.Lock()
 
@@ -4848,17 +5476,20 @@ class Arm:
         arrivals = Arrivals(cfg.request_rate)
         schedule = arrivals.schedule(len(prompts), DEFAULT_SEED + len(self.samples))
 
+        failed: List[BaseException] = []  # once a request fails, no worker starts another
+
         def worker() -> None:
             while True:
                 with lock:
-                    if not pending or any(isinstance(t, ServerError) for t in timings):
+                    if not pending or failed:
                         return
-                    i, prompt = pending.pop(0)
-                arrivals.wait_until(start + schedule[i])
+                    i, prompt = pending.pop()
                 try:
+                    arrivals.wait_until(start + schedule[i])
                     timings[i] = stream_one(prompt)
-                except ServerError as err:
+                except BaseException as err:  # raised in the main thread, by failed_outcome
                     timings[i] = err
+                    failed.append(err)
 
         allow_open_files(cfg.concurrency)
         threads = [
@@ -4871,9 +5502,7 @@ class Arm:
         for t in threads:
             t.join()
         seconds = CLOCK() - start
-        failed = next((t for t in timings if isinstance(t, ServerError)), None)
-        if failed is not None:
-            raise failed
+        failed_outcome(timings, "streamed requests")
         return seconds, sum(t["tokens"] for t in timings), timings
 
 
@@ -4969,16 +5598,19 @@ def cost_table_lines(doc: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
     """The 2x2 table TP=1 / TP=k x cold / shared-prefix for the current model, batch and length."""
     shape = lambda c: (c["model"], c["batch"], c.get("concurrency"), c["max_tokens"])
     same = [c for c in doc["cells"] if shape(c) == shape(current)]
-    tps = sorted({c["tp"] for c in same if c["tp"] not in (1, None)}, key=str) or ["k"]
+    # TP=k until a degree above 1 is measured; TP=? for cells measured without a known degree
+    tps: List[Any] = sorted({c["tp"] for c in same if c["tp"] not in (1, None)}) or ["k"]
+    if any(c["tp"] is None for c in same):
+        tps.append(None)
     lines = [
         "cost cells for %s, %s, %d tokens (from the saved file):"
         % (current["model"], cell_shape(current), current["max_tokens"]),
-        "  %-8s %-28s %-28s" % ("", "cold", "shared-prefix"),
+        "  %-8s %-28s %-28s" % ("", *WORKLOADS),
     ]
     filled = 0
     for tp in [1] + tps:
         row = []
-        for workload in ("cold", "shared-prefix"):
+        for workload in WORKLOADS:
             cell = next((c for c in same if c["tp"] == tp and c["workload"] == workload), None)
             filled += cell is not None
             row.append(
@@ -4992,7 +5624,7 @@ def cost_table_lines(doc: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
                     "" if cell.get("state") == "complete" else " partial",
                 )
             )
-        lines.append("  %-8s %-28s %-28s" % ("TP=%s" % tp, row[0], row[1]))
+        lines.append("  %-8s %-28s %-28s" % ("TP=%s" % ("?" if tp is None else tp), *row))
     if filled < 4:
         lines.append(
             "One cell alone is not a result: report all four (TP=1 and your real TP, cold and "
@@ -5092,7 +5724,7 @@ def run_cost(cfg: Config, out: Out) -> int:
             "ignore_eos honoured?)" % (trial, arm_name, got, per_trial, cfg.sampling.max_tokens)
         )
     if not off.samples or not on.samples:
-        out.stderr.write("run.py: no complete trial pair; nothing to report\n")
+        out.say("no complete trial pair; nothing to report", raising=False)
         return code or EXIT_SERVER
     cell = cost_cell(cfg, (off, on), hazards, state)
     if cfg.precision:
@@ -5236,7 +5868,16 @@ def cost_cell(
             name = key.replace("_s", "")
             a, b = per_trial_medians(off, key)[:pairs], per_trial_medians(on, key)[:pairs]
             if not all(map(math.isfinite, a + b)):
-                why = UNMEASURED_STREAM if name != "latency" else "a trial had no latency"
+                one_token = all(r["tokens"] < 2 for arm in arms for t in arm.requests for r in t)
+                why = (
+                    "a trial had no latency"
+                    if name == "latency"
+                    else (
+                        "time per output token needs at least two tokens a request"
+                        if name == "tpot" and one_token
+                        else UNMEASURED_STREAM
+                    )
+                )
                 cell["overheads"][name] = {
                     "overhead_pct": None,
                     "ci95_pct": None,
@@ -5256,7 +5897,7 @@ def save_cell(path: str, cell: Dict[str, Any]) -> Dict[str, Any]:
     each keep their cells. Returns the document written."""
     with FolderLock(path):
         try:
-            current = read_json_file(path, "--save") if os.path.lexists(path) else None
+            current = read_json_file(path, "--save") if os.path.exists(path) else None
         except UsageError as err:
             raise SaveError(str(err)) from None
         if current is not None and current.get("schema") != COST_SCHEMA:
@@ -5284,7 +5925,7 @@ def fmt_overhead(
     when the interval contains 0; without % value when there are too few pairs for one."""
     value = cell.get("overhead_pct")
     if value is None:
-        return "no overhead (no complete trial pair)"
+        return "no overhead (%s)" % cell.get("unmeasured", "no complete trial pair")
     if cell.get("ci95_pct") is None:
         return without % value
     lo, hi = cell["ci95_pct"]
@@ -5411,26 +6052,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = Out()
     try:
         cfg = configure(argv)
+        SECRETS.keep(cfg.api_key)
         out.use_colour(cfg.color)
         code = RUNNERS[cfg.mode](cfg, out)
-        out.stdout.flush()  # a closed pipe shows up here, not in the interpreter's last flush
-        return code
     except UsageError as err:
-        sys.stderr.write("run.py: %s\n" % err)
-        return EXIT_USAGE
+        out.say(str(err), raising=False)
+        code = EXIT_USAGE
     except ServerError as err:
-        sys.stderr.write("run.py: %s\n" % err)
-        return EXIT_SERVER
+        out.say(str(err), raising=False)
+        code = EXIT_SERVER
     except KeyboardInterrupt as stop:
         code, state = STOP_SIGNALS[signal.Signals(getattr(stop, "signum", signal.SIGINT)).name]
-        sys.stderr.write("run.py: %s\n" % state)
-        return code
-    except BrokenPipeError:
-        # The reader went away (`| head`): say nothing more, and let the interpreter's
-        # final flush go to /dev/null instead of raising again.
+        out.say(state, raising=False)
+    except OutputFailed as err:
+        out.failure, code = err, err.code
+    except Exception as err:  # a fault of the lab's own: one line, never a traceback
+        out.say(internal_error(err), raising=False)
+        code = EXIT_INTERNAL
+    failure = out.failure
+    if failure is not None:
+        if failure.code != EXIT_BROKEN_PIPE:  # `| head` closing the pipe needs no word
+            out.say("%s; the run ended there" % failure, raising=False)
+        # What is left unwritten goes to /dev/null, so that the interpreter's last flush
+        # raises nothing again.
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return EXIT_BROKEN_PIPE
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                os.dup2(devnull, stream.fileno())
+            except (OSError, ValueError):
+                pass
+        return code if code in (EXIT_USAGE, EXIT_SERVER, EXIT_INTERNAL) else failure.code
+    return code
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ largest step batch formed, the generation requests served and the distinct texts
 
 Fault switches (for the lab's own fault tests) apply to the k-th generation request,
 counting from 1: --fault 3=http500, drop, badjson, nochoices, fewer, nulllogprobs,
-ragged, clamp, redirect, huge, stall. --step-delay S makes each decode step take S
+ragged, clamp, redirect, huge, stall, and the hostile ones (slowstatus, trickle, endlessline,
+longline, hugeusage, echokey, keyinbody: see StubHandler). --step-delay S makes each decode step take S
 seconds, --slowdown F multiplies that when --invariant is on, and --jitter J adds
 seeded noise of +-J of it.
 """
@@ -235,7 +236,8 @@ VLLM_GRAPH_SIZES = [1, 2, 4] + list(range(8, 129, 8))   # vLLM with --max-num-se
 SGLANG_GRAPH_SIZES = [1, 2, 4, 8, 12, 16, 24, 32]       # SGLang with --cuda-graph-max-bs-decode 32
 FAULTS = ("http500", "drop", "badjson", "nochoices", "fewer", "nulllogprobs", "ragged",
           "clamp", "redirect", "huge", "stall", "trickle", "truncate", "echokey", "nostream", "cutstream",
-          "textonly", "usageatend", "overshoot", "slowstatus")
+          "textonly", "usageatend", "overshoot", "slowstatus", "endlessline", "longline",
+          "hugeusage", "keyinbody", "nanlogprobs", "unicodeids")
 COMPUTED_LIMIT = 4096           # reproducible completions kept for serving again
 STALL_SECONDS = 3.0             # how long the "stall" fault keeps a request waiting
 
@@ -832,6 +834,31 @@ class StubHandler(BaseHTTPRequestHandler):
             self.wfile.write(b'{"choices": [')
             self.close_connection = True
             return
+        if fault == "endlessline":  # a stream whose first line never ends: a byte every 0.1 s
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+            self.end_headers()
+            self.wfile.write(b"data: {")
+            for _ in range(600):
+                self.wfile.write(b" ")
+                self.wfile.flush()
+                time.sleep(0.1)
+            return
+        if fault == "longline":  # an event line of 2 MiB: longer than any engine's event
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+            self.end_headers()
+            self.wfile.write(b'data: {"pad": "' + b"x" * (2 << 20) + b'"}\n\n')
+            return
+        if fault == "keyinbody":  # a plain-text error that repeats the key after 190 characters
+            key = (self.headers.get("Authorization") or "").split(" ")[-1]
+            body = ("x" * 190 + " key " + key.upper() + " refused").encode()
+            self.send_response(401)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
         if fault == "echokey":  # an error body that repeats the request's credentials
             return self.send_error_body(BadRequest(401, "invalid key %s" % self.headers.get("Authorization"),
                                                    "AuthenticationError"))
@@ -882,7 +909,7 @@ class StubHandler(BaseHTTPRequestHandler):
 
 def stream_events(engine: str, answer, fault: Optional[str] = None) -> List[Dict]:
     """One prompt's answer as its stream: an event per token, as each engine sends them;
-    with fault usageatend or overshoot, its token counts are damaged as the name says."""
+    with fault usageatend, overshoot or hugeusage, its token counts are damaged as the name says."""
     events = engine_stream_events(engine, answer)
     count_of = (lambda e: e.get("usage")) if engine == "vllm" else (lambda e: e["meta_info"])
     key = "completion_tokens"
@@ -892,6 +919,8 @@ def stream_events(engine: str, answer, fault: Optional[str] = None) -> List[Dict
                 count_of(event).pop(key, None)
     elif fault == "overshoot":
         count_of(events[-1])[key] += 5
+    elif fault == "hugeusage":
+        count_of(events[-1])[key] = 10 ** 400
     return events
 
 
@@ -952,6 +981,25 @@ def corrupt(answer, fault: str, engine: str):
             items[-1]["meta_info"]["completion_tokens"] += 5
     elif fault == "textonly":  # a detokenizer that writes one completion's text otherwise
         items[-1]["text"] += " "
+    elif fault == "nanlogprobs":  # NaN where a logprob goes: the prompt's last, or step 0's
+        if engine == "vllm":
+            prompt_lps = items[0].get("prompt_logprobs")
+            if prompt_lps:
+                for entry in prompt_lps[-1].values():
+                    entry["logprob"] = math.nan
+            else:
+                items[0]["logprobs"]["token_logprobs"][0] = math.nan
+        else:
+            items[0]["meta_info"]["output_token_logprobs"][0][0] = math.nan
+    elif fault == "unicodeids":  # a token id in digits that are not ASCII (superscript two)
+        for item in items:
+            if engine == "vllm":
+                item["logprobs"]["tokens"][0] = "token_id:\u00b2"
+    elif fault == "hugeusage":  # a token count no float can hold
+        if engine == "vllm":
+            answer["usage"]["completion_tokens"] = 10 ** 400
+        else:
+            items[-1]["meta_info"]["completion_tokens"] = 10 ** 400
     elif fault == "clamp":
         # Each engine's stand-in for -inf (vLLM -9999.0, SGLang float32's lowest value) in
         # the last completion's first step.

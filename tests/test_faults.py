@@ -329,15 +329,15 @@ class FilesAndSecurity(TempDirTest):
         self.assertEqual(self.load("s.json")["n"], 1)
         self.assertEqual(os.listdir(self.tmp), ["s.json"])
 
-    def test_key_is_not_followed_through_a_redirect(self):
+    def test_a_redirect_to_another_server_is_refused_and_names_it(self):
         with StubServer() as target, StubServer(StubConfig(redirect_get_to=None)) as front:
             front.config.redirect_get_to = target.url
             r = run_lab("--mode", "sweep", "--url", front.url, "--sizes", "1", "--max-tokens", 4,
                         "--api-key", "key-abc")
-            self.assertEqual(r.code, 0, r)
-            redirected = [h for m, p, h in target.requests if m == "GET"]
-            self.assertTrue(redirected)
-            self.assertFalse(any("Authorization" in h for h in redirected))
+            self.assertEqual(r.code, 3, r)
+            self.assertIn("redirecting to %s" % target.url, r.stderr)
+            self.assertIn("follows no redirect away from the server it was given", r.stderr)
+            self.assertEqual(target.requests, [])  # the key never went there, nor anything else
             self.assertTrue(all(h.get("Authorization") == "Bearer key-abc" for _, _, h in front.requests))
 
     def test_key_never_printed_or_saved_in_cost(self):

@@ -6,6 +6,7 @@ import random
 import statistics
 import struct
 import unittest
+from unittest import mock
 
 from support import fixture, run, ulps32
 
@@ -152,6 +153,42 @@ class FastPathAgreesWithThePairByPairRule(unittest.TestCase):
             with self.subTest(trial=trial):
                 d = run.compare_completions(base, other)
                 self.assertEqual((d.max_ulp, d.first_ulp_step), self.slow(base, other))
+
+
+    def test_exotic_values_give_what_the_pair_by_pair_rule_gives(self):
+        # Every value the bulk path must recognise as its own case or hand over: zeros of
+        # both signs, subnormals, clamps, infinities, NaN, positives, float64 values, ints.
+        exotic = [0.0, -0.0, -1e-45, -1.2e-38, -9999.0, -3.4028234663852886e38, -math.inf, math.inf,
+                  math.nan, 0.5, -0.1, -2.0 ** -200, -2.0 ** 200, -1e300, -3, 0]
+        rng = random.Random(5)
+        for trial in range(300):
+            steps = rng.randrange(1, 6)
+            base = self.random_completion(random.Random(trial), steps)
+            other = self.random_completion(random.Random(trial), steps, rng.choice([0, 1, 7]))
+            for c in (base, other):
+                for _ in range(rng.randrange(3)):
+                    t = rng.randrange(steps)
+                    key = rng.choice(list(c.top_logprobs[t]))
+                    c.top_logprobs[t][key] = value = rng.choice(exotic)
+                    if key == "t0":
+                        c.logprobs[t] = value
+            clamps = rng.choice([(), (-9999.0,), (-3.4028234663852886e38,)])
+            with self.subTest(trial=trial):
+                bulk = run.compare_completions(base, other, clamps)
+                fresh = [run.Completion(c.text, c.tokens, c.logprobs, c.top_logprobs) for c in (base, other)]
+                with mock.patch.object(run, "negative_float32_bits", lambda values, clamps: None):
+                    pairwise = run.compare_completions(*fresh, clamps)
+                self.assertEqual(bulk, pairwise)
+
+
+class SavedText(unittest.TestCase):
+    def test_a_document_written_in_pieces_is_the_document_written_at_once(self):
+        docs = [{"schema": "s", "prompts": [], "summary": {"n": 0}},
+                {"schema": "s", "prompts": [{"a": math.nan, "t": "\u00e9\u0000 \"prompts\": []"},
+                                             {"b": [1, 2.5, -math.inf]}], "z": {"k": [math.nan]}}]
+        for doc in docs:
+            with self.subTest(doc=doc):
+                self.assertEqual("".join(run.json_chunks(doc, "prompts")), run.json_text(doc))
 
 
 class LaddersAndBuckets(unittest.TestCase):
