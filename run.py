@@ -39,9 +39,9 @@ Sections, in the order they appear:
   Constants            schemas, exit codes, every default with why
   Pure functions       float32 ULPs, comparable logprob pairs, completion comparison, ladders,
                        verdicts, statistics, workload prompts (no I/O)
-  Transport            HttpClient (every request, guarded, under one deadline in a thread a stop
-                       signal can abandon) and PreparedPost (a POST split into connect, send and
-                       read, for concurrent and streamed requests)
+  Transport            HttpClient (every request, guarded, one deadline an answer), Exchange (a
+                       request in steps, so that many can go out at once), the Watchdog that
+                       keeps every deadline and a stop signal's grace, the secrets never shown
   Engine adapters      Sampling, ServerFacts, the EngineAdapter protocol, VllmAdapter,
                        SglangAdapter, the known-hazards table, engine detection: all that is
                        known of each engine lives here
@@ -67,7 +67,6 @@ import dataclasses
 import errno
 import functools
 import http.client
-import io
 import ipaddress
 import itertools
 import json
@@ -76,6 +75,7 @@ import operator
 import os
 import random
 import re
+import select
 import signal
 import socket
 import stat
@@ -85,7 +85,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -210,6 +209,8 @@ COLOR_CHOICES = ("auto", "always", "never")
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_MAX_RESPONSE_MB = 512  # a larger answer is refused rather than held in memory
 MAX_EVENT_LINE = 1 << 20  # a streamed event line longer than this is no engine's event
+MAX_REDIRECTS = 5  # a GET redirected within the server more often than this is answered as is
+REDIRECTS = (301, 302, 303, 307, 308)  # the statuses that send the lab elsewhere
 SHORT_SECRET = 8  # an API key shorter than this is hidden only where it stands as a word
 CLOCK = time.perf_counter  # what requests are timed with (the tests swap in a virtual clock)
 PROGRESS_INTERVAL_S = 10.0  # off a terminal, at most one progress line this often (short logs)
@@ -913,67 +914,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class _NoForeignRedirect(urllib.request.HTTPRedirectHandler):
-    """Follow a redirect only to the same server (scheme, host and port): one elsewhere is
-    refused, naming where the server tried to send the lab, so that no answer is blamed on
-    the wrong server. The key is an unredirected header: it follows no redirect at all."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        here, there = urllib.parse.urlsplit(req.full_url), urllib.parse.urlsplit(newurl)
-        if (there.scheme, there.netloc) != (here.scheme, here.netloc):
-            shown = urllib.parse.urlunsplit((there.scheme, there.netloc, there.path, "", ""))
-            raise ServerError(
-                "%s://%s answered HTTP %d, redirecting to %s, another server: the lab follows no "
-                "redirect away from the server it was given (give that URL instead, if it is "
-                "the one)" % (here.scheme, here.netloc, code, shown[:200])
-            )
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
-
-
-class _OpenedConnections(threading.local):
-    """Where a request's thread notes the connections its request opens (a list, or None)."""
-
-    into: Optional[List[http.client.HTTPConnection]] = None
-
-
-OPENED = _OpenedConnections()
-
-
-def _noted(kind: type) -> Callable[..., http.client.HTTPConnection]:
-    """A connection factory for urllib's handlers that notes each connection it makes, so that
-    a request given up on (at its deadline, or on a stop) can be closed from another thread."""
-
-    def connect(*args: Any, **kwargs: Any) -> http.client.HTTPConnection:
-        conn = kind(*args, **kwargs)
-        if OPENED.into is not None:
-            OPENED.into.append(conn)
-        return conn
-
-    return connect
-
-
-class _NotedHTTPHandler(urllib.request.HTTPHandler):
-    def http_open(self, req):
-        return self.do_open(_noted(http.client.HTTPConnection), req)
-
-
-class _NotedHTTPSHandler(urllib.request.HTTPSHandler):
-    def https_open(self, req):
-        return self.do_open(_noted(http.client.HTTPSConnection), req, context=self._context)
-
-
-def close_connections(connections: List[http.client.HTTPConnection]) -> None:
-    """Close connections another thread may be blocked on: shutdown wakes its read at once."""
-    for conn in connections:
-        sock = conn.sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        conn.close()
-
-
 class Secrets:
     """What the lab must never print or save (the API key): hidden in any case, wherever it
     turns up, in what a server echoes or reports about itself as much as in the lab's own text."""
@@ -1042,6 +982,7 @@ class Deadline:
         self.at = time.monotonic() + seconds
         self.overrun = overrun  # what to raise when the time is up
         self.give_up: Optional[float] = None  # once a stop signal came: when to abandon
+        self.expired: Optional[BaseException] = None  # what the watchdog found, if it ended it
 
     def left(self) -> float:
         """How long the next wait may block (at most WAIT_SLICE_S); raises overrun() once the
@@ -1056,129 +997,96 @@ class Deadline:
         return min(WAIT_SLICE_S, self.at - now)
 
 
-def bounded(call: Callable[[], Any], deadline: Deadline, abandon: Callable[[], None]) -> Any:
-    """call() in a thread of its own, waited for until the deadline (urllib's reads cannot be
-    sliced, so the wait is). A call given up on is abandon()ed (its connections closed, which
-    ends its thread). What call() raises is raised here."""
-    done = threading.Event()
-    box: Dict[str, Any] = {}
+class Watchdog:
+    """Ends the connections of concurrent and streamed requests once their answer's deadline
+    has passed, or a stop signal's grace is over. Their sockets block without a timeout (a
+    socket with one polls before every read: a fifth more CPU per streamed token), so one
+    thread watches them all, and shuts a connection down to wake the read stuck on it; the
+    reader then raises what the deadline says (expired)."""
 
-    def target() -> None:
-        try:
-            box["value"] = call()
-        except BaseException as err:  # handed to the waiting thread, which raises it
-            box["error"] = err
-        finally:
-            done.set()
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.watched: Dict[int, Tuple[Deadline, socket.socket]] = {}
+        self.thread: Optional[threading.Thread] = None
 
-    threading.Thread(target=target, name="lab-request", daemon=True).start()
-    try:
-        while not done.wait(deadline.left()):
-            pass
-    except BaseException:
-        abandon()
-        raise
-    error = box.pop("error", None)
-    if error is not None:
-        try:
-            raise error
-        finally:
-            del error  # no cycle through this frame: the answer's socket closes when it is freed
-    return box["value"]
+    def watch(self, deadline: Deadline, sock: socket.socket) -> None:
+        with self.lock:
+            self.watched[id(deadline)] = (deadline, sock)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="lab-watchdog", daemon=True)
+                self.thread.start()
 
+    def unwatch(self, deadline: Deadline) -> None:
+        with self.lock:
+            self.watched.pop(id(deadline), None)
 
-class _SlicedReader(io.RawIOBase):
-    """A socket's reading side under a Deadline: each read blocks at most one slice, so the
-    deadline and a stop signal are seen however slowly the bytes come (a per-read timeout
-    alone never fires on a server that sends a byte a second)."""
-
-    def __init__(self, sock: socket.socket, deadline: Deadline):
-        self.sock, self.deadline = sock, deadline
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
+    def _run(self) -> None:
         while True:
-            self.sock.settimeout(self.deadline.left())
-            try:
-                return self.sock.recv_into(buffer)
-            except TIMEOUTS:
-                continue
+            time.sleep(WAIT_SLICE_S)
+            with self.lock:
+                watched = list(self.watched.values())
+            for deadline, sock in watched:
+                try:
+                    deadline.left()
+                except BaseException as err:  # the time is up, or a stop signal's grace
+                    deadline.expired = err
+                    self.unwatch(deadline)
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
 
 
-class _SlicedSocket:
-    """What http.client.HTTPResponse takes as its socket: one whose reads are sliced."""
-
-    def __init__(self, sock: socket.socket, deadline: Deadline):
-        self.reader = io.BufferedReader(_SlicedReader(sock, deadline))
-
-    def makefile(self, mode: str) -> io.BufferedReader:
-        return self.reader
-
-
-def send_sliced(sock: socket.socket, data: bytes, deadline: Deadline) -> None:
-    """sock.sendall(data) under the deadline: a server that stops reading cannot hold it."""
-    view = memoryview(data)
-    while view:
-        sock.settimeout(deadline.left())
-        try:
-            view = view[sock.send(view) :]
-        except TIMEOUTS:
-            continue
-
-
-@functools.lru_cache(maxsize=None)
-def opener(loopback: bool, proxies: Tuple[Tuple[str, str], ...]) -> urllib.request.OpenerDirector:
-    """The lab's urllib opener, built once for the environment's proxies (building one costs
-    more than a request)."""
-    handlers: List[Any] = [_NoForeignRedirect(), _NotedHTTPHandler(), _NotedHTTPSHandler()]
-    if loopback:
-        handlers.append(urllib.request.ProxyHandler({}))  # a proxy cannot reach our loopback
-    return urllib.request.build_opener(*handlers)
+WATCHDOG = Watchdog()
 
 
 class HttpClient:
+    """Every request the lab sends to one server: JSON in and out, under one deadline an
+    answer (connecting, the status line, the headers, every byte of the body: the watchdog
+    keeps it), a stop signal honoured within STOP_GRACE_S, redirects followed only within
+    the server, every failure a one-line ServerError."""
+
     def __init__(self, base_url: str, api_key: Optional[str], timeout: float, max_bytes: int):
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.timeout = timeout
         self.max_bytes = max_bytes
-        loopback = is_loopback(urllib.parse.urlsplit(base_url).hostname or "")
-        self.opener = opener(loopback, tuple(sorted(urllib.request.getproxies().items())))
 
     def request(
         self, path: str, body: Optional[Dict[str, Any]] = None, as_text: bool = False
     ) -> Any:
         """GET (body None) or POST JSON; returns the decoded JSON answer (or, with as_text, the
-        answer's text) or raises ServerError."""
-        url = self.base_url + path
-        data = None if body is None else json.dumps(body).encode("utf-8")
-        req = urllib.request.Request(url, data=data, method="GET" if data is None else "POST")
-        if data is not None:
-            req.add_header("Content-Type", "application/json")
-        if self.api_key:
-            req.add_unredirected_header("Authorization", "Bearer " + self.api_key)
-        opened: List[http.client.HTTPConnection] = []
-
-        def exchange() -> Tuple[int, bytes]:
-            OPENED.into = opened
-            try:
-                with self.opener.open(req, timeout=self.timeout) as resp:
-                    return resp.status, self._read_capped(resp)
-            except urllib.error.HTTPError as err:
-                with err:
-                    return err.code, self._read_capped(err) if err.fp else b""
-
-        try:
-            status, raw = bounded(exchange, self.deadline(), lambda: close_connections(opened))
-        except urllib.error.URLError as err:
-            raise self.transport_error(err.reason, url) from None
-        except (OSError, HTTPException) as err:
-            raise self.transport_error(err, url) from None
+        answer's text) or raises ServerError. A GET redirected within the server follows the
+        redirect (at most MAX_REDIRECTS times); a POST never does."""
+        target = path
+        for _ in range(MAX_REDIRECTS + 1):
+            exchange = Exchange(self, "GET" if body is None else "POST", target, body)
+            exchange.connect()
+            exchange.send()
+            status, location, raw = exchange.whole_answer()
+            if status not in REDIRECTS or location is None:
+                break
+            target = self.redirected(status, location, target)
+            if body is not None:
+                break  # a POST's redirect is answered as the error it is
         if status >= 300:
             raise self.http_error(status, path, raw)
         return self.decode(raw, path, as_text)
+
+    def redirected(self, status: int, location: str, target: str) -> str:
+        """The path a redirect sends the lab to, refused when it leaves the server."""
+        here = urllib.parse.urlsplit(self.base_url + target)
+        there = urllib.parse.urlsplit(urllib.parse.urljoin(self.base_url + target, location))
+        if (there.scheme, there.netloc) != (here.scheme, here.netloc):
+            shown = urllib.parse.urlunsplit((there.scheme, there.netloc, there.path, "", ""))
+            raise ServerError(
+                "%s://%s answered HTTP %d, redirecting to %s, another server: the lab follows no "
+                "redirect away from the server it was given (give that URL instead, if it is "
+                "the one)" % (here.scheme, here.netloc, status, shown[:200])
+            )
+        base_path = urllib.parse.urlsplit(self.base_url).path
+        path = there.path[len(base_path) :] if there.path.startswith(base_path) else there.path
+        return path + ("?" + there.query if there.query else "")
 
     def deadline(self) -> Deadline:
         """The deadline of one answer, starting now."""
@@ -1217,8 +1125,8 @@ class HttpClient:
                 "invalid JSON from %s (%d bytes)" % (path, len(raw)), kind=ServerError.ANSWER
             ) from None
 
-    def prepare_post(self, path: str, body: Dict[str, Any]) -> "PreparedPost":
-        return PreparedPost(self, path, body)
+    def prepare_post(self, path: str, body: Dict[str, Any]) -> "Exchange":
+        return Exchange(self, "POST", path, body)
 
     def _read_capped(self, resp) -> bytes:
         """The body, no larger than --max-response-mb (its deadline is the caller's)."""
@@ -1240,16 +1148,63 @@ class HttpClient:
         return b"".join(chunks)
 
 
-class PreparedPost:
-    """A POST in three steps, so that many can be released together: connect() opens the
-    connection beforehand, send() writes the request, answer() reads and decodes the reply.
-    Many threads each holding one can send within moments of each other, because neither
-    connection set-up nor reading another request's answer falls between their sends.
-    (urllib cannot split a request so; the errors and the answer's handling are the client's.)"""
+def sliced_connection(deadline: Deadline) -> Callable[..., socket.socket]:
+    """What http.client calls to open its socket (socket.create_connection's part): the
+    connect waited for in slices of the deadline, so that an unreachable server neither
+    outlasts it nor holds a stop signal; the socket then blocks, handed to the watchdog at
+    once, so that a TLS handshake or a proxy's tunnel that follows is under the deadline too."""
 
-    def __init__(self, client: HttpClient, path: str, body: Dict[str, Any]):
+    def create(address: Tuple[str, int], *unused: Any) -> socket.socket:
+        failure: Optional[OSError] = None
+        for family, kind, proto, _, addr in socket.getaddrinfo(*address, 0, socket.SOCK_STREAM):
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.setblocking(False)
+                code = sock.connect_ex(addr)
+                while code in (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EALREADY, errno.EINTR):
+                    if writable(sock, deadline.left()):
+                        code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if code:
+                    raise OSError(code, os.strerror(code))  # e.g. ConnectionRefusedError
+                sock.setblocking(True)
+                WATCHDOG.watch(deadline, sock)
+                return sock
+            except OSError as err:
+                sock.close()
+                failure = err
+            except BaseException:
+                sock.close()
+                raise
+        raise failure or OSError("no address for %s" % address[0])
+
+    return create
+
+
+def writable(sock: socket.socket, seconds: float) -> bool:
+    """Wait at most seconds for sock to be writable (poll takes any number of descriptors;
+    select only those below 1024, fewer than a thousand concurrent requests open)."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(sock, select.POLLOUT)
+        return bool(poller.poll(seconds * 1000))
+    return bool(select.select([], [sock], [], seconds)[1])
+
+
+class Exchange:
+    """One request and its answer, in steps: connect() opens the connection, send() writes
+    the request, whole_answer(), answer() or events() read the reply. Many threads each
+    holding one can send within moments of each other (concurrent traffic), because neither
+    connection set-up nor reading another request's answer falls between their sends. One
+    deadline covers connecting, another the answer from the request written to its last
+    byte; the watchdog keeps both, and a stop signal's grace. Errors are the client's."""
+
+    def __init__(
+        self, client: HttpClient, method: str, path: str, body: Optional[Dict[str, Any]] = None
+    ):
         self.client, self.path = client, path
-        self.data = json.dumps(body).encode("utf-8")
+        self.deadline: Optional[Deadline] = None  # what the watchdog holds the exchange to
+        self.response: Optional[http.client.HTTPResponse] = None  # from the answer's start on
+        self.data = b"" if body is None else json.dumps(body).encode("utf-8")
         parts = urllib.parse.urlsplit(client.base_url + path)
         self.url, self.target = parts.geturl(), parts.path + (
             "?" + parts.query if parts.query else ""
@@ -1267,13 +1222,10 @@ class PreparedPost:
         self.conn = kind(host, port, timeout=client.timeout)
         if proxy and parts.scheme == "https" and host != parts.hostname:
             self.conn.set_tunnel(parts.hostname, parts.port)
-        head = [
-            "POST %s HTTP/1.1" % self.target,
-            "Host: %s" % parts.netloc.rsplit("@", 1)[-1],
-            "Content-Type: application/json",
-            "Content-Length: %d" % len(self.data),
-            "Connection: close",
-        ]
+        head = ["%s %s HTTP/1.1" % (method, self.target), "Host: %s" % parts.netloc]
+        if body is not None:
+            head += ["Content-Type: application/json", "Content-Length: %d" % len(self.data)]
+        head.append("Connection: close")
         if client.api_key:
             head.append("Authorization: Bearer " + client.api_key)
         # The whole request, written in one call: the less each thread does between the
@@ -1284,40 +1236,72 @@ class PreparedPost:
         try:
             return step()
         except (OSError, HTTPException) as err:
-            self.conn.close()
+            self.close()
+            self._raise_expired()
             raise self.client.transport_error(err, self.url) from None
+        except ServerError:  # an answer cut short: by the server, or by the watchdog
+            self.close()
+            self._raise_expired()
+            raise
         except BaseException:
-            self.conn.close()
+            self.close()
             raise
 
+    def _raise_expired(self) -> None:
+        """What ended the answer, when the watchdog did: its deadline, or a stop signal."""
+        if self.deadline is not None and self.deadline.expired is not None:
+            raise self.deadline.expired
+
     def connect(self) -> None:
-        """Open the connection (within --timeout); the answer's deadline starts at send()."""
+        """Open the connection within --timeout (then the lab's own wait, if any, for the
+        moment to send is under no deadline: the answer's starts at send())."""
+        self.deadline = self.client.deadline()
+        self.conn._create_connection = sliced_connection(self.deadline)
         self._guard(self.conn.connect)
+        WATCHDOG.unwatch(self.deadline)
 
     def send(self) -> None:
         """Write the request; from here one deadline covers the rest of the answer."""
         self.deadline = self.client.deadline()
-        self._guard(lambda: send_sliced(self.conn.sock, self.raw, self.deadline))
+        sock = self.conn.sock
+        WATCHDOG.watch(self.deadline, sock)
+        self._guard(lambda: sock.sendall(self.raw))
+
+    def close(self) -> None:
+        """Close the connection and the answer read from it (which holds the socket open)."""
+        if self.deadline is not None:
+            WATCHDOG.unwatch(self.deadline)
+        if self.response is not None:
+            self.response.close()
+        self.conn.close()
+
+    def whole_answer(self) -> Tuple[int, Optional[str], bytes]:
+        """(status, Location header, body) of the answer, read whole; then the exchange ends."""
+        try:
+            resp = self.response = http.client.HTTPResponse(self.conn.sock)
+            self._guard(resp.begin)
+            raw = self._guard(lambda: self.client._read_capped(resp))
+        finally:
+            self.close()
+        self._raise_expired()  # a body without a length ends where the watchdog cut it
+        return resp.status, resp.getheader("Location"), raw
+
+    def answer(self) -> Any:
+        """The decoded JSON answer; an error status raises the server's own message."""
+        status, _, raw = self.whole_answer()
+        if status >= 300:
+            raise self.client.http_error(status, self.path, raw)
+        return self.client.decode(raw, self.path)
 
     def _response(self) -> http.client.HTTPResponse:
-        """The response, its status line and headers read under the deadline."""
-        resp = http.client.HTTPResponse(
-            _SlicedSocket(self.conn.sock, self.deadline), method="POST"
-        )
+        """The response, its status line and headers read (an error status raises)."""
+        resp = self.response = http.client.HTTPResponse(self.conn.sock)
         self._guard(resp.begin)
         if resp.status >= 300:
             raise self.client.http_error(
                 resp.status, self.path, self._guard(lambda: self.client._read_capped(resp))
             )
         return resp
-
-    def answer(self) -> Any:
-        try:
-            resp = self._response()
-            raw = self._guard(lambda: self.client._read_capped(resp))
-        finally:
-            self.conn.close()
-        return self.client.decode(raw, self.path)
 
     def events(self) -> Any:
         """The answer as server-sent events: each `data:` line's JSON, as it arrives, until
@@ -1333,14 +1317,15 @@ class PreparedPost:
                 )
             while True:
                 line = self._guard(lambda: resp.readline(MAX_EVENT_LINE + 1))
-                if not line:
-                    raise ServerError("the stream from %s was cut before it ended" % self.path)
                 if len(line) > MAX_EVENT_LINE:
                     raise ServerError(
                         "a stream line from %s is longer than %d MiB: refused"
                         % (self.path, MAX_EVENT_LINE >> 20),
                         kind=ServerError.ANSWER,
                     )
+                if not line.endswith(b"\n"):  # the end of the stream, in the middle of a line
+                    self._raise_expired()
+                    raise ServerError("the stream from %s was cut before it ended" % self.path)
                 if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
@@ -1351,7 +1336,7 @@ class PreparedPost:
                     raise self.client.http_error(200, self.path, data)
                 yield event
         finally:
-            self.conn.close()
+            self.close()
 
 
 def allow_open_files(connections: int) -> None:
@@ -3441,18 +3426,26 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def json_chunks(doc: Dict[str, Any], listed: str) -> Iterator[str]:
-    """json_text(doc) in pieces, the list doc[listed] one item at a time, so that writing a
-    large document never holds all of its text at once (a sweep of 1000 prompts is 30 MB)."""
+def json_chunks(
+    doc: Dict[str, Any], listed: str, texts: Optional[Sequence[str]] = None
+) -> Iterator[str]:
+    """json_text(doc) in pieces, the list doc[listed] one item at a time (or, given, each
+    item's json_text already made), so that writing a large document never holds all of its
+    text at once (a sweep of 1000 prompts is 30 MB)."""
     marker = "\0%s\0" % os.urandom(8).hex()  # no text a server sends holds it
     head, tail = json_text(dict(doc, **{listed: marker})).split(json.dumps(marker))
     yield head + "["
-    for i, item in enumerate(doc[listed]):
-        yield ("," if i else "") + json_text(item)
+    for i, text in enumerate(texts if texts is not None else map(json_text, doc[listed])):
+        yield ("," if i else "") + text
     yield "]" + tail
 
 
-def write_json_atomic(path: str, doc: Dict[str, Any], listed: Optional[str] = None) -> None:
+def write_json_atomic(
+    path: str,
+    doc: Dict[str, Any],
+    listed: Optional[str] = None,
+    texts: Optional[Sequence[str]] = None,
+) -> None:
     """Write through a temporary file and a rename: a crash never leaves half a file, and a
     failed write leaves the old file as it was. Compact JSON, one line: only json.dumps without
     indent runs in C, ten times faster on a large sweep (`python3 -m json.tool FILE` indents it);
@@ -3461,7 +3454,7 @@ def write_json_atomic(path: str, doc: Dict[str, Any], listed: Optional[str] = No
     """
     path = os.path.realpath(path)
     folder = os.path.dirname(path)
-    chunks = json_chunks(doc, listed) if listed else [json_text(doc)]
+    chunks = json_chunks(doc, listed, texts) if listed else [json_text(doc)]
     try:
         fd, tmp = tempfile.mkstemp(prefix=".run-", suffix=".json", dir=folder)
     except OSError as err:
@@ -4464,6 +4457,17 @@ class PromptSweep:
     )  # every distinct completion text, baseline included
     batch1: List[Completion] = field(default_factory=list)  # batch 1's completion in every pass
     unseeded: bool = False  # sampled at temperature > 0 by a server that ignores the seed
+    finished: bool = False  # every pass is in: nothing it holds changes any more
+    memo: Dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def once_finished(self, name: str, make: Callable[[], Any]) -> Any:
+        """make(), kept once the prompt is finished: every save of a long sweep would work out
+        every finished prompt's record again (a sweep of 1000 prompts saves many times)."""
+        if not self.finished:
+            return make()
+        if name not in self.memo:
+            self.memo[name] = make()
+        return self.memo[name]
 
     def set_baseline(self, baseline: Completion, source: str) -> None:
         self.baseline, self.baseline_source = baseline, source
@@ -4508,6 +4512,9 @@ class PromptSweep:
         return [r for runs in self.runs.values() for r in runs]
 
     def measured(self) -> Measured:
+        return self.once_finished("measured", self._measured)
+
+    def _measured(self) -> Measured:
         rows = self.rows()
         return Measured(
             total=self.total(),
@@ -4525,6 +4532,13 @@ class PromptSweep:
         return verdict(self.measured())
 
     def to_record(self) -> Dict[str, Any]:
+        return self.once_finished("record", self._record)
+
+    def record_text(self) -> str:
+        """to_record() as saved JSON."""
+        return self.once_finished("text", lambda: json_text(self.to_record()))
+
+    def _record(self) -> Dict[str, Any]:
         return {
             "prompt": self.prompt,
             "baseline": self.baseline.to_record() if self.baseline else None,
@@ -5370,15 +5384,21 @@ def run_sweep(cfg: Config, out: Out) -> int:
                         table.size_done(pi, len(cfg.prompts), sweep, n)
                     saves.offer(
                         lambda path: write_json_atomic(
-                            path, sweep_document(cfg, facts, sweeps, sizes, "running"), "prompts"
+                            path,
+                            sweep_document(cfg, facts, sweeps, sizes, "running"),
+                            "prompts",
+                            [s.record_text() for s in sweeps],
                         )
                     )
+            sweep.finished = True
             if table:
                 table.prompt_done(pi, sweep.to_record())
 
     state, code = measure_until_stopped(out, "sweep", measure)
     doc = sweep_document(cfg, facts, sweeps, sizes, state)
-    saves.write(lambda path: write_json_atomic(path, doc, "prompts"))
+    saves.write(
+        lambda path: write_json_atomic(path, doc, "prompts", [s.record_text() for s in sweeps])
+    )
     if table:
         table.finish(doc, sweeps)
     else:
@@ -5444,16 +5464,19 @@ class Arm:
                 adapter.generate_path, adapter.stream_body(self.facts.model, prompt, cfg.sampling)
             )
             start = CLOCK()
-            post.connect()
-            post.send()
             first = last = None
             count = first_count = events = 0
-            for event in post.events():
-                seen = parsed("a stream event", adapter.streamed_tokens, event)
-                if seen is not None and seen > count:
-                    count, last, events = seen, CLOCK(), events + 1
-                    if first is None:
-                        first, first_count = last, seen
+            try:
+                post.connect()
+                post.send()
+                for event in post.events():
+                    seen = parsed("a stream event", adapter.streamed_tokens, event)
+                    if seen is not None and seen > count:
+                        count, last, events = seen, CLOCK(), events + 1
+                        if first is None:
+                            first, first_count = last, seen
+            finally:
+                post.close()  # whatever ended the stream, its connection goes with it
             if first is None:
                 raise shape_error("the stream held no token")
             if count > cfg.sampling.max_tokens:

@@ -299,6 +299,7 @@ def prompts_client(kind, url, prompt_file, save):
 
 
 def concurrent_client(kind, url, n):
+    n = int(n)
     """n one-prompt requests at once: the lab's concurrent traffic, or n bare threads each
     sending one urllib request once a barrier releases them all."""
     if kind == "lab":  # one batch size alone: every POST the server sees is one of the n
@@ -321,6 +322,7 @@ def concurrent_client(kind, url, n):
 
 
 def streams_client(kind, urls, streams):
+    streams = int(streams)
     """streams streamed requests in flight at once on each of two servers: the lab's load
     trials (one per arm), or bare threads holding the same streams and decoding every event."""
     off, on = urls.split(",")

@@ -210,11 +210,11 @@ class SavingCanFail(TempDirTest):
         real = run.write_json_atomic
         calls = []
 
-        def full_disk(path, doc):
+        def full_disk(path, doc, *pieces):
             calls.append(doc["summary"]["state"])
             if len(calls) > 1:
                 raise run.SaveError("--save: cannot write %s (No space left on device)" % path)
-            return real(path, doc)
+            return real(path, doc, *pieces)
 
         with StubServer() as stub, mock.patch.object(run, "write_json_atomic", full_disk):
             r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2,3", "--max-tokens", 4, "--repeat", 1,

@@ -158,7 +158,7 @@ class CheapSaves(TempDirTest):
     def test_a_fast_run_writes_the_file_once_during_the_run_and_once_at_the_end(self):
         writes = []
         real = run.write_json_atomic
-        with mock.patch.object(run, "write_json_atomic", side_effect=lambda p, d: (writes.append(d["summary"]["state"]), real(p, d))):
+        with mock.patch.object(run, "write_json_atomic", side_effect=lambda p, d, *pieces: (writes.append(d["summary"]["state"]), real(p, d, *pieces))):
             with StubServer() as stub:
                 r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2,3,4,5,6,7,8", "--max-tokens", 2,
                             "--repeat", 2, "--save", self.path("s.json"))
