@@ -173,11 +173,11 @@ DEFAULT_TEMPERATURE = 0.0  # greedy: a divergence is unarguable
 DEFAULT_TOP_P = 1.0  # always sent, or the model's generation_config decides
 DEFAULT_SEED = 42  # sent whenever temperature > 0; unseeded sampling depends on the batch
 TRAFFIC_SHAPES = ("copies", "concurrent", "mixed")  # how each batch size is sent (see --mode help)
+DEFAULT_TRAFFIC = "copies"  # the shape upstream's harnesses send
 DEFAULT_REPEAT = 3  # passes through the ladder: a flag-off server is not repeatable run to run
-PREFIX_CACHE_CHOICES = (
-    "bypass",
-    "keep",
-)  # bypass: no request is served from an earlier one's cache
+PREFIX_CACHE_CHOICES = ("bypass", "keep")  # bypass: no request served from an earlier's cache
+DEFAULT_PREFIX_CACHE = "bypass"  # a cache hit would compare the cache, not the batch
+OLDEST_PREFIX_CACHE = "keep"  # what a saved sweep that names no prefix cache did (sweep/1)
 MIXED_FILLER_WORDS = (
     3,
     12,
@@ -1051,6 +1051,7 @@ class HttpClient:
         self.api_key = api_key
         self.timeout = timeout
         self.max_bytes = max_bytes
+        self.route = Route.to(self.base_url)
 
     def request(
         self, path: str, body: Optional[Dict[str, Any]] = None, as_text: bool = False
@@ -1190,6 +1191,45 @@ def writable(sock: socket.socket, seconds: float) -> bool:
     return bool(select.select([], [sock], [], seconds)[1])
 
 
+@dataclass(frozen=True)
+class Route:
+    """How requests reach a server: straight, or through the environment's proxy (which no
+    loopback address is sent through), worked out once per server (reading the environment
+    for proxies costs more than a request)."""
+
+    https: bool
+    host: str  # whom to connect to: the server, or its proxy
+    port: Optional[int]
+    netloc: str  # the server's, for the Host header
+    path: str  # the base URL's path, which every request's path extends
+    absolute: bool  # a plain-HTTP proxy takes the absolute URL as the target
+    tunnel: Optional[Tuple[str, Optional[int]]]  # an HTTPS proxy's CONNECT target
+
+    @classmethod
+    def to(cls, base_url: str) -> "Route":
+        parts = urllib.parse.urlsplit(base_url)
+        https, host, port = parts.scheme == "https", parts.hostname or "", parts.port
+        straight = cls(https, host, port, parts.netloc, parts.path, False, None)
+        proxy = urllib.request.getproxies().get(parts.scheme)
+        if not proxy or is_loopback(host) or urllib.request.proxy_bypass(host):
+            return straight
+        via = urllib.parse.urlsplit(proxy if "://" in proxy else "http://" + proxy)
+        return dataclasses.replace(
+            straight,
+            host=via.hostname or "",
+            port=via.port,
+            absolute=not https,
+            tunnel=(host, port) if https else None,
+        )
+
+    def connection(self, timeout: float) -> http.client.HTTPConnection:
+        kind = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+        conn = kind(self.host, self.port, timeout=timeout)
+        if self.tunnel:
+            conn.set_tunnel(*self.tunnel)
+        return conn
+
+
 class Exchange:
     """One request and its answer, in steps: connect() opens the connection, send() writes
     the request, whole_answer(), answer() or events() read the reply. Many threads each
@@ -1205,24 +1245,11 @@ class Exchange:
         self.deadline: Optional[Deadline] = None  # what the watchdog holds the exchange to
         self.response: Optional[http.client.HTTPResponse] = None  # from the answer's start on
         self.data = b"" if body is None else json.dumps(body).encode("utf-8")
-        parts = urllib.parse.urlsplit(client.base_url + path)
-        self.url, self.target = parts.geturl(), parts.path + (
-            "?" + parts.query if parts.query else ""
-        )
-        host, port = parts.hostname or "", parts.port
-        proxy = urllib.request.getproxies().get(parts.scheme)
-        if proxy and not is_loopback(host) and not urllib.request.proxy_bypass(host):
-            proxy_parts = urllib.parse.urlsplit(proxy if "://" in proxy else "http://" + proxy)
-            host, port = proxy_parts.hostname or "", proxy_parts.port
-            if parts.scheme == "http":
-                self.target = self.url  # a plain proxy takes the absolute URL
-        kind = (
-            http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        )
-        self.conn = kind(host, port, timeout=client.timeout)
-        if proxy and parts.scheme == "https" and host != parts.hostname:
-            self.conn.set_tunnel(parts.hostname, parts.port)
-        head = ["%s %s HTTP/1.1" % (method, self.target), "Host: %s" % parts.netloc]
+        route = client.route
+        self.url = client.base_url + path
+        self.target = self.url if route.absolute else route.path + path
+        self.conn = route.connection(client.timeout)
+        head = ["%s %s HTTP/1.1" % (method, self.target), "Host: %s" % route.netloc]
         if body is not None:
             head += ["Content-Type: application/json", "Content-Length: %d" % len(self.data)]
         head.append("Connection: close")
@@ -2457,9 +2484,9 @@ class Config:
     baseline: Optional[Dict[str, Any]] = None
     baseline_path: Optional[str] = None
     expect: Optional[str] = None
-    traffic: str = "copies"
+    traffic: str = DEFAULT_TRAFFIC
     repeat: int = DEFAULT_REPEAT
-    prefix_cache: str = "bypass"
+    prefix_cache: str = DEFAULT_PREFIX_CACHE
     seed: int = DEFAULT_SEED  # also places mixed traffic's fillers
     prefill_check: bool = False
     prompt_tokens: Optional[int] = None  # build a prompt of about this many tokens
@@ -2708,10 +2735,10 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument(
         "--traffic",
         choices=TRAFFIC_SHAPES,
-        default="copies",
+        default=DEFAULT_TRAFFIC,
         help="copies: one request of n copies of the prompt; concurrent: n one-prompt "
         "requests in flight at once; mixed: the prompt once among n-1 other prompts "
-        "(default copies; see --mode help)",
+        "(default %s; see --mode help)" % DEFAULT_TRAFFIC,
     )
     sweep.add_argument(
         "--repeat",
@@ -2723,9 +2750,10 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument(
         "--prefix-cache",
         choices=PREFIX_CACHE_CHOICES,
-        default="bypass",
+        default=DEFAULT_PREFIX_CACHE,
         help="bypass: no request may be served from an earlier one's prefix cache; keep: "
-        "leave the cache alone and save the cached-token counts (default bypass)",
+        "leave the cache alone and save the cached-token counts (default %s)"
+        % DEFAULT_PREFIX_CACHE,
     )
     sweep.add_argument(
         "--baseline",
@@ -4238,6 +4266,10 @@ class Sender:
     isolate: bool  # bypass the prefix cache
     arrivals: Arrivals = Arrivals()  # when concurrent requests go out
 
+    def shape(self, traffic: str) -> Callable[[str, int, int], SentBatch]:
+        """The sender of a traffic shape (TRAFFIC_SHAPES; what each measures: --mode help)."""
+        return {"copies": self.copies, "concurrent": self.concurrent, "mixed": self.mixed}[traffic]
+
     def one_request(
         self, prompts: List[str], cache_key: Optional[str] = None
     ) -> Tuple[List[Completion], float, Optional[int]]:
@@ -4928,10 +4960,10 @@ class SweepTable:
         out.line(
             "        traffic %s, %d pass%s through the ladder, prefix cache %s"
             % (
-                p.get("traffic", "copies"),
+                p.get("traffic", DEFAULT_TRAFFIC),
                 repeat,
                 "" if repeat == 1 else "es",
-                p.get("prefix_cache", "keep"),
+                p.get("prefix_cache", OLDEST_PREFIX_CACHE),
             )
         )
         if p.get("baseline_server"):
@@ -5302,7 +5334,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
             cfg, baseline_differences=server_differences(reference.facts, facts)
         )
     prefill = PrefillCheck(sender) if cfg.prefill_check else None
-    send = getattr(sender, cfg.traffic)
+    send = sender.shape(cfg.traffic)
     sweeps: List[PromptSweep] = []
 
     saves = ThrottledSave(cfg.save)
@@ -5529,15 +5561,15 @@ class Arm:
         return seconds, sum(t["tokens"] for t in timings), timings
 
 
-def comparison_hazards(off: ServerFacts, on: ServerFacts) -> List[Dict[str, Any]]:
+def arm_differences(off: ServerFacts, on: ServerFacts) -> List[Dict[str, Any]]:
     """Settings that differ between the arms, other than the flag and what the flag itself sets."""
-    hazards = []
+    differences = []
     for label in off.settings.keys() | on.settings.keys():
         a, b = off.settings.get(label), on.settings.get(label)
         set_by_flag = label in on.flag_sets and b == on.flag_sets[label]
         if a != b and not set_by_flag:
-            hazards.append({"setting": label, "off": a, "on": b})
-    return sorted(hazards, key=lambda h: h["setting"])
+            differences.append({"setting": label, "off": a, "on": b})
+    return sorted(differences, key=lambda d: d["setting"])
 
 
 def cell_key(cell: Dict[str, Any]) -> Tuple:
@@ -5562,7 +5594,7 @@ def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[Dict[str, Any]]
             "reports the %s"
             % (describe_flag(off.facts.flag, adapter), describe_flag(on.facts.flag, adapter))
         )
-    hazards = comparison_hazards(off.facts, on.facts)
+    differences = arm_differences(off.facts, on.facts)
     for arm in (off, on):
         if arm.facts.info_source is None:
             out.warn(
@@ -5570,26 +5602,27 @@ def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[Dict[str, Any]]
                 "differ in the flag only (%s)" % (arm.name, arm.facts.settings_hint)
             )
     if not cfg.json_out:
-        print_cost_servers(off.facts, on.facts, hazards, adapter, out)
+        print_cost_servers(off.facts, on.facts, differences, adapter, out)
         for arm in (off, on):
             for line in hazard_lines(arm.facts.to_record(), "flag-%s arm: " % arm.name):
                 out.line(line.strip())
-    if hazards and not cfg.allow_mismatch:
+    if differences and not cfg.allow_mismatch:
         raise UsageError(
             "the two servers differ in more than the flag (%s); pin them equal, or "
-            "pass --allow-mismatch to time them anyway" % ", ".join(h["setting"] for h in hazards)
+            "pass --allow-mismatch to time them anyway"
+            % ", ".join(d["setting"] for d in differences)
         )
-    return hazards
+    return differences
 
 
 def print_cost_servers(
     off: ServerFacts,
     on: ServerFacts,
-    hazards: List[Dict[str, Any]],
+    differences: List[Dict[str, Any]],
     adapter: EngineAdapter,
     out: Out,
 ) -> None:
-    hazard_labels = {h["setting"] for h in hazards}
+    differing = {d["setting"] for d in differences}
     row = "%-24s %-26s %-26s%s"
     show = {None: "unknown", True: "on", False: "off"}
     out.line(row % ("setting", "--url (flag off)", "--invariant (flag on)", ""))
@@ -5606,9 +5639,7 @@ def print_cost_servers(
         a, b = off.settings.get(label), on.settings.get(label)
         if a is None and b is None:
             continue
-        mark = (
-            "  <- differs" if label in hazard_labels else ("  (set by the flag)" if a != b else "")
-        )
+        mark = "  <- differs" if label in differing else ("  (set by the flag)" if a != b else "")
         out.line(row % (label, fmt_setting(a), fmt_setting(b), mark))
 
 
@@ -5692,7 +5723,7 @@ def run_cost(cfg: Config, out: Out) -> int:
     cfg = resolve_engine(cfg, arms)
     off = Arm.open(cfg, "off", "--url", cfg.url)
     on = Arm.open(cfg, "on", "--invariant", cfg.invariant_url)
-    hazards = check_arms(cfg, off, on, out)
+    differences = check_arms(cfg, off, on, out)
     run_id = "%08x" % random.SystemRandom().getrandbits(
         32
     )  # no prefix cache hit across runs either
@@ -5733,7 +5764,7 @@ def run_cost(cfg: Config, out: Out) -> int:
                 if timings is not None:
                     arm.requests.append(timings)
             saves.offer(
-                lambda path: save_cell(path, cost_cell(cfg, (off, on), hazards, "running"))
+                lambda path: save_cell(path, cost_cell(cfg, (off, on), differences, "running"))
             )
             progress.finished("trial %d/%d" % (trial + 1, cfg.trials), 2 * per_trial)
             if cfg.precision and precise_enough(off.samples, on.samples, cfg.precision):
@@ -5749,7 +5780,7 @@ def run_cost(cfg: Config, out: Out) -> int:
     if not off.samples or not on.samples:
         out.say("no complete trial pair; nothing to report", raising=False)
         return code or EXIT_SERVER
-    cell = cost_cell(cfg, (off, on), hazards, state)
+    cell = cost_cell(cfg, (off, on), differences, state)
     if cfg.precision:
         cell["stopped_by"] = (
             stopped_by[0] if stopped_by else ("trials" if state == "complete" else state)
@@ -5839,7 +5870,7 @@ def per_trial_medians(arm: Arm, key: str) -> List[float]:
 
 
 def cost_cell(
-    cfg: Config, arms: Tuple[Arm, Arm], hazards: List[Dict[str, Any]], state: str
+    cfg: Config, arms: Tuple[Arm, Arm], differences: List[Dict[str, Any]], state: str
 ) -> Dict[str, Any]:
     """One labelled cell of the 2x2 table, from the trials measured so far."""
     off, on = arms
@@ -5857,7 +5888,7 @@ def cost_cell(
         "off": arm_stats(off.samples, off.tokens),
         "on": arm_stats(on.samples, on.tokens),
         "servers": {arm.name: dict(arm.facts.to_record(), url=arm.url) for arm in arms},
-        "differences": hazards,
+        "differences": differences,
         "state": state,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "lab": dict(cfg.provenance, ended=None if state == "running" else now_stamp()),
