@@ -28,7 +28,7 @@ class HazardCheckOnRealServers(unittest.TestCase):
     def test_the_real_pair_passes(self):
         off, on = vllm_facts(self.off_info), vllm_facts(self.on_info)
         self.assertEqual((off.flag, on.flag), (False, True))
-        self.assertEqual(run.comparison_hazards(off, on), [])
+        self.assertEqual(run.arm_differences(off, on), [])
         self.assertEqual(off.attention_backend, "FlashAttentionBackend")
         self.assertEqual((off.graph_sizes[-1], off.graph_source), (128, "reported"))
         self.assertEqual(off.load_format, "dummy")
@@ -53,7 +53,7 @@ class HazardCheckOnRealServers(unittest.TestCase):
             with self.subTest(setting=label):
                 on_info = copy.deepcopy(self.on_info)
                 on_info["vllm_config"][section][key] = value
-                hazards = run.comparison_hazards(vllm_facts(self.off_info), vllm_facts(on_info))
+                hazards = run.arm_differences(vllm_facts(self.off_info), vllm_facts(on_info))
                 self.assertEqual([h["setting"] for h in hazards], [label])
 
     def test_prefix_cache_switched_off_by_the_flag_is_not_a_hazard(self):
@@ -61,16 +61,16 @@ class HazardCheckOnRealServers(unittest.TestCase):
         for info in (off_info, on_info):
             info["vllm_config"]["attention_config"]["backend"] = "vllm.v1.attention.backends.flashinfer.FlashInferBackend"
         on_info["vllm_config"]["cache_config"]["enable_prefix_caching"] = False
-        self.assertEqual(run.comparison_hazards(vllm_facts(off_info), vllm_facts(on_info)), [])
+        self.assertEqual(run.arm_differences(vllm_facts(off_info), vllm_facts(on_info)), [])
 
     def test_sglang_flag_consequences_are_not_hazards(self):
         from stub_server import sglang_server_info
         a = run.ADAPTERS["sglang"]
         off = a.facts(sglang_server_info(StubConfig(engine="sglang"), 30000), None)
         on = a.facts(sglang_server_info(StubConfig(engine="sglang", invariant=True), 30001), None)
-        self.assertEqual(run.comparison_hazards(off, on), [])  # sampling backend: set by the flag
+        self.assertEqual(run.arm_differences(off, on), [])  # sampling backend: set by the flag
         on_info = sglang_server_info(StubConfig(engine="sglang", invariant=True, attention_backend="fa3"), 30001)
-        self.assertEqual([h["setting"] for h in run.comparison_hazards(off, a.facts(on_info, None))],
+        self.assertEqual([h["setting"] for h in run.arm_differences(off, a.facts(on_info, None))],
                          ["attention backend"])
 
 
