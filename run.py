@@ -174,6 +174,8 @@ DEFAULT_TOP_P = 1.0  # always sent, or the model's generation_config decides
 DEFAULT_SEED = 42  # sent whenever temperature > 0; unseeded sampling depends on the batch
 TRAFFIC_SHAPES = ("copies", "concurrent", "mixed")  # how each batch size is sent (see --mode help)
 DEFAULT_TRAFFIC = "copies"  # the shape upstream's harnesses send
+# What a concurrent row's send_spread_s measures, as the saved document says it
+SEND_SPREAD_MEANS = "seconds from the lab's first request of the batch written to its last"
 DEFAULT_REPEAT = 3  # passes through the ladder: a flag-off server is not repeatable run to run
 PREFIX_CACHE_CHOICES = ("bypass", "keep")  # bypass: no request served from an earlier's cache
 DEFAULT_PREFIX_CACHE = "bypass"  # a cache hit would compare the cache, not the batch
@@ -4095,8 +4097,10 @@ THE MODES
                    size b with b-1, b, b+1. --traffic copies (default): n copies in ONE
                    request, the upstream tests' shape. concurrent: n one-prompt requests
                    in flight at once, as real clients send them; on a real server it
-                   diverges far more, because one request of n is not one batch of n.
-                   mixed: the prompt once among n-1 other prompts of varied lengths
+                   diverges far more, because one request of n is not one batch of n
+                   (each row's send_spread_s: seconds from the lab's first request written
+                   to its last; when they reach the server is the network's and the
+                   server's affair). mixed: the prompt once among n-1 other prompts of varied lengths
                    (vLLM's needle benchmark, and the mixed mode SGLang's driver had
                    before 0.5.18, are its upstream analogues). --repeat K (default 3) runs the whole ladder K times;
                    batch 1's passes are the run-to-run control. --prefix-cache bypass
@@ -4717,6 +4721,8 @@ def sweep_document(
     )
     if cfg.traffic == "mixed":
         params["mixed_seed"] = cfg.seed
+    if cfg.traffic == "concurrent":
+        params["send_spread_s"] = SEND_SPREAD_MEANS
     if cfg.baseline_path:
         params["baseline_file"] = cfg.baseline_path
     if cfg.baseline_url:
@@ -5443,6 +5449,28 @@ def run_sweep(cfg: Config, out: Out) -> int:
 # --mode cost
 
 
+@dataclass(frozen=True)
+class Trials:
+    """What one timed trial is, decided once, from the configuration: a batch trial (one
+    request of --batch prompts) or a load trial (--requests streamed requests, at most
+    --concurrency in flight). Everything that differs between the two asks this."""
+
+    load: bool
+    prompts: int  # in one trial
+
+    @classmethod
+    def of(cls, cfg: Config) -> "Trials":
+        return cls(True, cfg.requests) if cfg.concurrency else cls(False, cfg.batch)
+
+    def run(
+        self, arm: "Arm", cfg: Config, prompts: List[str]
+    ) -> Tuple[float, int, Optional[List[Dict[str, Any]]]]:
+        """One trial on arm: (seconds, output tokens, per-request timings or None)."""
+        if self.load:
+            return arm.load_trial(cfg, prompts)
+        return arm.trial(cfg.adapter, prompts, cfg.sampling) + (None,)
+
+
 @dataclass
 class Arm:
     """One server of a cost comparison, and what was timed on it."""
@@ -5463,15 +5491,6 @@ class Arm:
     requests: List[List[Dict[str, float]]] = field(
         default_factory=list
     )  # load trials: per request timings
-
-    def timed(
-        self, cfg: Config, prompts: List[str]
-    ) -> Tuple[float, int, Optional[List[Dict[str, Any]]]]:
-        """One trial, (seconds, output tokens, per-request timings of a load run or None): one
-        batch request, or a load run with --concurrency."""
-        if cfg.concurrency:
-            return self.load_trial(cfg, prompts)
-        return self.trial(cfg.adapter, prompts, cfg.sampling) + (None,)
 
     def trial(
         self, adapter: EngineAdapter, prompts: List[str], sampling: Sampling
@@ -5701,7 +5720,7 @@ def warm_up(
                 interrupt.check()
                 progress.running("warm-up %d/%d, %s arm" % (w + 1, cfg.warmup, arm.name))
                 try:
-                    arm.timed(cfg, prompts(-1 - w))
+                    Trials.of(cfg).run(arm, cfg, prompts(-1 - w))
                     break
                 except ServerError as err:
                     if attempt == WARMUP_ATTEMPTS:
@@ -5729,7 +5748,8 @@ def run_cost(cfg: Config, out: Out) -> int:
     )  # no prefix cache hit across runs either
     doc = copy.deepcopy(cfg.prior_save) if cfg.prior_save else {"schema": COST_SCHEMA, "cells": []}
     short: List[Tuple[int, str, int]] = []  # (trial, arm, tokens) of trials that stopped early
-    per_trial = cfg.requests if cfg.concurrency else cfg.batch  # prompts in one trial
+    trials = Trials.of(cfg)
+    per_trial = trials.prompts
     expected_tokens = per_trial * cfg.sampling.max_tokens
     stopped_by: List[str] = []  # "precision" once the interval is narrow enough
 
@@ -5746,7 +5766,7 @@ def run_cost(cfg: Config, out: Out) -> int:
                 interrupt.check()
                 progress.running("trial %d/%d, %s arm" % (trial + 1, cfg.trials, arm.name))
                 try:
-                    seconds, count, timings = arm.timed(cfg, prompts(trial))
+                    seconds, count, timings = trials.run(arm, cfg, prompts(trial))
                 except ServerError as err:
                     raise ServerError(
                         "trial %d, %s arm: %s" % (trial + 1, arm.name, err)
@@ -5903,7 +5923,7 @@ def cost_cell(
             overhead_stats(per_token(off, pairs), per_token(on, pairs)),
             compared_on="time per output token (the arms produced different token counts)",
         )
-    if cfg.concurrency:
+    if Trials.of(cfg).load:
         # Under load the primary figure is throughput's time cost: the on/off ratio of the
         # time each trial took for the same tokens (+30 %: the flag costs 30 % more time per
         # token, i.e. throughput falls to 1/1.3). Latency, TTFT and TPOT: paired per-trial medians.

@@ -16,7 +16,10 @@ import unittest
 from unittest import mock
 
 from stub_server import BadRequest, EngineState, models_list, sglang_generate, sglang_server_info, vllm_completions, vllm_server_info
-from support import ROOT, StubConfig, StubServer, TempDirTest, free_port, run, run_lab, wait_for
+from support import ROOT, Result, StubConfig, StubServer, TempDirTest, free_port, run, run_lab, wait_for
+
+
+FUZZ_RUNS = 300  # sweeps against randomly damaged answers (about 5 s)
 
 
 def one_error_line(test, r, code, message):
@@ -136,10 +139,8 @@ class ServerValuesAreUntrusted(unittest.TestCase):
 
     def test_fuzz_every_endpoint_of_both_engines(self):
         rng = random.Random(2026)
-        deadline = time.monotonic() + 8.0
         outcomes = {"vllm": set(), "sglang": set()}
-        runs = 0
-        while time.monotonic() < deadline:
+        for _ in range(FUZZ_RUNS):
             engine = rng.choice(["vllm", "sglang"])
             good = self.answers(engine)
             damaged = rng.choice(sorted(good) + [None])  # None: every answer as sent
@@ -161,7 +162,6 @@ class ServerValuesAreUntrusted(unittest.TestCase):
             with mock.patch.object(run.HttpClient, "request", request):
                 r = run_lab("--mode", "sweep", "--engine", engine, "--url", "http://127.0.0.1:9", "--sizes", "1,2",
                             "--max-tokens", 3, "--logprobs", 2, "--repeat", 1, "--quiet", "--json")
-            runs += 1
             self.assertNotIn("Traceback", r.stderr, (engine, damaged))
             self.assertIn(r.code, (0, 1, 2, 3), r)
             if r.code == 0:
@@ -170,7 +170,6 @@ class ServerValuesAreUntrusted(unittest.TestCase):
                 errors = [x for x in r.stderr.splitlines() if x.startswith("run.py: ") and "warning" not in x]
                 self.assertEqual(len(errors), 1, r.stderr)
             outcomes[engine].add(r.code)
-        self.assertGreater(runs, 100)
         for engine in outcomes:
             self.assertTrue({0, 3} <= outcomes[engine], outcomes)
 
@@ -320,12 +319,16 @@ class VerdictsClaimOnlyWhatWasMeasured(TempDirTest):
 class Networks(TempDirTest):
     def test_a_server_trickling_bytes_meets_a_total_deadline(self):
         with StubServer(StubConfig(faults={2: "trickle"})) as stub:
-            start = time.monotonic()
-            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--timeout", 1, "--repeat", 1,
-                        "--max-tokens", 2)
-            took = time.monotonic() - start
-        one_error_line(self, r, 3, "within 1s (--timeout)")
-        self.assertLess(took, 5)
+            p = subprocess.Popen([sys.executable, os.path.join(ROOT, "run.py"), "--mode", "sweep", "--url",
+                                  stub.url, "--sizes", "1,2", "--timeout", "1", "--repeat", "1", "--max-tokens",
+                                  "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:  # a liveness bound: the trickled body alone takes 20 s
+                out, err = p.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.communicate()
+                raise
+        one_error_line(self, Result(p.returncode, out, err), 3, "within 1s (--timeout)")
 
     def test_a_connection_closed_mid_body_is_dropped_not_invalid_json(self):
         with StubServer(StubConfig(faults={2: "truncate"})) as stub:
