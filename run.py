@@ -3032,7 +3032,10 @@ def cell_fault(cell: Any) -> Optional[str]:
         ("model", isinstance(cell.get("model"), str)),
         ("workload", cell.get("workload") in WORKLOADS),
         ("tp", cell.get("tp") is None or whole(cell.get("tp"), 1)),
-        ("batch", whole(cell.get("batch"), 1)),
+        (
+            "batch",
+            whole(cell.get("batch"), 1) or (cell.get("concurrency") and cell["batch"] is None),
+        ),
         ("max_tokens", whole(cell.get("max_tokens"), 1)),
         ("concurrency", cell.get("concurrency") is None or whole(cell.get("concurrency"), 1)),
         ("requests", not cell.get("concurrency") or whole(cell.get("requests"), 1)),

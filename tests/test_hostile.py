@@ -268,6 +268,19 @@ class InputBoundedBeforeAnyRequest(TempDirTest):
                 self.assertEqual(len(error_lines(r)), 1, r.stderr)
                 self.assertIn(message, r.stderr)
 
+    def test_a_cost_file_of_load_cells_takes_another(self):
+        # Load cells have no batch (null): the check of an existing file must know them, or
+        # the second cell of an experiment is refused (as it was on a real vLLM).
+        save = self.path("cost.json")
+        for workload in ("cold", "shared-prefix"):
+            with StubServer() as off, StubServer(StubConfig(invariant=True)) as on:
+                r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--concurrency", 2,
+                            "--requests", 2, "--trials", 1, "--warmup", 0, "--max-tokens", 2, "--workload",
+                            workload, "--save", save)
+            self.assertEqual(r.code, 0, r)
+        with open(save) as f:
+            self.assertEqual([c["workload"] for c in json.load(f)["cells"]], ["cold", "shared-prefix"])
+
     def test_a_cost_file_with_malformed_cells_is_refused_before_any_request(self):
         save = self.path("cost.json")
         with open(save, "w") as f:
