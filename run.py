@@ -15,7 +15,7 @@ Usage:
   python3 run.py --mode harness                      # upstream harnesses + commands, offline
   python3 run.py --mode harness --engine sglang      # one engine only
   python3 run.py --mode help                         # the five-minute guide
-  python3 run.py --help                              # every option of every mode, and the exit codes
+  python3 run.py --help                              # every option, the limits and exit codes
 
   python3 run.py --mode sweep --engine vllm --url http://localhost:8000 \\
       --model Qwen/Qwen3-1.7B --max-batch 32 --save off.json
@@ -162,8 +162,8 @@ LIMITS = [  # what --help says of them
 
 # Sweep defaults
 DEFAULT_PROMPT = (
-    "Explain, step by step, why adding the same floating-point numbers in a "
-    "different order can give a different answer:"
+    "Explain, step by step, why adding the same floating-point numbers in a different order can "
+    "give a different answer:"
 )  # a prompt with room to wander
 DEFAULT_MAX_BATCH = 32  # the largest batch of the default ladder (upstream's max-num-seqs)
 DEFAULT_SWEEP_TOKENS = 64  # longer generations give a near-tie more chances to appear
@@ -798,7 +798,8 @@ def bootstrap_median_ci(
     seed: int = BOOTSTRAP_SEED,
     level: float = 0.95,
 ) -> Tuple[float, float]:
-    """Percentile bootstrap interval of the median; seeded, so the same data give the same interval."""
+    """Percentile bootstrap interval of the median; seeded, so the same data give the same
+    interval."""
     rng = random.Random(seed)
     n = len(values)
     meds = sorted(
@@ -848,8 +849,8 @@ def arm_stats(samples_s: Sequence[float], tokens: Sequence[int]) -> Dict[str, An
 # Workload prompts for cost mode: pure, so both arms get byte-identical bodies.
 
 _FILLER = (
-    "the quick brown fox jumps over a lazy dog while seven wise owls watch from an old "
-    "oak tree near the river bank and count every star in the clear night sky"
+    "the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak tree "
+    "near the river bank and count every star in the clear night sky"
 ).split()
 
 
@@ -940,7 +941,8 @@ SECRETS = Secrets()
 
 
 def server_message(body: bytes) -> str:
-    """The server's own error text: {"error": {"message": ...}}, {"error": "..."}, {"message": ...}."""
+    """The server's own error text, wherever the engine puts it: {"error": {"message": ...}},
+    {"error": "..."} or {"message": ...}."""
     try:
         data = json.loads(body)
     except ValueError:
@@ -1739,7 +1741,8 @@ class VllmAdapter:
 
     @staticmethod
     def capture_sizes(max_num_seqs: int) -> List[int]:
-        """vLLM's default capture sizes: 1, 2, 4, then steps of 8 (16 above 256), to min(2*seqs, 512)."""
+        """vLLM's default capture sizes: 1, 2, 4, then steps of 8 (16 above 256), to
+        min(2*seqs, 512)."""
         top = min(2 * max_num_seqs, 512)
         sizes = [1, 2, 4] + list(range(8, min(top, 256) + 1, 8)) + list(range(272, top + 1, 16))
         return [s for s in sizes if s <= top]
@@ -1959,7 +1962,8 @@ class VllmAdapter:
         )
 
     def output_tokens(self, answer: Any) -> int:
-        """Completion tokens of the whole batch (usage; a logprob-free answer has no per-choice count)."""
+        """Completion tokens of the whole batch (usage; a logprob-free answer has no per-choice
+        count)."""
         return server_count(
             dig(answer, "usage", "completion_tokens"), "usage.completion_tokens", 0
         )
@@ -2316,9 +2320,11 @@ HAZARDS = [
         "speculative decoding (speculative_config)",
         ("vllm_config", "speculative_config"),
         lambda spec: spec not in (None, {}, ""),
-        "reported on 0.20.1 and against main; batch-invariant speculative decoding an open PR (52522) when read",
-        "a verified draft runs the same row as k+1 tokens instead of 1, an axis the batch-invariant "
-        "kernels do not cover; greedy output changed with an ngram draft on 0.20.1",
+        "reported on 0.20.1 and against main; batch-invariant speculative decoding an open PR "
+        "(52522) when read",
+        "a verified draft runs the same row as k+1 tokens instead of 1, an axis the "
+        "batch-invariant kernels do not cover; greedy output changed with an ngram draft on "
+        "0.20.1",
         "vllm-project/vllm#54506, #52522, #41758",
         "the RFC, the PR's config guard, the ngram report",
     ),
@@ -2339,8 +2345,8 @@ HAZARDS = [
         ("kv_cache_dtype",),
         _is_fp8,
         "measured on 0.5.18; only a warning proposed (PR 35938) when read",
-        "with --enable-deterministic-inference and an FP8 KV cache, greedy outputs diverged at the "
-        "same position (token 97) for every prompt length; the bf16 control was bit-identical",
+        "with --enable-deterministic-inference and an FP8 KV cache, greedy outputs diverged at "
+        "the same position (token 97) for every prompt length; the bf16 control was bit-identical",
         "sgl-project/sglang#35938, #25790",
         "the PR's table and the issue's analysis",
     ),
@@ -2350,11 +2356,11 @@ HAZARDS = [
         ("disable_radix_cache",),
         lambda disabled: disabled is False,
         "open when read; on by default in 0.5.18-0.5.23",
-        "a prompt served from the radix cache runs another kernel path than a cold prefill: 18 of 40 "
-        "greedy outputs flipped on a cache hit in the report (--prefix-cache bypass flushes the "
-        "cache before every size and gives every prompt a cache key of its own, so no sweep "
-        "request is served from the cache, as the cached-token counts show; other clients' "
-        "requests and --prefix-cache keep still are)",
+        "a prompt served from the radix cache runs another kernel path than a cold prefill: 18 "
+        "of 40 greedy outputs flipped on a cache hit in the report (--prefix-cache bypass "
+        "flushes the cache before every size and gives every prompt a cache key of its own, so "
+        "no sweep request is served from the cache, as the cached-token counts show; other "
+        "clients' requests and --prefix-cache keep still are)",
         "sgl-project/sglang#34683",
         "the issue's cold/warm reproduction",
     ),
@@ -2422,8 +2428,7 @@ def detect_engine(client: HttpClient) -> EngineAdapter:
     found = [a for a in ADAPTERS.values() if answers_like(a, client)]
     if not found:
         raise ServerError(
-            "cannot tell which engine answers at %s: it answers neither %s; name it with "
-            "--engine"
+            "cannot tell which engine answers at %s: it answers neither %s; name it with --engine"
             % (client.base_url, " nor ".join("like %s" % a.label for a in ADAPTERS.values()))
         )
     if len(found) > 1:
@@ -2463,7 +2468,7 @@ def generate(
 class Config:
     mode: str
     engine: Optional[str] = (
-        None  # harness: the part to print (None: both); sweep and cost: the adapter (None: ask the server)
+        None  # harness: the part to print (None: both); sweep, cost: the adapter (None: ask)
     )
     engine_detected: bool = False  # the engine was found by asking the server, not named
     url: Optional[str] = None
@@ -2625,7 +2630,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine",
         choices=sorted(ADAPTERS) + ["auto"],
         help="sweep and cost: vllm, sglang "
-        "or auto (the default: ask the server which it is); harness: print only this engine's part",
+        "or auto (the default: ask the server which it is); harness: print only this engine's "
+        "part",
     )
     sweep_cost = p.add_argument_group("sweep and cost")
     sweep_cost.add_argument(
@@ -2762,14 +2768,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH|URL",
         help="compare with the batch-1 completions of an "
         "earlier sweep's --save file (same model and prompts), or of another server, measured "
-        "first with the same prompts and sampling: restart to restart, TP to TP, version to version",
+        "first with the same prompts and sampling: restart to restart, TP to TP, version to "
+        "version",
     )
     sweep.add_argument(
         "--prompt-tokens",
         type=whole_number(1, MAX_PROMPT_TOKENS),
         metavar="N",
         help="measure a prompt of about N tokens, built of plain words until the server's own "
-        "tokenizer counts N within a few, instead of --prompt (to cross the chunked-prefill budget)",
+        "tokenizer counts N within a few, instead of --prompt (to cross the chunked-prefill "
+        "budget)",
     )
     sweep.add_argument(
         "--prefill-check",
@@ -2844,7 +2852,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=real_number(0.0, above=True),
         metavar="P",
         help="keep timing trial "
-        "pairs until the overhead's 95%% interval is at most +-P points wide, or --trials is reached",
+        "pairs until the overhead's 95%% interval is at most +-P points wide, or --trials is "
+        "reached",
     )
     cost.add_argument(
         "--tp",
@@ -3159,8 +3168,8 @@ def configure_sweep(cfg: Config, args: argparse.Namespace) -> None:
         raise UsageError("--expect cache-equal needs --cache-check")
     if cfg.cache_check and (cfg.traffic != "copies" or cfg.prefix_cache != "bypass"):
         raise UsageError(
-            "--cache-check goes with --traffic copies and --prefix-cache bypass (its "
-            "cold request must be cold)"
+            "--cache-check goes with --traffic copies and --prefix-cache bypass (its cold request "
+            "must be cold)"
         )
     if cfg.traffic == "mixed" and (max(cfg.sizes) if cfg.sizes else cfg.max_batch) == 1:
         raise UsageError(
@@ -3801,13 +3810,14 @@ def enable_batch_invariant_mode(monkeypatch: pytest.MonkeyPatch):
     """Automatically enable batch invariant kernel overrides for all tests."""
     monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", True)
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")''',
-        "Every test in tests/v1/determinism/ runs with the flag ON, whatever your shell says. "
-        "A test that needs the flag off has to switch it off itself, as the next one does.",
+        "Every test in tests/v1/determinism/ runs with the flag ON, whatever your shell says. A "
+        "test that needs the flag off has to switch it off itself, as the next one does.",
     ),
     Excerpt(
         "vllm",
         "the negative control that must see differences",
-        "tests/v1/determinism/test_batch_invariance.py, lines 432-446 (def 432-434, docstring from "
+        "tests/v1/determinism/test_batch_invariance.py, lines 432-446 (def 432-434, docstring "
+        "from "
         "436, comment 444), " + VLLM_REV,
         '''def test_logprobs_without_batch_invariance_should_fail(
     backend, monkeypatch: pytest.MonkeyPatch
@@ -3859,8 +3869,9 @@ TEST_MODEL = os.getenv("VLLM_TEST_MODEL", DEFAULT_MODEL)""",
 
     with RemoteOpenAIServer(TEST_MODEL, server_args) as server:""",
         "Seeded sampling at temperature 0.6, not greedy, and only 8 tokens: a short window for a "
-        "near-tie to show up. The lab defaults to greedy and 64 tokens; run it with --temperature 0.6 "
-        "too. The TP size here is read from VLLM_TP_SIZE, not VLLM_TEST_TP_SIZE.",
+        "near-tie to show up. The lab defaults to greedy and 64 tokens; run it with "
+        "--temperature 0.6 too. The TP size here is read from VLLM_TP_SIZE, not "
+        "VLLM_TEST_TP_SIZE.",
     ),
     Excerpt(
         "vllm",
@@ -3889,9 +3900,9 @@ TEST_MODEL = os.getenv("VLLM_TEST_MODEL", DEFAULT_MODEL)""",
             needle_output = outputs[needle_pos]
             assert needle_output.prompt == needle_prompt""",
         "This is a timing harness, not a determinism test. baseline_text is printed but never "
-        "compared with anything, and the assertion compares the prompt sent with the prompt echoed "
-        "back, which holds by construction. Its green output and its `Overhead: +X%` line say "
-        "nothing about invariance. It also needs an SM90+ GPU.",
+        "compared with anything, and the assertion compares the prompt sent with the prompt "
+        "echoed back, which holds by construction. Its green output and its `Overhead: +X%` line "
+        "say nothing about invariance. It also needs an SM90+ GPU.",
     ),
     Excerpt(
         "sglang",
@@ -3899,7 +3910,8 @@ TEST_MODEL = os.getenv("VLLM_TEST_MODEL", DEFAULT_MODEL)""",
         "python/sglang/test/test_deterministic.py, lines 460-471, " + SGLANG_REV,
         """def test_deterministic(args):
     if args.test_mode == "single":
-        # In single mode, we test the deterministic behavior by sending the same prompt in batch sizes ranging from 1 to n_trials.
+        # In single mode, we test the deterministic behavior by sending the same prompt in batch\
+ sizes ranging from 1 to n_trials.
         texts = []
         for i in range(1, args.n_trials + 1):
             batch_size = i
@@ -3927,13 +3939,14 @@ COMMON_SERVER_ARGS = [
     "32",
     "--enable-deterministic-inference",
 ]""",
-        "--cuda-graph-max-bs-decode 32 fixes the decode bucket ladder (1, 2, 4, 8, 12, 16, 24, 32): "
-        "a batch pads up to the next size, and above 32 there is no graph to pad into. That decides "
-        "which batch sizes can differ at all. It is defined in 0.5.18 python/sglang/srt/server_args.py "
-        "L1879-1883 and resolved at L4524-4525; in 0.5.23 in srt/arg_groups/fields/exec_.py L629-631 "
-        "and srt/arg_groups/cuda_graph_hook.py L72-73. (Line numbers L1906-L1910 / L4561-L4562, "
-        "quoted elsewhere, match none of the releases checked.) Older versions of this test class used "
-        "--cuda-graph-max-bs 32; from 0.5.20 on that spelling is rejected as ambiguous.",
+        "--cuda-graph-max-bs-decode 32 fixes the decode bucket ladder (1, 2, 4, 8, 12, 16, 24, "
+        "32): a batch pads up to the next size, and above 32 there is no graph to pad into. That "
+        "decides which batch sizes can differ at all. It is defined in 0.5.18 "
+        "python/sglang/srt/server_args.py L1879-1883 and resolved at L4524-4525; in 0.5.23 in "
+        "srt/arg_groups/fields/exec_.py L629-631 and srt/arg_groups/cuda_graph_hook.py L72-73. "
+        "(Line numbers L1906-L1910 / L4561-L4562, quoted elsewhere, match none of the releases "
+        "checked.) Older versions of this test class used --cuda-graph-max-bs 32; from 0.5.20 on "
+        "that spelling is rejected as ambiguous.",
     ),
     Excerpt(
         "sglang",
@@ -3941,21 +3954,25 @@ COMMON_SERVER_ARGS = [
         "python/sglang/srt/arg_groups/overrides.py, lines 1112-1123, SGLang 0.5.23 (the function "
         "spans 1093-1123; in 0.5.18 it spans 2078-2108 of the same file)",
         """        logger.warning(
-            f"Attention backend not specified. Falling back to '{backend}' for deterministic inference. "
-            f"You can explicitly set --attention-backend to one of {DETERMINISTIC_ATTENTION_BACKEND_CHOICES}."
+            f"Attention backend not specified. Falling back to '{backend}' for deterministic\
+ inference. "
+            f"You can explicitly set --attention-backend to one of\
+ {DETERMINISTIC_ATTENTION_BACKEND_CHOICES}."
         )
         return {"attention_backend": backend}
     elif view.attention_backend not in DETERMINISTIC_ATTENTION_BACKEND_CHOICES:
         # User explicitly specified an incompatible attention backend
         raise ValueError(
-            f"Currently only {DETERMINISTIC_ATTENTION_BACKEND_CHOICES} attention backends are supported for deterministic inference, "
+            f"Currently only {DETERMINISTIC_ATTENTION_BACKEND_CHOICES} attention backends are\
+ supported for deterministic inference, "
             f"but you explicitly specified '{view.attention_backend}'."
         )
     return {}""",
         "A comparison hazard, not a convenience: with the flag on and no --attention-backend, "
         "SGLang picks one for you (fa3 before Blackwell, flashinfer or triton on it), and your "
         "flag-off arm may be running another. Then the difference you measure is not the one you "
-        "meant. Pin --attention-backend in BOTH arms; the lab's cost mode refuses mismatched arms.",
+        "meant. Pin --attention-backend in BOTH arms; the lab's cost mode refuses mismatched "
+        "arms.",
     ),
 ]
 
@@ -3964,9 +3981,12 @@ From the root of a vLLM checkout (the autouse fixture turns the flag on; the
 should-fail test turns it off itself):
 
   pytest -v -s tests/v1/determinism/test_batch_invariance.py -k "bs1_vs_bsN and 16-16-FLASH_ATTN"
-  pytest -v -s tests/v1/determinism/test_batch_invariance.py -k "without_batch_invariance and TRITON_ATTN"
-  VLLM_TEST_MODEL=Qwen/Qwen3-1.7B VLLM_TP_SIZE=1 pytest -v -s tests/v1/determinism/test_online_batch_invariance.py -k "FLASH_ATTN and not MLA"
-  VLLM_BENCH_MODEL=Qwen/Qwen3-1.7B VLLM_BENCH_BACKEND=FLASH_ATTN python benchmarks/benchmark_batch_invariance.py
+  pytest -v -s tests/v1/determinism/test_batch_invariance.py -k "without_batch_invariance and\
+ TRITON_ATTN"
+  VLLM_TEST_MODEL=Qwen/Qwen3-1.7B VLLM_TP_SIZE=1 pytest -v -s\
+ tests/v1/determinism/test_online_batch_invariance.py -k "FLASH_ATTN and not MLA"
+  VLLM_BENCH_MODEL=Qwen/Qwen3-1.7B VLLM_BENCH_BACKEND=FLASH_ATTN python\
+ benchmarks/benchmark_batch_invariance.py
 
 Tensor parallelism is spelled two ways: the offline tests (test_batch_invariance.py)
 read VLLM_TEST_TP_SIZE, the online and needle tests read VLLM_TP_SIZE. Set both
@@ -4026,8 +4046,8 @@ The same experiment with the lab (the sizes straddle the 16, 24 and 32 buckets):
 
 def harness_text(engine: Optional[str], out: Out) -> List[str]:
     lines = [
-        "Upstream batch-invariance harnesses, quoted verbatim (Apache-2.0; see README), "
-        "with what each one does not tell you.",
+        "Upstream batch-invariance harnesses, quoted verbatim (Apache-2.0; see README), with "
+        "what each one does not tell you.",
         "",
     ]
     for name, label, commands in (
@@ -4103,9 +4123,11 @@ THE MODES
                    diverges far more, because one request of n is not one batch of n
                    (each row's send_spread_s: seconds from the lab's first request written
                    to its last; when they reach the server is the network's and the
-                   server's affair). mixed: the prompt once among n-1 other prompts of varied lengths
+                   server's affair). mixed: the prompt once among n-1 other prompts of varied\
+ lengths
                    (vLLM's needle benchmark, and the mixed mode SGLang's driver had
-                   before 0.5.18, are its upstream analogues). --repeat K (default 3) runs the whole ladder K times;
+                   before 0.5.18, are its upstream analogues). --repeat K (default 3) runs the\
+ whole ladder K times;
                    batch 1's passes are the run-to-run control. --prefix-cache bypass
                    (default) keeps every size from being served an earlier prefill: a
                    fresh vLLM cache_salt per request, a fresh SGLang cache key per prompt
@@ -4825,7 +4847,8 @@ def cache_comparison(
 
 
 def cache_summary(sweeps: List["PromptSweep"]) -> Dict[str, Any]:
-    """The cache check over every batch: its verdict, proven by the repeats' cached-token counts."""
+    """The cache check over every batch: its verdict, proven by the repeats' cached-token
+    counts."""
     checked = [r["cache_check"] for s in sweeps for r in s.rows() if "cache_check" in r]
     counts = [c["cached_tokens"] for c in checked if c["cached_tokens"] is not None]
     moved = any(c["max_ulp"] or c["tokens_diverged"] or c["notes"] for c in checked)
@@ -4927,8 +4950,8 @@ def sweep_warnings(facts: ServerFacts, sizes: List[int], sampling: Sampling, out
 
 
 SWEEP_COLUMNS = (
-    "  batch  bucket  distinct  same/all  runs matched  first token  tie margin  max ULP"
-    "  first ULP step  seconds  notes"
+    "  batch  bucket  distinct  same/all  runs matched  first token  tie margin  max ULP  first "
+    "ULP step  seconds  notes"
 )
 
 
@@ -5081,8 +5104,8 @@ class SweepTable:
         if "cache_verdict" in sm:
             out.line(
                 out.style(
-                    "cache check, over %d batches each sent again from the cache: max ULP "
-                    "%s, first differing step %s: %s"
+                    "cache check, over %d batches each sent again from the cache: max ULP %s, "
+                    "first differing step %s: %s"
                     % (
                         sm["cache_batches"],
                         fmt_opt(sm["cache_max_ulp"], "?"),
@@ -5122,8 +5145,8 @@ class SweepTable:
                 )
             if sm.get("prefill_divergent"):
                 out.line(
-                    "prefill check, KL(decode || prefill), K3 estimate over the %d divergent of %d "
-                    "tokens: mean %.3g, max %.3g"
+                    "prefill check, KL(decode || prefill), K3 estimate over the %d divergent of "
+                    "%d tokens: mean %.3g, max %.3g"
                     % (
                         sm["prefill_divergent"],
                         sm["prefill_tokens"],
@@ -5193,8 +5216,8 @@ def size_notes(size: Dict[str, Any], bypass: bool) -> str:
 
 
 ULP_NOTE_TEXT = {
-    "top-k changed": "a step's top-k token set differed from batch 1's (a candidate swapped places "
-    "with one outside the list): counted as moved; the ULPs cover the shared entries",
+    "top-k changed": "a step's top-k token set differed from batch 1's (a candidate swapped "
+    "places with one outside the list): counted as moved; the ULPs cover the shared entries",
     "float64": "some logprobs were not float32-exact (a server that rounds or works in float64): "
     "those distances are float64 ULPs",
     "clamped": "a logprob was a clamped -inf (the engine's stand-in value) on one side only: "
@@ -5214,24 +5237,27 @@ def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
         if sm["verdict"] == NO_DATA:
             why = "no completion came back"
         elif doc["params"]["sizes"] == [1]:
-            why = "batch 1 was the only size, and it is the baseline; give --sizes with larger batches"
+            why = (
+                "batch 1 was the only size, and it is the baseline; give --sizes with larger "
+                "batches"
+            )
         else:
             why = "the run stopped (%s) before any size above batch 1 came back" % sm["state"]
         text("Nothing was compared: %s. No verdict on invariance can be given." % why)
     elif sm["verdict"] == NOISE_NOT_RULED_OUT:
         text("")
         text(
-            "The server ignores the seed, so at this temperature every request samples on its own: "
-            "the differences above may be sampling noise alone. Measure batching greedy "
+            "The server ignores the seed, so at this temperature every request samples on its "
+            "own: the differences above may be sampling noise alone. Measure batching greedy "
             "(--temperature 0), or with the flag on, where the seed is honoured."
         )
     elif sm["verdict"] == NOT_REPEATABLE:
         text("")
         text(
-            "Batch 1 alone gave different answers on different passes: the server is not repeatable "
-            "even without other requests beside it, so differences at other sizes cannot be put down "
-            "to batching. Check for unseeded sampling, a server restarted between passes, or other "
-            "traffic on it."
+            "Batch 1 alone gave different answers on different passes: the server is not "
+            "repeatable even without other requests beside it, so differences at other sizes "
+            "cannot be put down to batching. Check for unseeded sampling, a server restarted "
+            "between passes, or other traffic on it."
         )
     elif moved and doc["server"].get("flag"):
         text("")
@@ -5498,7 +5524,8 @@ class Arm:
     def trial(
         self, adapter: EngineAdapter, prompts: List[str], sampling: Sampling
     ) -> Tuple[float, int]:
-        """One timed request: (seconds, output tokens). The answer's shape must hold even when timing."""
+        """One timed request: (seconds, output tokens). The answer's shape must hold even when
+        timing."""
         answer, seconds = generate(self.client, adapter, self.facts.model, prompts, sampling)
         parsed("the answer", adapter.completions, answer, len(prompts), False)
         return seconds, parsed("the answer", adapter.output_tokens, answer)
@@ -5612,8 +5639,7 @@ def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[Dict[str, Any]]
     adapter = cfg.adapter
     if off.facts.flag is True or on.facts.flag is False:
         raise UsageError(
-            "the arms are the wrong way round: --url reports the %s and --invariant "
-            "reports the %s"
+            "the arms are the wrong way round: --url reports the %s and --invariant reports the %s"
             % (describe_flag(off.facts.flag, adapter), describe_flag(on.facts.flag, adapter))
         )
     differences = arm_differences(off.facts, on.facts)
@@ -5630,9 +5656,8 @@ def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[Dict[str, Any]]
                 out.line(line.strip())
     if differences and not cfg.allow_mismatch:
         raise UsageError(
-            "the two servers differ in more than the flag (%s); pin them equal, or "
-            "pass --allow-mismatch to time them anyway"
-            % ", ".join(d["setting"] for d in differences)
+            "the two servers differ in more than the flag (%s); pin them equal, or pass "
+            "--allow-mismatch to time them anyway" % ", ".join(d["setting"] for d in differences)
         )
     return differences
 
@@ -5776,8 +5801,8 @@ def run_cost(cfg: Config, out: Out) -> int:
                     ) from None
                 if count > expected_tokens:
                     raise ServerError(
-                        "trial %d, %s arm: the server reported %d output tokens, more "
-                        "than %d prompts x --max-tokens %d allow"
+                        "trial %d, %s arm: the server reported %d output tokens, more than %d "
+                        "prompts x --max-tokens %d allow"
                         % (trial + 1, arm.name, count, per_trial, cfg.sampling.max_tokens)
                     )
                 if count < expected_tokens:
@@ -5841,10 +5866,9 @@ def token_by_token(first_count: int, events: int, count: int) -> bool:
 
 
 UNMEASURED_STREAM = (
-    "the stream does not report its progress token by token (its first event "
-    "carries several tokens, or most tokens arrive together), so neither the first "
-    "token's arrival nor the time between tokens can be seen: latency and "
-    "throughput stand"
+    "the stream does not report its progress token by token (its first event carries several "
+    "tokens, or most tokens arrive together), so neither the first token's arrival nor the time "
+    "between tokens can be seen: latency and throughput stand"
 )
 
 
@@ -6101,7 +6125,8 @@ def print_cost_report(cell: Dict[str, Any], out: Out) -> None:
         out.line(
             "  %s"
             % {
-                "precision": "stopped once the interval was within the asked precision (--precision)",
+                "precision": "stopped once the interval was within the asked precision "
+                "(--precision)",
                 "trials": "ran every trial (--trials) before the interval was within --precision",
             }.get(cell["stopped_by"], "stopped: %s" % cell["stopped_by"])
         )
