@@ -143,7 +143,28 @@ class TricklingServer:
         self.sock.close()
 
 
+class CuttingServer(TricklingServer):
+    """Answers every connection with a JSON answer cut off half way, then hangs up."""
+
+    def trickle(self, conn):
+        with conn:
+            try:
+                conn.recv(65536)  # the request, read so that the hang-up is no reset
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 200\r\n\r\n{\"version\": \"0.2")
+            except OSError:
+                pass
+
+
 class WaitingForServers(TempDirTest):
+    def test_an_answer_cut_off_is_a_dropped_connection_not_a_wrong_shape(self):
+        with CuttingServer() as server:
+            r = run_lab("--mode", "sweep", "--url", server.url, "--engine", "vllm", "--sizes", 1)
+        self.assertEqual(r.code, 3, r)
+        self.assertIn("dropped in the middle of an answer", r.stderr)
+        self.assertNotIn("wrong shape", r.stderr)
+        self.assertNotIn("invalid JSON", r.stderr)
+
     def test_wait_ready_is_bounded_by_its_own_limit_against_a_trickling_server(self):
         with TricklingServer() as server:
             p = start_lab("--mode", "sweep", "--url", server.url, "--engine", "vllm", "--wait-ready", 2)
