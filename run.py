@@ -3468,6 +3468,17 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def report_save(cfg: Config, saves: ThrottledSave, code: int, out: Out) -> int:
+    """The last line of a run: where it was saved, or why it was not (a run whose results
+    could not be saved has failed: exit 3, unless it had already failed otherwise)."""
+    if saves.failure is not None:
+        out.say("%s; the results above are not in it" % saves.failure, raising=False)
+        return code or EXIT_SERVER
+    if cfg.save:
+        out.say("saved %s" % cfg.save, raising=False)
+    return code
+
+
 def json_chunks(
     doc: Dict[str, Any], listed: str, texts: Optional[Sequence[str]] = None
 ) -> Iterator[str]:
@@ -5328,17 +5339,6 @@ def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
             )
         )
     return EXIT_OK
-
-
-def report_save(cfg: Config, saves: ThrottledSave, code: int, out: Out) -> int:
-    """The last line of a run: where it was saved, or why it was not (a run whose results
-    could not be saved has failed: exit 3, unless it had already failed otherwise)."""
-    if saves.failure is not None:
-        out.say("%s; the results above are not in it" % saves.failure, raising=False)
-        return code or EXIT_SERVER
-    if cfg.save:
-        out.say("saved %s" % cfg.save, raising=False)
-    return code
 
 
 def run_sweep(cfg: Config, out: Out) -> int:
