@@ -78,6 +78,7 @@ import re
 import select
 import signal
 import socket
+import ssl
 import stat
 import statistics
 import struct
@@ -1112,6 +1113,15 @@ class HttpClient:
             return ServerError(
                 "this machine ran out of open files (%s), not the server: raise the limit "
                 "(ulimit -n) or send fewer requests at once" % os.strerror(reason.errno)
+            )
+        if isinstance(reason, ssl.SSLCertVerificationError):
+            return ServerError(
+                "the TLS certificate of %s is not trusted here (%s)"
+                % (self.base_url, reason.verify_message or reason.reason)
+            )
+        if isinstance(reason, ssl.SSLError):
+            return ServerError(
+                "TLS with %s failed (%s)" % (self.base_url, reason.reason or reason)
             )
         if isinstance(reason, (OSError, HTTPException)) and not isinstance(
             reason, TIMEOUTS + (ConnectionRefusedError, socket.gaierror)

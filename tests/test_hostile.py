@@ -8,8 +8,10 @@ import json
 import os
 import re
 import resource
+import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -156,7 +158,52 @@ class CuttingServer(TricklingServer):
                 pass
 
 
+class UntrustedTlsServer:
+    """An HTTPS server on loopback whose certificate is self-signed (made with openssl when
+    the test runs): what a gateway in front of an engine often is."""
+
+    def __init__(self, folder):
+        cert, key = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                        "-subj", "/CN=127.0.0.1", "-keyout", key, "-out", cert],
+                       check=True, capture_output=True)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(cert, key)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.url = "https://127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.context = context
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            try:
+                with self.context.wrap_socket(conn, server_side=True):
+                    pass  # the client refuses the certificate in the handshake
+            except (OSError, ssl.SSLError):
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.sock.close()
+
+
 class WaitingForServers(TempDirTest):
+    @unittest.skipUnless(shutil.which("openssl"), "openssl is not installed")
+    def test_an_untrusted_certificate_is_named_not_a_dropped_connection(self):
+        with UntrustedTlsServer(self.tmp) as server:
+            r = run_lab("--mode", "sweep", "--url", server.url, "--engine", "vllm", "--sizes", 1)
+        self.assertEqual(r.code, 3, r)
+        self.assertIn("the TLS certificate of %s is not trusted here" % server.url, r.stderr)
+        self.assertNotIn("dropped", r.stderr)
+
     def test_an_answer_cut_off_is_a_dropped_connection_not_a_wrong_shape(self):
         with CuttingServer() as server:
             r = run_lab("--mode", "sweep", "--url", server.url, "--engine", "vllm", "--sizes", 1)
