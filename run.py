@@ -943,20 +943,24 @@ SECRETS = Secrets()
 
 def server_message(body: bytes) -> str:
     """The server's own error text, wherever the engine puts it: {"error": {"message": ...}},
-    {"error": "..."} or {"message": ...}."""
+    {"error": "..."}, {"message": ...} or plain text (its first 200 characters); the key is
+    hidden before any text is cut (a server may echo it back), so that no part of it shows."""
     try:
         data = json.loads(body)
     except ValueError:
         data = None
+    text = None
     if isinstance(data, dict):
         err = data.get("error")
         if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])
-        for key in ("message", "detail", "error"):
-            if isinstance(data.get(key), str):
-                return data[key]
+            text = str(err["message"])
+        else:
+            keys = ("message", "detail", "error")
+            text = next((data[k] for k in keys if isinstance(data.get(k), str)), None)
+    if text is not None:
+        return SECRETS.hide(text)
     text = body.decode("utf-8", "replace").strip().replace("\n", " ")
-    return SECRETS.hide(text)[:200] or "no body"  # hidden before it is cut: no key's first part
+    return SECRETS.hide(text)[:200] or "no body"
 
 
 STOP_GRACE_S = 1.0  # after a stop signal, a request in flight may take this long, then it is cut
@@ -1104,8 +1108,8 @@ class HttpClient:
         )
 
     def http_error(self, status: int, path: str, body: bytes) -> ServerError:
-        message = SECRETS.hide(server_message(body))  # a server may echo the key back
-        return ServerError("HTTP %d from %s: %s" % (status, path, message[:300]), status)
+        message = server_message(body)[:300]
+        return ServerError("HTTP %d from %s: %s" % (status, path, message), status)
 
     def transport_error(self, reason: Any, url: str) -> ServerError:
         """What went wrong on the way to the server, said as what it is."""
@@ -1319,8 +1323,7 @@ class Exchange:
     def whole_answer(self) -> Tuple[int, Optional[str], bytes]:
         """(status, Location header, body) of the answer, read whole; then the exchange ends."""
         try:
-            resp = self.response = http.client.HTTPResponse(self.conn.sock)
-            self._guard(resp.begin)
+            resp = self._begin()
             raw = self._guard(lambda: self.client._read_capped(resp))
         finally:
             self.close()
@@ -1334,10 +1337,15 @@ class Exchange:
             raise self.client.http_error(status, self.path, raw)
         return self.client.decode(raw, self.path)
 
-    def _response(self) -> http.client.HTTPResponse:
-        """The response, its status line and headers read (an error status raises)."""
+    def _begin(self) -> http.client.HTTPResponse:
+        """The response, its status line and headers read."""
         resp = self.response = http.client.HTTPResponse(self.conn.sock)
         self._guard(resp.begin)
+        return resp
+
+    def _response(self) -> http.client.HTTPResponse:
+        """The response, its status line and headers read (an error status raises)."""
+        resp = self._begin()
         if resp.status >= 300:
             raise self.client.http_error(
                 resp.status, self.path, self._guard(lambda: self.client._read_capped(resp))
@@ -5746,6 +5754,7 @@ def cost_table_lines(doc: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
 
 def warm_up(
     cfg: Config,
+    trials: Trials,
     arms: Sequence[Arm],
     prompts: Callable[[int], List[str]],
     interrupt: DeferredInterrupt,
@@ -5758,7 +5767,7 @@ def warm_up(
                 interrupt.check()
                 progress.running("warm-up %d/%d, %s arm" % (w + 1, cfg.warmup, arm.name))
                 try:
-                    Trials.of(cfg).run(arm, cfg, prompts(-1 - w))
+                    trials.run(arm, cfg, prompts(-1 - w))
                     break
                 except ServerError as err:
                     if attempt == WARMUP_ATTEMPTS:
@@ -5798,7 +5807,7 @@ def run_cost(cfg: Config, out: Out) -> int:
     progress = Progress(out, cfg.trials, "trial pairs", cfg.quiet)
 
     def measure(interrupt: DeferredInterrupt) -> None:
-        warm_up(cfg, (off, on), prompts, interrupt, progress)
+        warm_up(cfg, trials, (off, on), prompts, interrupt, progress)
         for trial in range(cfg.trials):
             for arm in ((off, on) if trial % 2 == 0 else (on, off)):  # A B B A A B ...
                 interrupt.check()
@@ -5822,7 +5831,9 @@ def run_cost(cfg: Config, out: Out) -> int:
                 if timings is not None:
                     arm.requests.append(timings)
             saves.offer(
-                lambda path: save_cell(path, cost_cell(cfg, (off, on), differences, "running"))
+                lambda path: save_cell(
+                    path, cost_cell(cfg, trials, (off, on), differences, "running")
+                )
             )
             progress.finished("trial %d/%d" % (trial + 1, cfg.trials), 2 * per_trial)
             if cfg.precision and precise_enough(off.samples, on.samples, cfg.precision):
@@ -5838,7 +5849,7 @@ def run_cost(cfg: Config, out: Out) -> int:
     if not off.samples or not on.samples:
         out.say("no complete trial pair; nothing to report", raising=False)
         return code or EXIT_SERVER
-    cell = cost_cell(cfg, (off, on), differences, state)
+    cell = cost_cell(cfg, trials, (off, on), differences, state)
     if cfg.precision:
         cell["stopped_by"] = (
             stopped_by[0] if stopped_by else ("trials" if state == "complete" else state)
@@ -5927,7 +5938,11 @@ def per_trial_medians(arm: Arm, key: str) -> List[float]:
 
 
 def cost_cell(
-    cfg: Config, arms: Tuple[Arm, Arm], differences: List[Dict[str, Any]], state: str
+    cfg: Config,
+    trials: Trials,
+    arms: Tuple[Arm, Arm],
+    differences: List[Dict[str, Any]],
+    state: str,
 ) -> Dict[str, Any]:
     """One labelled cell of the 2x2 table, from the trials measured so far."""
     off, on = arms
@@ -5960,7 +5975,7 @@ def cost_cell(
             overhead_stats(per_token(off, pairs), per_token(on, pairs)),
             compared_on="time per output token (the arms produced different token counts)",
         )
-    if Trials.of(cfg).load:
+    if trials.load:
         # Under load the primary figure is throughput's time cost: the on/off ratio of the
         # time each trial took for the same tokens (+30 %: the flag costs 30 % more time per
         # token, i.e. throughput falls to 1/1.3). Latency, TTFT and TPOT: paired per-trial medians.
