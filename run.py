@@ -3746,10 +3746,12 @@ def measure_until_stopped(
 
 def internal_error(err: BaseException) -> str:
     """One line for a fault of the lab's own, with where it happened, to report."""
-    tb = err.__traceback__
-    while tb is not None and tb.tb_next is not None:
+    line, tb = None, err.__traceback__
+    while tb is not None:  # the innermost frame of this file, not of a library it called
+        if tb.tb_frame.f_code.co_filename == __file__:
+            line = tb.tb_lineno
         tb = tb.tb_next
-    where = " at run.py line %d" % tb.tb_lineno if tb is not None else ""
+    where = " at run.py line %d" % line if line is not None else ""
     return "internal error (%s%s: %s); please report it" % (
         type(err).__name__,
         where,
@@ -3757,8 +3759,8 @@ def internal_error(err: BaseException) -> str:
     )
 
 
-def fmt_opt(value: Any, none: str = "-") -> str:
-    return none if value is None else str(value)
+def fmt_opt(value: Any, none: str = "-", form: str = "%s") -> str:
+    return none if value is None else form % value
 
 
 def fmt_graph_sizes(facts: Dict[str, Any]) -> str:
@@ -5913,11 +5915,14 @@ def load_stats(arm: Arm) -> Dict[str, Any]:
         )
     if stats["ttft"] is None:
         stats["unmeasured"] = UNMEASURED_STREAM
-    stats["median_tokens_per_s"] = statistics.median(
-        t / s for t, s in zip(arm.tokens, arm.samples) if s > 0
+    # A trial shorter than the clock's resolution has no rate: it is left out of the medians
+    trials = zip(arm.requests, arm.tokens, arm.samples)
+    timed = [(requests, tokens, s) for requests, tokens, s in trials if s > 0]
+    stats["median_tokens_per_s"] = (
+        statistics.median(tokens / s for _, tokens, s in timed) if timed else None
     )
-    stats["median_requests_per_s"] = statistics.median(
-        len(trial) / s for trial, s in zip(arm.requests, arm.samples)
+    stats["median_requests_per_s"] = (
+        statistics.median(len(requests) / s for requests, _, s in timed) if timed else None
     )
     stats["requests"] = arm.requests
     return stats
@@ -6074,11 +6079,11 @@ def print_load_report(cell: Dict[str, Any], out: Out) -> None:
     for arm in ("off", "on"):
         s = cell["load"][arm]
         out.line(
-            "  flag %-3s %.1f tokens/s, %.2f requests/s; median/p99: latency %s, TTFT %s, TPOT %s"
+            "  flag %-3s %s tokens/s, %s requests/s; median/p99: latency %s, TTFT %s, TPOT %s"
             % (
                 arm,
-                s["median_tokens_per_s"],
-                s["median_requests_per_s"],
+                fmt_opt(s["median_tokens_per_s"], "?", "%.1f"),
+                fmt_opt(s["median_requests_per_s"], "?", "%.2f"),
                 ms(s["latency"]),
                 ms(s["ttft"]),
                 ms(s["tpot"]),

@@ -4,6 +4,8 @@ no message blames the wrong thing. Each test names the class of fault it pins; t
 them are liveness bounds far above what the lab needs (the faults would hold it for a minute
 or more), never timings."""
 
+import inspect
+import io
 import json
 import os
 import re
@@ -282,6 +284,39 @@ class FaultsOfTheLabsOwn(TempDirTest):
         self.assertEqual(doc["summary"]["state"], "stopped: internal error")
         self.assertEqual([s["batch_size"] for s in doc["prompts"][0]["sizes"]], [1])
         self.assertIn("sweep stopped: internal error (ZeroDivisionError", r.stderr)
+
+
+    def test_the_line_named_is_the_labs_own_when_a_library_raised(self):
+        """The error rose inside the standard library (statistics.median of nothing): the line
+        to report is where run.py called it, not the library's line under run.py's name."""
+        try:
+            run.statistics.median([])  # no frame of run.py at all: no line to name
+        except run.statistics.StatisticsError as err:
+            message = run.internal_error(err)
+        self.assertEqual(message, "internal error (StatisticsError: no median for empty data); "
+                                  "please report it")
+        with mock.patch.object(run, "percentile", lambda values, share: run.statistics.median([])):
+            try:
+                run.load_stats(run.Arm("off", "--url", "u", None, None, [1.0], [4],
+                                       [[{"latency_s": 1.0, "ttft_s": None, "tpot_s": None}]]))
+            except run.statistics.StatisticsError as err:
+                message = run.internal_error(err)
+        source = inspect.getsource(run.load_stats).splitlines()
+        first = inspect.getsourcelines(run.load_stats)[1]
+        named = int(re.search(r"run\.py line (\d+)", message).group(1))
+        self.assertIn("percentile(", source[named - first])
+
+    def test_trials_shorter_than_the_clock_resolution_leave_no_rate_and_no_crash(self):
+        arm = run.Arm("off", "--url", "u", None, None, [0.0, 0.0], [4, 4],
+                      [[{"latency_s": 0.0, "ttft_s": 0.0, "tpot_s": 0.0}]] * 2)
+        stats = run.load_stats(arm)
+        self.assertIsNone(stats["median_tokens_per_s"])
+        self.assertIsNone(stats["median_requests_per_s"])
+        out = io.StringIO()
+        run.print_load_report({"load": {"off": stats, "on": stats}, "overheads": {
+            name: {"overhead_pct": None, "ci95_pct": None, "significant": False}
+            for name in ("latency", "ttft", "tpot")}}, run.Out(out, out))
+        self.assertIn("flag off ? tokens/s, ? requests/s", out.getvalue())
 
 
 class InputBoundedBeforeAnyRequest(TempDirTest):
