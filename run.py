@@ -180,7 +180,6 @@ SEND_SPREAD_MEANS = "seconds from the lab's first request of the batch written t
 DEFAULT_REPEAT = 3  # passes through the ladder: a flag-off server is not repeatable run to run
 PREFIX_CACHE_CHOICES = ("bypass", "keep")  # bypass: no request served from an earlier's cache
 DEFAULT_PREFIX_CACHE = "bypass"  # a cache hit would compare the cache, not the batch
-OLDEST_PREFIX_CACHE = "keep"  # what a saved sweep that names no prefix cache did (sweep/1)
 MIXED_FILLER_WORDS = (
     3,
     12,
@@ -714,77 +713,10 @@ def mixed_batch(prompt: str, n: int, seed: int) -> Tuple[List[str], int]:
     return fillers[:position] + [prompt] + fillers[position:], position
 
 
-def aggregate_runs(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """One batch size over all its runs, in the fields a single run has (plus how many runs
-    matched batch 1 bitwise): what the table prints and plots read."""
-    texts = sorted({t for r in runs for t in r["distinct_texts"]})
-    diverged = [r for r in runs if r["first_token_divergence"] is not None]
-    first = min(diverged, key=lambda r: r["first_token_divergence"]) if diverged else None
-    ulp_steps = [r["first_ulp_step"] for r in runs if r["first_ulp_step"] is not None]
-    cached = [r["cached_tokens"] for r in runs if r.get("cached_tokens") is not None]
-    return {
-        "completions": sum(r["completions"] for r in runs),
-        "distinct_in_batch": len(texts),
-        "same_as_baseline": sum(r["same_as_baseline"] for r in runs),
-        "text_only": sum(r.get("text_only", 0) for r in runs),
-        "first_token_divergence": first["first_token_divergence"] if first else None,
-        "divergence_margin": first.get("divergence_margin") if first else None,
-        "first_ulp_step": min(ulp_steps) if ulp_steps else None,
-        "max_ulp": max((r["max_ulp"] for r in runs), default=0),
-        "ulp_notes": sorted({u for r in runs for u in r["ulp_notes"]}),
-        "seconds": round(sum(r["seconds"] for r in runs), 4),
-        "runs_matched": sum(1 for r in runs if r["matched"]),
-        "cached_tokens": sum(cached) if cached else None,
-        **prefill_aggregate(runs),
-        "distinct_texts": texts,
-    }
-
-
-def prefill_aggregate(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """The prefill check over rows (runs, or sizes): the largest distance, the first step
-    that differed, the notes; nothing when the check did not run."""
-    checked = [r for r in rows if "prefill_max_ulp" in r]
-    if not checked:
-        return {}
-    moved = [r for r in checked if r["prefill_first_step"] is not None]
-    first = min(moved, key=lambda r: r["prefill_first_step"]) if moved else None
-    return {
-        "prefill_max_ulp": max(r["prefill_max_ulp"] for r in checked),
-        "prefill_first_step": first["prefill_first_step"] if first else None,
-        "prefill_margin": first.get("prefill_margin") if first else None,
-        "prefill_tokens": sum(r.get("prefill_tokens", 0) for r in checked),
-        **prefill_kl(checked),
-        "prefill_notes": sorted({n for r in checked for n in r["prefill_notes"]}),
-    }
-
-
-PREFILL_AGREE = "decode and prefill agree bitwise"  # the prefill check's verdict, kept apart
-PREFILL_DIFFER = "decode and prefill differ"
-
-
-def prefill_kl(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """The KL figures of the prefill check over rows: divergent tokens, and the K3 estimate's
-    mean and largest term over them."""
-    divergent = sum(r.get("prefill_divergent", 0) for r in rows)
-    total = sum(r.get("prefill_kl_sum", 0.0) for r in rows)
-    largest = [r["prefill_kl_max"] for r in rows if r.get("prefill_kl_max") is not None]
-    return {
-        "prefill_divergent": divergent,
-        "prefill_kl_sum": total,
-        "prefill_kl_mean": total / divergent if divergent else None,
-        "prefill_kl_max": max(largest) if largest else None,
-    }
-
-
-def prefill_verdict(checked: Dict[str, Any]) -> str:
-    """The prefill check's verdict: nothing claimed where no token was compared."""
-    if not checked:
-        return NO_DATA
-    if not checked["prefill_tokens"]:
-        return NOTHING_COMPARED
-    if checked["prefill_max_ulp"] or checked["prefill_notes"]:
-        return PREFILL_DIFFER
-    return PREFILL_AGREE
+def percentile(values: Sequence[float], share: float) -> float:
+    """The value below which share of the values lie (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(share * len(ordered)) - 1))]
 
 
 def mad(values: Sequence[float]) -> float:
@@ -808,43 +740,6 @@ def bootstrap_median_ci(
     )
     tail = (1.0 - level) / 2.0
     return meds[int(tail * (resamples - 1))], meds[int(math.ceil((1.0 - tail) * (resamples - 1)))]
-
-
-def overhead_stats(off_s: Sequence[float], on_s: Sequence[float]) -> Dict[str, Any]:
-    """Overhead of the flag-on arm from paired trials: median ratio - 1, with its 95% interval
-    (none, and never significant, below MIN_PAIRS_FOR_INTERVAL pairs)."""
-    ratios = [b / a if a > 0 else math.inf for a, b in zip(off_s, on_s)]
-    if len(ratios) < MIN_PAIRS_FOR_INTERVAL or not all(map(math.isfinite, ratios)):
-        median = statistics.median(ratios) if ratios else math.nan
-        return {
-            "overhead_pct": round((median - 1.0) * 100.0, 3) if math.isfinite(median) else None,
-            "ci95_pct": None,
-            "significant": False,
-            "ratios": [round(r, 6) for r in ratios],
-        }
-    lo, hi = bootstrap_median_ci(ratios)
-    ci = [round((lo - 1.0) * 100.0, 3), round((hi - 1.0) * 100.0, 3)]
-    return {
-        "overhead_pct": round((statistics.median(ratios) - 1.0) * 100.0, 3),
-        "ci95_pct": ci,
-        "significant": not (ci[0] <= 0.0 <= ci[1]),
-        "ratios": [round(r, 6) for r in ratios],
-    }
-
-
-def arm_stats(samples_s: Sequence[float], tokens: Sequence[int]) -> Dict[str, Any]:
-    tps = [t / s for t, s in zip(tokens, samples_s) if s > 0]
-    return {
-        "median_s": statistics.median(samples_s),
-        "mad_s": mad(samples_s),
-        "min_s": min(samples_s),
-        "max_s": max(samples_s),
-        "samples_s": list(samples_s),
-        "output_tokens": list(tokens),
-        "tokens_per_s": [round(x, 3) for x in tps],
-        "median_tokens_per_s": statistics.median(tps) if tps else None,
-        "noisy": max(samples_s) / min(samples_s) > NOISE_SPREAD if min(samples_s) > 0 else True,
-    }
 
 
 # Workload prompts for cost mode: pure, so both arms get byte-identical bodies.
@@ -876,6 +771,679 @@ def workload_prompts(
         "%s\nQuestion %d.%d: what is word %d of the passage?" % (prefix, trial, i, i + 1)
         for i in range(batch)
     ]
+
+
+# ----------------------------------------------------------------------------
+# Records: what a sweep and a cost run measure, each saved by its to_record (the schema)
+
+Json = Dict[str, Any]  # a JSON object as saved or read: made by to_record, read by from_record
+
+PREFILL_AGREE = "decode and prefill agree bitwise"  # the prefill check's verdict, kept apart
+PREFILL_DIFFER = "decode and prefill differ"
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    """The prefill check of one batch: each distinct completion's decoded logprobs against
+    the ones the server computes prefilling the same tokens at once."""
+
+    max_ulp: int
+    first_step: Optional[int]  # the first generated step whose two logprobs differ
+    notes: List[str]  # ULP notes of the comparison
+    margin: Optional[Margin]  # the decode's runner-up at that step
+    tokens: int  # generated tokens compared
+    divergent: int  # of them, those whose two logprobs differ
+    kl_sum: float  # K3 terms of the divergent tokens, summed (KlEstimate)
+    kl_max: Optional[float]  # the largest of them; None with none divergent
+
+    def to_record(self) -> Json:
+        return {
+            "prefill_max_ulp": self.max_ulp,
+            "prefill_first_step": self.first_step,
+            "prefill_notes": self.notes,
+            "prefill_margin": self.margin.to_record() if self.margin else None,
+            "prefill_tokens": self.tokens,
+            "prefill_divergent": self.divergent,
+            "prefill_kl_sum": self.kl_sum,
+            "prefill_kl_max": self.kl_max,
+        }
+
+
+@dataclass(frozen=True)
+class PrefillSummary:
+    """The prefill check over many batches (a size's passes, or a whole sweep), and its
+    verdict: nothing is claimed where no token was compared."""
+
+    checked: int  # batches the check ran on
+    max_ulp: Optional[int]
+    first_step: Optional[int]
+    margin: Optional[Margin]  # at the first differing step
+    tokens: int
+    divergent: int
+    kl_sum: float
+    kl_max: Optional[float]
+    notes: List[str]
+
+    @classmethod
+    def of(cls, rows: Sequence[PrefillRow]) -> "PrefillSummary":
+        moved = [r for r in rows if r.first_step is not None]
+        first = min(moved, key=lambda r: r.first_step) if moved else None
+        largest = [r.kl_max for r in rows if r.kl_max is not None]
+        return cls(
+            checked=len(rows),
+            max_ulp=max((r.max_ulp for r in rows), default=None),
+            first_step=first.first_step if first else None,
+            margin=first.margin if first else None,
+            tokens=sum(r.tokens for r in rows),
+            divergent=sum(r.divergent for r in rows),
+            kl_sum=sum(r.kl_sum for r in rows),
+            kl_max=max(largest) if largest else None,
+            notes=sorted({n for r in rows for n in r.notes}),
+        )
+
+    @property
+    def kl_mean(self) -> Optional[float]:
+        return self.kl_sum / self.divergent if self.divergent else None
+
+    def verdict(self) -> str:
+        if not self.checked:
+            return NO_DATA
+        if not self.tokens:
+            return NOTHING_COMPARED
+        return PREFILL_DIFFER if self.max_ulp or self.notes else PREFILL_AGREE
+
+    def to_record(self) -> Json:
+        return {
+            "prefill_max_ulp": self.max_ulp,
+            "prefill_first_step": self.first_step,
+            "prefill_margin": self.margin.to_record() if self.margin else None,
+            "prefill_tokens": self.tokens,
+            "prefill_divergent": self.divergent,
+            "prefill_kl_sum": self.kl_sum,
+            "prefill_kl_mean": self.kl_mean,
+            "prefill_kl_max": self.kl_max,
+            "prefill_notes": self.notes,
+        }
+
+
+@dataclass(frozen=True)
+class CacheComparison:
+    """One batch sent cold, then at once again with the same cache key: served from the
+    prefix cache, it must equal the cold answer bit for bit."""
+
+    max_ulp: int
+    first_step: Optional[int]  # first step whose token or logprob differs
+    tokens_diverged: bool
+    notes: Tuple[str, ...]
+    margin: Optional[Margin]  # at the first token divergence
+    cached_tokens: Optional[int]  # of the repeat, as the server reports them
+    cold_cached_tokens: Optional[int]
+
+    def to_record(self) -> Json:
+        return {
+            "max_ulp": self.max_ulp,
+            "first_step": self.first_step,
+            "tokens_diverged": self.tokens_diverged,
+            "notes": list(self.notes),
+            "margin": self.margin.to_record() if self.margin else None,
+            "cached_tokens": self.cached_tokens,
+            "cold_cached_tokens": self.cold_cached_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    """One pass of one batch size against the baseline: what its completions showed, and what
+    the server said of them."""
+
+    completions: int
+    distinct_in_batch: int  # distinct texts
+    same_as_baseline: int  # completions whose tokens and text are the baseline's
+    text_only: int  # completions whose tokens held but whose text differs
+    first_token_divergence: Optional[int]  # the earliest step any completion chose otherwise
+    divergence_margin: Optional[Margin]  # how near a tie that step was
+    first_ulp_step: Optional[int]  # the earliest step whose logprobs moved
+    max_ulp: int
+    ulp_notes: List[str]
+    matched: bool  # every completion equals the baseline bitwise
+    distinct_texts: List[str]
+    pass_no: int = 0  # which pass through the ladder
+    seconds: float = 0.0  # from the first send to the last answer
+    cached_tokens: Optional[int] = None  # prompt tokens served from the prefix cache
+    send_spread_s: Optional[float] = None  # concurrent traffic: SEND_SPREAD_MEANS
+    cache_check: Optional[CacheComparison] = None  # --cache-check
+    prefill: Optional[PrefillRow] = None  # --prefill-check
+
+    def to_record(self) -> Json:
+        record = {
+            "completions": self.completions,
+            "distinct_in_batch": self.distinct_in_batch,
+            "same_as_baseline": self.same_as_baseline,
+            "text_only": self.text_only,
+            "first_token_divergence": self.first_token_divergence,
+            "divergence_margin": margin_record(self.divergence_margin),
+            "first_ulp_step": self.first_ulp_step,
+            "max_ulp": self.max_ulp,
+            "ulp_notes": self.ulp_notes,
+            "matched": self.matched,
+            "distinct_texts": self.distinct_texts,
+            "pass": self.pass_no,
+            "seconds": self.seconds,
+            "cached_tokens": self.cached_tokens,
+        }
+        if self.send_spread_s is not None:
+            record["send_spread_s"] = self.send_spread_s
+        if self.cache_check is not None:
+            record["cache_check"] = self.cache_check.to_record()
+        if self.prefill is not None:
+            record.update(self.prefill.to_record())
+        return record
+
+
+def margin_record(margin: Optional[Margin]) -> Optional[Json]:
+    return margin.to_record() if margin else None
+
+
+@dataclass(frozen=True)
+class SizeResult:
+    """One batch size over every pass so far, in the fields a single pass has (and how many
+    passes matched the baseline bitwise): what the table prints and the plots read."""
+
+    batch_size: int
+    bucket: Bucket
+    completions: int
+    distinct_in_batch: int  # distinct texts over every pass
+    same_as_baseline: int
+    text_only: int
+    first_token_divergence: Optional[int]
+    divergence_margin: Optional[Margin]
+    first_ulp_step: Optional[int]
+    max_ulp: int
+    ulp_notes: List[str]
+    seconds: float
+    runs_matched: int
+    cached_tokens: Optional[int]  # over every pass, where the server says
+    prefill: Optional[PrefillSummary]  # where the check ran
+    distinct_texts: List[str]
+    runs: List[BatchRow]
+
+    @classmethod
+    def of(cls, batch_size: int, bucket: Bucket, runs: List[BatchRow]) -> "SizeResult":
+        texts = sorted({t for r in runs for t in r.distinct_texts})
+        diverged = [r for r in runs if r.first_token_divergence is not None]
+        first = min(diverged, key=lambda r: r.first_token_divergence) if diverged else None
+        ulp_steps = [r.first_ulp_step for r in runs if r.first_ulp_step is not None]
+        cached = [r.cached_tokens for r in runs if r.cached_tokens is not None]
+        checked = [r.prefill for r in runs if r.prefill is not None]
+        return cls(
+            batch_size=batch_size,
+            bucket=bucket,
+            completions=sum(r.completions for r in runs),
+            distinct_in_batch=len(texts),
+            same_as_baseline=sum(r.same_as_baseline for r in runs),
+            text_only=sum(r.text_only for r in runs),
+            first_token_divergence=first.first_token_divergence if first else None,
+            divergence_margin=first.divergence_margin if first else None,
+            first_ulp_step=min(ulp_steps) if ulp_steps else None,
+            max_ulp=max((r.max_ulp for r in runs), default=0),
+            ulp_notes=sorted({u for r in runs for u in r.ulp_notes}),
+            seconds=round(sum(r.seconds for r in runs), 4),
+            runs_matched=sum(1 for r in runs if r.matched),
+            cached_tokens=sum(cached) if cached else None,
+            prefill=PrefillSummary.of(checked) if checked else None,
+            distinct_texts=texts,
+            runs=runs,
+        )
+
+    def to_record(self) -> Json:
+        record = {
+            "batch_size": self.batch_size,
+            "bucket": self.bucket,
+            "completions": self.completions,
+            "distinct_in_batch": self.distinct_in_batch,
+            "same_as_baseline": self.same_as_baseline,
+            "text_only": self.text_only,
+            "first_token_divergence": self.first_token_divergence,
+            "divergence_margin": margin_record(self.divergence_margin),
+            "first_ulp_step": self.first_ulp_step,
+            "max_ulp": self.max_ulp,
+            "ulp_notes": self.ulp_notes,
+            "seconds": self.seconds,
+            "runs_matched": self.runs_matched,
+            "cached_tokens": self.cached_tokens,
+        }
+        if self.prefill is not None:
+            record.update(self.prefill.to_record())
+        record["distinct_texts"] = self.distinct_texts
+        record["runs"] = [r.to_record() for r in self.runs]
+        return record
+
+
+BYPASS_HELD, BYPASS_FAILED, BYPASS_UNVERIFIED = "held", "did not hold", "unverified"
+
+
+@dataclass(frozen=True)
+class BypassCheck:
+    """Did --prefix-cache bypass hold? Proven by the cached-token counts the server reports:
+    any count above 0 is a prefill served from the cache; no counts at all prove nothing."""
+
+    status: str  # BYPASS_HELD, BYPASS_FAILED or BYPASS_UNVERIFIED
+    hit_sizes: List[int]  # batch sizes with a cache hit
+
+    @classmethod
+    def of(cls, rows: Sequence[Tuple[int, BatchRow]]) -> "BypassCheck":
+        """rows: (batch size, row) of every pass."""
+        counted = [r.cached_tokens is not None for _, r in rows]
+        hits = sorted({n for n, r in rows if (r.cached_tokens or 0) > 0})
+        status = BYPASS_UNVERIFIED if not any(counted) else BYPASS_FAILED if hits else BYPASS_HELD
+        return cls(status, hits)
+
+    def to_record(self) -> Json:
+        return {"status": self.status, "hit_sizes": self.hit_sizes}
+
+
+CACHE_EQUAL = "cache hit equals cold prefill bitwise"  # the cache check's verdicts, kept apart
+CACHE_DIFFER = "cache hit differs from cold prefill"
+CACHE_UNVERIFIED = "equal, but the hit is unverified (the server reports no cached-token counts)"
+CACHE_MISSED = "equal, but the repeat was not served from the cache (cached-token count 0)"
+
+
+@dataclass(frozen=True)
+class CacheSummary:
+    """The cache check over every batch: its verdict, proven by the repeats' cached-token
+    counts."""
+
+    verdict: str
+    batches: int
+    max_ulp: Optional[int]
+    first_step: Optional[int]
+
+    @classmethod
+    def of(cls, checked: Sequence[CacheComparison]) -> "CacheSummary":
+        counts = [c.cached_tokens for c in checked if c.cached_tokens is not None]
+        if not checked:
+            verdict = NO_DATA
+        elif any(c.max_ulp or c.tokens_diverged or c.notes for c in checked):
+            verdict = CACHE_DIFFER
+        elif not counts:
+            verdict = CACHE_UNVERIFIED
+        elif all(x > 0 for x in counts) and len(counts) == len(checked):
+            verdict = CACHE_EQUAL
+        else:
+            verdict = CACHE_MISSED
+        steps = [c.first_step for c in checked if c.first_step is not None]
+        return cls(
+            verdict,
+            len(checked),
+            max((c.max_ulp for c in checked), default=None),
+            min(steps) if steps else None,
+        )
+
+    def to_record(self) -> Json:
+        return {
+            "cache_verdict": self.verdict,
+            "cache_batches": self.batches,
+            "cache_max_ulp": self.max_ulp,
+            "cache_first_step": self.first_step,
+        }
+
+
+@dataclass(frozen=True)
+class SweepSummary:
+    """A whole sweep: what it measured, its verdict (decided by verdict() alone) and how far
+    it got, with the cache and prefill checks where they ran."""
+
+    measured: Measured
+    traffic: str
+    repeat: int
+    bypass: Optional[BypassCheck]  # --prefix-cache bypass only
+    ulp_notes: List[str]
+    state: str  # "complete", "running", or what stopped it
+    cache: Optional[CacheSummary]  # --cache-check
+    prefill: Optional[PrefillSummary]  # --prefill-check
+
+    @property
+    def verdict(self) -> str:
+        return verdict(self.measured)
+
+    def to_record(self) -> Json:
+        m = self.measured
+        record = {
+            "unique_completions": m.unique,
+            "total_completions": m.total,
+            "max_ulp": m.max_ulp,
+            "batch1_repeatable": m.batch1_repeatable,
+            "traffic": self.traffic,
+            "repeat": self.repeat,
+            "verdict": self.verdict,
+            "prefix_cache_bypass": self.bypass.to_record() if self.bypass else None,
+            "ulp_notes": self.ulp_notes,
+            "state": self.state,
+        }
+        if self.cache is not None:
+            record.update(self.cache.to_record())
+        if self.prefill is not None:
+            record.update(self.prefill.to_record())
+            record["prefill_verdict"] = self.prefill.verdict()
+        return record
+
+
+@dataclass(frozen=True)
+class LongPrompt:
+    """A prompt built to about a number of tokens, as the server counts them."""
+
+    text: str
+    asked: int  # --prompt-tokens
+    tokens: int  # what the server's tokenizer made of it
+    budget: Optional[int]  # the chunked-prefill budget, where the server says
+
+    @property
+    def chunks(self) -> Optional[int]:
+        """How many chunks of the budget its prefill takes."""
+        return -(-self.tokens // self.budget) if self.budget else None
+
+    def to_record(self) -> Json:
+        return {
+            "asked": self.asked,
+            "tokens": self.tokens,
+            "prefill_budget": self.budget,
+            "prefill_chunks": self.chunks,
+        }
+
+
+@dataclass(frozen=True)
+class SettingDifference:
+    """A setting two servers report differently: the cost arms, or a baseline server and the
+    server under test."""
+
+    setting: str
+    theirs: Any  # the flag-off arm's, or the baseline server's
+    ours: Any  # the flag-on arm's, or the server under test's
+
+    def to_record(self, theirs: str, ours: str) -> Json:
+        return {"setting": self.setting, theirs: self.theirs, ours: self.ours}
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """What the flag costs by one measure, from paired trials: the median on/off ratio - 1 in
+    per cent, with its 95% interval (none, and never significant, below
+    MIN_PAIRS_FOR_INTERVAL pairs), or why it could not be measured."""
+
+    pct: Optional[float]
+    ci95_pct: Optional[List[float]]
+    significant: bool
+    ratios: List[float] = field(default_factory=list)  # on/off, pair by pair
+    unmeasured: Optional[str] = None
+
+    @classmethod
+    def of(cls, off_s: Sequence[float], on_s: Sequence[float]) -> "Overhead":
+        ratios = [b / a if a > 0 else math.inf for a, b in zip(off_s, on_s)]
+        rounded = [round(r, 6) for r in ratios]
+        if len(ratios) < MIN_PAIRS_FOR_INTERVAL or not all(map(math.isfinite, ratios)):
+            median = statistics.median(ratios) if ratios else math.nan
+            pct = round((median - 1.0) * 100.0, 3) if math.isfinite(median) else None
+            return cls(pct, None, False, rounded)
+        lo, hi = bootstrap_median_ci(ratios)
+        ci = [round((lo - 1.0) * 100.0, 3), round((hi - 1.0) * 100.0, 3)]
+        pct = round((statistics.median(ratios) - 1.0) * 100.0, 3)
+        return cls(pct, ci, not (ci[0] <= 0.0 <= ci[1]), rounded)
+
+    @classmethod
+    def from_record(cls, record: Json) -> "Overhead":
+        return cls(
+            record.get("overhead_pct"),
+            record.get("ci95_pct"),
+            bool(record.get("significant")),
+            unmeasured=record.get("unmeasured"),
+        )
+
+    def to_record(self) -> Json:
+        """The figures as a cost cell saves each overhead under load (the primary one adds
+        its ratios beside them)."""
+        record = {
+            "overhead_pct": self.pct,
+            "ci95_pct": self.ci95_pct,
+            "significant": self.significant,
+        }
+        if self.unmeasured is not None:
+            record["unmeasured"] = self.unmeasured
+        return record
+
+    def text(self, with_interval: str, without: str, not_significant: str) -> str:
+        """with_interval % (value, low, high, mark), mark being not_significant when the
+        interval contains 0; without % value when there are too few pairs for one."""
+        if self.pct is None:
+            return "no overhead (%s)" % (self.unmeasured or "no complete trial pair")
+        if self.ci95_pct is None:
+            return without % self.pct
+        lo, hi = self.ci95_pct
+        return with_interval % (self.pct, lo, hi, "" if self.significant else not_significant)
+
+
+@dataclass(frozen=True)
+class ArmStats:
+    """The timed trials of one cost arm."""
+
+    samples_s: List[float]  # seconds of each trial
+    output_tokens: List[int]  # of each trial
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.samples_s)
+
+    @property
+    def tokens_per_s(self) -> List[float]:
+        return [t / s for t, s in zip(self.output_tokens, self.samples_s) if s > 0]
+
+    @property
+    def median_tokens_per_s(self) -> Optional[float]:
+        rates = self.tokens_per_s
+        return statistics.median(rates) if rates else None
+
+    @property
+    def noisy(self) -> bool:
+        low, high = min(self.samples_s), max(self.samples_s)
+        return high / low > NOISE_SPREAD if low > 0 else True
+
+    def to_record(self) -> Json:
+        samples = self.samples_s
+        return {
+            "median_s": self.median_s,
+            "mad_s": mad(samples),
+            "min_s": min(samples),
+            "max_s": max(samples),
+            "samples_s": list(samples),
+            "output_tokens": list(self.output_tokens),
+            "tokens_per_s": [round(x, 3) for x in self.tokens_per_s],
+            "median_tokens_per_s": self.median_tokens_per_s,
+            "noisy": self.noisy,
+        }
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """One streamed request of a load trial."""
+
+    ttft_s: Optional[float]  # time to first token; None where the stream does not show it
+    latency_s: float  # from sending to the last token
+    tokens: int  # output tokens
+    tpot_s: Optional[float]  # time per output token after the first
+    progress_events: int  # stream events that reported more tokens
+
+    def to_record(self) -> Json:
+        return {
+            "ttft_s": self.ttft_s,
+            "latency_s": self.latency_s,
+            "tokens": self.tokens,
+            "tpot_s": self.tpot_s,
+            "progress_events": self.progress_events,
+        }
+
+
+LOAD_FIGURES = ("latency", "ttft", "tpot")  # what each request of a load trial is timed on
+UNMEASURED_STREAM = (
+    "the stream does not report its progress token by token (its first event carries several "
+    "tokens, or most tokens arrive together), so neither the first token's arrival nor the time "
+    "between tokens can be seen: latency and throughput stand"
+)
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """One cost arm under load: medians and p99 of every request's latency, TTFT and TPOT,
+    the medians of the trials' throughputs, and every request's timing."""
+
+    requests: List[List[RequestTiming]]  # trial by trial
+    samples_s: List[float]  # each trial's seconds
+    output_tokens: List[int]  # each trial's tokens
+
+    def values(self, figure: str) -> List[float]:
+        """Every request's figure ("latency", "ttft" or "tpot"), where it has one."""
+        found = (getattr(r, figure + "_s") for trial in self.requests for r in trial)
+        return [v for v in found if v is not None]
+
+    def spread(self, figure: str) -> Optional[Tuple[float, float]]:
+        """(median, p99) of a figure over every request; None where no request has it."""
+        values = self.values(figure)
+        return (statistics.median(values), percentile(values, 0.99)) if values else None
+
+    def rates(self) -> Tuple[Optional[float], Optional[float]]:
+        """The medians of the trials' tokens and requests a second. A trial shorter than the
+        clock's resolution has no rate: it is left out."""
+        timed = [
+            (requests, tokens, s)
+            for requests, tokens, s in zip(self.requests, self.output_tokens, self.samples_s)
+            if s > 0
+        ]
+        if not timed:
+            return None, None
+        return (
+            statistics.median(tokens / s for _, tokens, s in timed),
+            statistics.median(len(requests) / s for requests, _, s in timed),
+        )
+
+    def to_record(self) -> Json:
+        record: Json = {}
+        for figure in LOAD_FIGURES:
+            spread = self.spread(figure)
+            record[figure] = {"median_s": spread[0], "p99_s": spread[1]} if spread else None
+        if record["ttft"] is None:
+            record["unmeasured"] = UNMEASURED_STREAM
+        record["median_tokens_per_s"], record["median_requests_per_s"] = self.rates()
+        record["requests"] = [[r.to_record() for r in trial] for trial in self.requests]
+        return record
+
+
+@dataclass(frozen=True)
+class CellLabels:
+    """What names a cost cell and what the 2x2 table shows of it, read alike from this run's
+    cell and from any cell already in the cost file."""
+
+    tp: Optional[int]
+    workload: str
+    batch: Optional[int]  # None for load trials
+    concurrency: Optional[int]  # load trials only
+    requests: Optional[int]  # load trials only
+    arrivals: Optional[str]  # load trials only
+    max_tokens: int
+    model: str
+    state: Optional[str]  # None in files of labs that did not save it
+    overhead: Overhead  # the primary one
+
+    @classmethod
+    def from_record(cls, record: Json) -> "CellLabels":
+        return cls(
+            record["tp"],
+            record["workload"],
+            record["batch"],
+            record.get("concurrency"),
+            record.get("requests"),
+            record.get("arrivals"),
+            record["max_tokens"],
+            record["model"],
+            record.get("state"),
+            Overhead.from_record(record),
+        )
+
+    def key(self) -> Tuple:
+        """What makes two cells the same measurement: a newer one replaces the older."""
+        arrivals = (self.arrivals or "burst") if self.concurrency else None
+        return (
+            self.tp,
+            self.workload,
+            self.batch,
+            self.concurrency,
+            arrivals,
+            self.max_tokens,
+            self.model,
+        )
+
+    def shape(self) -> str:
+        if self.concurrency:
+            return "concurrency %d, %d requests a trial" % (self.concurrency, self.requests)
+        return "batch %d" % self.batch
+
+
+@dataclass(frozen=True)
+class CostCell:
+    """One labelled cell of the 2x2 table: both arms' trials, what the flag costs, and where
+    it was measured."""
+
+    labels: CellLabels
+    trials: int  # complete trial pairs
+    warmup: int
+    engine: str
+    prefix_tokens: Optional[int]  # shared-prefix only
+    off: ArmStats
+    on: ArmStats
+    servers: Json  # arm name -> its server facts' record, with its URL
+    differences: List[SettingDifference]  # between the arms, other than the flag's own
+    compared_on: str  # what the primary overhead's ratio is of
+    created: str  # when the cell was made
+    lab: Json  # provenance
+    load: Optional[Dict[str, LoadStats]] = None  # arm name -> its load statistics
+    overheads: Optional[Dict[str, Overhead]] = None  # load trials: throughput, then LOAD_FIGURES
+    stopped_by: Optional[str] = None  # --precision: "precision", "trials", or the stop
+
+    @property
+    def overhead(self) -> Overhead:
+        return self.labels.overhead
+
+    def to_record(self) -> Json:
+        labels = self.labels
+        record = {
+            "tp": labels.tp,
+            "workload": labels.workload,
+            "batch": labels.batch,
+            "max_tokens": labels.max_tokens,
+            "trials": self.trials,
+            "warmup": self.warmup,
+            "model": labels.model,
+            "engine": self.engine,
+            "prefix_tokens": self.prefix_tokens,
+            "off": self.off.to_record(),
+            "on": self.on.to_record(),
+            "servers": self.servers,
+            "differences": [d.to_record("off", "on") for d in self.differences],
+            "state": labels.state,
+            "created": self.created,
+            "lab": self.lab,
+        }
+        record.update(self.overhead.to_record(), ratios=self.overhead.ratios)
+        record["compared_on"] = self.compared_on
+        if self.load is not None and self.overheads is not None:
+            record.update(
+                concurrency=labels.concurrency,
+                requests=labels.requests,
+                primary="throughput",
+                arrivals=labels.arrivals,
+                load={name: stats.to_record() for name, stats in self.load.items()},
+                overheads={name: o.to_record() for name, o in self.overheads.items()},
+            )
+        if self.stopped_by is not None:
+            record["stopped_by"] = self.stopped_by
+        return record
 
 
 # ----------------------------------------------------------------------------
@@ -2517,10 +3085,9 @@ class Config:
     prompt_tokens: Optional[int] = None  # build a prompt of about this many tokens
     cache_check: bool = False  # each batch again from the prefix cache, compared with the cold one
     baseline_url: Optional[str] = None  # --baseline URL: batch 1 comes from this server
-    baseline_differences: List[Dict[str, Any]] = field(
-        default_factory=list
-    )  # its settings vs ours
-    long_prompt: Optional["LongPrompt"] = None  # the prompt so built, as the server counted it
+    # --baseline URL: the settings that server reports otherwise than the server under test
+    baseline_differences: List[SettingDifference] = field(default_factory=list)
+    long_prompt: Optional[LongPrompt] = None  # the prompt so built, as the server counted it
     # cost
     invariant_url: Optional[str] = None
     batch: int = DEFAULT_BATCH
@@ -4461,8 +5028,8 @@ class PrefillCheck:
 
     def compare(
         self, prompt: str, completions: List[Completion], clamps: Sequence[float]
-    ) -> Dict[str, Any]:
-        """The row fields: largest ULP distance, first step that differs, unit notes."""
+    ) -> PrefillRow:
+        """Each distinct completion of one batch against its prefill."""
         worst, first, notes, margin, compared = 0, None, set(), None, 0
         kl = KlEstimate()
         seen: List[Completion] = []
@@ -4479,14 +5046,16 @@ class PrefillCheck:
             moved = next((i for i, u in enumerate(ulps) if u != 0), None)
             if moved is not None and (first is None or moved < first):
                 first, margin = moved, runner_up_margin(c, moved, clamps)
-        return {
-            "prefill_max_ulp": worst,
-            "prefill_first_step": first,
-            "prefill_notes": sorted(notes),
-            "prefill_margin": margin.to_record() if margin else None,
-            "prefill_tokens": compared,
-            **kl.to_record(),
-        }
+        return PrefillRow(
+            max_ulp=worst,
+            first_step=first,
+            notes=sorted(notes),
+            margin=margin,
+            tokens=compared,
+            divergent=kl.divergent,
+            kl_sum=kl.total,
+            kl_max=kl.largest if kl.divergent else None,
+        )
 
 
 @dataclass
@@ -4512,13 +5081,6 @@ class KlEstimate:
             self.total += term
             self.largest = max(self.largest, term)
 
-    def to_record(self) -> Dict[str, Any]:
-        return {
-            "prefill_divergent": self.divergent,
-            "prefill_kl_sum": self.total,
-            "prefill_kl_max": self.largest if self.divergent else None,
-        }
-
 
 def runner_up_margin(c: Completion, step: int, clamps: Sequence[float] = ()) -> Margin:
     """How near the decode's choice at step was to flipping: its chosen token against the best
@@ -4540,49 +5102,39 @@ class PromptSweep:
     prompt: str
     baseline: Optional[Completion] = None
     baseline_source: str = "batch 1"
-    runs: Dict[int, List[Dict[str, Any]]] = field(
-        default_factory=dict
-    )  # batch size -> a row per pass
+    runs: Dict[int, List[BatchRow]] = field(default_factory=dict)  # batch size -> its passes
     buckets: Dict[int, Bucket] = field(default_factory=dict)
-    texts: Set[str] = field(
-        default_factory=set
-    )  # every distinct completion text, baseline included
+    texts: Set[str] = field(default_factory=set)  # every distinct text, the baseline's included
     batch1: List[Completion] = field(default_factory=list)  # batch 1's completion in every pass
     unseeded: bool = False  # sampled at temperature > 0 by a server that ignores the seed
     finished: bool = False  # every pass is in: nothing it holds changes any more
-    memo: Dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    def once_finished(self, name: str, make: Callable[[], Any]) -> Any:
-        """make(), kept once the prompt is finished: every save of a long sweep would work out
-        every finished prompt's record again (a sweep of 1000 prompts saves many times)."""
-        if not self.finished:
-            return make()
-        if name not in self.memo:
-            self.memo[name] = make()
-        return self.memo[name]
+    # What a finished prompt's saves and summaries would work out again and again (a sweep
+    # of 1000 prompts saves many times): kept once the prompt is finished
+    kept_measured: Optional[Measured] = field(default=None, compare=False, repr=False)
+    kept_record: Optional[Json] = field(default=None, compare=False, repr=False)
+    kept_text: Optional[str] = field(default=None, compare=False, repr=False)
 
     def set_baseline(self, baseline: Completion, source: str) -> None:
         self.baseline, self.baseline_source = baseline, source
         self.texts.add(baseline.text)
 
-    def add(
-        self, n: int, bucket: Bucket, row: Dict[str, Any], completions: List[Completion]
-    ) -> None:
+    def add(self, n: int, bucket: Bucket, row: BatchRow, completions: List[Completion]) -> None:
         self.runs.setdefault(n, []).append(row)
         self.buckets[n] = bucket
         self.texts.update(c.text for c in completions)
         if n == 1:
             self.batch1.append(completions[0])
 
-    def size(self, n: int) -> Dict[str, Any]:
-        """Batch size n over every pass so far, as the saved document and the table hold it."""
-        runs = self.runs[n]
-        return dict(
-            {"batch_size": n, "bucket": self.buckets[n]}, **aggregate_runs(runs), runs=runs
-        )
+    def size(self, n: int) -> SizeResult:
+        """Batch size n over every pass so far."""
+        return SizeResult.of(n, self.buckets[n], self.runs[n])
 
-    def sizes(self) -> List[Dict[str, Any]]:
+    def sizes(self) -> List[SizeResult]:
         return [self.size(n) for n in self.runs]
+
+    def rows(self) -> List[Tuple[int, BatchRow]]:
+        """(batch size, row) of every pass."""
+        return [(n, r) for n, runs in self.runs.items() for r in runs]
 
     def batch1_repeatable(self) -> Optional[bool]:
         """Batch 1's passes against each other: None until there are two, or when a NaN
@@ -4594,60 +5146,59 @@ class PromptSweep:
             for c in self.batch1[1:]
         )
 
-    def total(self) -> int:
-        return sum(r["completions"] for runs in self.runs.values() for r in runs)
-
-    def max_ulp(self) -> int:
-        return max((r["max_ulp"] for runs in self.runs.values() for r in runs), default=0)
-
-    def rows(self) -> List[Dict[str, Any]]:
-        return [r for runs in self.runs.values() for r in runs]
-
     def measured(self) -> Measured:
-        return self.once_finished("measured", self._measured)
-
-    def _measured(self) -> Measured:
-        rows = self.rows()
-        return Measured(
-            total=self.total(),
+        if self.kept_measured is not None:
+            return self.kept_measured
+        rows = [r for _, r in self.rows()]
+        measured = Measured(
+            total=sum(r.completions for r in rows),
             unique=len(self.texts),
-            max_ulp=self.max_ulp(),
-            tokens_diverged=any(r["first_token_divergence"] is not None for r in rows),
-            text_only=any(r.get("text_only", 0) for r in rows),
-            unmeasured=any(u in MOVED_NOTES for r in rows for u in r["ulp_notes"]),
+            max_ulp=max((r.max_ulp for r in rows), default=0),
+            tokens_diverged=any(r.first_token_divergence is not None for r in rows),
+            text_only=any(r.text_only for r in rows),
+            unmeasured=any(u in MOVED_NOTES for r in rows for u in r.ulp_notes),
             compared=self.baseline_source != "batch 1" or any(n > 1 for n in self.runs),
             batch1_repeatable=self.batch1_repeatable(),
             unseeded=self.unseeded,
         )
+        if self.finished:
+            self.kept_measured = measured
+        return measured
 
-    def verdict(self) -> str:
-        return verdict(self.measured())
-
-    def to_record(self) -> Dict[str, Any]:
-        return self.once_finished("record", self._record)
-
-    def record_text(self) -> str:
-        """to_record() as saved JSON."""
-        return self.once_finished("text", lambda: json_text(self.to_record()))
-
-    def _record(self) -> Dict[str, Any]:
-        return {
+    def to_record(self) -> Json:
+        if self.kept_record is not None:
+            return self.kept_record
+        measured = self.measured()
+        record = {
             "prompt": self.prompt,
             "baseline": self.baseline.to_record() if self.baseline else None,
             "baseline_source": self.baseline_source,
-            "sizes": self.sizes(),
-            "unique_completions": len(self.texts),
-            "total_completions": self.total(),
-            "max_ulp": self.max_ulp(),
-            "batch1_repeatable": self.batch1_repeatable(),
-            "verdict": self.verdict(),
+            "sizes": [size.to_record() for size in self.sizes()],
+            "unique_completions": measured.unique,
+            "total_completions": measured.total,
+            "max_ulp": measured.max_ulp,
+            "batch1_repeatable": measured.batch1_repeatable,
+            "verdict": verdict(measured),
         }
+        if self.finished:
+            self.kept_record = record
+        return record
+
+    def record_text(self) -> str:
+        """to_record() as saved JSON."""
+        if self.kept_text is not None:
+            return self.kept_text
+        text = json_text(self.to_record())
+        if self.finished:
+            self.kept_text = text
+        return text
 
 
 def compare_batch(
     completions: List[Completion], baseline: Completion, clamps: Sequence[float]
-) -> Dict[str, Any]:
-    """What one batch's completions show against the baseline, as a table row holds it."""
+) -> BatchRow:
+    """What one batch's completions show against the baseline (the row's other fields are
+    the sender's to fill in)."""
     deltas, previous, last = [], None, IDENTICAL
     for c in completions:
         # Copies of one completion are common; compare each distinct one once.
@@ -4664,20 +5215,20 @@ def compare_batch(
         for c, d in zip(completions, deltas)
         if d.first_token_divergence is None
     ]
-    return {
-        "completions": len(completions),
-        "distinct_in_batch": len(set(texts)),
-        "same_as_baseline": sum(held),
-        "text_only": held.count(False),
-        "first_token_divergence": first.first_token_divergence if first else None,
-        "divergence_margin": first.margin.to_record() if first and first.margin else None,
-        "first_ulp_step": min(ulp_steps) if ulp_steps else None,
-        "max_ulp": max(d.max_ulp for d in deltas),
-        "ulp_notes": sorted({u for d in deltas for u in d.ulp_notes}),
-        "matched": sum(held) == len(completions)
+    return BatchRow(
+        completions=len(completions),
+        distinct_in_batch=len(set(texts)),
+        same_as_baseline=sum(held),
+        text_only=held.count(False),
+        first_token_divergence=first.first_token_divergence if first else None,
+        divergence_margin=first.margin if first else None,
+        first_ulp_step=min(ulp_steps) if ulp_steps else None,
+        max_ulp=max(d.max_ulp for d in deltas),
+        ulp_notes=sorted({u for d in deltas for u in d.ulp_notes}),
+        matched=sum(held) == len(completions)
         and all(d is IDENTICAL or d == IDENTICAL for d in deltas),
-        "distinct_texts": sorted(set(texts)),
-    }
+        distinct_texts=sorted(set(texts)),
+    )
 
 
 @dataclass
@@ -4707,17 +5258,13 @@ class BaselineServer:
             raise ServerError("the baseline server, batch 1: %s" % err) from None
 
 
-def server_differences(theirs: ServerFacts, ours: ServerFacts) -> List[Dict[str, Any]]:
+def server_differences(theirs: ServerFacts, ours: ServerFacts) -> List[SettingDifference]:
     """Every setting two servers report differently, the flag among them."""
-    found = (
-        [{"setting": "flag", "baseline": theirs.flag, "here": ours.flag}]
-        if theirs.flag != ours.flag
-        else []
-    )
+    found = [SettingDifference("flag", theirs.flag, ours.flag)] if theirs.flag != ours.flag else []
     for label in sorted(theirs.settings.keys() | ours.settings.keys()):
         a, b = theirs.settings.get(label), ours.settings.get(label)
         if a != b:
-            found.append({"setting": label, "baseline": a, "here": b})
+            found.append(SettingDifference(label, a, b))
     return found
 
 
@@ -4726,42 +5273,32 @@ def baseline_from_file(cfg: Config, prompt: str) -> Completion:
     return Completion.from_record(entry["baseline"])
 
 
-def sweep_document(
-    cfg: Config, facts: ServerFacts, sweeps: List[PromptSweep], sizes: List[int], state: str
-) -> Dict[str, Any]:
-    measured = Measured.combined([s.measured() for s in sweeps])
-    summary = {
-        "unique_completions": measured.unique,
-        "total_completions": measured.total,
-        "max_ulp": measured.max_ulp,
-        "batch1_repeatable": measured.batch1_repeatable,
-        "traffic": cfg.traffic,
-        "repeat": cfg.repeat,
-        "verdict": verdict(measured),
-        "prefix_cache_bypass": bypass_check(sweeps) if cfg.prefix_cache == "bypass" else None,
-    }
-    summary["ulp_notes"] = sorted(
-        {u for s in sweeps for runs in s.runs.values() for r in runs for u in r["ulp_notes"]}
+def sweep_summary(cfg: Config, sweeps: List[PromptSweep], state: str) -> SweepSummary:
+    """The whole sweep so far, its verdict decided by verdict() from what every prompt
+    measured."""
+    rows = [row for sweep in sweeps for row in sweep.rows()]
+    return SweepSummary(
+        measured=Measured.combined([s.measured() for s in sweeps]),
+        traffic=cfg.traffic,
+        repeat=cfg.repeat,
+        bypass=BypassCheck.of(rows) if cfg.prefix_cache == "bypass" else None,
+        ulp_notes=sorted({u for _, r in rows for u in r.ulp_notes}),
+        state=state,
+        cache=(
+            CacheSummary.of([r.cache_check for _, r in rows if r.cache_check is not None])
+            if cfg.cache_check
+            else None
+        ),
+        prefill=(
+            PrefillSummary.of([r.prefill for _, r in rows if r.prefill is not None])
+            if cfg.prefill_check
+            else None
+        ),
     )
-    summary["state"] = state
-    if cfg.cache_check:
-        summary.update(cache_summary(sweeps))
-    if cfg.prefill_check:
-        checked = prefill_aggregate([r for s in sweeps for runs in s.runs.values() for r in runs])
-        summary.update(
-            checked
-            or {
-                "prefill_max_ulp": None,
-                "prefill_first_step": None,
-                "prefill_margin": None,
-                "prefill_tokens": 0,
-                "prefill_divergent": 0,
-                "prefill_kl_mean": None,
-                "prefill_kl_max": None,
-                "prefill_notes": [],
-            }
-        )
-        summary["prefill_verdict"] = prefill_verdict(checked)
+
+
+def sweep_params(cfg: Config, facts: ServerFacts, sizes: List[int]) -> Json:
+    """How the sweep was asked for, as its saved document holds it."""
     params = dict(
         cfg.sampling.params(),
         sizes=sizes,
@@ -4783,7 +5320,22 @@ def sweep_document(
         params["baseline_file"] = cfg.baseline_path
     if cfg.baseline_url:
         params["baseline_server"] = cfg.baseline_url
-        params["baseline_differences"] = cfg.baseline_differences
+        params["baseline_differences"] = [
+            d.to_record("baseline", "here") for d in cfg.baseline_differences
+        ]
+    return params
+
+
+def sweep_document(
+    cfg: Config,
+    facts: ServerFacts,
+    sweeps: List[PromptSweep],
+    sizes: List[int],
+    summary: SweepSummary,
+) -> Json:
+    """The saved sweep (schema SWEEP_SCHEMA): the server, how the sweep was asked for, every
+    prompt's record (PromptSweep.to_record: its baseline, and per batch size a SizeResult
+    holding a BatchRow per pass) and the summary (SweepSummary.to_record)."""
     return {
         "schema": SWEEP_SCHEMA,
         "engine": cfg.engine,
@@ -4791,64 +5343,12 @@ def sweep_document(
         "url": cfg.url,
         "model": facts.model,
         "server": facts.to_record(),
-        "params": params,
+        "params": sweep_params(cfg, facts, sizes),
         "prompts": [s.to_record() for s in sweeps],
-        "summary": summary,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "lab": dict(cfg.provenance, ended=None if state == "running" else now_stamp()),
+        "summary": summary.to_record(),
+        "created": now_stamp(),
+        "lab": dict(cfg.provenance, ended=None if summary.state == "running" else now_stamp()),
     }
-
-
-BYPASS_HELD, BYPASS_FAILED, BYPASS_UNVERIFIED = "held", "did not hold", "unverified"
-
-
-def bypass_check(sweeps: List[PromptSweep]) -> Dict[str, Any]:
-    """Did --prefix-cache bypass hold? Proven by the cached-token counts the server reports:
-    any count above 0 is a prefill served from the cache; no counts at all prove nothing."""
-    counts = [
-        r["cached_tokens"] for s in sweeps for r in s.rows() if r.get("cached_tokens") is not None
-    ]
-    hits = sorted(
-        {
-            n
-            for s in sweeps
-            for n, runs in s.runs.items()
-            if any((r.get("cached_tokens") or 0) > 0 for r in runs)
-        }
-    )
-    status = BYPASS_UNVERIFIED if not counts else BYPASS_FAILED if hits else BYPASS_HELD
-    return {"status": status, "hit_sizes": hits}
-
-
-CACHE_EQUAL = "cache hit equals cold prefill bitwise"  # the cache check's verdicts, kept apart
-CACHE_DIFFER = "cache hit differs from cold prefill"
-CACHE_UNVERIFIED = "equal, but the hit is unverified (the server reports no cached-token counts)"
-CACHE_MISSED = "equal, but the repeat was not served from the cache (cached-token count 0)"
-
-
-@dataclass(frozen=True)
-class CacheComparison:
-    """One batch sent cold, then at once again with the same cache key: served from the
-    prefix cache, it must equal the cold answer bit for bit."""
-
-    max_ulp: int
-    first_step: Optional[int]  # first step whose token or logprob differs
-    tokens_diverged: bool
-    notes: Tuple[str, ...]
-    margin: Optional[Margin]  # at the first token divergence
-    cached_tokens: Optional[int]  # of the repeat, as the server reports them
-    cold_cached_tokens: Optional[int]
-
-    def to_record(self) -> Dict[str, Any]:
-        return {
-            "max_ulp": self.max_ulp,
-            "first_step": self.first_step,
-            "tokens_diverged": self.tokens_diverged,
-            "notes": list(self.notes),
-            "margin": self.margin.to_record() if self.margin else None,
-            "cached_tokens": self.cached_tokens,
-            "cold_cached_tokens": self.cold_cached_tokens,
-        }
 
 
 def cache_comparison(
@@ -4877,31 +5377,6 @@ def cache_comparison(
     )
 
 
-def cache_summary(sweeps: List["PromptSweep"]) -> Dict[str, Any]:
-    """The cache check over every batch: its verdict, proven by the repeats' cached-token
-    counts."""
-    checked = [r["cache_check"] for s in sweeps for r in s.rows() if "cache_check" in r]
-    counts = [c["cached_tokens"] for c in checked if c["cached_tokens"] is not None]
-    moved = any(c["max_ulp"] or c["tokens_diverged"] or c["notes"] for c in checked)
-    if not checked:
-        verdict = NO_DATA
-    elif moved:
-        verdict = CACHE_DIFFER
-    elif not counts:
-        verdict = CACHE_UNVERIFIED
-    elif all(x > 0 for x in counts) and len(counts) == len(checked):
-        verdict = CACHE_EQUAL
-    else:
-        verdict = CACHE_MISSED
-    steps = [c["first_step"] for c in checked if c["first_step"] is not None]
-    return {
-        "cache_verdict": verdict,
-        "cache_batches": len(checked),
-        "cache_max_ulp": max((c["max_ulp"] for c in checked), default=None),
-        "cache_first_step": min(steps) if steps else None,
-    }
-
-
 def now_stamp() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
@@ -4909,25 +5384,6 @@ def now_stamp() -> str:
 def unseeded(sampling: Sampling, facts: ServerFacts) -> bool:
     """Sampling that the server does not seed: its differences may be plain sampling noise."""
     return sampling.temperature > 0 and facts.seed_honoured is False
-
-
-@dataclass(frozen=True)
-class LongPrompt:
-    """A prompt built to about a number of tokens, as the server counts them."""
-
-    text: str
-    asked: int  # --prompt-tokens
-    tokens: int  # what the server's tokenizer made of it
-    budget: Optional[int]  # the chunked-prefill budget, where the server says
-
-    def to_record(self) -> Dict[str, Any]:
-        chunks = -(-self.tokens // self.budget) if self.budget else None
-        return {
-            "asked": self.asked,
-            "tokens": self.tokens,
-            "prefill_budget": self.budget,
-            "prefill_chunks": chunks,
-        }
 
 
 PROMPT_FIT_TRIES = 6  # rounds of counting and resizing a built prompt
@@ -4996,68 +5452,56 @@ class SweepTable:
         self.rows: Dict[int, Set[int]] = {}  # prompt number -> batch sizes whose rows are out
         self.closed: Set[int] = set()  # prompt numbers whose closing line is out
 
-    def header(self, doc: Dict[str, Any]) -> None:
-        out = self.out
-        for line in server_lines(
-            doc["server"], self.cfg.adapter, doc.get("engine_detected", False)
-        ):
+    def header(self, facts: ServerFacts, sizes: List[int]) -> None:
+        cfg, out = self.cfg, self.out
+        for line in server_lines(facts.to_record(), cfg.adapter, cfg.engine_detected):
             out.line(line)
-        p = doc["params"]
-        sampling = (
-            "greedy"
-            if p["temperature"] == 0
-            else "temperature %g, seed %s%s"
-            % (
-                p["temperature"],
-                p["seed"],
-                {True: " (honoured)", False: " (IGNORED by the server)"}.get(
-                    p.get("seed_honoured"), ""
-                ),
+        sampling = cfg.sampling
+        if sampling.temperature == 0:
+            how = "greedy"
+        else:
+            honoured = {True: " (honoured)", False: " (IGNORED by the server)"}
+            how = "temperature %g, seed %s%s" % (
+                sampling.temperature,
+                sampling.seed,
+                honoured.get(facts.seed_honoured, ""),
             )
-        )
-        repeat = p.get("repeat", 1)
         out.line(
             "params: %d tokens, %s, top-%d logprobs, sizes %s"
-            % (p["max_tokens"], sampling, p["logprobs"], ",".join(str(s) for s in p["sizes"]))
+            % (sampling.max_tokens, how, sampling.logprobs, ",".join(str(s) for s in sizes))
         )
         out.line(
             "        traffic %s, %d pass%s through the ladder, prefix cache %s"
-            % (
-                p.get("traffic", DEFAULT_TRAFFIC),
-                repeat,
-                "" if repeat == 1 else "es",
-                p.get("prefix_cache", OLDEST_PREFIX_CACHE),
-            )
+            % (cfg.traffic, cfg.repeat, "" if cfg.repeat == 1 else "es", cfg.prefix_cache)
         )
-        if p.get("baseline_server"):
-            differences = p.get("baseline_differences") or []
+        if cfg.baseline_url:
             out.line(
                 "        baseline: batch 1 of %s, %s"
                 % (
-                    p["baseline_server"],
+                    cfg.baseline_url,
                     "; ".join(
                         "%s %s there, %s here"
-                        % (d["setting"], fmt_setting(d["baseline"]), fmt_setting(d["here"]))
-                        for d in differences
+                        % (d.setting, fmt_setting(d.theirs), fmt_setting(d.ours))
+                        for d in cfg.baseline_differences
                     )
                     or "reporting the same settings",
                 )
             )
-        long_prompt = p.get("prompt_tokens")
+        long_prompt = cfg.long_prompt
         if long_prompt:
-            if long_prompt["prefill_budget"]:
+            budget, chunks = long_prompt.budget, long_prompt.chunks
+            if budget and chunks > 1:
                 crossing = (
                     "crosses the chunked-prefill budget of %d tokens: prefilled in %d chunks"
-                    % (long_prompt["prefill_budget"], long_prompt["prefill_chunks"])
-                    if long_prompt["prefill_chunks"] > 1
-                    else "fits in one chunk of the chunked-prefill budget (%d tokens)"
-                    % long_prompt["prefill_budget"]
+                    % (budget, chunks)
                 )
+            elif budget:
+                crossing = "fits in one chunk of the chunked-prefill budget (%d tokens)" % budget
             else:
                 crossing = "the server does not say its chunked-prefill budget"
             out.line(
                 "        prompt of %d tokens by the server's tokenizer (asked %d): %s"
-                % (long_prompt["tokens"], long_prompt["asked"], crossing)
+                % (long_prompt.tokens, long_prompt.asked, crossing)
             )
 
     def size_done(self, number: int, total: int, sweep: "PromptSweep", n: int) -> None:
@@ -5077,114 +5521,103 @@ class SweepTable:
         self.rows[number].add(n)
         self.out.line(size_row(sweep.size(n), self.cfg.prefix_cache == "bypass"))
 
-    def prompt_done(self, number: int, record: Dict[str, Any]) -> None:
+    def prompt_done(self, number: int, sweep: "PromptSweep") -> None:
         self.closed.add(number)
+        measured = sweep.measured()
         self.out.line(
             "  unique completions %d of %d, max ULP %d: %s"
-            % (
-                record["unique_completions"],
-                record["total_completions"],
-                record["max_ulp"],
-                record["verdict"],
-            )
+            % (measured.unique, measured.total, measured.max_ulp, verdict(measured))
         )
 
-    def finish(self, doc: Dict[str, Any], sweeps: List["PromptSweep"]) -> None:
-        out, sm = self.out, doc["summary"]
-        for number, (sweep, record) in enumerate(zip(sweeps, doc["prompts"]), 1):
-            for size in record["sizes"]:
-                if size["batch_size"] not in self.rows.get(number, ()):
-                    self.size_done(number, len(sweeps), sweep, size["batch_size"])
+    def finish(self, summary: SweepSummary, sweeps: List["PromptSweep"]) -> None:
+        out, cfg, m = self.out, self.cfg, summary.measured
+        for number, sweep in enumerate(sweeps, 1):
+            for n in sweep.runs:
+                if n not in self.rows.get(number, ()):
+                    self.size_done(number, len(sweeps), sweep, n)
             if number not in self.closed:
-                self.prompt_done(number, record)
+                self.prompt_done(number, sweep)
         out.line("")
-        if sm["ulp_notes"]:
-            out.line("* %s" % "; ".join(ULP_NOTE_TEXT[n] for n in sm["ulp_notes"]))
-        bypass = sm.get("prefix_cache_bypass") or {}
-        if bypass.get("status") == BYPASS_UNVERIFIED:
+        if summary.ulp_notes:
+            out.line("* %s" % "; ".join(ULP_NOTE_TEXT[n] for n in summary.ulp_notes))
+        bypass = summary.bypass
+        if bypass and bypass.status == BYPASS_UNVERIFIED:
             out.line(
                 "prefix cache bypass unverified: the server reports no cached-token counts (%s)"
-                % self.cfg.adapter.CACHE_COUNTS_HINT
+                % cfg.adapter.CACHE_COUNTS_HINT
             )
-        control = control_text(sm.get("batch1_repeatable"), doc["params"].get("repeat", 1), sweeps)
-        reasons = [] if sm["state"] == "complete" else [sm["state"]]
-        if bypass.get("status") == BYPASS_FAILED:
+        control = control_text(m.batch1_repeatable, cfg.repeat, sweeps)
+        reasons = [] if summary.state == "complete" else [summary.state]
+        if bypass and bypass.status == BYPASS_FAILED:
             reasons.append(
                 "cache hit: bypass did not hold at batch size%s %s"
-                % (
-                    "" if len(bypass["hit_sizes"]) == 1 else "s",
-                    ",".join(map(str, bypass["hit_sizes"])),
-                )
+                % ("" if len(bypass.hit_sizes) == 1 else "s", ",".join(map(str, bypass.hit_sizes)))
             )
         out.line(
             out.style(
                 "summary: unique completions %d, total %d, max ULP %d, %s: %s%s"
                 % (
-                    sm["unique_completions"],
-                    sm["total_completions"],
-                    sm["max_ulp"],
+                    m.unique,
+                    m.total,
+                    m.max_ulp,
                     control,
-                    sm["verdict"],
+                    summary.verdict,
                     " (%s)" % "; ".join(reasons) if reasons else "",
                 ),
                 "1",
             )
         )
-        if doc["params"].get("baseline_server"):
-            out.line("  against batch 1 of %s" % doc["params"]["baseline_server"])
-        if "cache_verdict" in sm:
+        if cfg.baseline_url:
+            out.line("  against batch 1 of %s" % cfg.baseline_url)
+        cache = summary.cache
+        if cache is not None:
             out.line(
                 out.style(
                     "cache check, over %d batches each sent again from the cache: max ULP %s, "
                     "first differing step %s: %s"
                     % (
-                        sm["cache_batches"],
-                        fmt_opt(sm["cache_max_ulp"], "?"),
-                        fmt_opt(sm["cache_first_step"]),
-                        sm["cache_verdict"],
+                        cache.batches,
+                        fmt_opt(cache.max_ulp, "?"),
+                        fmt_opt(cache.first_step),
+                        cache.verdict,
                     ),
                     "1",
                 )
             )
-        if "prefill_verdict" in sm:
-            per_size = ", ".join(
-                "%d: %s" % (s["batch_size"], fmt_opt(s.get("prefill_max_ulp"), "?"))
-                for r in doc["prompts"]
-                for s in r["sizes"]
+        if summary.prefill is not None:
+            self.prefill_lines(summary.prefill, sweeps)
+
+    def prefill_lines(self, prefill: PrefillSummary, sweeps: List["PromptSweep"]) -> None:
+        out = self.out
+        per_size = ", ".join(
+            "%d: %s" % (size.batch_size, fmt_opt(size.prefill and size.prefill.max_ulp, "?"))
+            for sweep in sweeps
+            for size in sweep.sizes()
+        )
+        out.line("prefill check, max ULP per batch size: %s" % per_size)
+        margin = ""
+        if prefill.margin:
+            margin = " (there, the decode's runner-up was %s behind)" % margin_text(prefill.margin)
+        out.line(
+            out.style(
+                "prefill check: max ULP %s, first differing step %s%s: %s"
+                % (
+                    fmt_opt(prefill.max_ulp, "?") + ("*" if prefill.notes else ""),
+                    fmt_opt(prefill.first_step),
+                    margin,
+                    prefill.verdict(),
+                ),
+                "1",
             )
-            out.line("prefill check, max ULP per batch size: %s" % per_size)
-            margin = ""
-            if sm.get("prefill_margin"):
-                margin = " (there, the decode's runner-up was %s behind)" % margin_text(
-                    sm["prefill_margin"]
-                )
+        )
+        if prefill.notes:
+            out.line("  * %s" % "; ".join(ULP_NOTE_TEXT.get(n, n) for n in prefill.notes))
+        if prefill.divergent:
             out.line(
-                out.style(
-                    "prefill check: max ULP %s, first differing step %s%s: %s"
-                    % (
-                        fmt_opt(sm["prefill_max_ulp"], "?") + ("*" if sm["prefill_notes"] else ""),
-                        fmt_opt(sm["prefill_first_step"]),
-                        margin,
-                        sm["prefill_verdict"],
-                    ),
-                    "1",
-                )
+                "prefill check, KL(decode || prefill), K3 estimate over the %d divergent of "
+                "%d tokens: mean %.3g, max %.3g"
+                % (prefill.divergent, prefill.tokens, prefill.kl_mean, prefill.kl_max)
             )
-            if sm["prefill_notes"]:
-                out.line(
-                    "  * %s" % "; ".join(ULP_NOTE_TEXT.get(n, n) for n in sm["prefill_notes"])
-                )
-            if sm.get("prefill_divergent"):
-                out.line(
-                    "prefill check, KL(decode || prefill), K3 estimate over the %d divergent of "
-                    "%d tokens: mean %.3g, max %.3g"
-                    % (
-                        sm["prefill_divergent"],
-                        sm["prefill_tokens"],
-                        sm["prefill_kl_mean"],
-                        sm["prefill_kl_max"],
-                    )
-                )
 
 
 def control_text(repeatable: Optional[bool], repeat: int, sweeps: List["PromptSweep"]) -> str:
@@ -5202,47 +5635,44 @@ def control_text(repeatable: Optional[bool], repeat: int, sweeps: List["PromptSw
     return "no run-to-run control (batch 1's logprobs hold NaN, which compares to nothing)"
 
 
-def size_row(s: Dict[str, Any], bypass: bool) -> str:
-    """One batch size's row of the table, from its saved record."""
-    ulp = str(s["max_ulp"]) + ("*" if s["ulp_notes"] else "")
-    runs = s.get("runs") or [s]
+def size_row(s: SizeResult, bypass: bool) -> str:
+    """One batch size's row of the table."""
+    ulp = str(s.max_ulp) + ("*" if s.ulp_notes else "")
     return (
         "  %5d  %6s  %8d  %8s  %12s  %11s  %10s  %7s  %14s  %7.2f  %s"
         % (
-            s["batch_size"],
-            fmt_opt(s["bucket"], "none"),
-            s["distinct_in_batch"],
-            "%d/%d" % (s["same_as_baseline"], s["completions"]),
-            "%d/%d" % (s.get("runs_matched", 0), len(runs)),
-            fmt_opt(s["first_token_divergence"]),
-            margin_text(s.get("divergence_margin")),
+            s.batch_size,
+            fmt_opt(s.bucket, "none"),
+            s.distinct_in_batch,
+            "%d/%d" % (s.same_as_baseline, s.completions),
+            "%d/%d" % (s.runs_matched, len(s.runs)),
+            fmt_opt(s.first_token_divergence),
+            margin_text(s.divergence_margin),
             ulp,
-            fmt_opt(s["first_ulp_step"]),
-            s["seconds"],
+            fmt_opt(s.first_ulp_step),
+            s.seconds,
             size_notes(s, bypass),
         )
     ).rstrip()
 
 
-def margin_text(margin: Optional[Dict[str, Any]]) -> str:
-    """A saved near-tie margin as the table shows it."""
+def margin_text(margin: Optional[Margin]) -> str:
+    """A near-tie margin as the table shows it."""
     if not margin:
         return "-"
-    if margin.get("note"):
-        return margin["note"]
-    return "%s ULP" % fmt_opt(margin.get("ulp"), "?")
+    if margin.note:
+        return margin.note
+    return "%s ULP" % fmt_opt(margin.ulp, "?")
 
 
-def size_notes(size: Dict[str, Any], bypass: bool) -> str:
+def size_notes(size: SizeResult, bypass: bool) -> str:
     notes = []
-    if size.get("text_only"):
-        notes.append("text differs, tokens equal (%d)" % size["text_only"])
-    if "top-k changed" in size["ulp_notes"]:
+    if size.text_only:
+        notes.append("text differs, tokens equal (%d)" % size.text_only)
+    if "top-k changed" in size.ulp_notes:
         notes.append("top-k changed")
-    if bypass and (size.get("cached_tokens") or 0) > 0:
-        notes.append(
-            "cache hit: bypass did not hold (%s cached tokens)" % size.get("cached_tokens")
-        )
+    if bypass and (size.cached_tokens or 0) > 0:
+        notes.append("cache hit: bypass did not hold (%s cached tokens)" % size.cached_tokens)
     return "; ".join(notes)
 
 
@@ -5257,32 +5687,34 @@ ULP_NOTE_TEXT = {
 }
 
 
-def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
+def sweep_outcome(
+    cfg: Config, facts: ServerFacts, sizes: List[int], summary: SweepSummary, out: Out
+) -> int:
     """Advice and the --expect verdict, once the table is out."""
-    sm = doc["summary"]
-    unmeasured = sm["verdict"] in UNMEASURED_VERDICTS
-    moved = sm["verdict"] != INVARIANT and not unmeasured
+    sweep_verdict, m = summary.verdict, summary.measured
+    unmeasured = sweep_verdict in UNMEASURED_VERDICTS
+    moved = sweep_verdict != INVARIANT and not unmeasured
     text = out.line if not cfg.json_out else out.note
     if unmeasured:
         text("")
-        if sm["verdict"] == NO_DATA:
+        if sweep_verdict == NO_DATA:
             why = "no completion came back"
-        elif doc["params"]["sizes"] == [1]:
+        elif sizes == [1]:
             why = (
                 "batch 1 was the only size, and it is the baseline; give --sizes with larger "
                 "batches"
             )
         else:
-            why = "the run stopped (%s) before any size above batch 1 came back" % sm["state"]
+            why = "the run stopped (%s) before any size above batch 1 came back" % summary.state
         text("Nothing was compared: %s. No verdict on invariance can be given." % why)
-    elif sm["verdict"] == NOISE_NOT_RULED_OUT:
+    elif sweep_verdict == NOISE_NOT_RULED_OUT:
         text("")
         text(
             "The server ignores the seed, so at this temperature every request samples on its "
             "own: the differences above may be sampling noise alone. Measure batching greedy "
             "(--temperature 0), or with the flag on, where the seed is honoured."
         )
-    elif sm["verdict"] == NOT_REPEATABLE:
+    elif sweep_verdict == NOT_REPEATABLE:
         text("")
         text(
             "Batch 1 alone gave different answers on different passes: the server is not "
@@ -5290,50 +5722,47 @@ def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
             "cannot be put down to batching. Check for unseeded sampling, a server restarted "
             "between passes, or other traffic on it."
         )
-    elif moved and doc["server"].get("flag"):
+    elif moved and facts.flag:
         text("")
         text("The server reports the flag ON, yet results moved.")
-        if doc["server"].get("hazards"):
+        if facts.hazards:
             text("Its settings meet known hazards; rule these out first:")
-            for line in hazard_lines(doc["server"]):
+            for line in hazard_lines(facts.to_record()):
                 text(line)
         text(COVERAGE_CHECKLIST)
         text("If none applies, this is worth a bug report: attach the --save file.")
-    if (
-        not moved
-        and not unmeasured
-        and (doc["server"].get("flag") is not True or cfg.expect == "variant")
-    ):
+    if not moved and not unmeasured and (facts.flag is not True or cfg.expect == "variant"):
         text(
             "Nothing moved. With the flag off that usually means no near-tie was met: try more "
             "prompts (--prompt-file), longer generations (--max-tokens 256), --temperature 0.6 or "
             "--traffic concurrent; see --mode help."
         )
-    if cfg.cache_check and "cache_verdict" in sm:
-        if cfg.expect == "cache-equal" and sm["cache_verdict"] != CACHE_EQUAL:
+    cache = summary.cache
+    if cache is not None:
+        if cfg.expect == "cache-equal" and cache.verdict != CACHE_EQUAL:
             text(
                 "expectation failed: --expect cache-equal, but the cache check found: %s"
-                % sm["cache_verdict"]
+                % cache.verdict
             )
             return EXIT_EXPECTATION
         if cfg.expect == "cache-equal":
-            text(
-                "expect cache-equal: held (max ULP 0 over %d cached batches)" % sm["cache_batches"]
-            )
+            text("expect cache-equal: held (max ULP 0 over %d cached batches)" % cache.batches)
             return EXIT_OK
+    prefill = summary.prefill
     if cfg.expect == "prefill-equal":
-        if sm.get("prefill_verdict") != PREFILL_AGREE:
+        found = prefill.verdict() if prefill else None
+        if found != PREFILL_AGREE:
             text(
                 "expectation failed: --expect prefill-equal, but the prefill check found: %s"
-                % sm.get("prefill_verdict")
+                % found
             )
             return EXIT_EXPECTATION
-        text("expect prefill-equal: held (max ULP 0 over %d tokens)" % sm.get("prefill_tokens", 0))
+        text("expect prefill-equal: held (max ULP 0 over %d tokens)" % prefill.tokens)
         return EXIT_OK
     if cfg.expect == "invariant" and (moved or unmeasured):
-        text("expectation failed: --expect invariant, but the result is: %s" % sm["verdict"])
+        text("expectation failed: --expect invariant, but the result is: %s" % sweep_verdict)
         return EXIT_EXPECTATION
-    if cfg.expect == "variant" and sm["verdict"] not in BATCH_EFFECTS:
+    if cfg.expect == "variant" and sweep_verdict not in BATCH_EFFECTS:
         text(
             "expectation failed: --expect variant, but %s"
             % (
@@ -5342,7 +5771,7 @@ def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
                 else (
                     "nothing moved"
                     if not moved
-                    else "what moved is not put down to batching (%s)" % sm["verdict"]
+                    else "what moved is not put down to batching (%s)" % sweep_verdict
                 )
             )
         )
@@ -5352,10 +5781,10 @@ def sweep_outcome(cfg: Config, doc: Dict[str, Any], out: Out) -> int:
             "expect %s: held (%s%d unique of %d, max ULP %d)"
             % (
                 cfg.expect,
-                "" if cfg.expect == "invariant" else sm["verdict"] + ": ",
-                sm["unique_completions"],
-                sm["total_completions"],
-                sm["max_ulp"],
+                "" if cfg.expect == "invariant" else sweep_verdict + ": ",
+                m.unique,
+                m.total,
+                m.max_ulp,
             )
         )
     return EXIT_OK
@@ -5396,9 +5825,52 @@ def run_sweep(cfg: Config, out: Out) -> int:
     progress = Progress(out, len(cfg.prompts) * cfg.repeat * len(sizes), "batches", cfg.quiet)
     table = None if cfg.json_out else SweepTable(cfg, out)
     if table:
-        table.header(sweep_document(cfg, facts, [], sizes, "running"))
+        table.header(facts, sizes)
+
+    def document(state: str) -> Json:
+        return sweep_document(cfg, facts, sweeps, sizes, sweep_summary(cfg, sweeps, state))
+
+    def one_batch(sweep: PromptSweep, where: str, n: int, pass_no: int) -> List[Completion]:
+        """Send batch size n once, compare it with the baseline, run the checks asked for,
+        and add the row to the prompt's sweep."""
+        prompt, clamps = sweep.prompt, adapter.logprob_clamps
+        cache_key = fresh_cache_key() if cfg.cache_check else None
+        try:
+            adapter.before_batch(client, isolate)
+            if cache_key:
+                batch = sender.copies(prompt, n, cfg.seed, cache_key)
+            else:
+                batch = send(prompt, n, cfg.seed)
+        except ServerError as err:
+            raise ServerError("batch size %d%s: %s" % (n, where, err)) from None
+        if sweep.baseline is None:
+            sweep.set_baseline(batch.completions[0], "batch 1")
+        cache_check = prefill_row = None
+        if cache_key:
+            try:
+                warm = sender.copies(prompt, n, cfg.seed, cache_key)
+            except ServerError as err:
+                raise ServerError("cache check at batch size %d: %s" % (n, err)) from None
+            cache_check = cache_comparison(batch, warm, clamps)
+        if prefill is not None:
+            try:
+                prefill_row = prefill.compare(prompt, batch.completions, clamps)
+            except ServerError as err:
+                raise ServerError("prefill check at batch size %d: %s" % (n, err)) from None
+        row = dataclasses.replace(
+            compare_batch(batch.completions, sweep.baseline, clamps),
+            pass_no=pass_no,
+            seconds=round(batch.seconds, 4),
+            cached_tokens=batch.cached_tokens,
+            send_spread_s=batch.send_spread,
+            cache_check=cache_check,
+            prefill=prefill_row,
+        )
+        sweep.add(n, facts.bucket(n), row, batch.completions)
+        return batch.completions
 
     def measure(interrupt: DeferredInterrupt) -> None:
+        prompts = len(cfg.prompts)
         for pi, prompt in enumerate(cfg.prompts, 1):
             sweep = PromptSweep(prompt, unseeded=unseeded(cfg.sampling, facts))
             sweeps.append(sweep)
@@ -5407,90 +5879,43 @@ def run_sweep(cfg: Config, out: Out) -> int:
             elif reference is not None:
                 sweep.set_baseline(reference.batch1(prompt), "batch 1 of %s" % cfg.baseline_url)
             for pass_no in range(1, cfg.repeat + 1):
+                where = (" (prompt %d)" % pi if prompts > 1 else "") + (
+                    ", pass %d" % pass_no if cfg.repeat > 1 else ""
+                )
                 for n in sizes:
                     interrupt.check()
                     step = "prompt %d/%d, pass %d/%d, batch %d" % (
                         pi,
-                        len(cfg.prompts),
+                        prompts,
                         pass_no,
                         cfg.repeat,
                         n,
                     )
                     progress.running(step)
-                    cache_key = fresh_cache_key() if cfg.cache_check else None
-                    try:
-                        adapter.before_batch(client, isolate)
-                        if cache_key:
-                            batch = sender.copies(prompt, n, cfg.seed, cache_key)
-                        else:
-                            batch = send(prompt, n, cfg.seed)
-                    except ServerError as err:
-                        raise ServerError(
-                            "batch size %d%s%s: %s"
-                            % (
-                                n,
-                                " (prompt %d)" % pi if len(cfg.prompts) > 1 else "",
-                                ", pass %d" % pass_no if cfg.repeat > 1 else "",
-                                err,
-                            )
-                        ) from None
-                    if sweep.baseline is None:
-                        sweep.set_baseline(batch.completions[0], "batch 1")
-                    row = compare_batch(batch.completions, sweep.baseline, adapter.logprob_clamps)
-                    row.update(
-                        {
-                            "pass": pass_no,
-                            "seconds": round(batch.seconds, 4),
-                            "cached_tokens": batch.cached_tokens,
-                        }
-                    )
-                    if batch.send_spread is not None:
-                        row["send_spread_s"] = batch.send_spread
-                    if cache_key:
-                        try:
-                            warm = sender.copies(prompt, n, cfg.seed, cache_key)
-                        except ServerError as err:
-                            raise ServerError(
-                                "cache check at batch size %d: %s" % (n, err)
-                            ) from None
-                        row["cache_check"] = cache_comparison(
-                            batch, warm, adapter.logprob_clamps
-                        ).to_record()
-                    if prefill is not None:
-                        try:
-                            row.update(
-                                prefill.compare(prompt, batch.completions, adapter.logprob_clamps)
-                            )
-                        except ServerError as err:
-                            raise ServerError(
-                                "prefill check at batch size %d: %s" % (n, err)
-                            ) from None
-                    sweep.add(n, facts.bucket(n), row, batch.completions)
-                    progress.finished(step, len(batch.completions))
+                    completions = one_batch(sweep, where, n, pass_no)
+                    progress.finished(step, len(completions))
                     if table and pass_no == cfg.repeat:
-                        table.size_done(pi, len(cfg.prompts), sweep, n)
+                        table.size_done(pi, prompts, sweep, n)
                     saves.offer(
                         lambda path: write_json_atomic(
-                            path,
-                            sweep_document(cfg, facts, sweeps, sizes, "running"),
-                            "prompts",
-                            [s.record_text() for s in sweeps],
+                            path, document("running"), "prompts", [s.record_text() for s in sweeps]
                         )
                     )
             sweep.finished = True
             if table:
-                table.prompt_done(pi, sweep.to_record())
+                table.prompt_done(pi, sweep)
 
     state, code = measure_until_stopped(out, "sweep", measure)
-    doc = sweep_document(cfg, facts, sweeps, sizes, state)
+    summary = sweep_summary(cfg, sweeps, state)
+    doc = sweep_document(cfg, facts, sweeps, sizes, summary)
     saves.write(
         lambda path: write_json_atomic(path, doc, "prompts", [s.record_text() for s in sweeps])
     )
     if table:
-        table.finish(doc, sweeps)
+        table.finish(summary, sweeps)
     else:
         out.line(json_text(doc, indent=1))
-    outcome = code if code != EXIT_OK else sweep_outcome(cfg, doc, out)
+    outcome = code if code != EXIT_OK else sweep_outcome(cfg, facts, sizes, summary, out)
     return report_save(cfg, saves, outcome, out)
 
 
@@ -5513,7 +5938,7 @@ class Trials:
 
     def run(
         self, arm: "Arm", cfg: Config, prompts: List[str]
-    ) -> Tuple[float, int, Optional[List[Dict[str, Any]]]]:
+    ) -> Tuple[float, int, Optional[List[RequestTiming]]]:
         """One trial on arm: (seconds, output tokens, per-request timings or None)."""
         if self.load:
             return arm.load_trial(cfg, prompts)
@@ -5537,9 +5962,7 @@ class Arm:
         facts = read_facts(cfg, url, "the flag-%s arm (%s)" % (name, option))
         return cls(name, option, url, cfg.client(url), facts)
 
-    requests: List[List[Dict[str, float]]] = field(
-        default_factory=list
-    )  # load trials: per request timings
+    requests: List[List[RequestTiming]] = field(default_factory=list)  # load trials, by trial
 
     def trial(
         self, adapter: EngineAdapter, prompts: List[str], sampling: Sampling
@@ -5552,15 +5975,15 @@ class Arm:
 
     def load_trial(
         self, cfg: Config, prompts: List[str]
-    ) -> Tuple[float, int, List[Dict[str, Any]]]:
+    ) -> Tuple[float, int, List[RequestTiming]]:
         """A closed-loop load run: every prompt its own streamed request, at most --concurrency
         in flight (a request leaves, the next goes). Per request: time to first token, time per
-        output token after it, end-to-end latency. Returns (seconds, output tokens)."""
+        output token after it, end-to-end latency. Returns (seconds, output tokens, timings)."""
         adapter, pending = cfg.adapter, list(enumerate(prompts))[::-1]  # popped from the end
         timings: List[Any] = [None] * len(prompts)
         lock = threading.Lock()
 
-        def stream_one(prompt: str) -> Dict[str, float]:
+        def stream_one(prompt: str) -> RequestTiming:
             post = self.client.prepare_post(
                 adapter.generate_path, adapter.stream_body(self.facts.model, prompt, cfg.sampling)
             )
@@ -5585,17 +6008,11 @@ class Arm:
                     "the stream reported %d output tokens, more than --max-tokens %d "
                     "allows" % (count, cfg.sampling.max_tokens)
                 )
-            timing = {
-                "ttft_s": None,
-                "latency_s": last - start,
-                "tokens": count,
-                "tpot_s": None,
-                "progress_events": events,
-            }
+            ttft = tpot = None
             if token_by_token(first_count, events, count):
-                timing["ttft_s"] = first - start
-                timing["tpot_s"] = (last - first) / (count - 1) if count > 1 else None
-            return timing
+                ttft = first - start
+                tpot = (last - first) / (count - 1) if count > 1 else None
+            return RequestTiming(ttft, last - start, count, tpot, events)
 
         arrivals = Arrivals(cfg.request_rate)
         schedule = arrivals.schedule(len(prompts), DEFAULT_SEED + len(self.samples))
@@ -5627,34 +6044,26 @@ class Arm:
             t.join()
         seconds = CLOCK() - start
         failed_outcome(timings, "streamed requests")
-        return seconds, sum(t["tokens"] for t in timings), timings
+        return seconds, sum(t.tokens for t in timings), timings
 
 
-def arm_differences(off: ServerFacts, on: ServerFacts) -> List[Dict[str, Any]]:
+def arm_differences(off: ServerFacts, on: ServerFacts) -> List[SettingDifference]:
     """Settings that differ between the arms, other than the flag and what the flag itself sets."""
     differences = []
-    for label in off.settings.keys() | on.settings.keys():
+    for label in sorted(off.settings.keys() | on.settings.keys()):
         a, b = off.settings.get(label), on.settings.get(label)
         set_by_flag = label in on.flag_sets and b == on.flag_sets[label]
         if a != b and not set_by_flag:
-            differences.append({"setting": label, "off": a, "on": b})
-    return sorted(differences, key=lambda d: d["setting"])
+            differences.append(SettingDifference(label, a, b))
+    return differences
 
 
-def cell_key(cell: Dict[str, Any]) -> Tuple:
-    """What makes two cells the same measurement: a newer one replaces the older."""
-    return (
-        cell["tp"],
-        cell["workload"],
-        cell["batch"],
-        cell.get("concurrency"),
-        (cell.get("arrivals") or "burst") if cell.get("concurrency") else None,
-        cell["max_tokens"],
-        cell["model"],
-    )
+def cell_key(record: Json) -> Tuple:
+    """What makes two saved cells the same measurement (CellLabels.key)."""
+    return CellLabels.from_record(record).key()
 
 
-def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[Dict[str, Any]]:
+def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[SettingDifference]:
     """Refuse arms the wrong way round or differing in more than the flag; print their settings."""
     adapter = cfg.adapter
     if off.facts.flag is True or on.facts.flag is False:
@@ -5677,7 +6086,7 @@ def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[Dict[str, Any]]
     if differences and not cfg.allow_mismatch:
         raise UsageError(
             "the two servers differ in more than the flag (%s); pin them equal, or pass "
-            "--allow-mismatch to time them anyway" % ", ".join(d["setting"] for d in differences)
+            "--allow-mismatch to time them anyway" % ", ".join(d.setting for d in differences)
         )
     return differences
 
@@ -5685,11 +6094,11 @@ def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[Dict[str, Any]]
 def print_cost_servers(
     off: ServerFacts,
     on: ServerFacts,
-    differences: List[Dict[str, Any]],
+    differences: List[SettingDifference],
     adapter: EngineAdapter,
     out: Out,
 ) -> None:
-    differing = {d["setting"] for d in differences}
+    differing = {d.setting for d in differences}
     row = "%-24s %-26s %-26s%s"
     show = {None: "unknown", True: "on", False: "off"}
     out.line(row % ("setting", "--url (flag off)", "--invariant (flag on)", ""))
@@ -5715,34 +6124,34 @@ def fmt_setting(value: Any) -> str:
     return text if len(text) <= 26 else text[:23] + "..."
 
 
-def cost_table_lines(doc: Dict[str, Any], current: Dict[str, Any]) -> List[str]:
+def cost_table_lines(cells: List[CellLabels], current: CellLabels) -> List[str]:
     """The 2x2 table TP=1 / TP=k x cold / shared-prefix for the current model, batch and length."""
-    shape = lambda c: (c["model"], c["batch"], c.get("concurrency"), c["max_tokens"])
-    same = [c for c in doc["cells"] if shape(c) == shape(current)]
+    shape = lambda c: (c.model, c.batch, c.concurrency, c.max_tokens)
+    same = [c for c in cells if shape(c) == shape(current)]
     # TP=k until a degree above 1 is measured; TP=? for cells measured without a known degree
-    tps: List[Any] = sorted({c["tp"] for c in same if c["tp"] not in (1, None)}) or ["k"]
-    if any(c["tp"] is None for c in same):
+    tps: List[Any] = sorted({c.tp for c in same if c.tp not in (1, None)}) or ["k"]
+    if any(c.tp is None for c in same):
         tps.append(None)
     lines = [
         "cost cells for %s, %s, %d tokens (from the saved file):"
-        % (current["model"], cell_shape(current), current["max_tokens"]),
+        % (current.model, current.shape(), current.max_tokens),
         "  %-8s %-28s %-28s" % ("", *WORKLOADS),
     ]
     filled = 0
     for tp in [1] + tps:
         row = []
         for workload in WORKLOADS:
-            cell = next((c for c in same if c["tp"] == tp and c["workload"] == workload), None)
+            cell = next((c for c in same if c.tp == tp and c.workload == workload), None)
             filled += cell is not None
             row.append(
                 "missing"
                 if cell is None
                 else "%s%s"
                 % (
-                    fmt_overhead(
-                        cell, "%+.1f%% [%+.1f, %+.1f]%s", "%+.1f%% (no interval)", " n.s."
+                    cell.overhead.text(
+                        "%+.1f%% [%+.1f, %+.1f]%s", "%+.1f%% (no interval)", " n.s."
                     ),
-                    "" if cell.get("state") == "complete" else " partial",
+                    "" if cell.state == "complete" else " partial",
                 )
             )
         lines.append("  %-8s %-28s %-28s" % ("TP=%s" % ("?" if tp is None else tp), *row))
@@ -5834,7 +6243,7 @@ def run_cost(cfg: Config, out: Out) -> int:
                     arm.requests.append(timings)
             saves.offer(
                 lambda path: save_cell(
-                    path, cost_cell(cfg, trials, (off, on), differences, "running")
+                    path, cost_cell(cfg, trials, (off, on), differences, "running").to_record()
                 )
             )
             progress.finished("trial %d/%d" % (trial + 1, cfg.trials), 2 * per_trial)
@@ -5853,17 +6262,18 @@ def run_cost(cfg: Config, out: Out) -> int:
         return code or EXIT_SERVER
     cell = cost_cell(cfg, trials, (off, on), differences, state)
     if cfg.precision:
-        cell["stopped_by"] = (
-            stopped_by[0] if stopped_by else ("trials" if state == "complete" else state)
-        )
-    doc = saves.write(lambda path: save_cell(path, cell)) or add_cell(doc, cell)
+        why = stopped_by[0] if stopped_by else ("trials" if state == "complete" else state)
+        cell = dataclasses.replace(cell, stopped_by=why)
+    record = cell.to_record()
+    doc = saves.write(lambda path: save_cell(path, record)) or add_cell(doc, record)
     if cfg.json_out:
-        out.line(json_text(cell, indent=1))
+        out.line(json_text(record, indent=1))
     else:
         print_cost_report(cell, out)
         if cfg.save:
             out.line("")
-            for line in cost_table_lines(doc, cell):
+            cells = [CellLabels.from_record(c) for c in doc["cells"]]
+            for line in cost_table_lines(cells, cell.labels):
                 out.line(line)
     return report_save(cfg, saves, code, out)
 
@@ -5876,7 +6286,7 @@ def precise_enough(off_s: Sequence[float], on_s: Sequence[float], points: float)
     pairs = min(len(off_s), len(on_s))
     if pairs < MIN_PAIRS_FOR_INTERVAL:
         return False
-    ci = overhead_stats(off_s[:pairs], on_s[:pairs])["ci95_pct"]
+    ci = Overhead.of(off_s[:pairs], on_s[:pairs]).ci95_pct
     return ci is not None and (ci[1] - ci[0]) / 2.0 <= points
 
 
@@ -5888,46 +6298,6 @@ def token_by_token(first_count: int, events: int, count: int) -> bool:
     return first_count == 1 and 2 * events >= count
 
 
-UNMEASURED_STREAM = (
-    "the stream does not report its progress token by token (its first event carries several "
-    "tokens, or most tokens arrive together), so neither the first token's arrival nor the time "
-    "between tokens can be seen: latency and throughput stand"
-)
-
-
-def percentile(values: Sequence[float], share: float) -> float:
-    """The value below which share of the values lie (nearest rank)."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(share * len(ordered)) - 1))]
-
-
-def load_stats(arm: Arm) -> Dict[str, Any]:
-    """An arm under load: medians and p99 of every request's latency, TTFT and TPOT, the
-    median of the trials' throughputs, and the raw per-request samples."""
-    requests = [r for trial in arm.requests for r in trial]
-    stats: Dict[str, Any] = {}
-    for key in ("latency_s", "ttft_s", "tpot_s"):
-        values = [r[key] for r in requests if r[key] is not None]
-        stats[key.replace("_s", "")] = (
-            {"median_s": statistics.median(values), "p99_s": percentile(values, 0.99)}
-            if values
-            else None
-        )
-    if stats["ttft"] is None:
-        stats["unmeasured"] = UNMEASURED_STREAM
-    # A trial shorter than the clock's resolution has no rate: it is left out of the medians
-    trials = zip(arm.requests, arm.tokens, arm.samples)
-    timed = [(requests, tokens, s) for requests, tokens, s in trials if s > 0]
-    stats["median_tokens_per_s"] = (
-        statistics.median(tokens / s for _, tokens, s in timed) if timed else None
-    )
-    stats["median_requests_per_s"] = (
-        statistics.median(len(requests) / s for requests, _, s in timed) if timed else None
-    )
-    stats["requests"] = arm.requests
-    return stats
-
-
 def per_token(arm: Arm, pairs: int) -> List[float]:
     return [
         seconds / tokens if tokens > 0 else math.inf
@@ -5935,97 +6305,84 @@ def per_token(arm: Arm, pairs: int) -> List[float]:
     ]
 
 
-def per_trial_medians(arm: Arm, key: str) -> List[float]:
-    return [
-        statistics.median([r[key] for r in trial if r[key] is not None] or [math.nan])
-        for trial in arm.requests
-    ]
+def per_trial_medians(arm: Arm, figure: str) -> List[float]:
+    """Each trial's median of a figure ("latency", "ttft" or "tpot"); NaN where none has it."""
+    medians = []
+    for trial in arm.requests:
+        values = [getattr(r, figure + "_s") for r in trial]
+        medians.append(statistics.median([v for v in values if v is not None] or [math.nan]))
+    return medians
 
 
 def cost_cell(
     cfg: Config,
     trials: Trials,
     arms: Tuple[Arm, Arm],
-    differences: List[Dict[str, Any]],
+    differences: List[SettingDifference],
     state: str,
-) -> Dict[str, Any]:
+) -> CostCell:
     """One labelled cell of the 2x2 table, from the trials measured so far."""
     off, on = arms
     pairs = min(len(off.samples), len(on.samples))
-    cell = {
-        "tp": off.facts.tp or cfg.tp,
-        "workload": cfg.workload,
-        "batch": cfg.batch,
-        "max_tokens": cfg.sampling.max_tokens,
-        "trials": pairs,
-        "warmup": cfg.warmup,
-        "model": off.facts.model,
-        "engine": cfg.engine,
-        "prefix_tokens": cfg.prefix_tokens if cfg.workload == "shared-prefix" else None,
-        "off": arm_stats(off.samples, off.tokens),
-        "on": arm_stats(on.samples, on.tokens),
-        "servers": {arm.name: dict(arm.facts.to_record(), url=arm.url) for arm in arms},
-        "differences": differences,
-        "state": state,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "lab": dict(cfg.provenance, ended=None if state == "running" else now_stamp()),
-    }
-    same_tokens = off.tokens[:pairs] == on.tokens[:pairs]
-    if same_tokens:
-        cell.update(
-            overhead_stats(off.samples[:pairs], on.samples[:pairs]), compared_on="time per trial"
-        )
+    if off.tokens[:pairs] == on.tokens[:pairs]:
+        primary = Overhead.of(off.samples[:pairs], on.samples[:pairs])
+        compared_on = "time per trial"
     else:  # compare what both did: the time each took per output token
-        cell.update(
-            overhead_stats(per_token(off, pairs), per_token(on, pairs)),
-            compared_on="time per output token (the arms produced different token counts)",
-        )
+        primary = Overhead.of(per_token(off, pairs), per_token(on, pairs))
+        compared_on = "time per output token (the arms produced different token counts)"
+    labels = CellLabels(
+        tp=off.facts.tp or cfg.tp,
+        workload=cfg.workload,
+        batch=None if trials.load else cfg.batch,
+        concurrency=cfg.concurrency if trials.load else None,
+        requests=cfg.requests if trials.load else None,
+        arrivals=Arrivals(cfg.request_rate).describe() if trials.load else None,
+        max_tokens=cfg.sampling.max_tokens,
+        model=off.facts.model,
+        state=state,
+        overhead=primary,
+    )
+    load = overheads = None
     if trials.load:
         # Under load the primary figure is throughput's time cost: the on/off ratio of the
         # time each trial took for the same tokens (+30 %: the flag costs 30 % more time per
         # token, i.e. throughput falls to 1/1.3). Latency, TTFT and TPOT: paired per-trial medians.
-        cell.update(
-            batch=None,
-            concurrency=cfg.concurrency,
-            requests=cfg.requests,
-            primary="throughput",
-            arrivals=Arrivals(cfg.request_rate).describe(),
-            load={arm.name: load_stats(arm) for arm in arms},
-        )
-        cell["overheads"] = {
-            "throughput": {k: cell[k] for k in ("overhead_pct", "ci95_pct", "significant")}
-        }
-        for key in ("latency_s", "ttft_s", "tpot_s"):
-            name = key.replace("_s", "")
-            a, b = per_trial_medians(off, key)[:pairs], per_trial_medians(on, key)[:pairs]
-            if not all(map(math.isfinite, a + b)):
-                one_token = all(r["tokens"] < 2 for arm in arms for t in arm.requests for r in t)
-                why = (
-                    "a trial had no latency"
-                    if name == "latency"
-                    else (
-                        "time per output token needs at least two tokens a request"
-                        if name == "tpot" and one_token
-                        else UNMEASURED_STREAM
-                    )
-                )
-                cell["overheads"][name] = {
-                    "overhead_pct": None,
-                    "ci95_pct": None,
-                    "significant": False,
-                    "unmeasured": why,
-                }
+        load = {arm.name: LoadStats(arm.requests, arm.samples, arm.tokens) for arm in arms}
+        overheads = {"throughput": primary}
+        for figure in LOAD_FIGURES:
+            a, b = per_trial_medians(off, figure)[:pairs], per_trial_medians(on, figure)[:pairs]
+            if all(map(math.isfinite, a + b)):
+                overheads[figure] = Overhead.of(a, b)
                 continue
-            figures = overhead_stats(a, b)
-            cell["overheads"][name] = {
-                k: figures[k] for k in ("overhead_pct", "ci95_pct", "significant")
-            }
-    return cell
+            one_token = all(r.tokens < 2 for arm in arms for t in arm.requests for r in t)
+            if figure == "latency":
+                why = "a trial had no latency"
+            elif figure == "tpot" and one_token:
+                why = "time per output token needs at least two tokens a request"
+            else:
+                why = UNMEASURED_STREAM
+            overheads[figure] = Overhead(None, None, False, unmeasured=why)
+    return CostCell(
+        labels=labels,
+        trials=pairs,
+        warmup=cfg.warmup,
+        engine=cfg.engine,
+        prefix_tokens=cfg.prefix_tokens if cfg.workload == "shared-prefix" else None,
+        off=ArmStats(off.samples, off.tokens),
+        on=ArmStats(on.samples, on.tokens),
+        servers={arm.name: dict(arm.facts.to_record(), url=arm.url) for arm in arms},
+        differences=differences,
+        compared_on=compared_on,
+        created=now_stamp(),
+        lab=dict(cfg.provenance, ended=None if state == "running" else now_stamp()),
+        load=load,
+        overheads=overheads,
+    )
 
 
-def save_cell(path: str, cell: Dict[str, Any]) -> Dict[str, Any]:
-    """Add a cell to the cost file as it is now, under a lock: two runs saving to one file
-    each keep their cells. Returns the document written."""
+def save_cell(path: str, cell: Json) -> Json:
+    """Add a cell's record to the cost file as it is now, under a lock: two runs saving to
+    one file each keep their cells. Returns the document written."""
     with FolderLock(path):
         try:
             current = read_json_file(path, "--save") if os.path.exists(path) else None
@@ -6038,9 +6395,9 @@ def save_cell(path: str, cell: Dict[str, Any]) -> Dict[str, Any]:
         return doc
 
 
-def add_cell(doc: Dict[str, Any], cell: Dict[str, Any]) -> Dict[str, Any]:
-    """Put a cell in the cost file, replacing the one with the same key; an unfinished run
-    never replaces a finished cell (it is kept under "incomplete_cells" instead)."""
+def add_cell(doc: Json, cell: Json) -> Json:
+    """Put a cell's record in the cost file, replacing the one with the same key; an
+    unfinished run never replaces a finished cell (it is kept under "incomplete_cells")."""
     key = cell_key(cell)
     doc.setdefault("cells", [])
     finished = any(cell_key(c) == key and c.get("state") == "complete" for c in doc["cells"])
@@ -6049,123 +6406,97 @@ def add_cell(doc: Dict[str, Any], cell: Dict[str, Any]) -> Dict[str, Any]:
     return doc
 
 
-def fmt_overhead(
-    cell: Dict[str, Any], with_interval: str, without: str, not_significant: str
-) -> str:
-    """A cell's overhead: with_interval % (value, low, high, mark), mark being not_significant
-    when the interval contains 0; without % value when there are too few pairs for one."""
-    value = cell.get("overhead_pct")
-    if value is None:
-        return "no overhead (%s)" % cell.get("unmeasured", "no complete trial pair")
-    if cell.get("ci95_pct") is None:
-        return without % value
-    lo, hi = cell["ci95_pct"]
-    return with_interval % (value, lo, hi, "" if cell["significant"] else not_significant)
-
-
-def cell_shape(cell: Dict[str, Any]) -> str:
-    if cell.get("concurrency"):
-        return "concurrency %d, %d requests a trial" % (cell["concurrency"], cell["requests"])
-    return "batch %d" % cell["batch"]
-
-
-def print_load_report(cell: Dict[str, Any], out: Out) -> None:
+def print_load_report(cell: CostCell, out: Out) -> None:
     """Under load: each arm's throughput and latencies, and what the flag costs in each."""
-    ms = lambda figure: (
-        "%.1f/%.1f ms" % (1000 * figure["median_s"], 1000 * figure["p99_s"])
-        if figure
-        else "unmeasured"
-    )
-    for arm in ("off", "on"):
-        s = cell["load"][arm]
+
+    def ms(spread: Optional[Tuple[float, float]]) -> str:
+        return "%.1f/%.1f ms" % (1000 * spread[0], 1000 * spread[1]) if spread else "unmeasured"
+
+    for name, stats in (cell.load or {}).items():
+        tokens_per_s, requests_per_s = stats.rates()
         out.line(
             "  flag %-3s %s tokens/s, %s requests/s; median/p99: latency %s, TTFT %s, TPOT %s"
             % (
-                arm,
-                fmt_opt(s["median_tokens_per_s"], "?", "%.1f"),
-                fmt_opt(s["median_requests_per_s"], "?", "%.2f"),
-                ms(s["latency"]),
-                ms(s["ttft"]),
-                ms(s["tpot"]),
+                name,
+                fmt_opt(tokens_per_s, "?", "%.1f"),
+                fmt_opt(requests_per_s, "?", "%.2f"),
+                ms(stats.spread("latency")),
+                ms(stats.spread("ttft")),
+                ms(stats.spread("tpot")),
             )
         )
-    for name in ("latency", "ttft", "tpot"):
-        figure = cell["overheads"][name]
-        label = name.upper() if name != "latency" else "latency"
-        if figure.get("unmeasured"):
-            out.line("  %-8s unmeasured: %s" % (label, figure["unmeasured"]))
+    for figure in LOAD_FIGURES:
+        overhead = (cell.overheads or {})[figure]
+        label = figure.upper() if figure != "latency" else "latency"
+        if overhead.unmeasured:
+            out.line("  %-8s unmeasured: %s" % (label, overhead.unmeasured))
             continue
         out.line(
             "  %-8s overhead %s"
             % (
                 label,
-                fmt_overhead(
-                    figure, "%+.1f%% [%+.1f%%, %+.1f%%]%s", "%+.1f%% (no interval)", " n.s."
-                ),
+                overhead.text("%+.1f%% [%+.1f%%, %+.1f%%]%s", "%+.1f%% (no interval)", " n.s."),
             )
         )
-    if cell.get("compared_on", "time per trial") != "time per trial":
-        out.line("  compared on %s" % cell["compared_on"])
+    if cell.compared_on != "time per trial":
+        out.line("  compared on %s" % cell.compared_on)
 
 
-def print_cost_report(cell: Dict[str, Any], out: Out) -> None:
+def print_cost_report(cell: CostCell, out: Out) -> None:
+    labels = cell.labels
     out.line("")
     out.line(
         "cell: TP=%s, workload %s, %s, %d tokens, model %s, %d trial pairs%s"
         % (
-            fmt_opt(cell["tp"], "?"),
-            cell["workload"],
-            cell_shape(cell),
-            cell["max_tokens"],
-            cell["model"],
-            cell["trials"],
-            "" if cell["state"] == "complete" else " (%s)" % cell["state"],
+            fmt_opt(labels.tp, "?"),
+            labels.workload,
+            labels.shape(),
+            labels.max_tokens,
+            labels.model,
+            cell.trials,
+            "" if labels.state == "complete" else " (%s)" % labels.state,
         )
     )
-    for arm in ("off", "on"):
-        s = cell[arm]
+    for name, arm in (("off", cell.off), ("on", cell.on)):
         out.line(
             "  flag %-3s median %.4fs  MAD %.4fs  min-max %.4f-%.4fs  %s tokens/s%s"
             % (
-                arm,
-                s["median_s"],
-                s["mad_s"],
-                s["min_s"],
-                s["max_s"],
-                "%.1f" % s["median_tokens_per_s"] if s["median_tokens_per_s"] else "?",
-                "  NOISY (max/min > %.1f)" % NOISE_SPREAD if s["noisy"] else "",
+                name,
+                arm.median_s,
+                mad(arm.samples_s),
+                min(arm.samples_s),
+                max(arm.samples_s),
+                "%.1f" % arm.median_tokens_per_s if arm.median_tokens_per_s else "?",
+                "  NOISY (max/min > %.1f)" % NOISE_SPREAD if arm.noisy else "",
             )
         )
     out.line(
         out.style(
             "  overhead "
-            + fmt_overhead(
-                cell,
+            + cell.overhead.text(
                 "%+.1f%%, 95%% interval [%+.1f%%, %+.1f%%]%s",
                 "%%+.1f%%%%, no interval: %d trial pairs, an interval needs at least %d"
-                % (cell["trials"], MIN_PAIRS_FOR_INTERVAL),
+                % (cell.trials, MIN_PAIRS_FOR_INTERVAL),
                 ": not significant (the interval contains 0)",
             ),
             "1",
         )
     )
-    if cell.get("load"):
+    if cell.load:
         print_load_report(cell, out)
-    if cell.get("stopped_by"):
+    if cell.stopped_by:
         out.line(
             "  %s"
             % {
                 "precision": "stopped once the interval was within the asked precision "
                 "(--precision)",
                 "trials": "ran every trial (--trials) before the interval was within --precision",
-            }.get(cell["stopped_by"], "stopped: %s" % cell["stopped_by"])
+            }.get(cell.stopped_by, "stopped: %s" % cell.stopped_by)
         )
-    if cell["differences"]:
+    if cell.differences:
         out.line(
             "  timed despite differences (--allow-mismatch): "
-            + ", ".join(
-                "%s %s vs %s" % (d["setting"], d["off"], d["on"]) for d in cell["differences"]
-            )
+            + ", ".join("%s %s vs %s" % (d.setting, d.theirs, d.ours) for d in cell.differences)
         )
 
 

@@ -54,7 +54,7 @@ class HazardCheckOnRealServers(unittest.TestCase):
                 on_info = copy.deepcopy(self.on_info)
                 on_info["vllm_config"][section][key] = value
                 hazards = run.arm_differences(vllm_facts(self.off_info), vllm_facts(on_info))
-                self.assertEqual([h["setting"] for h in hazards], [label])
+                self.assertEqual([h.setting for h in hazards], [label])
 
     def test_prefix_cache_switched_off_by_the_flag_is_not_a_hazard(self):
         off_info, on_info = copy.deepcopy(self.off_info), copy.deepcopy(self.on_info)
@@ -70,7 +70,7 @@ class HazardCheckOnRealServers(unittest.TestCase):
         on = a.facts(sglang_server_info(StubConfig(engine="sglang", invariant=True), 30001), None)
         self.assertEqual(run.arm_differences(off, on), [])  # sampling backend: set by the flag
         on_info = sglang_server_info(StubConfig(engine="sglang", invariant=True, attention_backend="fa3"), 30001)
-        self.assertEqual([h["setting"] for h in run.arm_differences(off, a.facts(on_info, None))],
+        self.assertEqual([h.setting for h in run.arm_differences(off, a.facts(on_info, None))],
                          ["attention backend"])
 
 

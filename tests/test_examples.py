@@ -176,7 +176,8 @@ class Samples(unittest.TestCase):
         self.assertEqual(doc["schema"], run.COST_SCHEMA)
         self.assertEqual(sorted((c["tp"], c["workload"]) for c in doc["cells"]),
                          [(1, "cold"), (1, "shared-prefix"), (2, "cold"), (2, "shared-prefix")])
-        table = "\n".join(run.cost_table_lines(doc, doc["cells"][0]))
+        cells = [run.CellLabels.from_record(c) for c in doc["cells"]]
+        table = "\n".join(run.cost_table_lines(cells, cells[0]))
         self.assertNotIn("missing", table)
         self.assertNotIn("One cell alone", table)
 

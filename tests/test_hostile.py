@@ -295,27 +295,27 @@ class FaultsOfTheLabsOwn(TempDirTest):
             message = run.internal_error(err)
         self.assertEqual(message, "internal error (StatisticsError: no median for empty data); "
                                   "please report it")
+        timing = run.RequestTiming(None, 1.0, 4, None, 1)
         with mock.patch.object(run, "percentile", lambda values, share: run.statistics.median([])):
             try:
-                run.load_stats(run.Arm("off", "--url", "u", None, None, [1.0], [4],
-                                       [[{"latency_s": 1.0, "ttft_s": None, "tpot_s": None}]]))
+                run.LoadStats([[timing]], [1.0], [4]).spread("latency")
             except run.statistics.StatisticsError as err:
                 message = run.internal_error(err)
-        source = inspect.getsource(run.load_stats).splitlines()
-        first = inspect.getsourcelines(run.load_stats)[1]
+        source, first = inspect.getsourcelines(run.LoadStats.spread)
         named = int(re.search(r"run\.py line (\d+)", message).group(1))
         self.assertIn("percentile(", source[named - first])
 
     def test_trials_shorter_than_the_clock_resolution_leave_no_rate_and_no_crash(self):
-        arm = run.Arm("off", "--url", "u", None, None, [0.0, 0.0], [4, 4],
-                      [[{"latency_s": 0.0, "ttft_s": 0.0, "tpot_s": 0.0}]] * 2)
-        stats = run.load_stats(arm)
-        self.assertIsNone(stats["median_tokens_per_s"])
-        self.assertIsNone(stats["median_requests_per_s"])
+        timing = run.RequestTiming(0.0, 0.0, 4, 0.0, 4)
+        stats = run.LoadStats([[timing], [timing]], [0.0, 0.0], [4, 4])
+        record = stats.to_record()
+        self.assertIsNone(record["median_tokens_per_s"])
+        self.assertIsNone(record["median_requests_per_s"])
         out = io.StringIO()
-        run.print_load_report({"load": {"off": stats, "on": stats}, "overheads": {
-            name: {"overhead_pct": None, "ci95_pct": None, "significant": False}
-            for name in ("latency", "ttft", "tpot")}}, run.Out(out, out))
+        unmeasured = {name: run.Overhead(None, None, False) for name in run.LOAD_FIGURES}
+        cell = mock.Mock(load={"off": stats, "on": stats}, overheads=unmeasured,
+                         compared_on="time per trial")
+        run.print_load_report(cell, run.Out(out, out))
         self.assertIn("flag off ? tokens/s, ? requests/s", out.getvalue())
 
 

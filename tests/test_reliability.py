@@ -311,9 +311,9 @@ class VerdictsClaimOnlyWhatWasMeasured(TempDirTest):
                         run.MIN_PAIRS_FOR_INTERVAL - 1, "--warmup", 0, "--max-tokens", 2)
         self.assertEqual(r.code, 0, r)
         self.assertIn("no interval: 5 trial pairs, an interval needs at least 6", r.stdout)
-        stats = run.overhead_stats([1.0] * 5, [2.0] * 5)
-        self.assertEqual((stats["ci95_pct"], stats["significant"]), (None, False))
-        self.assertTrue(run.overhead_stats([1.0] * 6, [2.0] * 6)["significant"])
+        stats = run.Overhead.of([1.0] * 5, [2.0] * 5)
+        self.assertEqual((stats.ci95_pct, stats.significant), (None, False))
+        self.assertTrue(run.Overhead.of([1.0] * 6, [2.0] * 6).significant)
 
 
 class Networks(TempDirTest):

@@ -237,18 +237,18 @@ class Statistics(unittest.TestCase):
         off = [1.0, 1.1, 0.9, 1.05, 0.95, 1.02, 0.98, 1.01]
         noise = [1.01, 0.99, 1.02, 0.98, 1.0, 1.01, 0.99, 1.0]
         on = [a * 1.3 * n for a, n in zip(off, noise)]
-        stats = run.overhead_stats(off, on)
-        self.assertAlmostEqual(stats["overhead_pct"], 30.0, delta=0.5)
-        lo, hi = stats["ci95_pct"]
+        stats = run.Overhead.of(off, on)
+        self.assertAlmostEqual(stats.pct, 30.0, delta=0.5)
+        lo, hi = stats.ci95_pct
         self.assertTrue(lo <= 30.0 <= hi, (lo, hi))
-        self.assertTrue(stats["significant"])
+        self.assertTrue(stats.significant)
 
     def test_no_overhead_is_not_significant(self):
         off = [1.0, 1.1, 0.9, 1.05, 0.95, 1.02, 0.98, 1.01]
         on = [a * n for a, n in zip(off, [1.03, 0.97, 1.02, 0.98, 1.01, 0.99, 1.04, 0.96])]
-        stats = run.overhead_stats(off, on)
-        self.assertFalse(stats["significant"])
-        self.assertLessEqual(stats["ci95_pct"][0], 0.0)
+        stats = run.Overhead.of(off, on)
+        self.assertFalse(stats.significant)
+        self.assertLessEqual(stats.ci95_pct[0], 0.0)
 
     def test_bootstrap_follows_its_seed(self):
         # The interval, recomputed here from the documented recipe: resample with
@@ -259,8 +259,8 @@ class Statistics(unittest.TestCase):
         self.assertEqual(run.bootstrap_median_ci(data), (meds[int(0.025 * 3999)], meds[int(math.ceil(0.975 * 3999))]))
 
     def test_noise_flag(self):
-        self.assertTrue(run.arm_stats([1.0, 1.6], [10, 10])["noisy"])
-        self.assertFalse(run.arm_stats([1.0, 1.4], [10, 10])["noisy"])
+        self.assertTrue(run.ArmStats([1.0, 1.6], [10, 10]).noisy)
+        self.assertFalse(run.ArmStats([1.0, 1.4], [10, 10]).noisy)
 
 
 class Workloads(unittest.TestCase):
