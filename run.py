@@ -3051,7 +3051,52 @@ def generate(
 
 
 @dataclass
+class SweepOptions:
+    """--mode sweep's own configuration."""
+
+    sizes: Optional[List[int]] = None
+    max_batch: int = DEFAULT_MAX_BATCH
+    prompts: List[str] = field(default_factory=list)
+    baseline: Optional[Dict[str, Any]] = None
+    baseline_path: Optional[str] = None
+    expect: Optional[str] = None
+    traffic: str = DEFAULT_TRAFFIC
+    repeat: int = DEFAULT_REPEAT
+    prefix_cache: str = DEFAULT_PREFIX_CACHE
+    seed: int = DEFAULT_SEED  # also places mixed traffic's fillers
+    prefill_check: bool = False
+    prompt_tokens: Optional[int] = None  # build a prompt of about this many tokens
+    cache_check: bool = False  # each batch again from the prefix cache, compared with the cold one
+    baseline_url: Optional[str] = None  # --baseline URL: batch 1 comes from this server
+    # --baseline URL: the settings that server reports otherwise than the server under test
+    baseline_differences: List[SettingDifference] = field(default_factory=list)
+    long_prompt: Optional[LongPrompt] = None  # the prompt so built, as the server counted it
+
+
+@dataclass
+class CostOptions:
+    """--mode cost's own configuration."""
+
+    invariant_url: Optional[str] = None
+    batch: int = DEFAULT_BATCH
+    trials: int = DEFAULT_TRIALS
+    warmup: int = DEFAULT_WARMUP
+    workload: str = "cold"
+    prefix_tokens: int = DEFAULT_PREFIX_TOKENS
+    tp: Optional[int] = None
+    allow_mismatch: bool = False
+    concurrency: Optional[int] = (
+        None  # load trials: requests in flight at once (None: one batch request)
+    )
+    requests: int = 0  # load trials: requests per trial
+    precision: Optional[float] = None  # stop once the interval's half-width is at most this
+
+
+@dataclass
 class Config:
+    """What a run was asked for, checked before any request: what every mode shares, and
+    each mode's own options (sweep, cost)."""
+
     mode: str
     engine: Optional[str] = (
         None  # harness: the part to print (None: both); sweep, cost: the adapter (None: ask)
@@ -3070,39 +3115,9 @@ class Config:
     save: Optional[str] = None
     prior_save: Optional[Dict[str, Any]] = None  # the document already at --save (cost adds to it)
     sampling: Optional[Sampling] = None
-    # sweep
-    sizes: Optional[List[int]] = None
-    max_batch: int = DEFAULT_MAX_BATCH
-    prompts: List[str] = field(default_factory=list)
-    baseline: Optional[Dict[str, Any]] = None
-    baseline_path: Optional[str] = None
-    expect: Optional[str] = None
-    traffic: str = DEFAULT_TRAFFIC
-    repeat: int = DEFAULT_REPEAT
-    prefix_cache: str = DEFAULT_PREFIX_CACHE
-    seed: int = DEFAULT_SEED  # also places mixed traffic's fillers
-    prefill_check: bool = False
-    prompt_tokens: Optional[int] = None  # build a prompt of about this many tokens
-    cache_check: bool = False  # each batch again from the prefix cache, compared with the cold one
-    baseline_url: Optional[str] = None  # --baseline URL: batch 1 comes from this server
-    # --baseline URL: the settings that server reports otherwise than the server under test
-    baseline_differences: List[SettingDifference] = field(default_factory=list)
-    long_prompt: Optional[LongPrompt] = None  # the prompt so built, as the server counted it
-    # cost
-    invariant_url: Optional[str] = None
-    batch: int = DEFAULT_BATCH
-    trials: int = DEFAULT_TRIALS
-    warmup: int = DEFAULT_WARMUP
-    workload: str = "cold"
-    prefix_tokens: int = DEFAULT_PREFIX_TOKENS
-    tp: Optional[int] = None
-    allow_mismatch: bool = False
-    concurrency: Optional[int] = (
-        None  # load trials: requests in flight at once (None: one batch request)
-    )
-    requests: int = 0  # load trials: requests per trial
     request_rate: Optional[float] = None  # Poisson arrivals a second; None: a burst
-    precision: Optional[float] = None  # stop once the interval's half-width is at most this
+    sweep: SweepOptions = field(default_factory=SweepOptions)  # --mode sweep only
+    cost: CostOptions = field(default_factory=CostOptions)  # --mode cost only
 
     @property
     def adapter(self) -> EngineAdapter:
@@ -3707,13 +3722,13 @@ def configure(argv: Optional[Sequence[str]]) -> Config:
             )
     if args.mode == "sweep":
         configure_sweep(cfg, args)
-        if cfg.request_rate is not None and cfg.traffic != "concurrent":
+        if cfg.request_rate is not None and cfg.sweep.traffic != "concurrent":
             raise UsageError(
                 "--request-rate goes with --traffic concurrent (one request a prompt)"
             )
     else:
         configure_cost(cfg, args)
-        if cfg.request_rate is not None and not cfg.concurrency:
+        if cfg.request_rate is not None and not cfg.cost.concurrency:
             raise UsageError(
                 "--request-rate goes with --concurrency (one streamed request a prompt)"
             )
@@ -3723,56 +3738,61 @@ def configure(argv: Optional[Sequence[str]]) -> Config:
 def configure_sweep(cfg: Config, args: argparse.Namespace) -> None:
     max_tokens = DEFAULT_SWEEP_TOKENS if args.max_tokens is None else args.max_tokens
     cfg.sampling = Sampling.of(args.temperature, max_tokens, args.logprobs, args.seed)
-    cfg.max_batch = args.max_batch
-    cfg.sizes = parse_sizes(args.sizes) if args.sizes is not None else None
-    cfg.prompts = list(args.prompt) + (
+    cfg.sweep.max_batch = args.max_batch
+    cfg.sweep.sizes = parse_sizes(args.sizes) if args.sizes is not None else None
+    cfg.sweep.prompts = list(args.prompt) + (
         read_prompt_file(args.prompt_file) if args.prompt_file else []
     )
-    if any(not p.strip() for p in cfg.prompts):
+    if any(not p.strip() for p in cfg.sweep.prompts):
         raise UsageError("--prompt: a prompt is empty")
-    cfg.prompts = check_prompts(cfg.prompts or [DEFAULT_PROMPT], "--prompt")
-    if len(set(cfg.prompts)) != len(cfg.prompts):
+    cfg.sweep.prompts = check_prompts(cfg.sweep.prompts or [DEFAULT_PROMPT], "--prompt")
+    if len(set(cfg.sweep.prompts)) != len(cfg.sweep.prompts):
         raise UsageError("--prompt: the same prompt is given twice")
-    cfg.expect = args.expect
-    cfg.traffic, cfg.repeat, cfg.prefix_cache, cfg.seed = (
+    cfg.sweep.expect = args.expect
+    cfg.sweep.traffic, cfg.sweep.repeat, cfg.sweep.prefix_cache, cfg.sweep.seed = (
         args.traffic,
         args.repeat,
         args.prefix_cache,
         args.seed,
     )
-    cfg.prefill_check = args.prefill_check
-    cfg.prompt_tokens = args.prompt_tokens
-    if cfg.prompt_tokens and (args.prompt or args.prompt_file):
+    cfg.sweep.prefill_check = args.prefill_check
+    cfg.sweep.prompt_tokens = args.prompt_tokens
+    if cfg.sweep.prompt_tokens and (args.prompt or args.prompt_file):
         raise UsageError(
             "--prompt-tokens builds the prompt itself: leave out --prompt and --prompt-file"
         )
-    if cfg.expect == "prefill-equal" and not cfg.prefill_check:
+    if cfg.sweep.expect == "prefill-equal" and not cfg.sweep.prefill_check:
         raise UsageError("--expect prefill-equal needs --prefill-check")
-    cfg.cache_check = args.cache_check
-    if cfg.expect == "cache-equal" and not cfg.cache_check:
+    cfg.sweep.cache_check = args.cache_check
+    if cfg.sweep.expect == "cache-equal" and not cfg.sweep.cache_check:
         raise UsageError("--expect cache-equal needs --cache-check")
-    if cfg.cache_check and (cfg.traffic != "copies" or cfg.prefix_cache != "bypass"):
+    if cfg.sweep.cache_check and (
+        cfg.sweep.traffic != "copies" or cfg.sweep.prefix_cache != "bypass"
+    ):
         raise UsageError(
             "--cache-check goes with --traffic copies and --prefix-cache bypass (its cold request "
             "must be cold)"
         )
-    if cfg.traffic == "mixed" and (max(cfg.sizes) if cfg.sizes else cfg.max_batch) == 1:
+    if (
+        cfg.sweep.traffic == "mixed"
+        and (max(cfg.sweep.sizes) if cfg.sweep.sizes else cfg.sweep.max_batch) == 1
+    ):
         raise UsageError(
             "--traffic mixed: batch 1 has no room for other prompts; give sizes above 1"
         )
     if args.baseline and urllib.parse.urlsplit(args.baseline).scheme in ("http", "https"):
-        cfg.baseline_url = check_url(args.baseline, "--baseline")
-        if server_address(cfg.baseline_url) == server_address(cfg.url):
+        cfg.sweep.baseline_url = check_url(args.baseline, "--baseline")
+        if server_address(cfg.sweep.baseline_url) == server_address(cfg.url):
             raise UsageError("--baseline names the server under test (--url); give another server")
     elif args.baseline:
-        cfg.baseline_path = args.baseline
-        cfg.baseline = read_json_file(args.baseline, "--baseline")
+        cfg.sweep.baseline_path = args.baseline
+        cfg.sweep.baseline = read_json_file(args.baseline, "--baseline")
         check_baseline(cfg)
 
 
 def check_baseline(cfg: Config) -> None:
     """Refuse a baseline recorded for another engine, model, prompt or sampling."""
-    doc, path = cfg.baseline, cfg.baseline_path
+    doc, path = cfg.sweep.baseline, cfg.sweep.baseline_path
     if doc.get("schema") not in SWEEP_SCHEMAS_READ or not isinstance(doc.get("prompts"), list):
         raise UsageError("--baseline: %s is not a sweep result" % path)
     if cfg.engine is not None:
@@ -3793,7 +3813,7 @@ def check_baseline(cfg: Config) -> None:
         if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str):
             raise UsageError("--baseline: %s: prompts[%d] is not a prompt record" % (path, i))
     recorded = {p["prompt"]: p for p in doc["prompts"]}
-    for prompt in cfg.prompts:
+    for prompt in cfg.sweep.prompts:
         entry = recorded.get(prompt)
         if entry is None:
             raise UsageError(
@@ -3832,34 +3852,38 @@ def baseline_fault(rec: Any) -> Optional[str]:
 
 
 def check_baseline_engine(cfg: Config, engine: str) -> None:
-    recorded = cfg.baseline.get("engine")
+    recorded = cfg.sweep.baseline.get("engine")
     if recorded != engine:
         raise UsageError(
             "--baseline: %s was recorded on %s, this sweep is on %s"
-            % (cfg.baseline_path, recorded, engine)
+            % (cfg.sweep.baseline_path, recorded, engine)
         )
 
 
 def configure_cost(cfg: Config, args: argparse.Namespace) -> None:
     if not args.invariant:
         raise UsageError("cost mode needs --invariant URL, the flag-on server")
-    cfg.invariant_url = check_url(args.invariant, "--invariant")
-    if server_address(cfg.invariant_url) == server_address(cfg.url):
+    cfg.cost.invariant_url = check_url(args.invariant, "--invariant")
+    if server_address(cfg.cost.invariant_url) == server_address(cfg.url):
         raise UsageError("--url and --invariant are the same server; cost compares two")
     max_tokens = DEFAULT_COST_TOKENS if args.max_tokens is None else args.max_tokens
     cfg.sampling = Sampling.of(0.0, max_tokens, None, DEFAULT_SEED, ignore_eos=True)
-    cfg.batch, cfg.trials, cfg.warmup = args.batch, args.trials, args.warmup
-    cfg.workload, cfg.prefix_tokens, cfg.tp = args.workload, args.prefix_tokens, args.tp
-    cfg.allow_mismatch = args.allow_mismatch
-    cfg.concurrency, cfg.precision = args.concurrency, args.precision
+    cfg.cost.batch, cfg.cost.trials, cfg.cost.warmup = args.batch, args.trials, args.warmup
+    cfg.cost.workload, cfg.cost.prefix_tokens, cfg.cost.tp = (
+        args.workload,
+        args.prefix_tokens,
+        args.tp,
+    )
+    cfg.cost.allow_mismatch = args.allow_mismatch
+    cfg.cost.concurrency, cfg.cost.precision = args.concurrency, args.precision
     if args.requests is not None and args.concurrency is None:
         raise UsageError("--requests goes with --concurrency")
-    if cfg.concurrency:
-        cfg.requests = 4 * cfg.concurrency if args.requests is None else args.requests
-        if cfg.requests < cfg.concurrency:
+    if cfg.cost.concurrency:
+        cfg.cost.requests = 4 * cfg.cost.concurrency if args.requests is None else args.requests
+        if cfg.cost.requests < cfg.cost.concurrency:
             raise UsageError(
                 "--requests: give at least --concurrency (%d), or some slots stay empty"
-                % cfg.concurrency
+                % cfg.cost.concurrency
             )
 
 
@@ -4816,10 +4840,12 @@ def run_help(cfg: Config, out: Out) -> int:
 def sweep_ladder(cfg: Config, facts: ServerFacts) -> List[int]:
     """The batch sizes to run: --sizes, else a ladder straddling the server's graph sizes
     (the engine's own when the server runs none)."""
-    if cfg.sizes is not None:
-        sizes = list(cfg.sizes)
+    if cfg.sweep.sizes is not None:
+        sizes = list(cfg.sweep.sizes)
     else:
-        sizes = straddling_ladder(cfg.max_batch, facts.graph_sizes or facts.default_graph_sizes)
+        sizes = straddling_ladder(
+            cfg.sweep.max_batch, facts.graph_sizes or facts.default_graph_sizes
+        )
     if 1 not in sizes:
         sizes.insert(0, 1)  # batch 1 is the baseline, and the stored baseline's peer
     return sizes
@@ -5241,13 +5267,13 @@ class BaselineServer:
 
     @classmethod
     def open(cls, cfg: Config, facts: ServerFacts, isolate: bool) -> "BaselineServer":
-        theirs = read_facts(cfg, cfg.baseline_url, "the baseline server (--baseline)")
+        theirs = read_facts(cfg, cfg.sweep.baseline_url, "the baseline server (--baseline)")
         if theirs.model != facts.model:
             raise UsageError(
                 "--baseline: %s serves %s, the server under test %s"
-                % (cfg.baseline_url, theirs.model, facts.model)
+                % (cfg.sweep.baseline_url, theirs.model, facts.model)
             )
-        client = cfg.client(cfg.baseline_url)
+        client = cfg.client(cfg.sweep.baseline_url)
         return cls(Sender(client, cfg.adapter, theirs.model, cfg.sampling, isolate), theirs)
 
     def batch1(self, prompt: str) -> Completion:
@@ -5269,7 +5295,7 @@ def server_differences(theirs: ServerFacts, ours: ServerFacts) -> List[SettingDi
 
 
 def baseline_from_file(cfg: Config, prompt: str) -> Completion:
-    entry = next(p for p in cfg.baseline["prompts"] if p.get("prompt") == prompt)
+    entry = next(p for p in cfg.sweep.baseline["prompts"] if p.get("prompt") == prompt)
     return Completion.from_record(entry["baseline"])
 
 
@@ -5279,19 +5305,19 @@ def sweep_summary(cfg: Config, sweeps: List[PromptSweep], state: str) -> SweepSu
     rows = [row for sweep in sweeps for row in sweep.rows()]
     return SweepSummary(
         measured=Measured.combined([s.measured() for s in sweeps]),
-        traffic=cfg.traffic,
-        repeat=cfg.repeat,
-        bypass=BypassCheck.of(rows) if cfg.prefix_cache == "bypass" else None,
+        traffic=cfg.sweep.traffic,
+        repeat=cfg.sweep.repeat,
+        bypass=BypassCheck.of(rows) if cfg.sweep.prefix_cache == "bypass" else None,
         ulp_notes=sorted({u for _, r in rows for u in r.ulp_notes}),
         state=state,
         cache=(
             CacheSummary.of([r.cache_check for _, r in rows if r.cache_check is not None])
-            if cfg.cache_check
+            if cfg.sweep.cache_check
             else None
         ),
         prefill=(
             PrefillSummary.of([r.prefill for _, r in rows if r.prefill is not None])
-            if cfg.prefill_check
+            if cfg.sweep.prefill_check
             else None
         ),
     )
@@ -5302,26 +5328,26 @@ def sweep_params(cfg: Config, facts: ServerFacts, sizes: List[int]) -> Json:
     params = dict(
         cfg.sampling.params(),
         sizes=sizes,
-        prompts=len(cfg.prompts),
-        prompt_tokens=cfg.long_prompt.to_record() if cfg.long_prompt else None,
-        traffic=cfg.traffic,
+        prompts=len(cfg.sweep.prompts),
+        prompt_tokens=cfg.sweep.long_prompt.to_record() if cfg.sweep.long_prompt else None,
+        traffic=cfg.sweep.traffic,
         arrivals=Arrivals(cfg.request_rate).describe(),
-        repeat=cfg.repeat,
-        prefix_cache=cfg.prefix_cache,
+        repeat=cfg.sweep.repeat,
+        prefix_cache=cfg.sweep.prefix_cache,
         seed_honoured=facts.seed_honoured,
-        prefill_check=cfg.prefill_check,
-        cache_check=cfg.cache_check,
+        prefill_check=cfg.sweep.prefill_check,
+        cache_check=cfg.sweep.cache_check,
     )
-    if cfg.traffic == "mixed":
-        params["mixed_seed"] = cfg.seed
-    if cfg.traffic == "concurrent":
+    if cfg.sweep.traffic == "mixed":
+        params["mixed_seed"] = cfg.sweep.seed
+    if cfg.sweep.traffic == "concurrent":
         params["send_spread_s"] = SEND_SPREAD_MEANS
-    if cfg.baseline_path:
-        params["baseline_file"] = cfg.baseline_path
-    if cfg.baseline_url:
-        params["baseline_server"] = cfg.baseline_url
+    if cfg.sweep.baseline_path:
+        params["baseline_file"] = cfg.sweep.baseline_path
+    if cfg.sweep.baseline_url:
+        params["baseline_server"] = cfg.sweep.baseline_url
         params["baseline_differences"] = [
-            d.to_record("baseline", "here") for d in cfg.baseline_differences
+            d.to_record("baseline", "here") for d in cfg.sweep.baseline_differences
         ]
     return params
 
@@ -5472,22 +5498,27 @@ class SweepTable:
         )
         out.line(
             "        traffic %s, %d pass%s through the ladder, prefix cache %s"
-            % (cfg.traffic, cfg.repeat, "" if cfg.repeat == 1 else "es", cfg.prefix_cache)
+            % (
+                cfg.sweep.traffic,
+                cfg.sweep.repeat,
+                "" if cfg.sweep.repeat == 1 else "es",
+                cfg.sweep.prefix_cache,
+            )
         )
-        if cfg.baseline_url:
+        if cfg.sweep.baseline_url:
             out.line(
                 "        baseline: batch 1 of %s, %s"
                 % (
-                    cfg.baseline_url,
+                    cfg.sweep.baseline_url,
                     "; ".join(
                         "%s %s there, %s here"
                         % (d.setting, fmt_setting(d.theirs), fmt_setting(d.ours))
-                        for d in cfg.baseline_differences
+                        for d in cfg.sweep.baseline_differences
                     )
                     or "reporting the same settings",
                 )
             )
-        long_prompt = cfg.long_prompt
+        long_prompt = cfg.sweep.long_prompt
         if long_prompt:
             budget, chunks = long_prompt.budget, long_prompt.chunks
             if budget and chunks > 1:
@@ -5519,7 +5550,7 @@ class SweepTable:
             )
             self.out.line(SWEEP_COLUMNS)
         self.rows[number].add(n)
-        self.out.line(size_row(sweep.size(n), self.cfg.prefix_cache == "bypass"))
+        self.out.line(size_row(sweep.size(n), self.cfg.sweep.prefix_cache == "bypass"))
 
     def prompt_done(self, number: int, sweep: "PromptSweep") -> None:
         self.closed.add(number)
@@ -5546,7 +5577,7 @@ class SweepTable:
                 "prefix cache bypass unverified: the server reports no cached-token counts (%s)"
                 % cfg.adapter.CACHE_COUNTS_HINT
             )
-        control = control_text(m.batch1_repeatable, cfg.repeat, sweeps)
+        control = control_text(m.batch1_repeatable, cfg.sweep.repeat, sweeps)
         reasons = [] if summary.state == "complete" else [summary.state]
         if bypass and bypass.status == BYPASS_FAILED:
             reasons.append(
@@ -5567,8 +5598,8 @@ class SweepTable:
                 "1",
             )
         )
-        if cfg.baseline_url:
-            out.line("  against batch 1 of %s" % cfg.baseline_url)
+        if cfg.sweep.baseline_url:
+            out.line("  against batch 1 of %s" % cfg.sweep.baseline_url)
         cache = summary.cache
         if cache is not None:
             out.line(
@@ -5731,7 +5762,7 @@ def sweep_outcome(
                 text(line)
         text(COVERAGE_CHECKLIST)
         text("If none applies, this is worth a bug report: attach the --save file.")
-    if not moved and not unmeasured and (facts.flag is not True or cfg.expect == "variant"):
+    if not moved and not unmeasured and (facts.flag is not True or cfg.sweep.expect == "variant"):
         text(
             "Nothing moved. With the flag off that usually means no near-tie was met: try more "
             "prompts (--prompt-file), longer generations (--max-tokens 256), --temperature 0.6 or "
@@ -5739,17 +5770,17 @@ def sweep_outcome(
         )
     cache = summary.cache
     if cache is not None:
-        if cfg.expect == "cache-equal" and cache.verdict != CACHE_EQUAL:
+        if cfg.sweep.expect == "cache-equal" and cache.verdict != CACHE_EQUAL:
             text(
                 "expectation failed: --expect cache-equal, but the cache check found: %s"
                 % cache.verdict
             )
             return EXIT_EXPECTATION
-        if cfg.expect == "cache-equal":
+        if cfg.sweep.expect == "cache-equal":
             text("expect cache-equal: held (max ULP 0 over %d cached batches)" % cache.batches)
             return EXIT_OK
     prefill = summary.prefill
-    if cfg.expect == "prefill-equal":
+    if cfg.sweep.expect == "prefill-equal":
         found = prefill.verdict() if prefill else None
         if found != PREFILL_AGREE:
             text(
@@ -5759,10 +5790,10 @@ def sweep_outcome(
             return EXIT_EXPECTATION
         text("expect prefill-equal: held (max ULP 0 over %d tokens)" % prefill.tokens)
         return EXIT_OK
-    if cfg.expect == "invariant" and (moved or unmeasured):
+    if cfg.sweep.expect == "invariant" and (moved or unmeasured):
         text("expectation failed: --expect invariant, but the result is: %s" % sweep_verdict)
         return EXIT_EXPECTATION
-    if cfg.expect == "variant" and sweep_verdict not in BATCH_EFFECTS:
+    if cfg.sweep.expect == "variant" and sweep_verdict not in BATCH_EFFECTS:
         text(
             "expectation failed: --expect variant, but %s"
             % (
@@ -5776,12 +5807,12 @@ def sweep_outcome(
             )
         )
         return EXIT_EXPECTATION
-    if cfg.expect:
+    if cfg.sweep.expect:
         text(
             "expect %s: held (%s%d unique of %d, max ULP %d)"
             % (
-                cfg.expect,
-                "" if cfg.expect == "invariant" else sweep_verdict + ": ",
+                cfg.sweep.expect,
+                "" if cfg.sweep.expect == "invariant" else sweep_verdict + ": ",
                 m.unique,
                 m.total,
                 m.max_ulp,
@@ -5793,36 +5824,39 @@ def sweep_outcome(
 def run_sweep(cfg: Config, out: Out) -> int:
     wait_until_ready(cfg, [(cfg.url, "the server")], out)
     cfg = resolve_engine(cfg, [(cfg.url, "the server")])
-    if cfg.baseline is not None:
+    if cfg.sweep.baseline is not None:
         check_baseline_engine(cfg, cfg.engine)
     client, adapter = cfg.client(cfg.url), cfg.adapter
     facts = read_facts(cfg, cfg.url)
-    if cfg.baseline is not None and cfg.baseline.get("model") != facts.model:
+    if cfg.sweep.baseline is not None and cfg.sweep.baseline.get("model") != facts.model:
         raise UsageError(
             "--baseline: %s was recorded for model %s, this server serves %s"
-            % (cfg.baseline_path, cfg.baseline.get("model"), facts.model)
+            % (cfg.sweep.baseline_path, cfg.sweep.baseline.get("model"), facts.model)
         )
-    if cfg.prompt_tokens:
-        built = built_prompt(client, adapter, facts, cfg.prompt_tokens)
-        cfg = dataclasses.replace(cfg, prompts=[built.text], long_prompt=built)
+    if cfg.sweep.prompt_tokens:
+        built = built_prompt(client, adapter, facts, cfg.sweep.prompt_tokens)
+        options = dataclasses.replace(cfg.sweep, prompts=[built.text], long_prompt=built)
+        cfg = dataclasses.replace(cfg, sweep=options)
     sizes = sweep_ladder(cfg, facts)
     sweep_warnings(facts, sizes, cfg.sampling, out)
-    isolate = cfg.prefix_cache == "bypass"
+    isolate = cfg.sweep.prefix_cache == "bypass"
     sender = Sender(
         client, adapter, facts.model, cfg.sampling, isolate, Arrivals(cfg.request_rate)
     )
     reference = None
-    if cfg.baseline_url:
+    if cfg.sweep.baseline_url:
         reference = BaselineServer.open(cfg, facts, isolate)
-        cfg = dataclasses.replace(
-            cfg, baseline_differences=server_differences(reference.facts, facts)
-        )
-    prefill = PrefillCheck(sender) if cfg.prefill_check else None
-    send = sender.shape(cfg.traffic)
+        differences = server_differences(reference.facts, facts)
+        options = dataclasses.replace(cfg.sweep, baseline_differences=differences)
+        cfg = dataclasses.replace(cfg, sweep=options)
+    prefill = PrefillCheck(sender) if cfg.sweep.prefill_check else None
+    send = sender.shape(cfg.sweep.traffic)
     sweeps: List[PromptSweep] = []
 
     saves = ThrottledSave(cfg.save)
-    progress = Progress(out, len(cfg.prompts) * cfg.repeat * len(sizes), "batches", cfg.quiet)
+    progress = Progress(
+        out, len(cfg.sweep.prompts) * cfg.sweep.repeat * len(sizes), "batches", cfg.quiet
+    )
     table = None if cfg.json_out else SweepTable(cfg, out)
     if table:
         table.header(facts, sizes)
@@ -5834,13 +5868,13 @@ def run_sweep(cfg: Config, out: Out) -> int:
         """Send batch size n once, compare it with the baseline, run the checks asked for,
         and add the row to the prompt's sweep."""
         prompt, clamps = sweep.prompt, adapter.logprob_clamps
-        cache_key = fresh_cache_key() if cfg.cache_check else None
+        cache_key = fresh_cache_key() if cfg.sweep.cache_check else None
         try:
             adapter.before_batch(client, isolate)
             if cache_key:
-                batch = sender.copies(prompt, n, cfg.seed, cache_key)
+                batch = sender.copies(prompt, n, cfg.sweep.seed, cache_key)
             else:
-                batch = send(prompt, n, cfg.seed)
+                batch = send(prompt, n, cfg.sweep.seed)
         except ServerError as err:
             raise ServerError("batch size %d%s: %s" % (n, where, err)) from None
         if sweep.baseline is None:
@@ -5848,7 +5882,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
         cache_check = prefill_row = None
         if cache_key:
             try:
-                warm = sender.copies(prompt, n, cfg.seed, cache_key)
+                warm = sender.copies(prompt, n, cfg.sweep.seed, cache_key)
             except ServerError as err:
                 raise ServerError("cache check at batch size %d: %s" % (n, err)) from None
             cache_check = cache_comparison(batch, warm, clamps)
@@ -5870,17 +5904,19 @@ def run_sweep(cfg: Config, out: Out) -> int:
         return batch.completions
 
     def measure(interrupt: DeferredInterrupt) -> None:
-        prompts = len(cfg.prompts)
-        for pi, prompt in enumerate(cfg.prompts, 1):
+        prompts = len(cfg.sweep.prompts)
+        for pi, prompt in enumerate(cfg.sweep.prompts, 1):
             sweep = PromptSweep(prompt, unseeded=unseeded(cfg.sampling, facts))
             sweeps.append(sweep)
-            if cfg.baseline is not None:
-                sweep.set_baseline(baseline_from_file(cfg, prompt), cfg.baseline_path)
+            if cfg.sweep.baseline is not None:
+                sweep.set_baseline(baseline_from_file(cfg, prompt), cfg.sweep.baseline_path)
             elif reference is not None:
-                sweep.set_baseline(reference.batch1(prompt), "batch 1 of %s" % cfg.baseline_url)
-            for pass_no in range(1, cfg.repeat + 1):
+                sweep.set_baseline(
+                    reference.batch1(prompt), "batch 1 of %s" % cfg.sweep.baseline_url
+                )
+            for pass_no in range(1, cfg.sweep.repeat + 1):
                 where = (" (prompt %d)" % pi if prompts > 1 else "") + (
-                    ", pass %d" % pass_no if cfg.repeat > 1 else ""
+                    ", pass %d" % pass_no if cfg.sweep.repeat > 1 else ""
                 )
                 for n in sizes:
                     interrupt.check()
@@ -5888,13 +5924,13 @@ def run_sweep(cfg: Config, out: Out) -> int:
                         pi,
                         prompts,
                         pass_no,
-                        cfg.repeat,
+                        cfg.sweep.repeat,
                         n,
                     )
                     progress.running(step)
                     completions = one_batch(sweep, where, n, pass_no)
                     progress.finished(step, len(completions))
-                    if table and pass_no == cfg.repeat:
+                    if table and pass_no == cfg.sweep.repeat:
                         table.size_done(pi, prompts, sweep, n)
                     saves.offer(
                         lambda path: write_json_atomic(
@@ -5934,7 +5970,7 @@ class Trials:
 
     @classmethod
     def of(cls, cfg: Config) -> "Trials":
-        return cls(True, cfg.requests) if cfg.concurrency else cls(False, cfg.batch)
+        return cls(True, cfg.cost.requests) if cfg.cost.concurrency else cls(False, cfg.cost.batch)
 
     def run(
         self, arm: "Arm", cfg: Config, prompts: List[str]
@@ -6032,10 +6068,10 @@ class Arm:
                     timings[i] = err
                     failed.append(err)
 
-        allow_open_files(cfg.concurrency)
+        allow_open_files(cfg.cost.concurrency)
         threads = [
             threading.Thread(target=worker, daemon=True)
-            for _ in range(min(cfg.concurrency, len(prompts)))
+            for _ in range(min(cfg.cost.concurrency, len(prompts)))
         ]
         start = CLOCK()
         for t in threads:
@@ -6083,7 +6119,7 @@ def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[SettingDifferen
         for arm in (off, on):
             for line in hazard_lines(arm.facts.to_record(), "flag-%s arm: " % arm.name):
                 out.line(line.strip())
-    if differences and not cfg.allow_mismatch:
+    if differences and not cfg.cost.allow_mismatch:
         raise UsageError(
             "the two servers differ in more than the flag (%s); pin them equal, or pass "
             "--allow-mismatch to time them anyway" % ", ".join(d.setting for d in differences)
@@ -6172,11 +6208,11 @@ def warm_up(
     progress: Progress,
 ) -> None:
     """Untimed requests on both arms; each may fail once (a server still settling)."""
-    for w in range(cfg.warmup):
+    for w in range(cfg.cost.warmup):
         for arm in arms:
             for attempt in range(1, WARMUP_ATTEMPTS + 1):
                 interrupt.check()
-                progress.running("warm-up %d/%d, %s arm" % (w + 1, cfg.warmup, arm.name))
+                progress.running("warm-up %d/%d, %s arm" % (w + 1, cfg.cost.warmup, arm.name))
                 try:
                     trials.run(arm, cfg, prompts(-1 - w))
                     break
@@ -6194,12 +6230,12 @@ def warm_up(
 def run_cost(cfg: Config, out: Out) -> int:
     arms = [
         (cfg.url, "the flag-off arm (--url)"),
-        (cfg.invariant_url, "the flag-on arm (--invariant)"),
+        (cfg.cost.invariant_url, "the flag-on arm (--invariant)"),
     ]
     wait_until_ready(cfg, arms, out)
     cfg = resolve_engine(cfg, arms)
     off = Arm.open(cfg, "off", "--url", cfg.url)
-    on = Arm.open(cfg, "on", "--invariant", cfg.invariant_url)
+    on = Arm.open(cfg, "on", "--invariant", cfg.cost.invariant_url)
     differences = check_arms(cfg, off, on, out)
     run_id = "%08x" % random.SystemRandom().getrandbits(
         32
@@ -6212,17 +6248,19 @@ def run_cost(cfg: Config, out: Out) -> int:
     stopped_by: List[str] = []  # "precision" once the interval is narrow enough
 
     def prompts(trial: int) -> List[str]:
-        return workload_prompts(cfg.workload, per_trial, trial, run_id, cfg.prefix_tokens)
+        return workload_prompts(
+            cfg.cost.workload, per_trial, trial, run_id, cfg.cost.prefix_tokens
+        )
 
     saves = ThrottledSave(cfg.save)
-    progress = Progress(out, cfg.trials, "trial pairs", cfg.quiet)
+    progress = Progress(out, cfg.cost.trials, "trial pairs", cfg.quiet)
 
     def measure(interrupt: DeferredInterrupt) -> None:
         warm_up(cfg, trials, (off, on), prompts, interrupt, progress)
-        for trial in range(cfg.trials):
+        for trial in range(cfg.cost.trials):
             for arm in ((off, on) if trial % 2 == 0 else (on, off)):  # A B B A A B ...
                 interrupt.check()
-                progress.running("trial %d/%d, %s arm" % (trial + 1, cfg.trials, arm.name))
+                progress.running("trial %d/%d, %s arm" % (trial + 1, cfg.cost.trials, arm.name))
                 try:
                     seconds, count, timings = trials.run(arm, cfg, prompts(trial))
                 except ServerError as err:
@@ -6246,8 +6284,8 @@ def run_cost(cfg: Config, out: Out) -> int:
                     path, cost_cell(cfg, trials, (off, on), differences, "running").to_record()
                 )
             )
-            progress.finished("trial %d/%d" % (trial + 1, cfg.trials), 2 * per_trial)
-            if cfg.precision and precise_enough(off.samples, on.samples, cfg.precision):
+            progress.finished("trial %d/%d" % (trial + 1, cfg.cost.trials), 2 * per_trial)
+            if cfg.cost.precision and precise_enough(off.samples, on.samples, cfg.cost.precision):
                 stopped_by.append("precision")
                 return
 
@@ -6261,7 +6299,7 @@ def run_cost(cfg: Config, out: Out) -> int:
         out.say("no complete trial pair; nothing to report", raising=False)
         return code or EXIT_SERVER
     cell = cost_cell(cfg, trials, (off, on), differences, state)
-    if cfg.precision:
+    if cfg.cost.precision:
         why = stopped_by[0] if stopped_by else ("trials" if state == "complete" else state)
         cell = dataclasses.replace(cell, stopped_by=why)
     record = cell.to_record()
@@ -6331,11 +6369,11 @@ def cost_cell(
         primary = Overhead.of(per_token(off, pairs), per_token(on, pairs))
         compared_on = "time per output token (the arms produced different token counts)"
     labels = CellLabels(
-        tp=off.facts.tp or cfg.tp,
-        workload=cfg.workload,
-        batch=None if trials.load else cfg.batch,
-        concurrency=cfg.concurrency if trials.load else None,
-        requests=cfg.requests if trials.load else None,
+        tp=off.facts.tp or cfg.cost.tp,
+        workload=cfg.cost.workload,
+        batch=None if trials.load else cfg.cost.batch,
+        concurrency=cfg.cost.concurrency if trials.load else None,
+        requests=cfg.cost.requests if trials.load else None,
         arrivals=Arrivals(cfg.request_rate).describe() if trials.load else None,
         max_tokens=cfg.sampling.max_tokens,
         model=off.facts.model,
@@ -6365,9 +6403,9 @@ def cost_cell(
     return CostCell(
         labels=labels,
         trials=pairs,
-        warmup=cfg.warmup,
+        warmup=cfg.cost.warmup,
         engine=cfg.engine,
-        prefix_tokens=cfg.prefix_tokens if cfg.workload == "shared-prefix" else None,
+        prefix_tokens=cfg.cost.prefix_tokens if cfg.cost.workload == "shared-prefix" else None,
         off=ArmStats(off.samples, off.tokens),
         on=ArmStats(on.samples, on.tokens),
         servers={arm.name: dict(arm.facts.to_record(), url=arm.url) for arm in arms},

@@ -179,3 +179,56 @@ def expected_sweep(engine, prompt, sizes, max_tokens, k, **kw):
         rows[n] = expected_row(base, other)
         texts.add(other[3])
     return rows, len(texts)
+
+
+# ----------------------------------------------------------------------------
+# Shared by the feature files
+
+RUN_PY = os.path.join(ROOT, "run.py")
+# The prompt a sweep sends unless told otherwise, written out (not read from run.py)
+PROMPT = ("Explain, step by step, why adding the same floating-point numbers in a different order "
+          "can give a different answer:")
+
+
+def short_sweep(stub, *extra):
+    """A one-pass sweep of 24 tokens against stub, at what sizes extra asks for."""
+    return run_lab("--mode", "sweep", "--engine", stub.config.engine, "--url", stub.url, "--repeat", 1,
+                   "--max-tokens", 24, *extra)
+
+
+def sizes_of(doc):
+    """A saved sweep's first prompt, size by size."""
+    return {s["batch_size"]: s for s in doc["prompts"][0]["sizes"]}
+
+
+def error_lines(r):
+    """stderr's lines besides progress and the save notice."""
+    return [line for line in r.stderr.splitlines() if line.strip()
+            and not line.startswith(("run.py: progress: ", "run.py: saved "))]
+
+
+def one_error_line(test, r, code, message):
+    """Exit code, and exactly one line on stderr besides progress, holding message."""
+    test.assertEqual(r.code, code, r)
+    lines = error_lines(r)
+    test.assertEqual(len(lines), 1, r.stderr)
+    test.assertIn(message, lines[0])
+    test.assertNotIn("Traceback", r.stderr)
+
+
+def start_lab(*argv, **kwargs):
+    """run.py in a process of its own, its output piped."""
+    streams = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen([sys.executable, RUN_PY] + [str(a) for a in argv], text=True,
+                            **dict(streams, **kwargs))
+
+
+def finish(p, timeout=30):
+    """(stdout, stderr) of a lab process once it ends; one still running after timeout
+    seconds (a liveness bound: the faults would hold it a minute or more) is killed."""
+    try:
+        return p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        raise

@@ -1,12 +1,14 @@
-"""--mode cost: the hazard check, the request bodies, and the overhead against slowed stubs."""
+"""--mode cost: the arms checked against each other, the request bodies, the overhead
+against slowed practice engines, token counts, and the trials kept when a server fails."""
 
 import copy
 import json
 import unittest
 from unittest import mock
 
-from support import StubConfig, StubServer, TempDirTest, fixture, run, run_lab
-from stub_server import VirtualClock
+from stub_server import VirtualClock, sglang_server_info
+from support import StubConfig, StubServer, TempDirTest, fixture, free_port, run, run_lab
+
 
 DELAY = 0.005   # seconds per decode step in the timed stubs
 TOKENS = 16     # tokens per completion in the timed runs
@@ -219,6 +221,63 @@ class TokenCounts(TempDirTest):
         self.assertEqual(cell["ratios"], [round(x, 6) for x in per_token])
         with StubServer() as off, StubServer(StubConfig(invariant=True)) as on:
             self.assertEqual(self.cost(off, on).json()["compared_on"], "time per trial")
+
+
+class ServerFaultsInCost(TempDirTest):
+    def test_trial_failure_keeps_the_trials_before_it(self):
+        # generation requests per arm: 1 warm-up, then trials; the 4th on the flag-on arm is trial 3
+        with StubServer() as off, StubServer(StubConfig(invariant=True, faults={4: "http500"})) as on:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", 2,
+                        "--trials", 6, "--warmup", 1, "--max-tokens", 4, "--save", self.path("c.json"))
+        self.assertEqual(r.code, 3, r)
+        self.assertIn("cost stopped at trial 3, on arm: HTTP 500", r.stderr)
+        cell = self.load("c.json")["cells"][0]
+        self.assertEqual(cell["trials"], 2)
+        self.assertEqual(cell["state"], "stopped: server error")
+        self.assertEqual(len(cell["off"]["samples_s"]), 3)  # trial 3's flag-off sample is kept too
+        self.assertEqual(len(cell["on"]["samples_s"]), 2)
+
+    def test_a_failed_run_does_not_replace_a_finished_cell(self):
+        with StubServer() as off, StubServer(StubConfig(invariant=True)) as on:
+            args = ("--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", 2,
+                    "--trials", 3, "--warmup", 0, "--max-tokens", 4, "--save", self.path("c.json"))
+            self.assertEqual(run_lab(*args).code, 0)
+        with StubServer() as off, StubServer(StubConfig(invariant=True, faults={2: "drop"})) as on:
+            args = ("--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", 2,
+                    "--trials", 3, "--warmup", 0, "--max-tokens", 4, "--save", self.path("c.json"))
+            self.assertEqual(run_lab(*args).code, 3)
+        doc = self.load("c.json")
+        self.assertEqual([c["state"] for c in doc["cells"]], ["complete"])
+        self.assertEqual([c["trials"] for c in doc["incomplete_cells"]], [1])
+
+    def test_warm_up_is_retried_once_and_says_so(self):
+        with StubServer(StubConfig(faults={1: "http500"})) as off, StubServer(StubConfig(invariant=True)) as on:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", 2,
+                        "--trials", 2, "--warmup", 1, "--max-tokens", 4)
+        self.assertEqual(r.code, 0, r)
+        self.assertIn("retrying once, as only warm-up may", r.stderr)
+
+    def test_unreachable_arm(self):
+        with StubServer() as off:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant",
+                        "http://127.0.0.1:%d" % free_port())
+        self.assertEqual(r.code, 3)
+        self.assertIn("flag-on arm (--invariant)", r.stderr)
+        self.assertEqual(len(r.stderr.strip().splitlines()), 1)
+
+class CostArms(TempDirTest):
+    def test_two_paths_behind_one_gateway_are_two_servers(self):
+        self.assertNotEqual(run.server_address("http://gw:8000/arm-a"), run.server_address("http://gw:8000/arm-b/"))
+        self.assertEqual(run.server_address("http://localhost:8000/a"), run.server_address("http://127.0.0.1:8000/a/"))
+
+    def test_with_allow_mismatch_each_arm_is_asked_for_its_own_model(self):
+        with StubServer(StubConfig(model="m/off")) as off, StubServer(StubConfig(invariant=True, model="m/on")) as on:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", 1, "--trials", 1,
+                        "--warmup", 0, "--max-tokens", 2, "--allow-mismatch", "--json")
+            off_models = {json.loads(b)["model"] for b in off.generation_bodies()}
+            on_models = {json.loads(b)["model"] for b in on.generation_bodies()}
+        self.assertEqual(r.code, 0, r)
+        self.assertEqual((off_models, on_models), ({"m/off"}, {"m/on"}))
 
 
 if __name__ == "__main__":

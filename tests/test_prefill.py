@@ -1,13 +1,16 @@
 """--prefill-check: do the logprobs a server reports while generating equal the ones it
-computes when prompt + completion is read back as one token-id prompt?"""
+computes when prompt + completion is read back as one token-id prompt? And how near a tie
+was the first step where they differ?"""
 
 import json
 import math
+import stub_server
 import unittest
 from unittest import mock
 
-import stub_server
-from support import StubConfig, StubServer, TempDirTest, run, run_lab, stub_completion, ulps32
+from support import (PROMPT, StubConfig, StubServer, TempDirTest, run, run_lab, short_sweep,
+                     stub_completion, ulps32)
+
 
 PROMPT = run.DEFAULT_PROMPT
 SIZES = [1, 2, 9, 17]
@@ -165,6 +168,21 @@ class Missing(unittest.TestCase):
         r = run_lab("--mode", "sweep", "--url", "http://127.0.0.1:9", "--expect", "prefill-equal")
         self.assertEqual(r.code, 2)
         self.assertIn("needs --prefill-check", r.stderr)
+
+
+class PrefillMargin(unittest.TestCase):
+    def test_the_decodes_runner_up_margin_at_the_first_differing_step(self):
+        # Flag on, every completion is batch 1's; its prefill reduces in another order.
+        with StubServer(StubConfig(invariant=True)) as stub:
+            doc = short_sweep(stub, "--sizes", "1,2", "--prefill-check", "--json").json()
+        sm = doc["summary"]
+        self.assertEqual(sm["prefill_verdict"], "decode and prefill differ")
+        step = sm["prefill_first_step"]
+        ids, _, tops, _ = stub_completion("vllm", PROMPT, 1, 24, 5, invariant=True)
+        top = tops[step]
+        runner_up = max(v for t, v in top.items() if t != ids[step])
+        self.assertEqual(sm["prefill_margin"]["ulp"], ulps32(top[ids[step]], runner_up))
+        self.assertGreater(sm["prefill_tokens"], 0)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 """--traffic, --repeat and --prefix-cache: the traffic real servers see, with a run-to-run
-control, against a practice engine that batches concurrent requests as a server does."""
+control, against a practice engine that batches concurrent requests as a server does; the
+prefix-cache bypass proven by the server's counts, or called unverified."""
 
 import json
+import stub_server
 import unittest
 
-import stub_server
-from support import StubConfig, StubServer, TempDirTest, expected_sweep, run, run_lab
+from support import (PROMPT, StubConfig, StubServer, TempDirTest, expected_sweep, run, run_lab,
+                     short_sweep, sizes_of)
+
 
 PROMPT = run.DEFAULT_PROMPT
 TOKENS = 32
@@ -317,6 +320,47 @@ class LongPrompts(unittest.TestCase):
         r = run_lab("--mode", "sweep", "--prompt-tokens", 100, "--prompt", "hello")
         self.assertEqual(r.code, 2, r)
         self.assertIn("--prompt-tokens builds the prompt itself", r.stderr)
+
+
+class PrefixCacheBypass(unittest.TestCase):
+    def test_copies_in_one_vllm_request_share_the_cache_and_the_lab_says_so(self):
+        # As on real vLLM 0.26.0: one cache_salt covers every copy of one request, and the
+        # copies hit each other's prefix (the usage counts the last prompt's cached tokens).
+        with StubServer(StubConfig(prompt_tokens_details=True)) as stub:
+            r = short_sweep(stub, "--sizes", "1,2,4")
+        self.assertEqual(r.code, 0, r)
+        self.assertIn("cache hit: bypass did not hold at batch sizes 2,4", r.stdout)
+        row4 = next(line for line in r.stdout.splitlines() if line.split()[:1] == ["4"])
+        self.assertIn("cache hit: bypass did not hold", row4)
+        with StubServer(StubConfig(prompt_tokens_details=True)) as stub:
+            doc = short_sweep(stub, "--sizes", "1,2,4", "--json").json()
+        self.assertEqual(doc["summary"]["prefix_cache_bypass"], {"status": "did not hold", "hit_sizes": [2, 4]})
+        self.assertEqual(sizes_of(doc)[1]["cached_tokens"], 0)
+        self.assertGreater(sizes_of(doc)[2]["cached_tokens"], 0)
+
+    def test_concurrent_vllm_requests_each_get_a_salt_and_hold(self):
+        with StubServer(StubConfig(prompt_tokens_details=True)) as stub:
+            doc = short_sweep(stub, "--sizes", "1,2,4", "--traffic", "concurrent", "--json").json()
+        self.assertEqual(doc["summary"]["prefix_cache_bypass"]["status"], "held")
+
+    def test_sglang_copies_each_get_a_cache_key_and_hold(self):
+        with StubServer(StubConfig(engine="sglang")) as stub:
+            r = short_sweep(stub, "--sizes", "1,2,4", "--json")
+            keys = [json.loads(b).get("extra_key") for b in stub.generation_bodies()]
+        self.assertEqual(r.json()["summary"]["prefix_cache_bypass"], {"status": "held", "hit_sizes": []})
+        self.assertEqual([len(set(k)) for k in keys], [1, 2, 4])  # a fresh key for every prompt
+
+    def test_a_server_that_reports_no_counts_leaves_the_bypass_unverified(self):
+        with StubServer(StubConfig()) as stub:  # vLLM without --enable-prompt-tokens-details
+            r = short_sweep(stub, "--sizes", "1,2")
+        self.assertEqual(r.code, 0, r)
+        self.assertIn("prefix cache bypass unverified: the server reports no cached-token counts "
+                      "(start vLLM with --enable-prompt-tokens-details", r.stdout)
+
+    def test_keep_makes_no_claim(self):
+        with StubServer(StubConfig(prompt_tokens_details=True)) as stub:
+            doc = short_sweep(stub, "--sizes", "1,2", "--prefix-cache", "keep", "--json").json()
+        self.assertIsNone(doc["summary"]["prefix_cache_bypass"])
 
 
 if __name__ == "__main__":

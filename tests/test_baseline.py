@@ -1,0 +1,77 @@
+"""--baseline: a stored sweep or another server as the baseline, refused when malformed."""
+
+import copy
+import json
+import unittest
+
+from support import StubConfig, StubServer, TempDirTest, short_sweep, sizes_of
+
+
+class MalformedBaselines(TempDirTest):
+    def test_each_malformed_field_is_refused_before_any_request(self):
+        with StubServer(StubConfig()) as stub:
+            self.assertEqual(short_sweep(stub, "--sizes", "1,2", "--save", self.path("good.json")).code, 0)
+            good = self.load("good.json")
+
+            def base(doc):
+                return doc["prompts"][0]["baseline"]
+
+            cases = [
+                ("short logprobs", lambda d: base(d)["logprobs"].pop(), "baseline.logprobs has 23 entries for 24 tokens"),
+                ("tokens not strings", lambda d: base(d).__setitem__("tokens", [1] * 24), "baseline.tokens"),
+                ("null text", lambda d: base(d).__setitem__("text", None), "baseline.text"),
+                ("logprob a string", lambda d: base(d)["logprobs"].__setitem__(0, "x"), "baseline.logprobs"),
+                ("short top-k", lambda d: base(d)["top_logprobs"].pop(), "baseline.top_logprobs"),
+                ("top-k not a map", lambda d: base(d)["top_logprobs"].__setitem__(3, [1]), "top_logprobs[3]"),
+                ("prompt not a record", lambda d: d["prompts"].append("x"), "prompts[2] is not a prompt record"),
+                ("baseline missing", lambda d: d["prompts"][0].__setitem__("baseline", None), "not a record"),
+            ]
+            for name, damage, words in cases:
+                with self.subTest(name):
+                    doc = copy.deepcopy(good)
+                    damage(doc)
+                    path = self.path(name.replace(" ", "_") + ".json")
+                    with open(path, "w") as f:
+                        json.dump(doc, f)
+                    before = len(stub.requests)
+                    r = short_sweep(stub, "--sizes", "1,2", "--baseline", path)
+                    self.assertEqual(r.code, 2, r)
+                    self.assertEqual(len(stub.requests), before)  # refused before any request
+                    self.assertIn(words, r.stderr)
+                    self.assertEqual(len(r.stderr.strip().splitlines()), 1, r.stderr)
+
+class AgainstAnotherServer(TempDirTest):
+    """--baseline URL: batch 1 of another server (a TP degree, a version, a restart)."""
+
+    def test_a_server_with_other_arithmetic_is_reported_against_the_baseline_server(self):
+        with StubServer(StubConfig(invariant=True)) as base, \
+                StubServer(StubConfig(invariant=True, tp_size=2, rotation_offset=1)) as other:
+            r = short_sweep(other, "--sizes", "1,2", "--baseline", base.url, "--expect", "invariant",
+                      "--save", self.path("s.json"))
+            base_bodies = base.generation_bodies()
+        self.assertEqual(r.code, 1, r)  # the arithmetic moved between the servers
+        doc = self.load("s.json")
+        self.assertEqual(doc["params"]["baseline_server"], base.url)
+        self.assertIn({"setting": "TP size", "baseline": 1, "here": 2}, doc["params"]["baseline_differences"])
+        self.assertEqual(doc["prompts"][0]["baseline_source"], "batch 1 of %s" % base.url)
+        self.assertIn(doc["summary"]["verdict"], ("tokens diverged", "logprobs moved but tokens held"))
+        self.assertGreater(sizes_of(doc)[1]["max_ulp"], 0)  # its own batch 1 differs from the baseline's
+        self.assertEqual(len(base_bodies), 1)  # the baseline server answered batch 1 once
+        self.assertIn("baseline: batch 1 of %s, TP size 1 there, 2 here" % base.url, r.stdout)
+        self.assertIn("against batch 1 of %s" % base.url, r.stdout)
+
+    def test_two_servers_alike_are_invariant_against_each_other(self):
+        with StubServer(StubConfig(invariant=True)) as base, StubServer(StubConfig(invariant=True)) as other:
+            r = short_sweep(other, "--sizes", "1,2,9", "--baseline", base.url, "--expect", "invariant")
+        self.assertEqual(r.code, 0, r)
+        self.assertIn("reporting the same settings", r.stdout)
+
+    def test_the_server_under_test_is_no_baseline(self):
+        with StubServer(StubConfig()) as stub:
+            r = short_sweep(stub, "--baseline", stub.url.replace("127.0.0.1", "localhost"))
+        self.assertEqual(r.code, 2, r)
+        self.assertIn("--baseline names the server under test", r.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()

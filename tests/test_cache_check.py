@@ -1,0 +1,68 @@
+"""--cache-check: a batch sent again from the prefix cache must equal its cold prefill
+bitwise, the hit proven by the server's cached-token counts."""
+
+import json
+import unittest
+
+from support import StubConfig, StubServer, TempDirTest, run_lab, short_sweep
+
+
+class CacheCheck(TempDirTest):
+    """--cache-check: each batch cold, then again from the prefix cache, compared bitwise."""
+
+    def check(self, engine, *extra, **config):
+        details = {"prompt_tokens_details": True} if engine == "vllm" else {}
+        details.update(config)
+        with StubServer(StubConfig(engine=engine, invariant=True, **details)) as stub:
+            r = short_sweep(stub, "--sizes", "1,2,4", "--cache-check", "--json", *extra)
+            bodies = [json.loads(b) for b in stub.generation_bodies()]
+        return r, bodies
+
+    def test_a_cache_path_that_computes_otherwise_is_found(self):
+        for engine in ("vllm", "sglang"):
+            with self.subTest(engine=engine):
+                r, _ = self.check(engine, "--expect", "cache-equal", cache_path_differs=True)
+                self.assertEqual(r.code, 1, r)
+                sm = r.json()["summary"]
+                self.assertEqual(sm["cache_verdict"], "cache hit differs from cold prefill")
+                self.assertGreater(sm["cache_max_ulp"], 0)
+
+    def test_one_that_does_not_passes_with_the_hit_proven(self):
+        for engine in ("vllm", "sglang"):
+            with self.subTest(engine=engine):
+                r, bodies = self.check(engine, "--expect", "cache-equal")
+                self.assertEqual(r.code, 0, r)
+                sm = r.json()["summary"]
+                self.assertEqual((sm["cache_verdict"], sm["cache_max_ulp"], sm["cache_batches"]),
+                                 ("cache hit equals cold prefill bitwise", 0, 3))
+                rows = [run_ for size in r.json()["prompts"][0]["sizes"] for run_ in size["runs"]]
+                self.assertTrue(all(row["cache_check"]["cached_tokens"] > 0 for row in rows))
+                self.assertIn("expect cache-equal: held", r.stderr)
+                # the repeat carries the cold request's key: that is what the cache serves
+                key = "cache_salt" if engine == "vllm" else "extra_key"
+                self.assertEqual([b[key] for b in bodies[0::2]], [b[key] for b in bodies[1::2]])
+
+    def test_without_counts_the_hit_is_unverified(self):
+        r, _ = self.check("vllm", "--expect", "cache-equal", prompt_tokens_details=False)
+        self.assertEqual(r.code, 1, r)
+        self.assertEqual(r.json()["summary"]["cache_verdict"],
+                         "equal, but the hit is unverified (the server reports no cached-token counts)")
+
+    def test_a_server_without_a_cache_misses(self):
+        r, _ = self.check("sglang", prefix_caching=False)
+        self.assertEqual(r.code, 0, r)
+        self.assertEqual(r.json()["summary"]["cache_verdict"],
+                         "equal, but the repeat was not served from the cache (cached-token count 0)")
+
+    def test_only_with_copies_and_the_bypass(self):
+        for extra in (("--traffic", "concurrent"), ("--prefix-cache", "keep")):
+            with self.subTest(extra=extra):
+                r = run_lab("--mode", "sweep", "--cache-check", *extra)
+                self.assertEqual(r.code, 2, r)
+                self.assertIn("--cache-check goes with", r.stderr)
+        r = run_lab("--mode", "sweep", "--expect", "cache-equal")
+        self.assertEqual(r.code, 2, r)
+
+
+if __name__ == "__main__":
+    unittest.main()
