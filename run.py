@@ -39,21 +39,26 @@ Sections, in the order they appear:
   Constants            schemas, exit codes, every default with why
   Pure functions       float32 ULPs, comparable logprob pairs, completion comparison, ladders,
                        verdicts, statistics, workload prompts (no I/O)
+  Records              what is measured and saved, typed: a sweep's BatchRow per pass,
+                       SizeResult per size and SweepSummary; a cost run's CostCell with its
+                       CellLabels, ArmStats, LoadStats and Overheads; each to_record is the
+                       saved schema of its part
   Transport            HttpClient (every request, guarded, one deadline an answer), Exchange (a
                        request in steps, so that many can go out at once), the Watchdog that
                        keeps every deadline and a stop signal's grace, the secrets never shown
   Engine adapters      Sampling, ServerFacts, the EngineAdapter protocol, VllmAdapter,
                        SglangAdapter, the known-hazards table, engine detection: all that is
                        known of each engine lives here
-  Configuration        argparse types and parser, Config, every check made before any request
+  Configuration        argparse types and parser, Config (shared, SweepOptions, CostOptions),
+                       every check made before any request
   Shared by the modes  output, progress, throttled atomic saves, signals, the stop path,
                        waiting for servers, table headers
   --mode harness       the quoted upstream excerpts, their provenance, the commands
   --mode help          the guide
-  --mode sweep         ladders, traffic shapes, repeats, the prefill check, per-size rows,
-                       the saved document, the table
-  --mode cost          arms, the settings check, warm-up, batch and load trials, cells,
-                       the 2x2 table
+  --mode sweep         ladders, traffic shapes, repeats, the prefill check, one batch's row,
+                       the summary, the saved document, the table, the outcome
+  --mode cost          batch and load trials, arms, the settings check, warm-up, the cell,
+                       the saved file, the 2x2 table, the report
   main                 main(argv) -> exit code
 """
 
@@ -4056,6 +4061,10 @@ class ThrottledSave:
         return result
 
 
+def now_stamp() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 def json_text(doc: Dict[str, Any], indent: Optional[int] = None) -> str:
     """Standard JSON (no NaN or Infinity, which a server may have sent): such values are
     written as the strings "NaN", "Infinity" and "-Infinity". Compact unless indented."""
@@ -5403,10 +5412,6 @@ def cache_comparison(
     )
 
 
-def now_stamp() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
 def unseeded(sampling: Sampling, facts: ServerFacts) -> bool:
     """Sampling that the server does not seed: its differences may be plain sampling noise."""
     return sampling.temperature > 0 and facts.seed_honoured is False
@@ -5822,6 +5827,11 @@ def sweep_outcome(
 
 
 def run_sweep(cfg: Config, out: Out) -> int:
+    """--mode sweep: learn the server's facts, then for every prompt and pass send each batch
+    size in the traffic shape asked for (Sender.shape), compare it with the baseline
+    (compare_batch) and run the checks asked for (one_batch), printing each size's row and
+    saving as it goes; then the summary (sweep_summary), the saved document (sweep_document)
+    and the advice and --expect verdict (sweep_outcome). Returns the exit code."""
     wait_until_ready(cfg, [(cfg.url, "the server")], out)
     cfg = resolve_engine(cfg, [(cfg.url, "the server")])
     if cfg.sweep.baseline is not None:
@@ -6227,95 +6237,6 @@ def warm_up(
                     )
 
 
-def run_cost(cfg: Config, out: Out) -> int:
-    arms = [
-        (cfg.url, "the flag-off arm (--url)"),
-        (cfg.cost.invariant_url, "the flag-on arm (--invariant)"),
-    ]
-    wait_until_ready(cfg, arms, out)
-    cfg = resolve_engine(cfg, arms)
-    off = Arm.open(cfg, "off", "--url", cfg.url)
-    on = Arm.open(cfg, "on", "--invariant", cfg.cost.invariant_url)
-    differences = check_arms(cfg, off, on, out)
-    run_id = "%08x" % random.SystemRandom().getrandbits(
-        32
-    )  # no prefix cache hit across runs either
-    doc = copy.deepcopy(cfg.prior_save) if cfg.prior_save else {"schema": COST_SCHEMA, "cells": []}
-    short: List[Tuple[int, str, int]] = []  # (trial, arm, tokens) of trials that stopped early
-    trials = Trials.of(cfg)
-    per_trial = trials.prompts
-    expected_tokens = per_trial * cfg.sampling.max_tokens
-    stopped_by: List[str] = []  # "precision" once the interval is narrow enough
-
-    def prompts(trial: int) -> List[str]:
-        return workload_prompts(
-            cfg.cost.workload, per_trial, trial, run_id, cfg.cost.prefix_tokens
-        )
-
-    saves = ThrottledSave(cfg.save)
-    progress = Progress(out, cfg.cost.trials, "trial pairs", cfg.quiet)
-
-    def measure(interrupt: DeferredInterrupt) -> None:
-        warm_up(cfg, trials, (off, on), prompts, interrupt, progress)
-        for trial in range(cfg.cost.trials):
-            for arm in ((off, on) if trial % 2 == 0 else (on, off)):  # A B B A A B ...
-                interrupt.check()
-                progress.running("trial %d/%d, %s arm" % (trial + 1, cfg.cost.trials, arm.name))
-                try:
-                    seconds, count, timings = trials.run(arm, cfg, prompts(trial))
-                except ServerError as err:
-                    raise ServerError(
-                        "trial %d, %s arm: %s" % (trial + 1, arm.name, err)
-                    ) from None
-                if count > expected_tokens:
-                    raise ServerError(
-                        "trial %d, %s arm: the server reported %d output tokens, more than %d "
-                        "prompts x --max-tokens %d allow"
-                        % (trial + 1, arm.name, count, per_trial, cfg.sampling.max_tokens)
-                    )
-                if count < expected_tokens:
-                    short.append((trial + 1, arm.name, count))
-                arm.samples.append(seconds)
-                arm.tokens.append(count)
-                if timings is not None:
-                    arm.requests.append(timings)
-            saves.offer(
-                lambda path: save_cell(
-                    path, cost_cell(cfg, trials, (off, on), differences, "running").to_record()
-                )
-            )
-            progress.finished("trial %d/%d" % (trial + 1, cfg.cost.trials), 2 * per_trial)
-            if cfg.cost.precision and precise_enough(off.samples, on.samples, cfg.cost.precision):
-                stopped_by.append("precision")
-                return
-
-    state, code = measure_until_stopped(out, "cost", measure)
-    for trial, arm_name, got in short[:3]:
-        out.warn(
-            "trial %d, %s arm: %d output tokens, not %d x %d (the server stopped early: is "
-            "ignore_eos honoured?)" % (trial, arm_name, got, per_trial, cfg.sampling.max_tokens)
-        )
-    if not off.samples or not on.samples:
-        out.say("no complete trial pair; nothing to report", raising=False)
-        return code or EXIT_SERVER
-    cell = cost_cell(cfg, trials, (off, on), differences, state)
-    if cfg.cost.precision:
-        why = stopped_by[0] if stopped_by else ("trials" if state == "complete" else state)
-        cell = dataclasses.replace(cell, stopped_by=why)
-    record = cell.to_record()
-    doc = saves.write(lambda path: save_cell(path, record)) or add_cell(doc, record)
-    if cfg.json_out:
-        out.line(json_text(record, indent=1))
-    else:
-        print_cost_report(cell, out)
-        if cfg.save:
-            out.line("")
-            cells = [CellLabels.from_record(c) for c in doc["cells"]]
-            for line in cost_table_lines(cells, cell.labels):
-                out.line(line)
-    return report_save(cfg, saves, code, out)
-
-
 def precise_enough(off_s: Sequence[float], on_s: Sequence[float], points: float) -> bool:
     """Is the primary overhead's 95% interval at most +-points wide yet? Stopping on it biases
     the estimate little here: the rule looks at the interval's width, which does not depend on
@@ -6536,6 +6457,100 @@ def print_cost_report(cell: CostCell, out: Out) -> None:
             "  timed despite differences (--allow-mismatch): "
             + ", ".join("%s %s vs %s" % (d.setting, d.theirs, d.ours) for d in cell.differences)
         )
+
+
+def run_cost(cfg: Config, out: Out) -> int:
+    """--mode cost: open both arms and refuse them unless they differ in the flag alone,
+    warm up, then time trial pairs in A B B A order (Trials: batch or load trials, decided
+    once) until --trials or --precision; the cell (cost_cell; CostCell.to_record is its
+    schema) is added to the cost file and printed with the 2x2 table. Returns the exit
+    code."""
+    arms = [
+        (cfg.url, "the flag-off arm (--url)"),
+        (cfg.cost.invariant_url, "the flag-on arm (--invariant)"),
+    ]
+    wait_until_ready(cfg, arms, out)
+    cfg = resolve_engine(cfg, arms)
+    off = Arm.open(cfg, "off", "--url", cfg.url)
+    on = Arm.open(cfg, "on", "--invariant", cfg.cost.invariant_url)
+    differences = check_arms(cfg, off, on, out)
+    run_id = "%08x" % random.SystemRandom().getrandbits(
+        32
+    )  # no prefix cache hit across runs either
+    doc = copy.deepcopy(cfg.prior_save) if cfg.prior_save else {"schema": COST_SCHEMA, "cells": []}
+    short: List[Tuple[int, str, int]] = []  # (trial, arm, tokens) of trials that stopped early
+    trials = Trials.of(cfg)
+    per_trial = trials.prompts
+    expected_tokens = per_trial * cfg.sampling.max_tokens
+    stopped_by: List[str] = []  # "precision" once the interval is narrow enough
+
+    def prompts(trial: int) -> List[str]:
+        return workload_prompts(
+            cfg.cost.workload, per_trial, trial, run_id, cfg.cost.prefix_tokens
+        )
+
+    saves = ThrottledSave(cfg.save)
+    progress = Progress(out, cfg.cost.trials, "trial pairs", cfg.quiet)
+
+    def measure(interrupt: DeferredInterrupt) -> None:
+        warm_up(cfg, trials, (off, on), prompts, interrupt, progress)
+        for trial in range(cfg.cost.trials):
+            for arm in ((off, on) if trial % 2 == 0 else (on, off)):  # A B B A A B ...
+                interrupt.check()
+                progress.running("trial %d/%d, %s arm" % (trial + 1, cfg.cost.trials, arm.name))
+                try:
+                    seconds, count, timings = trials.run(arm, cfg, prompts(trial))
+                except ServerError as err:
+                    raise ServerError(
+                        "trial %d, %s arm: %s" % (trial + 1, arm.name, err)
+                    ) from None
+                if count > expected_tokens:
+                    raise ServerError(
+                        "trial %d, %s arm: the server reported %d output tokens, more than %d "
+                        "prompts x --max-tokens %d allow"
+                        % (trial + 1, arm.name, count, per_trial, cfg.sampling.max_tokens)
+                    )
+                if count < expected_tokens:
+                    short.append((trial + 1, arm.name, count))
+                arm.samples.append(seconds)
+                arm.tokens.append(count)
+                if timings is not None:
+                    arm.requests.append(timings)
+            saves.offer(
+                lambda path: save_cell(
+                    path, cost_cell(cfg, trials, (off, on), differences, "running").to_record()
+                )
+            )
+            progress.finished("trial %d/%d" % (trial + 1, cfg.cost.trials), 2 * per_trial)
+            if cfg.cost.precision and precise_enough(off.samples, on.samples, cfg.cost.precision):
+                stopped_by.append("precision")
+                return
+
+    state, code = measure_until_stopped(out, "cost", measure)
+    for trial, arm_name, got in short[:3]:
+        out.warn(
+            "trial %d, %s arm: %d output tokens, not %d x %d (the server stopped early: is "
+            "ignore_eos honoured?)" % (trial, arm_name, got, per_trial, cfg.sampling.max_tokens)
+        )
+    if not off.samples or not on.samples:
+        out.say("no complete trial pair; nothing to report", raising=False)
+        return code or EXIT_SERVER
+    cell = cost_cell(cfg, trials, (off, on), differences, state)
+    if cfg.cost.precision:
+        why = stopped_by[0] if stopped_by else ("trials" if state == "complete" else state)
+        cell = dataclasses.replace(cell, stopped_by=why)
+    record = cell.to_record()
+    doc = saves.write(lambda path: save_cell(path, record)) or add_cell(doc, record)
+    if cfg.json_out:
+        out.line(json_text(record, indent=1))
+    else:
+        print_cost_report(cell, out)
+        if cfg.save:
+            out.line("")
+            cells = [CellLabels.from_record(c) for c in doc["cells"]]
+            for line in cost_table_lines(cells, cell.labels):
+                out.line(line)
+    return report_save(cfg, saves, code, out)
 
 
 # ----------------------------------------------------------------------------
