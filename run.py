@@ -440,9 +440,6 @@ class Margin:
     def to_record(self) -> Dict[str, Any]:
         return {"logprob": self.logprob, "ulp": self.ulp, "note": self.note}
 
-    def text(self) -> str:
-        return self.note if self.note else "%d ULP" % self.ulp if self.ulp is not None else "?"
-
 
 NOT_IN_TOP_K = "not in top-k"
 ENDED_EARLY = "one ended early"
