@@ -728,7 +728,8 @@ class StubHandler(BaseHTTPRequestHandler):
         return self.server.config
 
     def send_json(self, status: int, payload, raw: Optional[bytes] = None) -> None:
-        data = raw if raw is not None else json.dumps(payload).encode("utf-8")
+        # compact, as both engines write their answers (the lab saves a baseline's lists as sent)
+        data = raw if raw is not None else json.dumps(payload, separators=(",", ":")).encode("utf-8")
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -902,7 +903,7 @@ class StubHandler(BaseHTTPRequestHandler):
                 return
             if k < len(events) - 1 or config.engine == "sglang":  # vLLM's last event carries usage only
                 time.sleep(max(0.0, start + config.step_delay * factor * noise * (k + 1) - time.perf_counter()))
-            self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            self.wfile.write(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n")
             self.wfile.flush()
         self.wfile.write(b"data: [DONE]\n\n")
 

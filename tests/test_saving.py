@@ -91,13 +91,13 @@ class CheapSaves(TempDirTest):
             saves = run.ThrottledSave(self.path("x.json"))
             built = []
             saves.offer(save(1, 0.5))                               # first: written, took 0.5 s
-            self.assertEqual(saves.next_due, 100.5 + 2.0)           # 0.5 s is a fifth of 2.5 s
-            clock[0] = 101.0
+            self.assertEqual(saves.next_due, 100.5 + 9.5)           # 0.5 s is a twentieth of 10 s
+            clock[0] = 109.0
             saves.offer(save(2, 0.1))                               # not due: not even built
             self.assertEqual(built, [1])
-            clock[0] = 102.5
+            clock[0] = 110.0
             saves.offer(save(3, 0.01))                              # due; quick, so the interval rules
-            self.assertEqual((built, saves.next_due), ([1, 3], 102.51 + 1.0))
+            self.assertEqual((built, saves.next_due), ([1, 3], 110.01 + 1.0))
         self.assertEqual(run.ThrottledSave(None).offer(lambda path: 1 / 0), None)  # no --save: nothing built
 
     def test_saved_json_is_one_compact_line(self):
