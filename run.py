@@ -1632,9 +1632,6 @@ Plan = Any  # how decode_planned walks an answer: an object's plan (dict), an ar
 KEEP_TEXT = "keep its text"  # in a decode_planned plan: decode this value, keep its JSON text
 REPEATS_GIVE_UP = 2  # objects in a row that repeat little before an array is decoded whole
 _JSON = json.JSONDecoder()  # its raw_decode decodes one value from a position, in C
-_SPACE = re.compile(r"[ \t\n\r]*")  # JSON's whitespace
-_KEY = re.compile(r'[ \t\n\r]*"([^"\\\x00-\x1f]*)"[ \t\n\r]*:[ \t\n\r]*')  # a plain key and ":"
-_AFTER = re.compile(r"[ \t\n\r]*([,}\]])[ \t\n\r]*")  # what follows a member or an element
 _ENDS_A_VALUE = frozenset(" \t\n\r,}]")  # what may follow a whole value (a number's end)
 
 
@@ -1657,8 +1654,8 @@ def decode_planned(text: str, plan: Plan) -> Any:
     less than half of the one before, the rest of the array is decoded at once, in C (a batch
     whose neighbours differ costs a few percent more than json.loads). A top-level object
     comes back as a DecodedAnswer."""
-    start = _SPACE.match(text).end()
     walk = _PlannedDecode(text)
+    start = walk.space.match(text).end()
     if isinstance(plan, dict) and text.startswith("{", start):
         answer, end, _, _ = walk.object(start, plan, None, DecodedAnswer())
         answer.texts = walk.texts
@@ -1666,12 +1663,24 @@ def decode_planned(text: str, plan: Plan) -> Any:
         answer, end = walk.array(start, plan[0])
     else:
         return json.loads(text)
-    if _SPACE.match(text, end).end() != len(text):
+    if walk.space.match(text, end).end() != len(text):
         raise json.JSONDecodeError("Extra data", text, end)
     return answer
 
 
-Members = Dict[str, Tuple[str, Any]]  # an object's members by key: (their JSON text, value)
+# An object's members by key: (their JSON text, value, their own members where walked)
+Members = Dict[str, Tuple[str, Any, Optional[Dict[str, Any]]]]
+
+
+@functools.lru_cache(maxsize=None)
+def json_syntax() -> Tuple["re.Pattern[str]", "re.Pattern[str]", "re.Pattern[str]"]:
+    """JSON's whitespace; a plain key (no escapes) and its ":"; what follows a member or an
+    element: compiled on first use, as nothing is at import (every start would pay for it)."""
+    return (
+        re.compile(r"[ \t\n\r]*"),
+        re.compile(r'[ \t\n\r]*"([^"\\\x00-\x1f]*)"[ \t\n\r]*:[ \t\n\r]*'),
+        re.compile(r"[ \t\n\r]*([,}\]])[ \t\n\r]*"),
+    )
 
 
 class _PlannedDecode:
@@ -1680,6 +1689,7 @@ class _PlannedDecode:
     def __init__(self, text: str):
         self.text = text
         self.texts: Dict[int, Tuple[Any, str]] = {}
+        self.space, self.key, self.after = json_syntax()
 
     def value(self, i: int, plan: Any) -> Tuple[Any, int]:
         text = self.text
@@ -1697,36 +1707,45 @@ class _PlannedDecode:
         self, i: int, plan: Json, before: Optional[Members], obj: Json
     ) -> Tuple[Json, int, Members, int]:
         """The object that starts at text[i], each member decoded by its key's plan or, where
-        its text repeats the same member of the object before (before: key -> (text,
-        value)), that value again. Returns the object, its end, its own members (when there
-        is an object before: an array's) and how many of its characters were repeated."""
+        its text repeats the same member of the object before (before: the members of an
+        array's previous object, or of the same member in it), that value again; a member
+        with an object's plan is held against its own counterpart the same way. Returns the
+        object, its end, its own members (where there is a before) and how many of its
+        characters were repeated."""
         text, members, repeated = self.text, {}, 0
-        i = _SPACE.match(text, i + 1).end()
+        i = self.space.match(text, i + 1).end()
         if text.startswith("}", i):
             return obj, i + 1, members, repeated
         while True:
-            key_match = _KEY.match(text, i)
+            key_match = self.key.match(text, i)
             if key_match:
                 key, i = key_match.group(1), key_match.end()
             else:  # a key with escapes, or no key at all
                 if not text.startswith('"', i):
                     raise json.JSONDecodeError("Expecting property name in quotes", text, i)
                 key, i = _JSON.raw_decode(text, i)
-                i = _SPACE.match(text, i).end()
+                i = self.space.match(text, i).end()
                 if not text.startswith(":", i):
                     raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
-                i = _SPACE.match(text, i + 1).end()
+                i = self.space.match(text, i + 1).end()
             seen = before.get(key) if before else None
             end = i + len(seen[0]) if seen else i
+            inner: Optional[Members] = None  # the member's own members, if it is walked
             if seen and text.startswith(seen[0], i) and text[end : end + 1] in _ENDS_A_VALUE:
-                value = seen[1]  # the same text: the same value
+                value, inner = seen[1], seen[2]  # the same text: the same value
                 repeated += end - i
+            elif (
+                before is not None and isinstance(plan.get(key), dict) and text.startswith("{", i)
+            ):
+                counterpart = seen[2] if seen and seen[2] is not None else {}
+                value, end, inner, inner_repeated = self.object(i, plan[key], counterpart, {})
+                repeated += inner_repeated
             else:
                 value, end = self.value(i, plan.get(key))
             obj[key] = value
             if before is not None:
-                members[key] = (text[i:end], value)
-            after = _AFTER.match(text, end)
+                members[key] = (text[i:end], value, inner)
+            after = self.after.match(text, end)
             if not after or after.group(1) == "]":
                 raise json.JSONDecodeError("Expecting ',' delimiter", text, end)
             i = after.end()
@@ -1739,7 +1758,7 @@ class _PlannedDecode:
         rest is decoded at once."""
         text, items, before, start = self.text, [], {}, i
         unrepeated = 0  # objects in a row that repeated less than half of the one before
-        i = _SPACE.match(text, i + 1).end()
+        i = self.space.match(text, i + 1).end()
         if text.startswith("]", i):
             return items, i + 1
         while True:
@@ -1757,7 +1776,7 @@ class _PlannedDecode:
             else:
                 item, end = _JSON.raw_decode(text, i)
             items.append(item)
-            after = _AFTER.match(text, end)
+            after = self.after.match(text, end)
             if not after or after.group(1) == "}":
                 raise json.JSONDecodeError("Expecting ',' delimiter", text, end)
             i = after.end()
@@ -2368,12 +2387,12 @@ def server_count(value: Any, what: str, absent: Optional[int] = None) -> Optiona
     return value
 
 
-TOKEN_ID = re.compile(r"token_id:([0-9]{1,12})")  # how both engines spell a token by its id
+TOKEN_ID = r"token_id:([0-9]{1,12})"  # how both engines spell a token by its id
 
 
 def token_id(token: str) -> Optional[int]:
     """The id in a token spelled "token_id:N" (N ASCII digits only), or None."""
-    found = TOKEN_ID.fullmatch(token)
+    found = re.fullmatch(TOKEN_ID, token)  # (compiled on first use, as every pattern here)
     return int(found.group(1)) if found else None
 
 
@@ -2944,7 +2963,9 @@ class SglangAdapter:
         return body
 
     def answer_plan(self, keep_texts: bool) -> Plan:
-        return [{}]  # the lab's lists are built from SGLang's entries: no text to keep
+        # Each item's meta_info walked too (its id and timings differ between copies, its
+        # logprob lists mostly do not); no text to keep: the lab builds its lists from these
+        return [{"meta_info": {}}]
 
     def completions(self, answer: Any, n: int, with_logprobs: bool) -> List[Completion]:
         if not isinstance(answer, list):
@@ -3339,11 +3360,11 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-_WHOLE = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: int() also takes other scripts' digits
+WHOLE_NUMBER = r"[+-]?[0-9]+"  # ASCII digits only: int() also takes other scripts' digits
 
 
 def parse_whole(text: str) -> Optional[int]:
-    return int(text) if _WHOLE.fullmatch(text.strip()) else None
+    return int(text) if re.fullmatch(WHOLE_NUMBER, text.strip()) else None
 
 
 def whole_number(low: int, high: Optional[int] = None) -> Callable[[str], int]:

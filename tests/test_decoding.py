@@ -6,11 +6,12 @@ once and shared, the text of a baseline's lists kept as the server wrote it and 
 import gc
 import json
 import math
+import os
 import random
 import unittest
 from unittest import mock
 
-from support import PROMPT, StubConfig, StubServer, TempDirTest, fixture, run, run_lab
+from support import FIXTURES, PROMPT, StubConfig, StubServer, TempDirTest, fixture, run, run_lab
 
 VLLM = run.VllmAdapter()
 SGLANG = run.SglangAdapter()
@@ -60,7 +61,9 @@ def random_value(rng, depth=0):
 
 class WhatJsonLoadsGives(unittest.TestCase):
     def test_real_and_practice_answers_in_every_layout_and_by_every_plan(self):
-        docs = [fixture("completions_two_prompts_logprobs3_token_ids.json"), answer([0]),
+        docs = [fixture("completions_two_prompts_logprobs3_token_ids.json"),
+                fixture("../sglang-0.5.17/generate_two_off.json"), fixture("../sglang-0.5.17/generate_two_on.json"),
+                answer([0]),
                 answer([0, 0, 0]), answer([0, 1, 2, 3, 0, 0]), answer([]), {"choices": []}, {}, [],
                 [{"text": "a", "meta_info": {"x": [1, 2]}}] * 3]
         for doc in docs:
@@ -126,6 +129,16 @@ class CopiesDecodedOnce(unittest.TestCase):
         self.assertIsNot(logprobs[1], logprobs[0])
         self.assertIs(logprobs[2], logprobs[1])
         self.assertIs(logprobs[3], logprobs[1])
+
+    def test_sglang_copies_share_their_meta_info(self):
+        for name in ("generate_two_off.json", "generate_two_on.json"):
+            with open(os.path.join(FIXTURES, "..", "sglang-0.5.17", name), encoding="utf-8") as f:
+                text = f.read()
+            decoded = run.decode_planned(text, SGLANG.answer_plan(False))
+            self.assertEqual(decoded, json.loads(text))
+            for lists in ("output_token_logprobs", "output_top_logprobs"):
+                self.assertIs(decoded[1]["meta_info"][lists], decoded[0]["meta_info"][lists])
+            self.assertNotEqual(decoded[1]["meta_info"]["id"], decoded[0]["meta_info"]["id"])
 
     def test_a_number_that_begins_like_the_one_before_is_not_taken_for_it(self):
         text = '{"choices":[{"index":1,"n":12},{"index":12,"n":1},{"index":1,"n":12.5}]}'
