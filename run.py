@@ -1630,7 +1630,7 @@ WATCHDOG = Watchdog()
 
 Plan = Any  # how decode_planned walks an answer: an object's plan (dict), an array's ([plan])
 KEEP_TEXT = "keep its text"  # in a decode_planned plan: decode this value, keep its JSON text
-REPEATS_GIVE_UP = 2  # objects in a row that repeat little before an array is decoded whole
+REPEATS_GIVE_UP = 2  # objects in a row that repeat little: the rest of the array is decoded whole
 _JSON = json.JSONDecoder()  # its raw_decode decodes one value from a position, in C
 _ENDS_A_VALUE = frozenset(" \t\n\r,}]")  # what may follow a whole value (a number's end)
 
@@ -1764,8 +1764,8 @@ class _PlannedDecode:
         while True:
             if unrepeated == REPEATS_GIVE_UP:  # the rest at once, in C
                 if 32 * (i - start) <= len(text) - i:
-                    # Little walked, much left: decoding the few again costs less than copying
-                    # megabytes of the rest to put a "[" before it
+                    # A thirty-second or less walked: decoding it again costs less than copying
+                    # the megabytes left to put a "[" before them
                     return _JSON.raw_decode(text, start)
                 rest, end = _JSON.raw_decode("[" + text[i:])
                 return items + rest, i + end - 1

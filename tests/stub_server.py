@@ -278,6 +278,10 @@ class StubConfig:
     cache_path_differs: bool = False         # a prompt served from the prefix cache is computed
                                              # another way (as a cached prefill's kernel may be)
     topk_edge_swap: bool = False             # above batch 1 the k-th top entry swaps with the (k+1)-th
+    copies_split: int = 0                    # flag off: a request's prompts from this one on are
+                                             # computed another way, so its copies come back in two
+                                             # runs of alike values, as real vLLM 0.26.0 and SGLang
+                                             # 0.5.17 answered (vLLM: 256 copies split at the 4th)
 
     def sizes(self) -> List[int]:
         if self.graph_sizes is not None:
@@ -447,10 +451,13 @@ def run_batch(config: StubConfig, state: EngineState, prompts: List[str], max_to
         prefix = prefixes[i] if prefixes else []
         cached_path = bool(config.cache_path_differs and hits and hits[i])
         own_plan = (plan[0], plan[1] + 3) if cached_path else plan
+        second_run = bool(config.copies_split and not config.invariant and i >= config.copies_split)
+        if second_run:
+            own_plan = (own_plan[0], own_plan[1] + 1)
         # A reproducible completion depends on nothing else: computed once, it is served again
         # (what a request sees is the same; only the practice engine's own CPU is spared).
-        key = (prompt, tuple(prefix), step_size, cached_path, max_tokens, temperature, top_p, seed,
-               ignore_eos)
+        key = (prompt, tuple(prefix), step_size, cached_path, second_run, max_tokens, temperature,
+               top_p, seed, ignore_eos)
         reproducible = temperature <= 0.0 or seed is not None
         if reproducible and key in state.computed:
             results.append(state.computed[key])
@@ -1113,6 +1120,8 @@ def main(argv=None) -> int:
                    "prefix cache is computed another way (try --cache-check against it)")
     p.add_argument("--rotation-offset", type=int, default=0, help="another kernel build: every "
                    "reduction starts this many terms further on (try --baseline URL against it)")
+    p.add_argument("--copies-split", type=int, default=0, help="flag off: a request's prompts from this "
+                   "one on (counting from 0) computed another way, as real engines answered copies")
     p.add_argument("--scheduler-window", type=float, default=0.05, help="seconds a step batch waits for "
                    "more requests to join it (default 0.05; 0 runs every request alone)")
     p.add_argument("--prompt-tokens-details", action="store_true", help="vLLM: report cached prompt tokens")
@@ -1130,6 +1139,7 @@ def main(argv=None) -> int:
         jitter=args.jitter, seed=args.seed, tp_size=args.tp_size, scheduler_window=args.scheduler_window,
         prompt_tokens_details=args.prompt_tokens_details, rotation_offset=args.rotation_offset,
         cache_path_differs=args.cache_path_differs, prefix_caching=not args.no_prefix_caching,
+        copies_split=args.copies_split,
         decode_graphs=not args.no_decode_graphs,
         prefill_agrees=args.prefill_agrees,
         faults=parse_faults(args.fault))

@@ -206,6 +206,27 @@ class SavedAsTheServerWroteThem(TempDirTest):
         self.assertEqual(baseline["top_logprobs"], json.loads(kept["top_logprobs"]))
 
 
+class CopiesInTwoRuns(unittest.TestCase):
+    def test_a_sweep_compares_each_run_of_copies_and_finds_what_a_plain_decode_finds(self):
+        compared = []
+        real = run.compare_completions
+        with StubServer(StubConfig(copies_split=3)) as stub, \
+                mock.patch.object(run, "compare_completions",
+                                  lambda *a: (compared.append(a[1]), real(*a))[1]):
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,8", "--max-tokens", 16,
+                        "--repeat", 1, "--json")
+            self.assertEqual(r.code, 0, r)
+            client = run.HttpClient(stub.url, None, 10, 1 << 20)
+            bodies = [json.loads(b) for b in stub.generation_bodies()]
+            plain = [VLLM.completions(client.request("/v1/completions", b), len(b["prompt"]), True)
+                     for b in bodies]
+        row = {s["batch_size"]: s for s in json.loads(r.stdout)["prompts"][0]["sizes"]}[8]
+        base, batch = plain[0][0], plain[1]
+        self.assertEqual(row["max_ulp"], max(real(base, c).max_ulp for c in batch))
+        self.assertGreater(row["max_ulp"], 0)
+        self.assertEqual(len(compared), 1 + 2)  # batch 1, then each run of batch 8 once
+
+
 class CollectorPaused(unittest.TestCase):
     def test_the_collector_is_on_again_after_a_sweep_and_after_a_failed_one_and_off_stays_off(self):
         with StubServer(StubConfig()) as stub:

@@ -165,6 +165,19 @@ class Divergence(unittest.TestCase):
                 kinds = self.sweep(engine, True)
                 self.assertEqual(set(kinds.values()), {"same"})
 
+    def test_copies_can_come_back_in_two_runs_as_real_engines_answered_them(self):
+        # vLLM 0.26.0 and SGLang 0.5.17, flag off, answered copies in two runs of alike values
+        for engine, invariant in (("vllm", False), ("sglang", False), ("vllm", True), ("sglang", True)):
+            with self.subTest(engine=engine, invariant=invariant), \
+                    StubServer(StubConfig(engine=engine, invariant=invariant, copies_split=3)) as stub:
+                if engine == "vllm":
+                    runs = [c["logprobs"]["token_logprobs"] for c in vllm_batch(stub, 8)]
+                else:
+                    runs = [[e[0] for e in i["meta_info"]["output_token_logprobs"]] for i in sglang_batch(stub, 8)]
+                self.assertEqual(runs[:3], [runs[0]] * 3)
+                self.assertEqual(runs[3:], [runs[3]] * 5)
+                self.assertEqual(runs[3] == runs[0], invariant)  # flag on: every copy alike
+
     def test_logprobs_are_float32_values(self):
         ids, lps, tops, _ = stub_completion("vllm", PROMPT, 17, 16, 5)
         for x in lps:
