@@ -4346,7 +4346,7 @@ def json_chunks(
     """json_text(doc) in pieces, the list doc[listed] one item at a time (or, given, each
     item's json_text already made), so that writing a large document never holds all of its
     text at once (a sweep of 1000 prompts is 30 MB)."""
-    marker = "\0%s\0" % os.urandom(8).hex()  # no text a server sends holds it
+    marker = _SPLICE_MARK + listed  # as json_spliced marks what it writes in
     head, tail = json_text(dict(doc, **{listed: marker})).split(json.dumps(marker))
     yield head + "["
     for i, text in enumerate(texts if texts is not None else map(json_text, doc[listed])):
