@@ -45,9 +45,7 @@ Sections, in the order they appear:
                        saved schema of its part
   Transport            HttpClient (every request, guarded, one deadline an answer), Exchange (a
                        request in steps, so that many can go out at once), the Watchdog that
-                       keeps every deadline and a stop signal's grace, the secrets never shown,
-                       decode_planned (an answer read by its engine's plan: a batch's copies
-                       decoded once, a baseline's lists kept as the server wrote them)
+                       keeps every deadline and a stop signal's grace, the secrets never shown
   Engine adapters      Sampling, ServerFacts, the EngineAdapter protocol, VllmAdapter,
                        SglangAdapter, the known-hazards table, engine detection: all that is
                        known of each engine lives here
@@ -69,12 +67,10 @@ from __future__ import annotations
 import argparse
 import array
 import bisect
-import contextlib
 import copy
 import dataclasses
 import errno
 import functools
-import gc
 import http.client
 import ipaddress
 import itertools
@@ -294,10 +290,6 @@ class Completion:
     finish_reason: Optional[str] = None
     # What the comparisons work out once per completion (has_nan, flat_view), not compared
     memo: Dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-    # The JSON text the server wrote for some of its lists, by record name (kept_texts), for
-    # a save to write as it is: a baseline's 768 floats, encoded again, cost more than the rest
-    # of its prompt's record
-    texts: Optional[Dict[str, str]] = field(default=None, compare=False, repr=False)
 
     def to_record(self) -> Dict[str, Any]:
         return {
@@ -1628,182 +1620,6 @@ class Watchdog:
 WATCHDOG = Watchdog()
 
 
-Plan = Any  # how decode_planned walks an answer: an object's plan (dict), an array's ([plan])
-KEEP_TEXT = "keep its text"  # in a decode_planned plan: decode this value, keep its JSON text
-REPEATS_GIVE_UP = 2  # objects in a row that repeat little: the rest of the array is decoded whole
-_JSON = json.JSONDecoder()  # its raw_decode decodes one value from a position, in C
-_ENDS_A_VALUE = frozenset(" \t\n\r,}]")  # what may follow a whole value (a number's end)
-
-
-class DecodedAnswer(dict):
-    """A JSON object as decode_planned decoded it, with the text of the values its plan kept:
-    texts maps a value's id to (the value, its JSON text); the value is held so that its id
-    stays its own."""
-
-    texts: Dict[int, Tuple[Any, str]]
-
-
-def decode_planned(text: str, plan: Plan) -> Any:
-    """json.loads(text), walked by a plan where it matters, every value off the plan's paths
-    decoded whole in C. A plan names an object's members by key, each with a plan of its own:
-    KEEP_TEXT (decoded whole, its text kept), an object's plan, or a one-item list holding the
-    plan of an array's objects (the plan itself is one of the last two). In such an array a
-    member whose text repeats the previous object's same member is that member's value again,
-    decoded once: the copies of one prompt in a batch mostly come back alike, and a batch of
-    256 is then read for the price of one. After REPEATS_GIVE_UP objects in a row that repeat
-    less than half of the one before, the rest of the array is decoded at once, in C (a batch
-    whose neighbours differ costs a few percent more than json.loads). A top-level object
-    comes back as a DecodedAnswer."""
-    walk = _PlannedDecode(text)
-    start = walk.space.match(text).end()
-    if isinstance(plan, dict) and text.startswith("{", start):
-        answer, end, _, _ = walk.object(start, plan, None, DecodedAnswer())
-        answer.texts = walk.texts
-    elif isinstance(plan, list) and text.startswith("[", start):
-        answer, end = walk.array(start, plan[0])
-    else:
-        return json.loads(text)
-    if walk.space.match(text, end).end() != len(text):
-        raise json.JSONDecodeError("Extra data", text, end)
-    return answer
-
-
-# An object's members by key: (their JSON text, value, their own members where walked)
-Members = Dict[str, Tuple[str, Any, Optional[Dict[str, Any]]]]
-
-
-@functools.lru_cache(maxsize=None)
-def json_syntax() -> Tuple["re.Pattern[str]", "re.Pattern[str]", "re.Pattern[str]"]:
-    """JSON's whitespace; a plain key (no escapes) and its ":"; what follows a member or an
-    element: compiled on first use, as nothing is at import (every start would pay for it)."""
-    return (
-        re.compile(r"[ \t\n\r]*"),
-        re.compile(r'[ \t\n\r]*"([^"\\\x00-\x1f]*)"[ \t\n\r]*:[ \t\n\r]*'),
-        re.compile(r"[ \t\n\r]*([,}\]])[ \t\n\r]*"),
-    )
-
-
-class _PlannedDecode:
-    """decode_planned's walk over one text; every fault raises json.JSONDecodeError."""
-
-    def __init__(self, text: str):
-        self.text = text
-        self.texts: Dict[int, Tuple[Any, str]] = {}
-        self.space, self.key, self.after = json_syntax()
-
-    def value(self, i: int, plan: Any) -> Tuple[Any, int]:
-        text = self.text
-        if plan == KEEP_TEXT:
-            value, end = _JSON.raw_decode(text, i)
-            self.texts[id(value)] = (value, text[i:end])
-            return value, end
-        if isinstance(plan, dict) and text.startswith("{", i):
-            return self.object(i, plan, None, {})[:2]
-        if isinstance(plan, list) and text.startswith("[", i):
-            return self.array(i, plan[0])
-        return _JSON.raw_decode(text, i)
-
-    def object(
-        self, i: int, plan: Json, before: Optional[Members], obj: Json
-    ) -> Tuple[Json, int, Members, int]:
-        """The object that starts at text[i], each member decoded by its key's plan or, where
-        its text repeats the same member of the object before (before: the members of an
-        array's previous object, or of the same member in it), that value again; a member
-        with an object's plan is held against its own counterpart the same way. Returns the
-        object, its end, its own members (where there is a before) and how many of its
-        characters were repeated."""
-        text, members, repeated = self.text, {}, 0
-        i = self.space.match(text, i + 1).end()
-        if text.startswith("}", i):
-            return obj, i + 1, members, repeated
-        while True:
-            key_match = self.key.match(text, i)
-            if key_match:
-                key, i = key_match.group(1), key_match.end()
-            else:  # a key with escapes, or no key at all
-                if not text.startswith('"', i):
-                    raise json.JSONDecodeError("Expecting property name in quotes", text, i)
-                key, i = _JSON.raw_decode(text, i)
-                i = self.space.match(text, i).end()
-                if not text.startswith(":", i):
-                    raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
-                i = self.space.match(text, i + 1).end()
-            seen = before.get(key) if before else None
-            end = i + len(seen[0]) if seen else i
-            inner: Optional[Members] = None  # the member's own members, if it is walked
-            if seen and text.startswith(seen[0], i) and text[end : end + 1] in _ENDS_A_VALUE:
-                value, inner = seen[1], seen[2]  # the same text: the same value
-                repeated += end - i
-            elif (
-                before is not None and isinstance(plan.get(key), dict) and text.startswith("{", i)
-            ):
-                counterpart = seen[2] if seen and seen[2] is not None else {}
-                value, end, inner, inner_repeated = self.object(i, plan[key], counterpart, {})
-                repeated += inner_repeated
-            else:
-                value, end = self.value(i, plan.get(key))
-            obj[key] = value
-            if before is not None:
-                members[key] = (text[i:end], value, inner)
-            after = self.after.match(text, end)
-            if not after or after.group(1) == "]":
-                raise json.JSONDecodeError("Expecting ',' delimiter", text, end)
-            i = after.end()
-            if after.group(1) == "}":
-                return obj, i, members, repeated
-
-    def array(self, i: int, plan: Json) -> Tuple[List[Any], int]:
-        """The array that starts at text[i], its objects decoded by the plan, each against the
-        one before it, until REPEATS_GIVE_UP in a row repeat less than half of it: then the
-        rest is decoded at once."""
-        text, items, before, start = self.text, [], {}, i
-        unrepeated = 0  # objects in a row that repeated less than half of the one before
-        i = self.space.match(text, i + 1).end()
-        if text.startswith("]", i):
-            return items, i + 1
-        while True:
-            if unrepeated == REPEATS_GIVE_UP:  # the rest at once, in C
-                if 32 * (i - start) <= len(text) - i:
-                    # A thirty-second or less walked: decoding it again costs less than copying
-                    # the megabytes left to put a "[" before them
-                    return _JSON.raw_decode(text, start)
-                rest, end = _JSON.raw_decode("[" + text[i:])
-                return items + rest, i + end - 1
-            if text.startswith("{", i):
-                item, end, members, repeated = self.object(i, plan, before, {})
-                unrepeated = 0 if not before or 2 * repeated >= end - i else unrepeated + 1
-                before = members
-            else:
-                item, end = _JSON.raw_decode(text, i)
-            items.append(item)
-            after = self.after.match(text, end)
-            if not after or after.group(1) == "}":
-                raise json.JSONDecodeError("Expecting ',' delimiter", text, end)
-            i = after.end()
-            if after.group(1) == "]":
-                return items, i
-
-
-def kept_texts(answer: Any, values: Dict[str, Any]) -> Optional[Dict[str, str]]:
-    """The JSON text decode_planned kept for each of these values (name -> text), or None
-    where it kept none."""
-    kept = getattr(answer, "texts", None)
-    if not kept:
-        return None
-    texts = {}
-    for name, value in values.items():
-        entry = kept.get(id(value))
-        if entry is not None and entry[0] is value:
-            texts[name] = entry[1]
-    return texts or None
-
-
-def saved_as_is(text: str) -> bool:
-    """Can a server's JSON text go into a saved file as it is: one line, no NaN or infinity
-    (json_text writes those as strings)? A token that reads "NaN" costs only an encoding."""
-    return not ("\n" in text or "\r" in text or "NaN" in text or "Infinity" in text)
-
-
 class HttpClient:
     """Every request the lab sends to one server: JSON in and out, under one deadline an
     answer (connecting, the status line, the headers, every byte of the body: the watchdog
@@ -1822,10 +1638,9 @@ class HttpClient:
         path: str,
         body: Optional[Dict[str, Any]] = None,
         as_text: bool = False,
-        plan: Plan = None,
     ) -> Any:
-        """GET (body None) or POST JSON; returns the decoded JSON answer (decoded by
-        decode_planned, given a plan; with as_text, the answer's text) or raises ServerError.
+        """GET (body None) or POST JSON; returns the decoded JSON answer (with as_text, the
+        answer's text) or raises ServerError.
         A GET redirected within the server follows the redirect (at most MAX_REDIRECTS
         times); a POST never does."""
         target = path
@@ -1841,7 +1656,7 @@ class HttpClient:
                 break  # a POST's redirect is answered as the error it is
         if status >= 300:
             raise self.http_error(status, path, raw)
-        return self.decode(raw, path, as_text, plan)
+        return self.decode(raw, path, as_text)
 
     def redirected(self, status: int, location: str, target: str) -> str:
         """The path a redirect sends the lab to, refused when it leaves the server."""
@@ -1894,12 +1709,10 @@ class HttpClient:
         return ServerError(describe_network_error(reason, self.base_url, self.timeout))
 
     @staticmethod
-    def decode(raw: bytes, path: str, as_text: bool = False, plan: Plan = None) -> Any:
+    def decode(raw: bytes, path: str, as_text: bool = False) -> Any:
         if as_text:
             return raw.decode("utf-8", "replace")
         try:
-            if plan:
-                return decode_planned(raw.decode(json.detect_encoding(raw), "surrogatepass"), plan)
             return json.loads(raw)
         except (ValueError, RecursionError):  # RecursionError: nested deeper than Python parses
             raise ServerError(
@@ -2150,21 +1963,6 @@ class Exchange:
             self.close()
 
 
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector off for a while: a large batch's answer is tens of
-    thousands of new lists and dicts, none of them in a cycle, which the collector, left on,
-    would walk again and again while they are decoded, checked and compared. Turned on again
-    once they are freed, it finds little new."""
-    was_on = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_on:
-            gc.enable()
-
-
 def allow_open_files(connections: int) -> None:
     """Raise this process's open-file limit so that many connections can be open at once
     (a common soft limit is 1024); where it cannot be raised, the connects fail one by one."""
@@ -2339,11 +2137,6 @@ class EngineAdapter(Protocol):
     def before_batch(self, client: HttpClient, isolate: bool) -> None:
         """Called before every batch size is sent; isolate as in body()."""
 
-    def answer_plan(self, keep_texts: bool) -> Plan:
-        """decode_planned's plan for a generation answer: its completions read against each
-        other (a copy's values decoded once); with keep_texts, the JSON text of the lists its
-        Completions will hold kept too, as the server wrote them (Completion.texts)."""
-
     def completions(self, answer: Any, n: int, with_logprobs: bool) -> List[Completion]: ...
 
     def output_tokens(self, answer: Any) -> int: ...
@@ -2515,8 +2308,6 @@ class VllmAdapter:
     SETTINGS_HINT = "start vLLM with VLLM_SERVER_DEV_MODE=1 to expose /server_info"
     CACHE_COUNTS_HINT = "start vLLM with --enable-prompt-tokens-details to have them reported"
     PREFILL_BUDGET = "max num batched tokens"  # the setting that splits a long prefill into chunks
-    # A choice's lists that its Completion holds as they came (see completions)
-    LISTS_KEPT = {"tokens": KEEP_TEXT, "token_logprobs": KEEP_TEXT, "top_logprobs": KEEP_TEXT}
 
     # (label, path in /server_info) of every setting that changes the arithmetic or the batching
     SETTINGS = [
@@ -2674,9 +2465,6 @@ class VllmAdapter:
             body["ignore_eos"] = True
         return body
 
-    def answer_plan(self, keep_texts: bool) -> Plan:
-        return {"choices": [{"logprobs": self.LISTS_KEPT if keep_texts else None}]}
-
     def completions(self, answer: Any, n: int, with_logprobs: bool) -> List[Completion]:
         choices = dig(answer, "choices")
         if not isinstance(choices, list):
@@ -2703,14 +2491,6 @@ class VllmAdapter:
             finish = c.get("finish_reason")
             completion = checked_completion(
                 i, c["text"], tokens, values, top, finish, self.logprob_clamps, (out or [None])[-1]
-            )
-            completion.texts = kept_texts(
-                answer,
-                {
-                    "tokens": completion.tokens,
-                    "logprobs": completion.logprobs,
-                    "top_logprobs": completion.top_logprobs,
-                },
             )
             out.append(completion)
         return out
@@ -2961,11 +2741,6 @@ class SglangAdapter:
             body["return_logprob"] = True
             body["top_logprobs_num"] = s.logprobs
         return body
-
-    def answer_plan(self, keep_texts: bool) -> Plan:
-        # Each item's meta_info walked too (its id and timings differ between copies, its
-        # logprob lists mostly do not); no text to keep: the lab builds its lists from these
-        return [{"meta_info": {}}]
 
     def completions(self, answer: Any, n: int, with_logprobs: bool) -> List[Completion]:
         if not isinstance(answer, list):
@@ -3263,14 +3038,11 @@ def generate(
     sampling: Sampling,
     isolate: bool = False,
     cache_key: Optional[str] = None,
-    keep_texts: bool = False,
 ) -> Tuple[Any, float]:
-    """One request carrying every prompt, so that the engine schedules them as one batch,
-    its answer decoded by the adapter's plan (keep_texts: for a save to write as is)."""
+    """One request carrying every prompt, so that the engine schedules them as one batch."""
     body = adapter.body(model, prompts, sampling, isolate, cache_key)
-    plan = adapter.answer_plan(keep_texts) if keep_texts or len(prompts) > 1 else None
     start = CLOCK()
-    answer = client.request(adapter.generate_path, body, plan=plan)
+    answer = client.request(adapter.generate_path, body)
     return answer, CLOCK() - start
 
 
@@ -4299,24 +4071,7 @@ def json_text(doc: Dict[str, Any], indent: Optional[int] = None) -> str:
     return SECRETS.hide(text)  # the key, wherever a server echoed it, is never saved
 
 
-_SPLICE_MARK = "\0lab-%s\0" % os.urandom(8).hex()  # in no text a server sends
-
-
-def json_spliced(doc: Json, texts: Dict[str, str]) -> str:
-    """json_text(doc), with each member that texts names written as that JSON text instead, not
-    encoded again: standard JSON on one line, the key hidden in it already."""
-    marks = {name: _SPLICE_MARK + name for name in texts}
-    text = json_text(dict(doc, **marks))
-    for name, part in texts.items():
-        text = text.replace(json.dumps(marks[name]), part, 1)
-    return text
-
-
-def completion_json(c: Completion) -> str:
-    """c.to_record() as saved JSON, its lists written as the server wrote them where their
-    text was kept (Completion.texts)."""
-    texts = {k: SECRETS.hide(v) for k, v in (c.texts or {}).items() if saved_as_is(v)}
-    return json_spliced(c.to_record(), texts) if texts else json_text(c.to_record())
+_LIST_MARK = "\0lab-%s\0" % os.urandom(8).hex()  # in no text a server sends
 
 
 def _finite(value: Any) -> Any:
@@ -4346,7 +4101,7 @@ def json_chunks(
     """json_text(doc) in pieces, the list doc[listed] one item at a time (or, given, each
     item's json_text already made), so that writing a large document never holds all of its
     text at once (a sweep of 1000 prompts is 30 MB)."""
-    marker = _SPLICE_MARK + listed  # as json_spliced marks what it writes in
+    marker = _LIST_MARK + listed  # where the list's items go
     head, tail = json_text(dict(doc, **{listed: marker})).split(json.dumps(marker))
     yield head + "["
     for i, text in enumerate(texts if texts is not None else map(json_text, doc[listed])):
@@ -5170,7 +4925,6 @@ class Sender:
     sampling: Sampling
     isolate: bool  # bypass the prefix cache
     arrivals: Arrivals = Arrivals()  # when concurrent requests go out
-    keep_texts: bool = False  # keep the text of batch 1's lists, the baseline's, for --save
 
     def shape(self, traffic: str) -> Callable[[str, int, int], SentBatch]:
         """The sender of a traffic shape (TRAFFIC_SHAPES; what each measures: --mode help)."""
@@ -5187,7 +4941,6 @@ class Sender:
             self.sampling,
             self.isolate,
             cache_key,
-            self.keep_texts and len(prompts) == 1,
         )
         completions = parsed("the answer", self.adapter.completions, answer, len(prompts), True)
         return completions, seconds, parsed("the answer", self.adapter.cached_tokens, answer)
@@ -5481,20 +5234,12 @@ class PromptSweep:
         return record
 
     def record_text(self) -> str:
-        """to_record() as saved JSON, the baseline's lists as the server wrote them where
-        their text was kept. Once the prompt is finished the text is kept, and the
-        baseline's texts are let go."""
+        """to_record() as saved JSON, kept once the prompt is finished."""
         if self.kept_text is not None:
             return self.kept_text
-        record = self.to_record()
-        if self.baseline is not None and self.baseline.texts:
-            text = json_spliced(record, {"baseline": completion_json(self.baseline)})
-        else:
-            text = json_text(record)
+        text = json_text(self.to_record())
         if self.finished:
             self.kept_text = text
-            if self.baseline is not None:
-                self.baseline.texts = None
         return text
 
 
@@ -5552,9 +5297,7 @@ class BaselineServer:
                 % (cfg.sweep.baseline_url, theirs.model, facts.model)
             )
         client = cfg.client(cfg.sweep.baseline_url)
-        sender = Sender(
-            client, cfg.adapter, theirs.model, cfg.sampling, isolate, keep_texts=bool(cfg.save)
-        )
+        sender = Sender(client, cfg.adapter, theirs.model, cfg.sampling, isolate)
         return cls(sender, theirs)
 
     def batch1(self, prompt: str) -> Completion:
@@ -6129,7 +5872,6 @@ def run_sweep(cfg: Config, out: Out) -> int:
         cfg.sampling,
         isolate,
         Arrivals(cfg.request_rate),
-        keep_texts=bool(cfg.save),
     )
     reference = None
     if cfg.sweep.baseline_url:
@@ -6216,8 +5958,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
                         n,
                     )
                     progress.running(step)
-                    with collector_paused():  # until the batch's completions are let go
-                        count = len(one_batch(sweep, where, n, pass_no))
+                    count = len(one_batch(sweep, where, n, pass_no))
                     progress.finished(step, count)
                     if table and pass_no == cfg.sweep.repeat:
                         table.size_done(pi, prompts, sweep, n)

@@ -4,6 +4,8 @@ import json
 import os
 import unittest
 
+from unittest import mock
+
 from support import StubConfig, StubServer, TempDirTest, expected_sweep, run, run_lab
 
 PROMPT = run.DEFAULT_PROMPT
@@ -235,6 +237,27 @@ class SweepBehaviour(TempDirTest):
         self.assertEqual(r.code, 0, r)
         self.assertIn("clamped -inf", r.stdout)
         self.assertIn("logprobs moved but tokens held", r.stdout)
+
+
+class CopiesInTwoRuns(unittest.TestCase):
+    def test_a_sweep_compares_each_run_of_copies_and_finds_what_a_plain_decode_finds(self):
+        compared = []
+        real = run.compare_completions
+        with StubServer(StubConfig(copies_split=3)) as stub, \
+                mock.patch.object(run, "compare_completions",
+                                  lambda *a: (compared.append(a[1]), real(*a))[1]):
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,8", "--max-tokens", 16,
+                        "--repeat", 1, "--json")
+            self.assertEqual(r.code, 0, r)
+            client = run.HttpClient(stub.url, None, 10, 1 << 20)
+            bodies = [json.loads(b) for b in stub.generation_bodies()]
+            plain = [run.VllmAdapter().completions(client.request("/v1/completions", b), len(b["prompt"]), True)
+                     for b in bodies]
+        row = {s["batch_size"]: s for s in json.loads(r.stdout)["prompts"][0]["sizes"]}[8]
+        base, batch = plain[0][0], plain[1]
+        self.assertEqual(row["max_ulp"], max(real(base, c).max_ulp for c in batch))
+        self.assertGreater(row["max_ulp"], 0)
+        self.assertEqual(len(compared), 1 + 2)  # batch 1, then each run of batch 8 once
 
 
 if __name__ == "__main__":
