@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Batch-invariance lab: does your vLLM or SGLang server give the same answer for the
 same prompt whatever else shares its batch, and what does it cost to make it so?
 
@@ -36,29 +38,34 @@ Usage:
 No GPU at hand? Start the practice engine: python3 tests/stub_server.py --port 8000
 
 Sections, in the order they appear:
-  Constants            schemas, exit codes, every default with why
+  Constants            schemas, exit codes, limits, every shared default with why
+  Records              as_record, the one writer of every saved record: a dataclass's fields
+                       in order, renamed, left out when None or flattened in as saved() says
   Pure functions       float32 ULPs, comparable logprob pairs, completion comparison, ladders,
                        verdicts, statistics, workload prompts (no I/O)
-  Records              what is measured and saved, typed: a sweep's BatchRow per pass,
-                       SizeResult per size and SweepSummary; a cost run's CostCell with its
-                       CellLabels, ArmStats, LoadStats and Overheads; each to_record is the
-                       saved schema of its part
   Transport            HttpClient (every request, guarded, one deadline an answer), Exchange (a
                        request in steps, so that many can go out at once), the Watchdog that
                        keeps every deadline and a stop signal's grace, the secrets never shown
   Engine adapters      Sampling, ServerFacts, the EngineAdapter protocol, VllmAdapter,
                        SglangAdapter, the known-hazards table, engine detection: all that is
                        known of each engine lives here
-  Configuration        argparse types and parser, Config (shared, SweepOptions, CostOptions),
-                       every check made before any request
-  Shared by the modes  output, progress, throttled atomic saves, signals, the stop path,
-                       waiting for servers, table headers
+  Shared by the modes  output, progress, atomic saves, signals, the one map of exceptions to
+                       exit codes (ending), waiting for servers, table headers
+  Configuration        Config (what every mode shares), options taken from argparse by field
+                       name, the parser, URL and file checks, configure(argv)
+  Slices               one section each, holding its options and their checks, what it adds
+                       to a request, its step, its records, its report lines and its --expect
+                       rule: Arrivals (--request-rate), Prefix-cache bypass (--prefix-cache),
+                       Cache check (--cache-check), Prefill check (--prefill-check), Server
+                       baseline (--baseline)
+  --mode sweep         SweepOptions, traffic shapes (Sender), the rows, sizes and summary
+                       records, the table, the advice, SWEEP_EXPECTATIONS, run_sweep
+  Batch and load       the two kinds of cost trial: BatchTrials (--batch) and LoadTrials
+    trials             (--concurrency, --requests: streams, TTFT, TPOT, LoadStats)
+  --mode cost          CostOptions, Overhead, ArmStats, CostCell, the arms and their settings
+                       check, warm-up, the cost file, the 2x2 table, run_cost
   --mode harness       the quoted upstream excerpts, their provenance, the commands
   --mode help          the guide
-  --mode sweep         ladders, traffic shapes, repeats, the prefill check, one batch's row,
-                       the summary, the saved document, the table, the outcome
-  --mode cost          batch and load trials, arms, the settings check, warm-up, the cell,
-                       the saved file, the 2x2 table, the report
   main                 main(argv) -> exit code
 """
 
@@ -93,7 +100,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from http.client import HTTPException
 from typing import (
     Any,
@@ -106,18 +113,20 @@ from typing import (
     Sequence,
     Set,
     Tuple,
+    Type,
+    TypeVar,
     Union,
 )
 
 # ----------------------------------------------------------------------------
 # Constants
 
+
 LAB_VERSION = "0.9.0"  # run.py --version; saved in every result, with the command that made it
 SWEEP_SCHEMA = "batch-invariance-lab/sweep/2"  # the "schema" field of sweep save files
 SWEEP_SCHEMAS_READ = ("batch-invariance-lab/sweep/1", SWEEP_SCHEMA)  # what --baseline reads
 COST_SCHEMA = "batch-invariance-lab/cost/1"  # the "schema" field of cost save files
 MODES = ("harness", "sweep", "cost", "help")
-
 EXIT_OK = 0  # ran, and any --expect held
 EXIT_EXPECTATION = 1  # an --expect did not hold
 EXIT_USAGE = 2  # bad arguments or input files, found before any request
@@ -143,7 +152,6 @@ EXIT_CODES = [  # what each exit code means, as --help and the guide print it
     (EXIT_BROKEN_PIPE, "the output pipe closed (e.g. `run.py ... | head`)"),
     (EXIT_TERMINATED, "stopped by SIGTERM, e.g. a job scheduler (--save keeps what was measured)"),
 ]
-
 # Limits on what the lab is asked to send, checked before any request (--help lists them)
 MAX_BATCH_SIZE = 4096  # batch sizes, --batch, --concurrency: no engine runs more at once
 MAX_PROMPTS = 100000  # prompts a sweep takes (--prompt, --prompt-file)
@@ -165,7 +173,6 @@ LIMITS = [  # what --help says of them
     ("--repeat", MAX_REPEAT),
     ("--request-rate (a second)", int(MAX_REQUEST_RATE)),
 ]
-
 # Sweep defaults
 DEFAULT_PROMPT = (
     "Explain, step by step, why adding the same floating-point numbers in a different order can "
@@ -183,8 +190,6 @@ DEFAULT_TRAFFIC = "copies"  # the shape upstream's harnesses send
 # What a concurrent row's send_spread_s measures, as the saved document says it
 SEND_SPREAD_MEANS = "seconds from the lab's first request of the batch written to its last"
 DEFAULT_REPEAT = 3  # passes through the ladder: a flag-off server is not repeatable run to run
-PREFIX_CACHE_CHOICES = ("bypass", "keep")  # bypass: no request served from an earlier's cache
-DEFAULT_PREFIX_CACHE = "bypass"  # a cache hit would compare the cache, not the batch
 MIXED_FILLER_WORDS = (
     3,
     12,
@@ -193,7 +198,6 @@ MIXED_FILLER_WORDS = (
     300,
     600,
 )  # filler prompt lengths (about tokens) of mixed traffic
-
 # Cost defaults
 WORKLOADS = ("cold", "shared-prefix")  # no prefix can be cached; one long prefix shared by all
 DEFAULT_BATCH = 32  # prompts per timed request
@@ -208,7 +212,6 @@ NOISE_SPREAD = 1.5  # an arm whose max/min exceeds this is flagged noisy
 MIN_PAIRS_FOR_INTERVAL = (
     6  # below this the bootstrap's 2.5/97.5 % bounds are just the extreme ratios
 )
-
 # Transport defaults
 # auto: on a terminal, unless NO_COLOR is set and not empty
 COLOR_CHOICES = ("auto", "always", "never")
@@ -226,7 +229,74 @@ SAVE_SHARE = 0.05  # ... and never so often that writing it takes more than this
 
 
 # ----------------------------------------------------------------------------
+# Records: what is measured and saved, as dataclasses written by one function (as_record)
+
+Json = Dict[str, Any]  # a JSON object as saved or read: made by as_record, read by from_record
+
+
+def saved(
+    name: Optional[str] = None, omit_none: bool = False, flat: Optional[str] = None
+) -> Dict[str, Any]:
+    """A record field's metadata, for as_record: saved under name (default: the field's own),
+    left out when None (omit_none), or its own record's fields saved in its place, each name
+    behind the prefix flat."""
+    return {"saved": name, "omit_none": omit_none or flat is not None, "flat": flat}
+
+
+NOT_SAVED: Dict[str, Any] = {"not_saved": True}  # the metadata of a field as_record leaves out
+
+
+@functools.lru_cache(maxsize=None)
+def saved_fields(kind: type) -> Tuple[Tuple[str, Optional[str], bool, Optional[str]], ...]:
+    """(field, saved name, omit when None, flat prefix) of a record type, in saved order."""
+    return tuple(
+        (
+            f.name,
+            f.metadata.get("saved") or f.name,
+            f.metadata.get("omit_none", False),
+            f.metadata.get("flat"),
+        )
+        for f in dataclasses.fields(kind)
+        if not f.metadata.get("not_saved")
+    )
+
+
+def as_record(value: Any) -> Any:
+    """A record as it is saved: a dataclass becomes an object of its fields in their order
+    (as saved() says: renamed, left out when None, or flattened in), and lists and dicts of
+    records are written record by record; every other value is saved as it is (json writes a
+    tuple as a list)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        record: Json = {}
+        for name, key, omit_none, flat in saved_fields(type(value)):
+            part = getattr(value, name)
+            if part is None and omit_none:
+                continue
+            if flat is not None:
+                record.update((flat + k, v) for k, v in as_record(part).items())
+            else:
+                record[key] = as_record(part)
+        return record
+    if isinstance(value, (list, tuple)) and value and holds_records(value[0]):
+        return [as_record(v) for v in value]
+    if isinstance(value, dict) and value and holds_records(next(iter(value.values()))):
+        return {k: as_record(v) for k, v in value.items()}
+    return value
+
+
+def holds_records(value: Any) -> bool:
+    """Is value a record, or a list or dict whose members are (as a container's first member
+    says: a container holds one kind)?"""
+    if isinstance(value, (list, tuple)):
+        return bool(value) and holds_records(value[0])
+    if isinstance(value, dict):
+        return bool(value) and holds_records(next(iter(value.values())))
+    return dataclasses.is_dataclass(value)
+
+
+# ----------------------------------------------------------------------------
 # Pure functions: float32 ULPs, comparisons, counts, ladders, statistics
+
 
 _F32 = struct.Struct("<f")
 _I32 = struct.Struct("<i")
@@ -289,16 +359,9 @@ class Completion:
     top_logprobs: List[Dict[str, float]]  # token -> logprob at each step
     finish_reason: Optional[str] = None
     # What the comparisons work out once per completion (has_nan, flat_view), not compared
-    memo: Dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    def to_record(self) -> Dict[str, Any]:
-        return {
-            "text": self.text,
-            "tokens": self.tokens,
-            "logprobs": self.logprobs,
-            "top_logprobs": self.top_logprobs,
-            "finish_reason": self.finish_reason,
-        }
+    memo: Dict[str, Any] = field(
+        default_factory=dict, compare=False, repr=False, metadata=NOT_SAVED
+    )
 
     @classmethod
     def from_record(cls, rec: Dict[str, Any]) -> "Completion":
@@ -437,9 +500,6 @@ class Margin:
     logprob: Optional[float] = None  # chosen minus other, as logprobs (>= 0 for greedy)
     ulp: Optional[int] = None  # the same gap in ULPs (float32 where both values are)
     note: Optional[str] = None  # "not in top-k" (the other token is not in the list), ...
-
-    def to_record(self) -> Dict[str, Any]:
-        return {"logprob": self.logprob, "ulp": self.ulp, "note": self.note}
 
 
 NOT_IN_TOP_K = "not in top-k"
@@ -670,6 +730,17 @@ UNMEASURED_VERDICTS = (NO_DATA, NOTHING_COMPARED)  # verdicts that claim nothing
 MOVED_NOTES = ("clamped", "non-finite", "top-k changed")  # notes that count as moved, ULPs or not
 
 
+ULP_NOTE_TEXT = {
+    "top-k changed": "a step's top-k token set differed from batch 1's (a candidate swapped "
+    "places with one outside the list): counted as moved; the ULPs cover the shared entries",
+    "float64": "some logprobs were not float32-exact (a server that rounds or works in float64): "
+    "those distances are float64 ULPs",
+    "clamped": "a logprob was a clamped -inf (the engine's stand-in value) on one side only: "
+    "no distance, counted as moved",
+    "non-finite": "a logprob was inf or NaN on one side: no distance, counted as moved",
+}
+
+
 def verdict(m: Measured) -> str:
     """The one place a sweep's verdict is decided (printed, saved and read by --expect): what
     the measurements show, claiming nothing that was not compared and never blaming batching
@@ -702,20 +773,6 @@ def verdict(m: Measured) -> str:
     return INVARIANT
 
 
-def mixed_batch(prompt: str, n: int, seed: int) -> Tuple[List[str], int]:
-    """One batch of mixed traffic: the measured prompt once, at a position that varies with n,
-    among n-1 filler prompts of varied lengths; the same n and seed always give the same batch."""
-    rng = random.Random(seed * 1000003 + n)
-    position = rng.randrange(n)
-    fillers = []
-    while len(fillers) < n - 1:
-        words = rng.choice(MIXED_FILLER_WORDS)
-        text = "[%d.%d] %s" % (n, len(fillers), filler_words(words, rng.randrange(len(_FILLER))))
-        if text != prompt:
-            fillers.append(text)
-    return fillers[:position] + [prompt] + fillers[position:], position
-
-
 def percentile(values: Sequence[float], share: float) -> float:
     """The value below which share of the values lie (nearest rank)."""
     ordered = sorted(values)
@@ -745,7 +802,19 @@ def bootstrap_median_ci(
     return meds[int(tail * (resamples - 1))], meds[int(math.ceil((1.0 - tail) * (resamples - 1)))]
 
 
-# Workload prompts for cost mode: pure, so both arms get byte-identical bodies.
+def mixed_batch(prompt: str, n: int, seed: int) -> Tuple[List[str], int]:
+    """One batch of mixed traffic: the measured prompt once, at a position that varies with n,
+    among n-1 filler prompts of varied lengths; the same n and seed always give the same batch."""
+    rng = random.Random(seed * 1000003 + n)
+    position = rng.randrange(n)
+    fillers = []
+    while len(fillers) < n - 1:
+        words = rng.choice(MIXED_FILLER_WORDS)
+        text = "[%d.%d] %s" % (n, len(fillers), filler_words(words, rng.randrange(len(_FILLER))))
+        if text != prompt:
+            fillers.append(text)
+    return fillers[:position] + [prompt] + fillers[position:], position
+
 
 _FILLER = (
     "the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak tree "
@@ -774,679 +843,6 @@ def workload_prompts(
         "%s\nQuestion %d.%d: what is word %d of the passage?" % (prefix, trial, i, i + 1)
         for i in range(batch)
     ]
-
-
-# ----------------------------------------------------------------------------
-# Records: what a sweep and a cost run measure, each saved by its to_record (the schema)
-
-Json = Dict[str, Any]  # a JSON object as saved or read: made by to_record, read by from_record
-
-PREFILL_AGREE = "decode and prefill agree bitwise"  # the prefill check's verdict, kept apart
-PREFILL_DIFFER = "decode and prefill differ"
-
-
-@dataclass(frozen=True)
-class PrefillRow:
-    """The prefill check of one batch: each distinct completion's decoded logprobs against
-    the ones the server computes prefilling the same tokens at once."""
-
-    max_ulp: int
-    first_step: Optional[int]  # the first generated step whose two logprobs differ
-    notes: List[str]  # ULP notes of the comparison
-    margin: Optional[Margin]  # the decode's runner-up at that step
-    tokens: int  # generated tokens compared
-    divergent: int  # of them, those whose two logprobs differ
-    kl_sum: float  # K3 terms of the divergent tokens, summed (KlEstimate)
-    kl_max: Optional[float]  # the largest of them; None with none divergent
-
-    def to_record(self) -> Json:
-        return {
-            "prefill_max_ulp": self.max_ulp,
-            "prefill_first_step": self.first_step,
-            "prefill_notes": self.notes,
-            "prefill_margin": self.margin.to_record() if self.margin else None,
-            "prefill_tokens": self.tokens,
-            "prefill_divergent": self.divergent,
-            "prefill_kl_sum": self.kl_sum,
-            "prefill_kl_max": self.kl_max,
-        }
-
-
-@dataclass(frozen=True)
-class PrefillSummary:
-    """The prefill check over many batches (a size's passes, or a whole sweep), and its
-    verdict: nothing is claimed where no token was compared."""
-
-    checked: int  # batches the check ran on
-    max_ulp: Optional[int]
-    first_step: Optional[int]
-    margin: Optional[Margin]  # at the first differing step
-    tokens: int
-    divergent: int
-    kl_sum: float
-    kl_max: Optional[float]
-    notes: List[str]
-
-    @classmethod
-    def of(cls, rows: Sequence[PrefillRow]) -> "PrefillSummary":
-        moved = [r for r in rows if r.first_step is not None]
-        first = min(moved, key=lambda r: r.first_step) if moved else None
-        largest = [r.kl_max for r in rows if r.kl_max is not None]
-        return cls(
-            checked=len(rows),
-            max_ulp=max((r.max_ulp for r in rows), default=None),
-            first_step=first.first_step if first else None,
-            margin=first.margin if first else None,
-            tokens=sum(r.tokens for r in rows),
-            divergent=sum(r.divergent for r in rows),
-            kl_sum=sum(r.kl_sum for r in rows),
-            kl_max=max(largest) if largest else None,
-            notes=sorted({n for r in rows for n in r.notes}),
-        )
-
-    @property
-    def kl_mean(self) -> Optional[float]:
-        return self.kl_sum / self.divergent if self.divergent else None
-
-    def verdict(self) -> str:
-        if not self.checked:
-            return NO_DATA
-        if not self.tokens:
-            return NOTHING_COMPARED
-        return PREFILL_DIFFER if self.max_ulp or self.notes else PREFILL_AGREE
-
-    def to_record(self) -> Json:
-        return {
-            "prefill_max_ulp": self.max_ulp,
-            "prefill_first_step": self.first_step,
-            "prefill_margin": self.margin.to_record() if self.margin else None,
-            "prefill_tokens": self.tokens,
-            "prefill_divergent": self.divergent,
-            "prefill_kl_sum": self.kl_sum,
-            "prefill_kl_mean": self.kl_mean,
-            "prefill_kl_max": self.kl_max,
-            "prefill_notes": self.notes,
-        }
-
-
-@dataclass(frozen=True)
-class CacheComparison:
-    """One batch sent cold, then at once again with the same cache key: served from the
-    prefix cache, it must equal the cold answer bit for bit."""
-
-    max_ulp: int
-    first_step: Optional[int]  # first step whose token or logprob differs
-    tokens_diverged: bool
-    notes: Tuple[str, ...]
-    margin: Optional[Margin]  # at the first token divergence
-    cached_tokens: Optional[int]  # of the repeat, as the server reports them
-    cold_cached_tokens: Optional[int]
-
-    def to_record(self) -> Json:
-        return {
-            "max_ulp": self.max_ulp,
-            "first_step": self.first_step,
-            "tokens_diverged": self.tokens_diverged,
-            "notes": list(self.notes),
-            "margin": self.margin.to_record() if self.margin else None,
-            "cached_tokens": self.cached_tokens,
-            "cold_cached_tokens": self.cold_cached_tokens,
-        }
-
-
-@dataclass(frozen=True)
-class BatchRow:
-    """One pass of one batch size against the baseline: what its completions showed, and what
-    the server said of them."""
-
-    completions: int
-    distinct_in_batch: int  # distinct texts
-    same_as_baseline: int  # completions whose tokens and text are the baseline's
-    text_only: int  # completions whose tokens held but whose text differs
-    first_token_divergence: Optional[int]  # the earliest step any completion chose otherwise
-    divergence_margin: Optional[Margin]  # how near a tie that step was
-    first_ulp_step: Optional[int]  # the earliest step whose logprobs moved
-    max_ulp: int
-    ulp_notes: List[str]
-    matched: bool  # every completion equals the baseline bitwise
-    distinct_texts: List[str]
-    pass_no: int = 0  # which pass through the ladder
-    seconds: float = 0.0  # from the first send to the last answer
-    cached_tokens: Optional[int] = None  # prompt tokens served from the prefix cache
-    send_spread_s: Optional[float] = None  # concurrent traffic: SEND_SPREAD_MEANS
-    cache_check: Optional[CacheComparison] = None  # --cache-check
-    prefill: Optional[PrefillRow] = None  # --prefill-check
-
-    def to_record(self) -> Json:
-        record = {
-            "completions": self.completions,
-            "distinct_in_batch": self.distinct_in_batch,
-            "same_as_baseline": self.same_as_baseline,
-            "text_only": self.text_only,
-            "first_token_divergence": self.first_token_divergence,
-            "divergence_margin": margin_record(self.divergence_margin),
-            "first_ulp_step": self.first_ulp_step,
-            "max_ulp": self.max_ulp,
-            "ulp_notes": self.ulp_notes,
-            "matched": self.matched,
-            "distinct_texts": self.distinct_texts,
-            "pass": self.pass_no,
-            "seconds": self.seconds,
-            "cached_tokens": self.cached_tokens,
-        }
-        if self.send_spread_s is not None:
-            record["send_spread_s"] = self.send_spread_s
-        if self.cache_check is not None:
-            record["cache_check"] = self.cache_check.to_record()
-        if self.prefill is not None:
-            record.update(self.prefill.to_record())
-        return record
-
-
-def margin_record(margin: Optional[Margin]) -> Optional[Json]:
-    return margin.to_record() if margin else None
-
-
-@dataclass(frozen=True)
-class SizeResult:
-    """One batch size over every pass so far, in the fields a single pass has (and how many
-    passes matched the baseline bitwise): what the table prints and the plots read."""
-
-    batch_size: int
-    bucket: Bucket
-    completions: int
-    distinct_in_batch: int  # distinct texts over every pass
-    same_as_baseline: int
-    text_only: int
-    first_token_divergence: Optional[int]
-    divergence_margin: Optional[Margin]
-    first_ulp_step: Optional[int]
-    max_ulp: int
-    ulp_notes: List[str]
-    seconds: float
-    runs_matched: int
-    cached_tokens: Optional[int]  # over every pass, where the server says
-    prefill: Optional[PrefillSummary]  # where the check ran
-    distinct_texts: List[str]
-    runs: List[BatchRow]
-
-    @classmethod
-    def of(cls, batch_size: int, bucket: Bucket, runs: List[BatchRow]) -> "SizeResult":
-        texts = sorted({t for r in runs for t in r.distinct_texts})
-        diverged = [r for r in runs if r.first_token_divergence is not None]
-        first = min(diverged, key=lambda r: r.first_token_divergence) if diverged else None
-        ulp_steps = [r.first_ulp_step for r in runs if r.first_ulp_step is not None]
-        cached = [r.cached_tokens for r in runs if r.cached_tokens is not None]
-        checked = [r.prefill for r in runs if r.prefill is not None]
-        return cls(
-            batch_size=batch_size,
-            bucket=bucket,
-            completions=sum(r.completions for r in runs),
-            distinct_in_batch=len(texts),
-            same_as_baseline=sum(r.same_as_baseline for r in runs),
-            text_only=sum(r.text_only for r in runs),
-            first_token_divergence=first.first_token_divergence if first else None,
-            divergence_margin=first.divergence_margin if first else None,
-            first_ulp_step=min(ulp_steps) if ulp_steps else None,
-            max_ulp=max((r.max_ulp for r in runs), default=0),
-            ulp_notes=sorted({u for r in runs for u in r.ulp_notes}),
-            seconds=round(sum(r.seconds for r in runs), 4),
-            runs_matched=sum(1 for r in runs if r.matched),
-            cached_tokens=sum(cached) if cached else None,
-            prefill=PrefillSummary.of(checked) if checked else None,
-            distinct_texts=texts,
-            runs=runs,
-        )
-
-    def to_record(self) -> Json:
-        record = {
-            "batch_size": self.batch_size,
-            "bucket": self.bucket,
-            "completions": self.completions,
-            "distinct_in_batch": self.distinct_in_batch,
-            "same_as_baseline": self.same_as_baseline,
-            "text_only": self.text_only,
-            "first_token_divergence": self.first_token_divergence,
-            "divergence_margin": margin_record(self.divergence_margin),
-            "first_ulp_step": self.first_ulp_step,
-            "max_ulp": self.max_ulp,
-            "ulp_notes": self.ulp_notes,
-            "seconds": self.seconds,
-            "runs_matched": self.runs_matched,
-            "cached_tokens": self.cached_tokens,
-        }
-        if self.prefill is not None:
-            record.update(self.prefill.to_record())
-        record["distinct_texts"] = self.distinct_texts
-        record["runs"] = [r.to_record() for r in self.runs]
-        return record
-
-
-BYPASS_HELD, BYPASS_FAILED, BYPASS_UNVERIFIED = "held", "did not hold", "unverified"
-
-
-@dataclass(frozen=True)
-class BypassCheck:
-    """Did --prefix-cache bypass hold? Proven by the cached-token counts the server reports:
-    any count above 0 is a prefill served from the cache; no counts at all prove nothing."""
-
-    status: str  # BYPASS_HELD, BYPASS_FAILED or BYPASS_UNVERIFIED
-    hit_sizes: List[int]  # batch sizes with a cache hit
-
-    @classmethod
-    def of(cls, rows: Sequence[Tuple[int, BatchRow]]) -> "BypassCheck":
-        """rows: (batch size, row) of every pass."""
-        counted = [r.cached_tokens is not None for _, r in rows]
-        hits = sorted({n for n, r in rows if (r.cached_tokens or 0) > 0})
-        status = BYPASS_UNVERIFIED if not any(counted) else BYPASS_FAILED if hits else BYPASS_HELD
-        return cls(status, hits)
-
-    def to_record(self) -> Json:
-        return {"status": self.status, "hit_sizes": self.hit_sizes}
-
-
-CACHE_EQUAL = "cache hit equals cold prefill bitwise"  # the cache check's verdicts, kept apart
-CACHE_DIFFER = "cache hit differs from cold prefill"
-CACHE_UNVERIFIED = "equal, but the hit is unverified (the server reports no cached-token counts)"
-CACHE_MISSED = "equal, but the repeat was not served from the cache (cached-token count 0)"
-
-
-@dataclass(frozen=True)
-class CacheSummary:
-    """The cache check over every batch: its verdict, proven by the repeats' cached-token
-    counts."""
-
-    verdict: str
-    batches: int
-    max_ulp: Optional[int]
-    first_step: Optional[int]
-
-    @classmethod
-    def of(cls, checked: Sequence[CacheComparison]) -> "CacheSummary":
-        counts = [c.cached_tokens for c in checked if c.cached_tokens is not None]
-        if not checked:
-            verdict = NO_DATA
-        elif any(c.max_ulp or c.tokens_diverged or c.notes for c in checked):
-            verdict = CACHE_DIFFER
-        elif not counts:
-            verdict = CACHE_UNVERIFIED
-        elif all(x > 0 for x in counts) and len(counts) == len(checked):
-            verdict = CACHE_EQUAL
-        else:
-            verdict = CACHE_MISSED
-        steps = [c.first_step for c in checked if c.first_step is not None]
-        return cls(
-            verdict,
-            len(checked),
-            max((c.max_ulp for c in checked), default=None),
-            min(steps) if steps else None,
-        )
-
-    def to_record(self) -> Json:
-        return {
-            "cache_verdict": self.verdict,
-            "cache_batches": self.batches,
-            "cache_max_ulp": self.max_ulp,
-            "cache_first_step": self.first_step,
-        }
-
-
-@dataclass(frozen=True)
-class SweepSummary:
-    """A whole sweep: what it measured, its verdict (decided by verdict() alone) and how far
-    it got, with the cache and prefill checks where they ran."""
-
-    measured: Measured
-    traffic: str
-    repeat: int
-    bypass: Optional[BypassCheck]  # --prefix-cache bypass only
-    ulp_notes: List[str]
-    state: str  # "complete", "running", or what stopped it
-    cache: Optional[CacheSummary]  # --cache-check
-    prefill: Optional[PrefillSummary]  # --prefill-check
-
-    @property
-    def verdict(self) -> str:
-        return verdict(self.measured)
-
-    def to_record(self) -> Json:
-        m = self.measured
-        record = {
-            "unique_completions": m.unique,
-            "total_completions": m.total,
-            "max_ulp": m.max_ulp,
-            "batch1_repeatable": m.batch1_repeatable,
-            "traffic": self.traffic,
-            "repeat": self.repeat,
-            "verdict": self.verdict,
-            "prefix_cache_bypass": self.bypass.to_record() if self.bypass else None,
-            "ulp_notes": self.ulp_notes,
-            "state": self.state,
-        }
-        if self.cache is not None:
-            record.update(self.cache.to_record())
-        if self.prefill is not None:
-            record.update(self.prefill.to_record())
-            record["prefill_verdict"] = self.prefill.verdict()
-        return record
-
-
-@dataclass(frozen=True)
-class LongPrompt:
-    """A prompt built to about a number of tokens, as the server counts them."""
-
-    text: str
-    asked: int  # --prompt-tokens
-    tokens: int  # what the server's tokenizer made of it
-    budget: Optional[int]  # the chunked-prefill budget, where the server says
-
-    @property
-    def chunks(self) -> Optional[int]:
-        """How many chunks of the budget its prefill takes."""
-        return -(-self.tokens // self.budget) if self.budget else None
-
-    def to_record(self) -> Json:
-        return {
-            "asked": self.asked,
-            "tokens": self.tokens,
-            "prefill_budget": self.budget,
-            "prefill_chunks": self.chunks,
-        }
-
-
-@dataclass(frozen=True)
-class SettingDifference:
-    """A setting two servers report differently: the cost arms, or a baseline server and the
-    server under test."""
-
-    setting: str
-    theirs: Any  # the flag-off arm's, or the baseline server's
-    ours: Any  # the flag-on arm's, or the server under test's
-
-    def to_record(self, theirs: str, ours: str) -> Json:
-        return {"setting": self.setting, theirs: self.theirs, ours: self.ours}
-
-
-@dataclass(frozen=True)
-class Overhead:
-    """What the flag costs by one measure, from paired trials: the median on/off ratio - 1 in
-    per cent, with its 95% interval (none, and never significant, below
-    MIN_PAIRS_FOR_INTERVAL pairs), or why it could not be measured."""
-
-    pct: Optional[float]
-    ci95_pct: Optional[List[float]]
-    significant: bool
-    ratios: List[float] = field(default_factory=list)  # on/off, pair by pair
-    unmeasured: Optional[str] = None
-
-    @classmethod
-    def of(cls, off_s: Sequence[float], on_s: Sequence[float]) -> "Overhead":
-        ratios = [b / a if a > 0 else math.inf for a, b in zip(off_s, on_s)]
-        rounded = [round(r, 6) for r in ratios]
-        if len(ratios) < MIN_PAIRS_FOR_INTERVAL or not all(map(math.isfinite, ratios)):
-            median = statistics.median(ratios) if ratios else math.nan
-            pct = round((median - 1.0) * 100.0, 3) if math.isfinite(median) else None
-            return cls(pct, None, False, rounded)
-        lo, hi = bootstrap_median_ci(ratios)
-        ci = [round((lo - 1.0) * 100.0, 3), round((hi - 1.0) * 100.0, 3)]
-        pct = round((statistics.median(ratios) - 1.0) * 100.0, 3)
-        return cls(pct, ci, not (ci[0] <= 0.0 <= ci[1]), rounded)
-
-    @classmethod
-    def from_record(cls, record: Json) -> "Overhead":
-        return cls(
-            record.get("overhead_pct"),
-            record.get("ci95_pct"),
-            bool(record.get("significant")),
-            unmeasured=record.get("unmeasured"),
-        )
-
-    def to_record(self) -> Json:
-        """The figures as a cost cell saves each overhead under load (the primary one adds
-        its ratios beside them)."""
-        record = {
-            "overhead_pct": self.pct,
-            "ci95_pct": self.ci95_pct,
-            "significant": self.significant,
-        }
-        if self.unmeasured is not None:
-            record["unmeasured"] = self.unmeasured
-        return record
-
-    def text(self, with_interval: str, without: str, not_significant: str) -> str:
-        """with_interval % (value, low, high, mark), mark being not_significant when the
-        interval contains 0; without % value when there are too few pairs for one."""
-        if self.pct is None:
-            return "no overhead (%s)" % (self.unmeasured or "no complete trial pair")
-        if self.ci95_pct is None:
-            return without % self.pct
-        lo, hi = self.ci95_pct
-        return with_interval % (self.pct, lo, hi, "" if self.significant else not_significant)
-
-
-@dataclass(frozen=True)
-class ArmStats:
-    """The timed trials of one cost arm."""
-
-    samples_s: List[float]  # seconds of each trial
-    output_tokens: List[int]  # of each trial
-
-    @property
-    def median_s(self) -> float:
-        return statistics.median(self.samples_s)
-
-    @property
-    def tokens_per_s(self) -> List[float]:
-        return [t / s for t, s in zip(self.output_tokens, self.samples_s) if s > 0]
-
-    @property
-    def median_tokens_per_s(self) -> Optional[float]:
-        rates = self.tokens_per_s
-        return statistics.median(rates) if rates else None
-
-    @property
-    def noisy(self) -> bool:
-        low, high = min(self.samples_s), max(self.samples_s)
-        return high / low > NOISE_SPREAD if low > 0 else True
-
-    def to_record(self) -> Json:
-        samples = self.samples_s
-        return {
-            "median_s": self.median_s,
-            "mad_s": mad(samples),
-            "min_s": min(samples),
-            "max_s": max(samples),
-            "samples_s": list(samples),
-            "output_tokens": list(self.output_tokens),
-            "tokens_per_s": [round(x, 3) for x in self.tokens_per_s],
-            "median_tokens_per_s": self.median_tokens_per_s,
-            "noisy": self.noisy,
-        }
-
-
-@dataclass(frozen=True)
-class RequestTiming:
-    """One streamed request of a load trial."""
-
-    ttft_s: Optional[float]  # time to first token; None where the stream does not show it
-    latency_s: float  # from sending to the last token
-    tokens: int  # output tokens
-    tpot_s: Optional[float]  # time per output token after the first
-    progress_events: int  # stream events that reported more tokens
-
-    def to_record(self) -> Json:
-        return {
-            "ttft_s": self.ttft_s,
-            "latency_s": self.latency_s,
-            "tokens": self.tokens,
-            "tpot_s": self.tpot_s,
-            "progress_events": self.progress_events,
-        }
-
-
-LOAD_FIGURES = ("latency", "ttft", "tpot")  # what each request of a load trial is timed on
-UNMEASURED_STREAM = (
-    "the stream does not report its progress token by token (its first event carries several "
-    "tokens, or most tokens arrive together), so neither the first token's arrival nor the time "
-    "between tokens can be seen: latency and throughput stand"
-)
-
-
-@dataclass(frozen=True)
-class LoadStats:
-    """One cost arm under load: medians and p99 of every request's latency, TTFT and TPOT,
-    the medians of the trials' throughputs, and every request's timing."""
-
-    requests: List[List[RequestTiming]]  # trial by trial
-    samples_s: List[float]  # each trial's seconds
-    output_tokens: List[int]  # each trial's tokens
-
-    def values(self, figure: str) -> List[float]:
-        """Every request's figure ("latency", "ttft" or "tpot"), where it has one."""
-        found = (getattr(r, figure + "_s") for trial in self.requests for r in trial)
-        return [v for v in found if v is not None]
-
-    def spread(self, figure: str) -> Optional[Tuple[float, float]]:
-        """(median, p99) of a figure over every request; None where no request has it."""
-        values = self.values(figure)
-        return (statistics.median(values), percentile(values, 0.99)) if values else None
-
-    def rates(self) -> Tuple[Optional[float], Optional[float]]:
-        """The medians of the trials' tokens and requests a second. A trial shorter than the
-        clock's resolution has no rate: it is left out."""
-        timed = [
-            (requests, tokens, s)
-            for requests, tokens, s in zip(self.requests, self.output_tokens, self.samples_s)
-            if s > 0
-        ]
-        if not timed:
-            return None, None
-        return (
-            statistics.median(tokens / s for _, tokens, s in timed),
-            statistics.median(len(requests) / s for requests, _, s in timed),
-        )
-
-    def to_record(self) -> Json:
-        record: Json = {}
-        for figure in LOAD_FIGURES:
-            spread = self.spread(figure)
-            record[figure] = {"median_s": spread[0], "p99_s": spread[1]} if spread else None
-        if record["ttft"] is None:
-            record["unmeasured"] = UNMEASURED_STREAM
-        record["median_tokens_per_s"], record["median_requests_per_s"] = self.rates()
-        record["requests"] = [[r.to_record() for r in trial] for trial in self.requests]
-        return record
-
-
-@dataclass(frozen=True)
-class CellLabels:
-    """What names a cost cell and what the 2x2 table shows of it, read alike from this run's
-    cell and from any cell already in the cost file."""
-
-    tp: Optional[int]
-    workload: str
-    batch: Optional[int]  # None for load trials
-    concurrency: Optional[int]  # load trials only
-    requests: Optional[int]  # load trials only
-    arrivals: Optional[str]  # load trials only
-    max_tokens: int
-    model: str
-    state: Optional[str]  # None in files of labs that did not save it
-    overhead: Overhead  # the primary one
-
-    @classmethod
-    def from_record(cls, record: Json) -> "CellLabels":
-        return cls(
-            record["tp"],
-            record["workload"],
-            record["batch"],
-            record.get("concurrency"),
-            record.get("requests"),
-            record.get("arrivals"),
-            record["max_tokens"],
-            record["model"],
-            record.get("state"),
-            Overhead.from_record(record),
-        )
-
-    def key(self) -> Tuple:
-        """What makes two cells the same measurement: a newer one replaces the older."""
-        arrivals = (self.arrivals or "burst") if self.concurrency else None
-        return (
-            self.tp,
-            self.workload,
-            self.batch,
-            self.concurrency,
-            arrivals,
-            self.max_tokens,
-            self.model,
-        )
-
-    def shape(self) -> str:
-        if self.concurrency:
-            return "concurrency %d, %d requests a trial" % (self.concurrency, self.requests)
-        return "batch %d" % self.batch
-
-
-@dataclass(frozen=True)
-class CostCell:
-    """One labelled cell of the 2x2 table: both arms' trials, what the flag costs, and where
-    it was measured."""
-
-    labels: CellLabels
-    trials: int  # complete trial pairs
-    warmup: int
-    engine: str
-    prefix_tokens: Optional[int]  # shared-prefix only
-    off: ArmStats
-    on: ArmStats
-    servers: Json  # arm name -> its server facts' record, with its URL
-    differences: List[SettingDifference]  # between the arms, other than the flag's own
-    compared_on: str  # what the primary overhead's ratio is of
-    created: str  # when the cell was made
-    lab: Json  # provenance
-    load: Optional[Dict[str, LoadStats]] = None  # arm name -> its load statistics
-    overheads: Optional[Dict[str, Overhead]] = None  # load trials: throughput, then LOAD_FIGURES
-    stopped_by: Optional[str] = None  # --precision: "precision", "trials", or the stop
-
-    @property
-    def overhead(self) -> Overhead:
-        return self.labels.overhead
-
-    def to_record(self) -> Json:
-        labels = self.labels
-        record = {
-            "tp": labels.tp,
-            "workload": labels.workload,
-            "batch": labels.batch,
-            "max_tokens": labels.max_tokens,
-            "trials": self.trials,
-            "warmup": self.warmup,
-            "model": labels.model,
-            "engine": self.engine,
-            "prefix_tokens": self.prefix_tokens,
-            "off": self.off.to_record(),
-            "on": self.on.to_record(),
-            "servers": self.servers,
-            "differences": [d.to_record("off", "on") for d in self.differences],
-            "state": labels.state,
-            "created": self.created,
-            "lab": self.lab,
-        }
-        record.update(self.overhead.to_record(), ratios=self.overhead.ratios)
-        record["compared_on"] = self.compared_on
-        if self.load is not None and self.overheads is not None:
-            record.update(
-                concurrency=labels.concurrency,
-                requests=labels.requests,
-                primary="throughput",
-                arrivals=labels.arrivals,
-                load={name: stats.to_record() for name, stats in self.load.items()},
-                overheads={name: o.to_record() for name, o in self.overheads.items()},
-            )
-        if self.stopped_by is not None:
-            record["stopped_by"] = self.stopped_by
-        return record
 
 
 # ----------------------------------------------------------------------------
@@ -1994,6 +1390,39 @@ def describe_network_error(reason: Any, base_url: str, timeout: float) -> str:
     return "cannot reach %s: %s" % (base_url, reason)
 
 
+class Stopped(KeyboardInterrupt):
+    """A stop asked for by a signal; the run ends with the signal's own exit code."""
+
+    def __init__(self, signum: int):
+        super().__init__()
+        self.signum = signum
+
+
+STOP_SIGNALS = {
+    "SIGINT": (EXIT_INTERRUPTED, "interrupted"),
+    "SIGTERM": (EXIT_TERMINATED, "terminated"),
+    "SIGHUP": (EXIT_HANGUP, "hung up"),
+}  # signal -> (exit code, state); SIGHUP is not on Windows
+
+
+def failed_outcome(outcomes: Sequence[Any], what: str) -> None:
+    """Raise, in the thread that sent them, what the worst of many requests' threads raised:
+    a stop first, then anything unforeseen (so that it ends the run as in this thread), then
+    the first server error, with how many failed."""
+    raised = [o for o in outcomes if isinstance(o, BaseException)]
+    if not raised:
+        return
+    stop = next((o for o in raised if isinstance(o, KeyboardInterrupt)), None)
+    unforeseen = next((o for o in raised if not isinstance(o, ServerError)), None)
+    if stop or unforeseen:
+        raise stop or unforeseen
+    raise ServerError(
+        "%s (%d of %d %s failed)" % (raised[0], len(raised), len(outcomes), what),
+        raised[0].status,
+        raised[0].kind,
+    )
+
+
 # ----------------------------------------------------------------------------
 # Engine adapters: each engine's wire format in, Completion and ServerFacts records out.
 # Nothing below this section knows which engine answered.
@@ -2099,9 +1528,6 @@ class ServerFacts:
             self.graph_sizes, self.graph_source = list(self.default_graph_sizes), "assumed"
         self.settings = {label: plain_value(v) for label, v in self.settings.items()}
         return self
-
-    def to_record(self) -> Dict[str, Any]:
-        return asdict(self)
 
 
 class EngineAdapter(Protocol):
@@ -2866,22 +2292,14 @@ class Hazard:
     """A server setting reported upstream to break or weaken batch invariance, with the
     evidence read for it. fires(value) is given the setting as /server_info holds it."""
 
-    engine: str
+    engine: str = field(metadata=NOT_SAVED)
     setting: str  # what to look at, in the engine's /server_info
-    path: Tuple[str, ...]  # where it sits there
-    fires: Callable[[Any], bool]
+    path: Tuple[str, ...] = field(metadata=NOT_SAVED)  # where it sits there
+    fires: Callable[[Any], bool] = field(metadata=NOT_SAVED)
     versions: str  # where it was seen, and whether a fix had landed when read
     why: str  # in the lab's words
     refs: str  # the upstream reports, repository and number
-    checked: str  # what was read to keep this row
-
-    def record(self) -> Dict[str, Any]:
-        return {
-            "setting": self.setting,
-            "versions": self.versions,
-            "why": self.why,
-            "refs": self.refs,
-        }
+    checked: str = field(metadata=NOT_SAVED)  # what was read to keep this row
 
 
 def _is_fp8(value: Any) -> bool:
@@ -2960,14 +2378,13 @@ def hazards_in(engine: str, info: Any) -> List[Dict[str, Any]]:
         if h.engine == engine:
             try:
                 if h.fires(dig(info, *h.path)):
-                    found.append(h.record())
+                    found.append(as_record(h))
             except SHAPE_FAULTS:
                 pass  # a value of no known kind meets no known hazard
     return found
 
 
 ADAPTERS: Dict[str, EngineAdapter] = {a.name: a for a in (VllmAdapter(), SglangAdapter())}
-
 # What reading a server's answer can raise when the answer is not what the engine sends.
 SHAPE_FAULTS = (
     TypeError,
@@ -3025,11 +2442,6 @@ def detect_engine(client: HttpClient) -> EngineAdapter:
     return found[0]
 
 
-def fresh_cache_key() -> str:
-    """A prefix-cache key no earlier request used."""
-    return "lab-" + os.urandom(12).hex()
-
-
 def generate(
     client: HttpClient,
     adapter: EngineAdapter,
@@ -3044,847 +2456,6 @@ def generate(
     start = CLOCK()
     answer = client.request(adapter.generate_path, body)
     return answer, CLOCK() - start
-
-
-# ----------------------------------------------------------------------------
-# Configuration: argparse turned into plain values before any I/O
-
-
-@dataclass
-class SweepOptions:
-    """--mode sweep's own configuration."""
-
-    sizes: Optional[List[int]] = None
-    max_batch: int = DEFAULT_MAX_BATCH
-    prompts: List[str] = field(default_factory=list)
-    baseline: Optional[Dict[str, Any]] = None
-    baseline_path: Optional[str] = None
-    expect: Optional[str] = None
-    traffic: str = DEFAULT_TRAFFIC
-    repeat: int = DEFAULT_REPEAT
-    prefix_cache: str = DEFAULT_PREFIX_CACHE
-    seed: int = DEFAULT_SEED  # also places mixed traffic's fillers
-    prefill_check: bool = False
-    prompt_tokens: Optional[int] = None  # build a prompt of about this many tokens
-    cache_check: bool = False  # each batch again from the prefix cache, compared with the cold one
-    baseline_url: Optional[str] = None  # --baseline URL: batch 1 comes from this server
-    # --baseline URL: the settings that server reports otherwise than the server under test
-    baseline_differences: List[SettingDifference] = field(default_factory=list)
-    long_prompt: Optional[LongPrompt] = None  # the prompt so built, as the server counted it
-
-
-@dataclass
-class CostOptions:
-    """--mode cost's own configuration."""
-
-    invariant_url: Optional[str] = None
-    batch: int = DEFAULT_BATCH
-    trials: int = DEFAULT_TRIALS
-    warmup: int = DEFAULT_WARMUP
-    workload: str = "cold"
-    prefix_tokens: int = DEFAULT_PREFIX_TOKENS
-    tp: Optional[int] = None
-    allow_mismatch: bool = False
-    concurrency: Optional[int] = (
-        None  # load trials: requests in flight at once (None: one batch request)
-    )
-    requests: int = 0  # load trials: requests per trial
-    precision: Optional[float] = None  # stop once the interval's half-width is at most this
-
-
-@dataclass
-class Config:
-    """What a run was asked for, checked before any request: what every mode shares, and
-    each mode's own options (sweep, cost)."""
-
-    mode: str
-    engine: Optional[str] = (
-        None  # harness: the part to print (None: both); sweep, cost: the adapter (None: ask)
-    )
-    engine_detected: bool = False  # the engine was found by asking the server, not named
-    url: Optional[str] = None
-    model: Optional[str] = None
-    api_key: Optional[str] = field(default=None, repr=False)
-    provenance: Dict[str, Any] = field(default_factory=dict)  # how the results were made
-    timeout: float = DEFAULT_TIMEOUT_S
-    max_response_bytes: int = DEFAULT_MAX_RESPONSE_MB << 20
-    json_out: bool = False
-    quiet: bool = False  # no progress lines
-    color: str = "auto"  # one of COLOR_CHOICES
-    wait_ready: Optional[float] = None  # seconds to wait for the servers' health checks first
-    save: Optional[str] = None
-    prior_save: Optional[Dict[str, Any]] = None  # the document already at --save (cost adds to it)
-    sampling: Optional[Sampling] = None
-    request_rate: Optional[float] = None  # Poisson arrivals a second; None: a burst
-    sweep: SweepOptions = field(default_factory=SweepOptions)  # --mode sweep only
-    cost: CostOptions = field(default_factory=CostOptions)  # --mode cost only
-
-    @property
-    def adapter(self) -> EngineAdapter:
-        return ADAPTERS[self.engine]
-
-    def client(self, url: str) -> HttpClient:
-        return HttpClient(url, self.api_key, self.timeout, self.max_response_bytes)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(message)
-
-
-WHOLE_NUMBER = r"[+-]?[0-9]+"  # ASCII digits only: int() also takes other scripts' digits
-
-
-def parse_whole(text: str) -> Optional[int]:
-    return int(text) if re.fullmatch(WHOLE_NUMBER, text.strip()) else None
-
-
-def whole_number(low: int, high: Optional[int] = None) -> Callable[[str], int]:
-    """An argparse type: a whole number from low (to high); its error is one line."""
-
-    def parse(text: str) -> int:
-        value = parse_whole(text)
-        if value is None:
-            raise argparse.ArgumentTypeError("%r is not a whole number" % text)
-        if value < low or (high is not None and value > high):
-            wanted = "at least %d" % low if high is None else "%d to %d" % (low, high)
-            raise argparse.ArgumentTypeError("give %s (got %d)" % (wanted, value))
-        return value
-
-    return parse
-
-
-def real_number(low: float, above: bool = False) -> Callable[[str], float]:
-    """An argparse type: a finite number at least low (or above it, with above)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value) or not text.strip().isascii():
-            raise argparse.ArgumentTypeError("%r is not a finite number" % text)
-        if value < low or (above and value == low):
-            raise argparse.ArgumentTypeError(
-                "give %s %g (got %g)" % ("a number above" if above else "at least", low, value)
-            )
-        return value
-
-    return parse
-
-
-def limits_text(indent: str = "  ") -> str:
-    return "\n".join("%s%-50s at most %d" % (indent, what, most) for what, most in LIMITS)
-
-
-def exit_codes_text(indent: str = "  ") -> str:
-    return "\n".join("%s%-4d %s" % (indent, code, meaning) for code, meaning in EXIT_CODES)
-
-
-def provenance(argv: Sequence[str]) -> Dict[str, Any]:
-    """What a saved result records of how it was made: the lab's version, the command line
-    with any key removed, the client's host and when the run started."""
-    command, hide = [], False
-    for word in argv:
-        if hide:
-            command.append("[api key]")
-            hide = False
-        elif word == "--api-key":
-            command.append(word)
-            hide = True
-        elif word.startswith("--api-key="):
-            command.append("--api-key=[api key]")
-        else:
-            command.append(word)
-    return {
-        "version": LAB_VERSION,
-        "command": ["run.py"] + command,
-        "host": socket.gethostname(),
-        "python": "%d.%d.%d" % sys.version_info[:3],
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="run.py",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Batch-invariance lab for vLLM and SGLang servers, over plain HTTP.",
-        epilog="exit codes:\n"
-        + exit_codes_text()
-        + "\n\nlimits (larger is refused):\n"
-        + limits_text(),
-    )
-    p.add_argument(
-        "--version", action="version", version="run.py (batch-invariance lab) " + LAB_VERSION
-    )
-    p.add_argument(
-        "--mode",
-        choices=MODES,
-        default="help",
-        help="harness: upstream harnesses and commands (offline); sweep: unique completions "
-        "and logprob ULPs across batch sizes; cost: the flag's overhead; help: the guide",
-    )
-    common = p.add_argument_group("all modes")
-    common.add_argument(
-        "--engine",
-        choices=sorted(ADAPTERS) + ["auto"],
-        help="sweep and cost: vllm, sglang "
-        "or auto (the default: ask the server which it is); harness: print only this engine's "
-        "part",
-    )
-    sweep_cost = p.add_argument_group("sweep and cost")
-    sweep_cost.add_argument(
-        "--url",
-        help="the server (cost: the flag-off arm), as the engine logs it or as "
-        "OpenAI clients take it (a trailing /v1 is understood); default http://localhost:8000, "
-        "or :30000 with --engine sglang",
-    )
-    sweep_cost.add_argument(
-        "--model",
-        help="served model; default: the first of /v1/models (vllm), "
-        "model_path of /server_info (sglang)",
-    )
-    sweep_cost.add_argument(
-        "--api-key", help="bearer token (default: $OPENAI_API_KEY); never printed or saved"
-    )
-    sweep_cost.add_argument(
-        "--max-tokens",
-        type=whole_number(1, MAX_TOKENS),
-        help="tokens per completion (default: "
-        "sweep %d, cost %d)" % (DEFAULT_SWEEP_TOKENS, DEFAULT_COST_TOKENS),
-    )
-    sweep_cost.add_argument(
-        "--save",
-        metavar="PATH",
-        help="write the result as JSON (sweep: rewritten "
-        "after every batch size; cost: adds its cell to the file)",
-    )
-    sweep_cost.add_argument(
-        "--json", action="store_true", help="print the result as JSON, not a table"
-    )
-    sweep_cost.add_argument(
-        "--wait-ready",
-        type=real_number(0.0, above=True),
-        metavar="SECONDS",
-        help="first wait up to this long for the server(s) to answer their health "
-        "check (a server just started takes minutes to load)",
-    )
-    sweep_cost.add_argument(
-        "--request-rate",
-        type=real_number(0.0, above=True),
-        metavar="R",
-        help="with --traffic concurrent (sweep) or --concurrency (cost): requests arrive at R a "
-        "second, Poisson (exponential gaps drawn from --seed, so a run repeats), as vllm bench "
-        "serve's --request-rate; default: all at once (a burst)",
-    )
-    sweep_cost.add_argument(
-        "--quiet",
-        action="store_true",
-        help="no progress lines on stderr (warnings " "and errors still appear)",
-    )
-    sweep_cost.add_argument(
-        "--color",
-        choices=COLOR_CHOICES,
-        default="auto",
-        help="bold summary lines: auto (on a terminal, unless NO_COLOR is set to a "
-        "non-empty value, as no-color.org asks), always, never (default auto)",
-    )
-    sweep_cost.add_argument(
-        "--timeout",
-        type=real_number(0.0, above=True),
-        default=DEFAULT_TIMEOUT_S,
-        help="seconds to wait for one answer (default %g)" % DEFAULT_TIMEOUT_S,
-    )
-    sweep_cost.add_argument(
-        "--max-response-mb",
-        type=whole_number(1),
-        default=DEFAULT_MAX_RESPONSE_MB,
-        help="refuse a larger answer (default %d)" % DEFAULT_MAX_RESPONSE_MB,
-    )
-    sweep = p.add_argument_group("sweep")
-    sweep.add_argument(
-        "--sizes",
-        help="batch sizes, e.g. 1,15,16,17 (default: a ladder to --max-batch "
-        "that straddles every CUDA-graph size)",
-    )
-    sweep.add_argument(
-        "--max-batch",
-        type=whole_number(1, MAX_BATCH_SIZE),
-        default=DEFAULT_MAX_BATCH,
-        help="largest batch of the default ladder (default %d)" % DEFAULT_MAX_BATCH,
-    )
-    sweep.add_argument(
-        "--prompt",
-        action="append",
-        default=[],
-        metavar="TEXT",
-        help="a prompt; repeat for more (each gets its own sweep)",
-    )
-    sweep.add_argument("--prompt-file", metavar="PATH", help="prompts, one per line")
-    sweep.add_argument(
-        "--temperature",
-        type=real_number(0.0),
-        default=DEFAULT_TEMPERATURE,
-        help="default %g (greedy); above 0 a --seed is always sent" % DEFAULT_TEMPERATURE,
-    )
-    sweep.add_argument(
-        "--seed",
-        type=whole_number(0),
-        default=DEFAULT_SEED,
-        help="sampling seed when " "temperature > 0 (default %d)" % DEFAULT_SEED,
-    )
-    sweep.add_argument(
-        "--logprobs",
-        type=whole_number(0, MAX_LOGPROBS),
-        default=DEFAULT_LOGPROBS,
-        help="top-k logprobs per step, 0..%d (default %d)" % (MAX_LOGPROBS, DEFAULT_LOGPROBS),
-    )
-    sweep.add_argument(
-        "--traffic",
-        choices=TRAFFIC_SHAPES,
-        default=DEFAULT_TRAFFIC,
-        help="copies: one request of n copies of the prompt; concurrent: n one-prompt "
-        "requests in flight at once; mixed: the prompt once among n-1 other prompts "
-        "(default %s; see --mode help)" % DEFAULT_TRAFFIC,
-    )
-    sweep.add_argument(
-        "--repeat",
-        type=whole_number(1, MAX_REPEAT),
-        default=DEFAULT_REPEAT,
-        help="passes through the whole ladder, batch 1 included; batch 1's passes are "
-        "the run-to-run control (default %d)" % DEFAULT_REPEAT,
-    )
-    sweep.add_argument(
-        "--prefix-cache",
-        choices=PREFIX_CACHE_CHOICES,
-        default=DEFAULT_PREFIX_CACHE,
-        help="bypass: no request may be served from an earlier one's prefix cache; keep: "
-        "leave the cache alone and save the cached-token counts (default %s)"
-        % DEFAULT_PREFIX_CACHE,
-    )
-    sweep.add_argument(
-        "--baseline",
-        metavar="PATH|URL",
-        help="compare with the batch-1 completions of an "
-        "earlier sweep's --save file (same model and prompts), or of another server, measured "
-        "first with the same prompts and sampling: restart to restart, TP to TP, version to "
-        "version",
-    )
-    sweep.add_argument(
-        "--prompt-tokens",
-        type=whole_number(1, MAX_PROMPT_TOKENS),
-        metavar="N",
-        help="measure a prompt of about N tokens, built of plain words until the server's own "
-        "tokenizer counts N within a few, instead of --prompt (to cross the chunked-prefill "
-        "budget)",
-    )
-    sweep.add_argument(
-        "--prefill-check",
-        action="store_true",
-        help="also read every distinct completion "
-        "back as one token-id prompt and compare each token's decode-time logprob with its "
-        "prefill-time one (what RL training on-policy needs; see --mode help)",
-    )
-    sweep.add_argument(
-        "--expect",
-        choices=("invariant", "variant", "prefill-equal", "cache-equal"),
-        help="exit 1 unless the "
-        "result is invariant (flag on), shows a difference (flag off, the negative control), "
-        "(with --prefill-check) decode and prefill agree bitwise, or (with --cache-check) a "
-        "verified cache hit equals the cold prefill bitwise",
-    )
-    sweep.add_argument(
-        "--cache-check",
-        action="store_true",
-        help="also send every batch again at once, with "
-        "the cold request's cache key, so that the prefix cache serves it, and compare it with "
-        "the cold one bitwise; the cached-token counts prove the hit (copies traffic, bypass)",
-    )
-    cost = p.add_argument_group("cost")
-    cost.add_argument("--invariant", metavar="URL", help="the flag-on arm (required)")
-    cost.add_argument(
-        "--batch",
-        type=whole_number(1, MAX_BATCH_SIZE),
-        default=DEFAULT_BATCH,
-        help="prompts per timed " "request (default %d)" % DEFAULT_BATCH,
-    )
-    cost.add_argument(
-        "--trials",
-        type=whole_number(1, MAX_TRIALS),
-        default=DEFAULT_TRIALS,
-        help="timed requests per " "arm (default %d)" % DEFAULT_TRIALS,
-    )
-    cost.add_argument(
-        "--warmup",
-        type=whole_number(0, MAX_TRIALS),
-        default=DEFAULT_WARMUP,
-        help="discarded requests " "per arm (default %d)" % DEFAULT_WARMUP,
-    )
-    cost.add_argument(
-        "--workload",
-        choices=WORKLOADS,
-        default="cold",
-        help="cold: no prefix can be cached; shared-prefix: one long prefix for all",
-    )
-    cost.add_argument(
-        "--prefix-tokens",
-        type=whole_number(1, MAX_PROMPT_TOKENS),
-        default=DEFAULT_PREFIX_TOKENS,
-        help="length of the shared prefix (default about %d tokens)" % DEFAULT_PREFIX_TOKENS,
-    )
-    cost.add_argument(
-        "--concurrency",
-        type=whole_number(1, MAX_BATCH_SIZE),
-        metavar="C",
-        help="time a server under load "
-        "instead of one batch request: each trial is --requests one-prompt streamed requests, at "
-        "most C in flight (throughput, TTFT, TPOT and latency of both arms)",
-    )
-    cost.add_argument(
-        "--requests",
-        type=whole_number(1, MAX_REQUESTS),
-        metavar="R",
-        help="requests per load trial " "(default 4 x --concurrency; at least C)",
-    )
-    cost.add_argument(
-        "--precision",
-        type=real_number(0.0, above=True),
-        metavar="P",
-        help="keep timing trial "
-        "pairs until the overhead's 95%% interval is at most +-P points wide, or --trials is "
-        "reached",
-    )
-    cost.add_argument(
-        "--tp",
-        type=whole_number(1),
-        help="TP degree for the label when the server does " "not report it",
-    )
-    cost.add_argument(
-        "--allow-mismatch",
-        action="store_true",
-        help="time even when the two servers "
-        "differ in more than the flag (the result records the differences)",
-    )
-    return p
-
-
-def parse_sizes(text: str) -> List[int]:
-    parts = [p.strip() for p in text.split(",")]
-    if not text.strip() or any(not p for p in parts):
-        raise UsageError("--sizes: give comma-separated batch sizes, e.g. 1,15,16,17")
-    bad = next((p for p in parts if parse_whole(p) is None), None)
-    if bad is not None:
-        raise UsageError("--sizes: %r is not a whole number" % bad)
-    sizes = [int(p) for p in parts]
-    if any(s < 1 for s in sizes):
-        raise UsageError("--sizes: batch sizes start at 1 (got %d)" % min(sizes))
-    if max(sizes) > MAX_BATCH_SIZE:
-        raise UsageError(
-            "--sizes: batch sizes go up to %d (got %d)" % (MAX_BATCH_SIZE, max(sizes))
-        )
-    if len(set(sizes)) != len(sizes):
-        raise UsageError(
-            "--sizes: %d is listed twice" % next(s for s in sizes if sizes.count(s) > 1)
-        )
-    return sizes
-
-
-def server_address(url: str) -> Tuple[str, str, int, str]:
-    """(scheme, host, port, path) with loopback names folded together, to tell two URLs'
-    servers apart: two paths behind one gateway are two servers."""
-    parts = urllib.parse.urlsplit(url)
-    host = (parts.hostname or "").lower()
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    return parts.scheme, "loopback" if is_loopback(host) else host, port, parts.path.rstrip("/")
-
-
-def check_url(url: str, option: str) -> str:
-    """The server's base URL: as an engine logs it (http://0.0.0.0:8000, which is this machine)
-    or as OpenAI clients take it (ending in /v1, which the lab adds itself)."""
-    if any(c.isspace() for c in url):
-        raise UsageError("%s: the URL has a space in it (quote it whole, or remove it)" % option)
-    try:
-        parts = urllib.parse.urlsplit(url)
-    except ValueError as err:  # a malformed IPv6 address
-        raise UsageError("%s: not a URL the lab can use (%s)" % (option, err)) from None
-    if parts.username is not None or parts.password is not None:
-        # Never echo the URL: it holds a secret. Credentials go in a header, never a URL.
-        raise UsageError(
-            "%s: a user name or password in the URL is not accepted (it would be printed "
-            "and saved); give the key with --api-key or $OPENAI_API_KEY" % option
-        )
-    if parts.query or parts.fragment or url.endswith(("?", "#")):
-        # Never echo it: a query string is where a key is often put.
-        raise UsageError(
-            "%s: give the server's base URL without a query string or fragment (a key goes "
-            "in --api-key or $OPENAI_API_KEY)" % option
-        )
-    try:
-        parts.port
-    except ValueError:
-        raise UsageError("%s: %r has a port that is not a number" % (option, url)) from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise UsageError("%s: %r is not an http:// or https:// URL" % (option, url))
-    path = parts.path.rstrip("/")
-    endpoint = next((e for e in ENDPOINT_PATHS if path.endswith(e)), None)
-    if endpoint:
-        raise UsageError(
-            "%s: give the server's base URL, not an endpoint: %s (the lab adds %s itself)"
-            % (
-                option,
-                urllib.parse.urlunsplit(
-                    (parts.scheme, parts.netloc, path[: -len(endpoint)], "", "")
-                ),
-                endpoint,
-            )
-        )
-    if path.endswith("/v1"):
-        path = path[:-3]
-    netloc = parts.netloc
-    for any_address, local in (("0.0.0.0", "127.0.0.1"), ("[::]", "[::1]")):
-        if parts.hostname == any_address.strip("[]"):
-            netloc = netloc.replace(any_address, local)
-    return urllib.parse.urlunsplit((parts.scheme, netloc, path, "", ""))
-
-
-# Endpoints a base URL is mistaken for: the adapters add their own paths to the base URL
-ENDPOINT_PATHS = sorted(
-    {p for a in ADAPTERS.values() for p in (a.generate_path, a.health_path)}
-    | {"/v1/chat/completions", "/v1/models"},
-    key=len,
-    reverse=True,
-)
-MAX_INPUT_FILE_MB = 1024  # a prompt file or lab result larger than this is refused, not read
-
-
-def read_input_file(path: str, option: str) -> str:
-    """A regular file's text, read only if it is one (a device, FIFO or folder is refused before
-    anything is read from it) and no larger than MAX_INPUT_FILE_MB."""
-    try:
-        info = os.stat(path)
-        if not stat.S_ISREG(info.st_mode):
-            raise UsageError("%s: %s is not a regular file" % (option, path))
-        if info.st_size > MAX_INPUT_FILE_MB << 20:
-            raise UsageError("%s: %s is larger than %d MB" % (option, path, MAX_INPUT_FILE_MB))
-        with open(path, "rb") as f:
-            raw = f.read((MAX_INPUT_FILE_MB << 20) + 1)
-    except OSError as err:
-        raise UsageError("%s: cannot read %s (%s)" % (option, path, err.strerror)) from None
-    if len(raw) > MAX_INPUT_FILE_MB << 20:
-        raise UsageError("%s: %s is larger than %d MB" % (option, path, MAX_INPUT_FILE_MB))
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise UsageError("%s: %s is not UTF-8 text" % (option, path)) from None
-
-
-def read_json_file(path: str, option: str) -> Dict[str, Any]:
-    text = read_input_file(path, option)
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as err:
-        raise UsageError("%s: %s is not valid JSON (%s)" % (option, path, str(err)[:80])) from None
-    if not isinstance(data, dict):
-        raise UsageError("%s: %s is not a lab result" % (option, path))
-    return data
-
-
-def check_save_target(path: str, schemas: Sequence[str]) -> Optional[Dict[str, Any]]:
-    """The document already at --save (None if there is none), checked before any request:
-    the folder must exist and take a new file, and a file already there must hold this mode's
-    results. A finished sweep is never replaced: a sweep file holds one sweep, and a second
-    run would silently lose the first (cost files gather cells, so they are added to)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise UsageError("--save: folder %s does not exist" % folder)
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".run-", suffix=".json", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as err:
-        raise UsageError("--save: cannot write in %s (%s)" % (folder, err.strerror)) from None
-    if not os.path.exists(path):  # nothing there yet (a link to a file still to be made)
-        return None
-    data = read_json_file(path, "--save")
-    if data.get("schema") not in schemas:
-        raise UsageError(
-            "--save: %s holds %s, not %s results; refusing to overwrite it"
-            % (path, data.get("schema") or "something else", schemas[0].split("/")[1])
-        )
-    if data.get("prompts") is not None and dig(data, "summary", "state") == "complete":
-        raise UsageError(
-            "--save: %s holds a finished sweep; save to another file (or remove it)" % path
-        )
-    return data
-
-
-def cost_file_fault(doc: Dict[str, Any]) -> Optional[str]:
-    """What is wrong with a cost file's cells, as the cost table and the cell keys read them,
-    or None: checked before the first request, so that no run measures and then cannot save."""
-    for section in ("cells", "incomplete_cells"):
-        cells = doc.get(section, [])
-        if not isinstance(cells, list):
-            return "%s is not a list" % section
-        for i, cell in enumerate(cells, 1):
-            fault = cell_fault(cell)
-            if fault:
-                return "%s %d: %s" % (section.replace("_", " ")[:-1], i, fault)
-    return None
-
-
-def cell_fault(cell: Any) -> Optional[str]:
-    if not isinstance(cell, dict):
-        return "not an object"
-    whole = lambda x, low: isinstance(x, int) and not isinstance(x, bool) and x >= low
-    checks = [
-        ("model", isinstance(cell.get("model"), str)),
-        ("workload", cell.get("workload") in WORKLOADS),
-        ("tp", cell.get("tp") is None or whole(cell.get("tp"), 1)),
-        (
-            "batch",
-            whole(cell.get("batch"), 1) or (cell.get("concurrency") and cell["batch"] is None),
-        ),
-        ("max_tokens", whole(cell.get("max_tokens"), 1)),
-        ("concurrency", cell.get("concurrency") is None or whole(cell.get("concurrency"), 1)),
-        ("requests", not cell.get("concurrency") or whole(cell.get("requests"), 1)),
-        ("arrivals", cell.get("arrivals") is None or isinstance(cell.get("arrivals"), str)),
-        ("state", isinstance(cell.get("state"), str)),
-        ("overhead_pct", cell.get("overhead_pct") is None or is_number(cell["overhead_pct"])),
-        (
-            "ci95_pct",
-            cell.get("ci95_pct") is None
-            or (
-                isinstance(cell["ci95_pct"], list)
-                and len(cell["ci95_pct"]) == 2
-                and all(map(is_number, cell["ci95_pct"]))
-                and isinstance(cell.get("significant"), bool)
-            ),
-        ),
-    ]
-    bad = next((name for name, good in checks if not good), None)
-    return None if bad is None else "its %s is missing or malformed" % bad
-
-
-def read_prompt_file(path: str) -> List[str]:
-    prompts = [
-        line.rstrip("\r")
-        for line in read_input_file(path, "--prompt-file").split("\n")
-        if line.strip()
-    ]
-    if not prompts:
-        raise UsageError("--prompt-file: %s holds no prompt" % path)
-    return check_prompts(prompts, "--prompt-file")
-
-
-def check_prompts(prompts: List[str], option: str) -> List[str]:
-    if len(prompts) > MAX_PROMPTS:
-        raise UsageError("%s: at most %d prompts (got %d)" % (option, MAX_PROMPTS, len(prompts)))
-    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
-    if len(prompts[longest]) > MAX_PROMPT_CHARS:
-        raise UsageError(
-            "%s: prompt %d has %d characters; at most %d"
-            % (option, longest + 1, len(prompts[longest]), MAX_PROMPT_CHARS)
-        )
-    return prompts
-
-
-def configure(argv: Optional[Sequence[str]]) -> Config:
-    """Every check that needs no server, done before any request is sent."""
-    args = build_parser().parse_args(argv)
-    engine = None if args.engine == "auto" else args.engine
-    cfg = Config(mode=args.mode, engine=engine)
-    cfg.provenance = provenance(sys.argv[1:] if argv is None else list(argv))
-    if args.mode in ("harness", "help"):
-        return cfg
-    default_port = ADAPTERS[
-        engine or "vllm"
-    ].default_port  # vLLM's port when the engine is to be found
-    cfg.url = check_url(args.url or "http://localhost:%d" % default_port, "--url")
-    cfg.model = args.model
-    cfg.api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or None
-    cfg.timeout, cfg.max_response_bytes = args.timeout, args.max_response_mb << 20
-    cfg.json_out, cfg.quiet, cfg.wait_ready = args.json, args.quiet, args.wait_ready
-    cfg.color = args.color
-    cfg.request_rate = args.request_rate
-    if cfg.request_rate is not None and cfg.request_rate > MAX_REQUEST_RATE:
-        raise UsageError("--request-rate: at most %g a second" % MAX_REQUEST_RATE)
-    if args.save:
-        cfg.save = args.save
-        cfg.prior_save = check_save_target(
-            args.save, SWEEP_SCHEMAS_READ if args.mode == "sweep" else (COST_SCHEMA,)
-        )
-        fault = cfg.prior_save and args.mode == "cost" and cost_file_fault(cfg.prior_save)
-        if fault:
-            raise UsageError(
-                "--save: %s holds cost results the lab cannot add to (%s); save to another "
-                "file" % (args.save, fault)
-            )
-    if args.mode == "sweep":
-        configure_sweep(cfg, args)
-        if cfg.request_rate is not None and cfg.sweep.traffic != "concurrent":
-            raise UsageError(
-                "--request-rate goes with --traffic concurrent (one request a prompt)"
-            )
-    else:
-        configure_cost(cfg, args)
-        if cfg.request_rate is not None and not cfg.cost.concurrency:
-            raise UsageError(
-                "--request-rate goes with --concurrency (one streamed request a prompt)"
-            )
-    return cfg
-
-
-def configure_sweep(cfg: Config, args: argparse.Namespace) -> None:
-    max_tokens = DEFAULT_SWEEP_TOKENS if args.max_tokens is None else args.max_tokens
-    cfg.sampling = Sampling.of(args.temperature, max_tokens, args.logprobs, args.seed)
-    cfg.sweep.max_batch = args.max_batch
-    cfg.sweep.sizes = parse_sizes(args.sizes) if args.sizes is not None else None
-    cfg.sweep.prompts = list(args.prompt) + (
-        read_prompt_file(args.prompt_file) if args.prompt_file else []
-    )
-    if any(not p.strip() for p in cfg.sweep.prompts):
-        raise UsageError("--prompt: a prompt is empty")
-    cfg.sweep.prompts = check_prompts(cfg.sweep.prompts or [DEFAULT_PROMPT], "--prompt")
-    if len(set(cfg.sweep.prompts)) != len(cfg.sweep.prompts):
-        raise UsageError("--prompt: the same prompt is given twice")
-    cfg.sweep.expect = args.expect
-    cfg.sweep.traffic, cfg.sweep.repeat, cfg.sweep.prefix_cache, cfg.sweep.seed = (
-        args.traffic,
-        args.repeat,
-        args.prefix_cache,
-        args.seed,
-    )
-    cfg.sweep.prefill_check = args.prefill_check
-    cfg.sweep.prompt_tokens = args.prompt_tokens
-    if cfg.sweep.prompt_tokens and (args.prompt or args.prompt_file):
-        raise UsageError(
-            "--prompt-tokens builds the prompt itself: leave out --prompt and --prompt-file"
-        )
-    if cfg.sweep.expect == "prefill-equal" and not cfg.sweep.prefill_check:
-        raise UsageError("--expect prefill-equal needs --prefill-check")
-    cfg.sweep.cache_check = args.cache_check
-    if cfg.sweep.expect == "cache-equal" and not cfg.sweep.cache_check:
-        raise UsageError("--expect cache-equal needs --cache-check")
-    if cfg.sweep.cache_check and (
-        cfg.sweep.traffic != "copies" or cfg.sweep.prefix_cache != "bypass"
-    ):
-        raise UsageError(
-            "--cache-check goes with --traffic copies and --prefix-cache bypass (its cold request "
-            "must be cold)"
-        )
-    if (
-        cfg.sweep.traffic == "mixed"
-        and (max(cfg.sweep.sizes) if cfg.sweep.sizes else cfg.sweep.max_batch) == 1
-    ):
-        raise UsageError(
-            "--traffic mixed: batch 1 has no room for other prompts; give sizes above 1"
-        )
-    if args.baseline and urllib.parse.urlsplit(args.baseline).scheme in ("http", "https"):
-        cfg.sweep.baseline_url = check_url(args.baseline, "--baseline")
-        if server_address(cfg.sweep.baseline_url) == server_address(cfg.url):
-            raise UsageError("--baseline names the server under test (--url); give another server")
-    elif args.baseline:
-        cfg.sweep.baseline_path = args.baseline
-        cfg.sweep.baseline = read_json_file(args.baseline, "--baseline")
-        check_baseline(cfg)
-
-
-def check_baseline(cfg: Config) -> None:
-    """Refuse a baseline recorded for another engine, model, prompt or sampling."""
-    doc, path = cfg.sweep.baseline, cfg.sweep.baseline_path
-    if doc.get("schema") not in SWEEP_SCHEMAS_READ or not isinstance(doc.get("prompts"), list):
-        raise UsageError("--baseline: %s is not a sweep result" % path)
-    if cfg.engine is not None:
-        check_baseline_engine(cfg, cfg.engine)
-    if cfg.model is not None and doc.get("model") != cfg.model:
-        raise UsageError(
-            "--baseline: %s was recorded for model %s, not %s"
-            % (path, doc.get("model"), cfg.model)
-        )
-    mine, theirs = cfg.sampling.params(), doc.get("params") or {}
-    for key in ("temperature", "top_p", "max_tokens", "seed"):
-        if theirs.get(key) != mine[key]:
-            raise UsageError(
-                "--baseline: %s was recorded with %s=%s, this sweep uses %s"
-                % (path, key, theirs.get(key), mine[key])
-            )
-    for i, entry in enumerate(doc["prompts"], 1):
-        if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str):
-            raise UsageError("--baseline: %s: prompts[%d] is not a prompt record" % (path, i))
-    recorded = {p["prompt"]: p for p in doc["prompts"]}
-    for prompt in cfg.sweep.prompts:
-        entry = recorded.get(prompt)
-        if entry is None:
-            raise UsageError(
-                "--baseline: %s has no baseline for the prompt %r" % (path, prompt[:60])
-            )
-        fault = baseline_fault(entry.get("baseline"))
-        if fault:
-            raise UsageError("--baseline: %s: the baseline of %r: %s" % (path, prompt[:60], fault))
-
-
-def baseline_fault(rec: Any) -> Optional[str]:
-    """What is wrong with a stored baseline completion, naming the field; None if nothing."""
-    if not isinstance(rec, dict):
-        return "baseline is not a record"
-    if not isinstance(rec.get("text"), str):
-        return "baseline.text is not a string"
-    tokens, logprobs, top = rec.get("tokens"), rec.get("logprobs"), rec.get("top_logprobs")
-    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
-        return "baseline.tokens is not a list of strings"
-    if not isinstance(logprobs, list) or not all(is_number(x) for x in logprobs):
-        return "baseline.logprobs is not a list of numbers"
-    if len(logprobs) != len(tokens):
-        return "baseline.logprobs has %d entries for %d tokens" % (len(logprobs), len(tokens))
-    if top is None:
-        return None
-    if not isinstance(top, list) or len(top) != len(tokens):
-        return "baseline.top_logprobs is not a list of one entry per token"
-    for t, step in enumerate(top):
-        if not isinstance(step, dict) or not all(
-            isinstance(k, str) and is_number(v) for k, v in step.items()
-        ):
-            return "baseline.top_logprobs[%d] is not a map of token to logprob" % t
-    if rec.get("finish_reason") is not None and not isinstance(rec["finish_reason"], str):
-        return "baseline.finish_reason is not a string"
-    return None
-
-
-def check_baseline_engine(cfg: Config, engine: str) -> None:
-    recorded = cfg.sweep.baseline.get("engine")
-    if recorded != engine:
-        raise UsageError(
-            "--baseline: %s was recorded on %s, this sweep is on %s"
-            % (cfg.sweep.baseline_path, recorded, engine)
-        )
-
-
-def configure_cost(cfg: Config, args: argparse.Namespace) -> None:
-    if not args.invariant:
-        raise UsageError("cost mode needs --invariant URL, the flag-on server")
-    cfg.cost.invariant_url = check_url(args.invariant, "--invariant")
-    if server_address(cfg.cost.invariant_url) == server_address(cfg.url):
-        raise UsageError("--url and --invariant are the same server; cost compares two")
-    max_tokens = DEFAULT_COST_TOKENS if args.max_tokens is None else args.max_tokens
-    cfg.sampling = Sampling.of(0.0, max_tokens, None, DEFAULT_SEED, ignore_eos=True)
-    cfg.cost.batch, cfg.cost.trials, cfg.cost.warmup = args.batch, args.trials, args.warmup
-    cfg.cost.workload, cfg.cost.prefix_tokens, cfg.cost.tp = (
-        args.workload,
-        args.prefix_tokens,
-        args.tp,
-    )
-    cfg.cost.allow_mismatch = args.allow_mismatch
-    cfg.cost.concurrency, cfg.cost.precision = args.concurrency, args.precision
-    if args.requests is not None and args.concurrency is None:
-        raise UsageError("--requests goes with --concurrency")
-    if cfg.cost.concurrency:
-        cfg.cost.requests = 4 * cfg.cost.concurrency if args.requests is None else args.requests
-        if cfg.cost.requests < cfg.cost.concurrency:
-            raise UsageError(
-                "--requests: give at least --concurrency (%d), or some slots stay empty"
-                % cfg.cost.concurrency
-            )
 
 
 # ----------------------------------------------------------------------------
@@ -4175,21 +2746,6 @@ def _file_mode(path: str) -> int:
         return 0o666 & ~umask
 
 
-class Stopped(KeyboardInterrupt):
-    """A stop asked for by a signal; the run ends with the signal's own exit code."""
-
-    def __init__(self, signum: int):
-        super().__init__()
-        self.signum = signum
-
-
-STOP_SIGNALS = {
-    "SIGINT": (EXIT_INTERRUPTED, "interrupted"),
-    "SIGTERM": (EXIT_TERMINATED, "terminated"),
-    "SIGHUP": (EXIT_HANGUP, "hung up"),
-}  # signal -> (exit code, state); SIGHUP is not on Windows
-
-
 class DeferredInterrupt:
     """The first Ctrl-C, SIGTERM or SIGHUP asks to stop after the current request; a second
     one stops at once. Either way what was measured is saved and summarised."""
@@ -4313,33 +2869,19 @@ def read_facts(cfg: Config, url: str, arm: str = "the server") -> ServerFacts:
         ) from None
 
 
-def measure_until_stopped(
-    out: Out, what: str, loop: Callable[[DeferredInterrupt], None]
-) -> Tuple[str, int]:
-    """Run a measuring loop. A server error, a stop signal, an output that cannot be written
-    or a fault of the lab's own ends it early; whichever it was, the caller keeps, reports
-    and saves what was measured. Returns (state, exit code)."""
-    state, code, message = "complete", EXIT_OK, None
-    with DeferredInterrupt(out) as interrupt:
-        try:
-            loop(interrupt)
-        except ServerError as err:
-            state, code = "stopped: server error", EXIT_SERVER
-            message = "%s stopped at %s" % (what, err)
-        except KeyboardInterrupt as stop:
-            name = signal.Signals(getattr(stop, "signum", signal.SIGINT)).name
-            code, state = STOP_SIGNALS[name]
-            message = "%s; showing what was measured" % state
-        except OutputFailed as err:
-            state, code = "stopped: output failed", err.code
-            message = "%s stopped: %s" % (what, err)
-        except Exception as err:  # a fault of the lab's own: what was measured still counts
-            state, code = "stopped: internal error", EXIT_INTERNAL
-            message = "%s stopped: %s" % (what, internal_error(err))
-    out.progress_done()
-    if message:
-        out.say(message, raising=False)
-    return state, code
+def ending(err: BaseException) -> Tuple[int, str, str]:
+    """What ended a run, as (exit code, the state its saved result records, one line saying
+    why): the one place where an exception becomes an exit code."""
+    if isinstance(err, UsageError):
+        return EXIT_USAGE, "stopped: usage error", str(err)
+    if isinstance(err, ServerError):
+        return EXIT_SERVER, "stopped: server error", str(err)
+    if isinstance(err, KeyboardInterrupt):  # a stop signal (Stopped) or Ctrl-C
+        code, state = STOP_SIGNALS[signal.Signals(getattr(err, "signum", signal.SIGINT)).name]
+        return code, state, state
+    if isinstance(err, OutputFailed):
+        return err.code, "stopped: output failed", str(err)
+    return EXIT_INTERNAL, "stopped: internal error", internal_error(err)
 
 
 def internal_error(err: BaseException) -> str:
@@ -4355,6 +2897,30 @@ def internal_error(err: BaseException) -> str:
         where,
         str(err)[:200],
     )
+
+
+def measure_until_stopped(
+    out: Out, what: str, loop: Callable[[DeferredInterrupt], None]
+) -> Tuple[str, int]:
+    """Run a measuring loop. A server error, a stop signal, an output that cannot be written
+    or a fault of the lab's own ends it early; whichever it was, the caller keeps, reports
+    and saves what was measured. Returns (state, exit code)."""
+    state, code, message = "complete", EXIT_OK, None
+    with DeferredInterrupt(out) as interrupt:
+        try:
+            loop(interrupt)
+        except (Exception, KeyboardInterrupt) as err:  # what was measured still counts
+            code, state, why = ending(err)
+            if isinstance(err, KeyboardInterrupt):
+                message = "%s; showing what was measured" % why
+            elif isinstance(err, ServerError):
+                message = "%s stopped at %s" % (what, why)
+            else:
+                message = "%s stopped: %s" % (what, why)
+    out.progress_done()
+    if message:
+        out.say(message, raising=False)
+    return state, code
 
 
 def fmt_opt(value: Any, none: str = "-", form: str = "%s") -> str:
@@ -4413,8 +2979,3337 @@ def hazard_lines(facts: Dict[str, Any], whose: str = "") -> List[str]:
     ]
 
 
+def fmt_setting(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return text if len(text) <= 26 else text[:23] + "..."
+
+
+# ----------------------------------------------------------------------------
+# Configuration: argparse turned into plain values before any I/O
+
+
+@dataclass
+class Config:
+    """What a run was asked for, checked before any request: what every mode shares (each
+    field named as its option's argparse dest), and each mode's own options (sweep, cost)."""
+
+    mode: str
+    # harness: the part to print (None: both); sweep, cost: the adapter (None: ask the server)
+    engine: Optional[str] = None
+    engine_detected: bool = False  # the engine was found by asking the server, not named
+    url: Optional[str] = None
+    model: Optional[str] = None
+    api_key: Optional[str] = field(default=None, repr=False)
+    provenance: Json = field(default_factory=dict)  # how the results were made
+    timeout: float = DEFAULT_TIMEOUT_S
+    max_response_mb: int = DEFAULT_MAX_RESPONSE_MB
+    json_out: bool = False
+    quiet: bool = False  # no progress lines
+    color: str = "auto"  # one of COLOR_CHOICES
+    wait_ready: Optional[float] = None  # seconds to wait for the servers' health checks first
+    save: Optional[str] = None
+    prior_save: Optional[Json] = None  # the document already at --save (cost adds to it)
+    sampling: Optional[Sampling] = None  # what every generation request asks for
+    arrivals: Optional["Arrivals"] = None  # --request-rate: sweep's concurrent, cost's load
+    sweep: Optional["SweepOptions"] = None  # --mode sweep only
+    cost: Optional["CostOptions"] = None  # --mode cost only
+
+    @property
+    def adapter(self) -> EngineAdapter:
+        return ADAPTERS[self.engine]
+
+    def client(self, url: str) -> HttpClient:
+        return HttpClient(url, self.api_key, self.timeout, self.max_response_mb << 20)
+
+
+OptionsT = TypeVar("OptionsT")
+
+
+def options_from(kind: Type[OptionsT], args: argparse.Namespace, **given: Any) -> OptionsT:
+    """A dataclass of options, each field taken from the argparse value of the same name
+    unless given (what was worked out from the arguments: checked, parsed, combined)."""
+    names = [f.name for f in dataclasses.fields(kind) if f.init]
+    values = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    values.update(given)
+    return kind(**values)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+WHOLE_NUMBER = r"[+-]?[0-9]+"  # ASCII digits only: int() also takes other scripts' digits
+
+
+def parse_whole(text: str) -> Optional[int]:
+    return int(text) if re.fullmatch(WHOLE_NUMBER, text.strip()) else None
+
+
+def whole_number(low: int, high: Optional[int] = None) -> Callable[[str], int]:
+    """An argparse type: a whole number from low (to high); its error is one line."""
+
+    def parse(text: str) -> int:
+        value = parse_whole(text)
+        if value is None:
+            raise argparse.ArgumentTypeError("%r is not a whole number" % text)
+        if value < low or (high is not None and value > high):
+            wanted = "at least %d" % low if high is None else "%d to %d" % (low, high)
+            raise argparse.ArgumentTypeError("give %s (got %d)" % (wanted, value))
+        return value
+
+    return parse
+
+
+def real_number(low: float, above: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number at least low (or above it, with above)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or not text.strip().isascii():
+            raise argparse.ArgumentTypeError("%r is not a finite number" % text)
+        if value < low or (above and value == low):
+            raise argparse.ArgumentTypeError(
+                "give %s %g (got %g)" % ("a number above" if above else "at least", low, value)
+            )
+        return value
+
+    return parse
+
+
+def limits_text(indent: str = "  ") -> str:
+    return "\n".join("%s%-50s at most %d" % (indent, what, most) for what, most in LIMITS)
+
+
+def exit_codes_text(indent: str = "  ") -> str:
+    return "\n".join("%s%-4d %s" % (indent, code, meaning) for code, meaning in EXIT_CODES)
+
+
+def provenance(argv: Sequence[str]) -> Dict[str, Any]:
+    """What a saved result records of how it was made: the lab's version, the command line
+    with any key removed, the client's host and when the run started."""
+    command, hide = [], False
+    for word in argv:
+        if hide:
+            command.append("[api key]")
+            hide = False
+        elif word == "--api-key":
+            command.append(word)
+            hide = True
+        elif word.startswith("--api-key="):
+            command.append("--api-key=[api key]")
+        else:
+            command.append(word)
+    return {
+        "version": LAB_VERSION,
+        "command": ["run.py"] + command,
+        "host": socket.gethostname(),
+        "python": "%d.%d.%d" % sys.version_info[:3],
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="run.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Batch-invariance lab for vLLM and SGLang servers, over plain HTTP.",
+        epilog="exit codes:\n"
+        + exit_codes_text()
+        + "\n\nlimits (larger is refused):\n"
+        + limits_text(),
+    )
+    p.add_argument(
+        "--version", action="version", version="run.py (batch-invariance lab) " + LAB_VERSION
+    )
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="help",
+        help="harness: upstream harnesses and commands (offline); sweep: unique completions "
+        "and logprob ULPs across batch sizes; cost: the flag's overhead; help: the guide",
+    )
+    common = p.add_argument_group("all modes")
+    common.add_argument(
+        "--engine",
+        choices=sorted(ADAPTERS) + ["auto"],
+        help="sweep and cost: vllm, sglang "
+        "or auto (the default: ask the server which it is); harness: print only this engine's "
+        "part",
+    )
+    sweep_cost = p.add_argument_group("sweep and cost")
+    sweep_cost.add_argument(
+        "--url",
+        help="the server (cost: the flag-off arm), as the engine logs it or as "
+        "OpenAI clients take it (a trailing /v1 is understood); default http://localhost:8000, "
+        "or :30000 with --engine sglang",
+    )
+    sweep_cost.add_argument(
+        "--model",
+        help="served model; default: the first of /v1/models (vllm), "
+        "model_path of /server_info (sglang)",
+    )
+    sweep_cost.add_argument(
+        "--api-key", help="bearer token (default: $OPENAI_API_KEY); never printed or saved"
+    )
+    sweep_cost.add_argument(
+        "--max-tokens",
+        type=whole_number(1, MAX_TOKENS),
+        help="tokens per completion (default: "
+        "sweep %d, cost %d)" % (DEFAULT_SWEEP_TOKENS, DEFAULT_COST_TOKENS),
+    )
+    sweep_cost.add_argument(
+        "--save",
+        metavar="PATH",
+        help="write the result as JSON (sweep: rewritten "
+        "after every batch size; cost: adds its cell to the file)",
+    )
+    sweep_cost.add_argument(
+        "--json",
+        action="store_true",
+        dest="json_out",
+        help="print the result as JSON, not a table",
+    )
+    sweep_cost.add_argument(
+        "--wait-ready",
+        type=real_number(0.0, above=True),
+        metavar="SECONDS",
+        help="first wait up to this long for the server(s) to answer their health "
+        "check (a server just started takes minutes to load)",
+    )
+    Arrivals.add_arguments(sweep_cost)
+    sweep_cost.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress lines on stderr (warnings " "and errors still appear)",
+    )
+    sweep_cost.add_argument(
+        "--color",
+        choices=COLOR_CHOICES,
+        default="auto",
+        help="bold summary lines: auto (on a terminal, unless NO_COLOR is set to a "
+        "non-empty value, as no-color.org asks), always, never (default auto)",
+    )
+    sweep_cost.add_argument(
+        "--timeout",
+        type=real_number(0.0, above=True),
+        default=DEFAULT_TIMEOUT_S,
+        help="seconds to wait for one answer (default %g)" % DEFAULT_TIMEOUT_S,
+    )
+    sweep_cost.add_argument(
+        "--max-response-mb",
+        type=whole_number(1),
+        default=DEFAULT_MAX_RESPONSE_MB,
+        help="refuse a larger answer (default %d)" % DEFAULT_MAX_RESPONSE_MB,
+    )
+    SweepOptions.add_arguments(p.add_argument_group("sweep"))
+    CostOptions.add_arguments(p.add_argument_group("cost"))
+    return p
+
+
+def server_address(url: str) -> Tuple[str, str, int, str]:
+    """(scheme, host, port, path) with loopback names folded together, to tell two URLs'
+    servers apart: two paths behind one gateway are two servers."""
+    parts = urllib.parse.urlsplit(url)
+    host = (parts.hostname or "").lower()
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return parts.scheme, "loopback" if is_loopback(host) else host, port, parts.path.rstrip("/")
+
+
+def check_url(url: str, option: str) -> str:
+    """The server's base URL: as an engine logs it (http://0.0.0.0:8000, which is this machine)
+    or as OpenAI clients take it (ending in /v1, which the lab adds itself)."""
+    if any(c.isspace() for c in url):
+        raise UsageError("%s: the URL has a space in it (quote it whole, or remove it)" % option)
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError as err:  # a malformed IPv6 address
+        raise UsageError("%s: not a URL the lab can use (%s)" % (option, err)) from None
+    if parts.username is not None or parts.password is not None:
+        # Never echo the URL: it holds a secret. Credentials go in a header, never a URL.
+        raise UsageError(
+            "%s: a user name or password in the URL is not accepted (it would be printed "
+            "and saved); give the key with --api-key or $OPENAI_API_KEY" % option
+        )
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        # Never echo it: a query string is where a key is often put.
+        raise UsageError(
+            "%s: give the server's base URL without a query string or fragment (a key goes "
+            "in --api-key or $OPENAI_API_KEY)" % option
+        )
+    try:
+        parts.port
+    except ValueError:
+        raise UsageError("%s: %r has a port that is not a number" % (option, url)) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError("%s: %r is not an http:// or https:// URL" % (option, url))
+    path = parts.path.rstrip("/")
+    endpoint = next((e for e in ENDPOINT_PATHS if path.endswith(e)), None)
+    if endpoint:
+        raise UsageError(
+            "%s: give the server's base URL, not an endpoint: %s (the lab adds %s itself)"
+            % (
+                option,
+                urllib.parse.urlunsplit(
+                    (parts.scheme, parts.netloc, path[: -len(endpoint)], "", "")
+                ),
+                endpoint,
+            )
+        )
+    if path.endswith("/v1"):
+        path = path[:-3]
+    netloc = parts.netloc
+    for any_address, local in (("0.0.0.0", "127.0.0.1"), ("[::]", "[::1]")):
+        if parts.hostname == any_address.strip("[]"):
+            netloc = netloc.replace(any_address, local)
+    return urllib.parse.urlunsplit((parts.scheme, netloc, path, "", ""))
+
+
+# Endpoints a base URL is mistaken for: the adapters add their own paths to the base URL
+ENDPOINT_PATHS = sorted(
+    {p for a in ADAPTERS.values() for p in (a.generate_path, a.health_path)}
+    | {"/v1/chat/completions", "/v1/models"},
+    key=len,
+    reverse=True,
+)
+MAX_INPUT_FILE_MB = 1024  # a prompt file or lab result larger than this is refused, not read
+
+
+def read_input_file(path: str, option: str) -> str:
+    """A regular file's text, read only if it is one (a device, FIFO or folder is refused before
+    anything is read from it) and no larger than MAX_INPUT_FILE_MB."""
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise UsageError("%s: %s is not a regular file" % (option, path))
+        if info.st_size > MAX_INPUT_FILE_MB << 20:
+            raise UsageError("%s: %s is larger than %d MB" % (option, path, MAX_INPUT_FILE_MB))
+        with open(path, "rb") as f:
+            raw = f.read((MAX_INPUT_FILE_MB << 20) + 1)
+    except OSError as err:
+        raise UsageError("%s: cannot read %s (%s)" % (option, path, err.strerror)) from None
+    if len(raw) > MAX_INPUT_FILE_MB << 20:
+        raise UsageError("%s: %s is larger than %d MB" % (option, path, MAX_INPUT_FILE_MB))
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError("%s: %s is not UTF-8 text" % (option, path)) from None
+
+
+def read_json_file(path: str, option: str) -> Dict[str, Any]:
+    text = read_input_file(path, option)
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as err:
+        raise UsageError("%s: %s is not valid JSON (%s)" % (option, path, str(err)[:80])) from None
+    if not isinstance(data, dict):
+        raise UsageError("%s: %s is not a lab result" % (option, path))
+    return data
+
+
+def check_save_target(path: str, schemas: Sequence[str]) -> Optional[Dict[str, Any]]:
+    """The document already at --save (None if there is none), checked before any request:
+    the folder must exist and take a new file, and a file already there must hold this mode's
+    results. A finished sweep is never replaced: a sweep file holds one sweep, and a second
+    run would silently lose the first (cost files gather cells, so they are added to)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError("--save: folder %s does not exist" % folder)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".run-", suffix=".json", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise UsageError("--save: cannot write in %s (%s)" % (folder, err.strerror)) from None
+    if not os.path.exists(path):  # nothing there yet (a link to a file still to be made)
+        return None
+    data = read_json_file(path, "--save")
+    if data.get("schema") not in schemas:
+        raise UsageError(
+            "--save: %s holds %s, not %s results; refusing to overwrite it"
+            % (path, data.get("schema") or "something else", schemas[0].split("/")[1])
+        )
+    if data.get("prompts") is not None and dig(data, "summary", "state") == "complete":
+        raise UsageError(
+            "--save: %s holds a finished sweep; save to another file (or remove it)" % path
+        )
+    return data
+
+
+def configure(argv: Optional[Sequence[str]]) -> Config:
+    """Every check that needs no server, done before any request is sent."""
+    args = build_parser().parse_args(argv)
+    engine = None if args.engine == "auto" else args.engine
+    made = provenance(sys.argv[1:] if argv is None else list(argv))
+    if args.mode in ("harness", "help"):
+        return Config(mode=args.mode, engine=engine, provenance=made)
+    default_port = ADAPTERS[engine or "vllm"].default_port  # vLLM's when it is to be found
+    url = check_url(args.url or "http://localhost:%d" % default_port, "--url")
+    prior_save = None
+    if args.save:
+        prior_save = check_save_target(
+            args.save, SWEEP_SCHEMAS_READ if args.mode == "sweep" else (COST_SCHEMA,)
+        )
+        fault = prior_save and args.mode == "cost" and cost_file_fault(prior_save)
+        if fault:
+            raise UsageError(
+                "--save: %s holds cost results the lab cannot add to (%s); save to another "
+                "file" % (args.save, fault)
+            )
+    cfg = options_from(
+        Config,
+        args,
+        engine=engine,
+        url=url,
+        api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None,
+        provenance=made,
+        prior_save=prior_save,
+    )
+    if args.mode == "sweep":
+        cfg.sweep = SweepOptions.from_args(args, url, engine)
+        cfg.sampling = cfg.sweep.sampling
+        concurrent = cfg.sweep.traffic == "concurrent"
+        needs = None if concurrent else "--traffic concurrent (one request a prompt)"
+        cfg.arrivals = Arrivals.configure(args.request_rate, needs)
+    else:
+        cfg.cost = CostOptions.from_args(args, url)
+        cfg.sampling = cfg.cost.sampling
+        needs = None if cfg.cost.trial.load else "--concurrency (one streamed request a prompt)"
+        cfg.arrivals = Arrivals.configure(args.request_rate, needs)
+    return cfg
+
+
+# ----------------------------------------------------------------------------
+# Arrivals (--request-rate): when concurrent and load requests go out
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    """When requests go out: all at once (rate None, a burst), or as a Poisson process at rate
+    a second, its exponential gaps drawn from a seed so that a run can be repeated. Concurrent
+    sweep traffic and load trials send so."""
+
+    rate: Optional[float] = None
+
+    @staticmethod
+    def add_arguments(group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--request-rate",
+            type=real_number(0.0, above=True),
+            metavar="R",
+            help="with --traffic concurrent (sweep) or --concurrency (cost): requests arrive at "
+            "R a second, Poisson (exponential gaps drawn from --seed, so a run repeats), as vllm "
+            "bench serve's --request-rate; default: all at once (a burst)",
+        )
+
+    @classmethod
+    def configure(cls, rate: Optional[float], needs: Optional[str]) -> "Arrivals":
+        """--request-rate, checked; needs: what it goes with, when that was not asked for."""
+        if rate is not None and rate > MAX_REQUEST_RATE:
+            raise UsageError("--request-rate: at most %g a second" % MAX_REQUEST_RATE)
+        if rate is not None and needs:
+            raise UsageError("--request-rate goes with %s" % needs)
+        return cls(rate)
+
+    def schedule(self, n: int, seed: int) -> List[float]:
+        """Each request's send time, in seconds after the first."""
+        if not self.rate:
+            return [0.0] * n
+        rng, at, times = random.Random(seed), 0.0, []
+        for _ in range(n):
+            times.append(at)
+            at += rng.expovariate(self.rate)
+        return times
+
+    def wait_until(self, when: float) -> None:
+        """Sleep until the request's send time; a stop signal ends the wait (and the sending)."""
+        if self.rate:
+            STOP.event.wait(max(0.0, when - CLOCK()))
+        if STOP.event.is_set():
+            raise Stopped(STOP.signum)  # no request starts after a stop signal
+
+    def describe(self) -> str:
+        return "burst" if not self.rate else "poisson at %g/s" % self.rate
+
+
+# ----------------------------------------------------------------------------
+# Prefix-cache bypass (--prefix-cache): no sweep request served from another's cache
+
+PREFIX_CACHE_CHOICES = ("bypass", "keep")  # bypass: no request served from an earlier's cache
+DEFAULT_PREFIX_CACHE = "bypass"  # a cache hit would compare the cache, not the batch
+BYPASS_HELD, BYPASS_FAILED, BYPASS_UNVERIFIED = "held", "did not hold", "unverified"
+
+
+@dataclass(frozen=True)
+class BypassCheck:
+    """Did --prefix-cache bypass hold? Proven by the cached-token counts the server reports:
+    any count above 0 is a prefill served from the cache; no counts at all prove nothing."""
+
+    status: str  # BYPASS_HELD, BYPASS_FAILED or BYPASS_UNVERIFIED
+    hit_sizes: List[int]  # batch sizes with a cache hit
+
+    @classmethod
+    def of(cls, cached: Sequence[Tuple[int, Optional[int]]]) -> "BypassCheck":
+        """cached: (batch size, its cached-token count or None) of every pass."""
+        hits = sorted({n for n, count in cached if (count or 0) > 0})
+        if all(count is None for _, count in cached):
+            return cls(BYPASS_UNVERIFIED, hits)
+        return cls(BYPASS_FAILED if hits else BYPASS_HELD, hits)
+
+
+@dataclass(frozen=True)
+class PrefixCache:
+    """--prefix-cache: bypass (the default) gives every request a cache key of its own, and
+    empties the cache before every batch where the engine has no such key, so that no prefill
+    is served from an earlier request's cache; whether that held, the cached-token counts
+    the server reports say (BypassCheck). keep leaves the cache alone."""
+
+    choice: str  # one of PREFIX_CACHE_CHOICES
+
+    @staticmethod
+    def add_arguments(group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--prefix-cache",
+            choices=PREFIX_CACHE_CHOICES,
+            default=DEFAULT_PREFIX_CACHE,
+            help="bypass: no request may be served from an earlier one's prefix cache; keep: "
+            "leave the cache alone and save the cached-token counts (default %s)"
+            % DEFAULT_PREFIX_CACHE,
+        )
+
+    @property
+    def bypass(self) -> bool:
+        return self.choice == "bypass"
+
+    def check(self, cached: Sequence[Tuple[int, Optional[int]]]) -> Optional[BypassCheck]:
+        """The bypass's proof over every pass so far (None when the cache was kept)."""
+        return BypassCheck.of(cached) if self.bypass else None
+
+    def size_note(self, cached_tokens: Optional[int]) -> Optional[str]:
+        """A size's note in the table where its requests hit the cache despite the bypass."""
+        if self.bypass and (cached_tokens or 0) > 0:
+            return "cache hit: bypass did not hold (%s cached tokens)" % cached_tokens
+        return None
+
+    @staticmethod
+    def summary_reason(check: Optional[BypassCheck]) -> Optional[str]:
+        """What the summary line adds when the bypass did not hold."""
+        if check is None or check.status != BYPASS_FAILED:
+            return None
+        sizes = check.hit_sizes
+        return "cache hit: bypass did not hold at batch size%s %s" % (
+            "" if len(sizes) == 1 else "s",
+            ",".join(map(str, sizes)),
+        )
+
+    @staticmethod
+    def unverified_line(check: Optional[BypassCheck], hint: str) -> Optional[str]:
+        if check is None or check.status != BYPASS_UNVERIFIED:
+            return None
+        return (
+            "prefix cache bypass unverified: the server reports no cached-token counts (%s)" % hint
+        )
+
+
+# ----------------------------------------------------------------------------
+# Cache check (--cache-check): a cache hit against the cold prefill
+
+CACHE_EQUAL = "cache hit equals cold prefill bitwise"  # the cache check's verdicts, kept apart
+CACHE_DIFFER = "cache hit differs from cold prefill"
+CACHE_UNVERIFIED = "equal, but the hit is unverified (the server reports no cached-token counts)"
+CACHE_MISSED = "equal, but the repeat was not served from the cache (cached-token count 0)"
+
+
+@dataclass(frozen=True)
+class CacheComparison:
+    """One batch sent cold, then at once again with the same cache key: served from the
+    prefix cache, it must equal the cold answer bit for bit."""
+
+    max_ulp: int
+    first_step: Optional[int]  # first step whose token or logprob differs
+    tokens_diverged: bool
+    notes: Tuple[str, ...]
+    margin: Optional[Margin]  # at the first token divergence
+    cached_tokens: Optional[int]  # of the repeat, as the server reports them
+    cold_cached_tokens: Optional[int]
+
+    @classmethod
+    def of(
+        cls, cold: "SentBatch", warm: "SentBatch", clamps: Sequence[float]
+    ) -> "CacheComparison":
+        pairs = list(zip(cold.completions, warm.completions))
+        deltas = [compare_completions(c, w, clamps) for c, w in pairs]
+        steps = [
+            s
+            for d in deltas
+            for s in (d.first_token_divergence, d.first_ulp_step)
+            if s is not None
+        ]
+        diverged = [d for d in deltas if d.first_token_divergence is not None]
+        first = min(diverged, key=lambda d: d.first_token_divergence) if diverged else None
+        texts_differ = any(c.text != w.text for c, w in pairs)
+        notes = {u for d in deltas for u in d.ulp_notes} | (
+            {"text differs"} if texts_differ else set()
+        )
+        return cls(
+            max((d.max_ulp for d in deltas), default=0),
+            min(steps) if steps else None,
+            bool(diverged),
+            tuple(sorted(notes)),
+            first.margin if first else None,
+            warm.cached_tokens,
+            cold.cached_tokens,
+        )
+
+
+@dataclass(frozen=True)
+class CacheSummary:
+    """The cache check over every batch: its verdict, proven by the repeats' cached-token
+    counts (saved flat in the sweep's summary, each field behind "cache_")."""
+
+    verdict: str
+    batches: int
+    max_ulp: Optional[int]
+    first_step: Optional[int]
+
+    @classmethod
+    def of(cls, checked: Sequence[CacheComparison]) -> "CacheSummary":
+        counts = [c.cached_tokens for c in checked if c.cached_tokens is not None]
+        if not checked:
+            verdict = NO_DATA
+        elif any(c.max_ulp or c.tokens_diverged or c.notes for c in checked):
+            verdict = CACHE_DIFFER
+        elif not counts:
+            verdict = CACHE_UNVERIFIED
+        elif all(x > 0 for x in counts) and len(counts) == len(checked):
+            verdict = CACHE_EQUAL
+        else:
+            verdict = CACHE_MISSED
+        steps = [c.first_step for c in checked if c.first_step is not None]
+        return cls(
+            verdict,
+            len(checked),
+            max((c.max_ulp for c in checked), default=None),
+            min(steps) if steps else None,
+        )
+
+
+def fresh_cache_key() -> str:
+    """A prefix-cache key no earlier request used."""
+    return "lab-" + os.urandom(12).hex()
+
+
+@dataclass(frozen=True)
+class CacheCheck:
+    """--cache-check: every batch is sent cold with a cache key of its own, then at once again
+    with the same key, so that the prefix cache serves the repeat; the two must agree bit for
+    bit (CacheComparison), and the repeat's cached-token count proves the hit. It needs copies
+    traffic and the bypass: its cold request must be cold."""
+
+    EXPECT = "cache-equal"  # the --expect it answers
+
+    @staticmethod
+    def add_arguments(group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--cache-check",
+            action="store_true",
+            help="also send every batch again at once, with the cold request's cache key, so "
+            "that the prefix cache serves it, and compare it with the cold one bitwise; the "
+            "cached-token counts prove the hit (copies traffic, bypass)",
+        )
+
+    @classmethod
+    def configure(
+        cls, asked: bool, expect: Optional[str], traffic: str, bypass: bool
+    ) -> Optional["CacheCheck"]:
+        if expect == cls.EXPECT and not asked:
+            raise UsageError("--expect cache-equal needs --cache-check")
+        if not asked:
+            return None
+        if traffic != "copies" or not bypass:
+            raise UsageError(
+                "--cache-check goes with --traffic copies and --prefix-cache bypass (its cold "
+                "request must be cold)"
+            )
+        return cls()
+
+    def cold(self, sender: "Sender", prompt: str, n: int, seed: int) -> Tuple["SentBatch", str]:
+        """The batch, sent cold under a fresh cache key; (batch, key)."""
+        key = fresh_cache_key()
+        return sender.copies(prompt, n, seed, key), key
+
+    def compare(
+        self, sender: "Sender", prompt: str, cold: "SentBatch", key: str, seed: int
+    ) -> CacheComparison:
+        """The same batch again under the cold one's key, against the cold one."""
+        n = len(cold.completions)
+        try:
+            warm = sender.copies(prompt, n, seed, key)
+        except ServerError as err:
+            raise ServerError("cache check at batch size %d: %s" % (n, err)) from None
+        return CacheComparison.of(cold, warm, sender.adapter.logprob_clamps)
+
+    @staticmethod
+    def report(summary: CacheSummary, out: "Out") -> None:
+        out.line(
+            out.style(
+                "cache check, over %d batches each sent again from the cache: max ULP %s, "
+                "first differing step %s: %s"
+                % (
+                    summary.batches,
+                    fmt_opt(summary.max_ulp, "?"),
+                    fmt_opt(summary.first_step),
+                    summary.verdict,
+                ),
+                "1",
+            )
+        )
+
+    @staticmethod
+    def expectation(summary: CacheSummary) -> Tuple[bool, str]:
+        """--expect cache-equal: (held, the line that says so)."""
+        if summary.verdict != CACHE_EQUAL:
+            return False, (
+                "expectation failed: --expect cache-equal, but the cache check found: %s"
+                % summary.verdict
+            )
+        return (
+            True,
+            "expect cache-equal: held (max ULP 0 over %d cached batches)" % summary.batches,
+        )
+
+
+# ----------------------------------------------------------------------------
+# Prefill check (--prefill-check): decode against prefill, with KL
+
+PREFILL_AGREE = "decode and prefill agree bitwise"  # the prefill check's verdict, kept apart
+PREFILL_DIFFER = "decode and prefill differ"
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    """The prefill check of one batch: each distinct completion's decoded logprobs against
+    the ones the server computes prefilling the same tokens at once (saved flat in the
+    batch's row, each field behind "prefill_")."""
+
+    max_ulp: int
+    first_step: Optional[int]  # the first generated step whose two logprobs differ
+    notes: List[str]  # ULP notes of the comparison
+    margin: Optional[Margin]  # the decode's runner-up at that step
+    tokens: int  # generated tokens compared
+    divergent: int  # of them, those whose two logprobs differ
+    kl_sum: float  # K3 terms of the divergent tokens, summed (KlEstimate)
+    kl_max: Optional[float]  # the largest of them; None with none divergent
+
+
+@dataclass(frozen=True)
+class PrefillSummary:
+    """The prefill check over many batches (a size's passes, or a whole sweep), and its
+    verdict: nothing is claimed where no token was compared (saved flat, behind "prefill_")."""
+
+    checked: int = field(metadata=NOT_SAVED)  # batches the check ran on
+    max_ulp: Optional[int]
+    first_step: Optional[int]
+    margin: Optional[Margin]  # at the first differing step
+    tokens: int
+    divergent: int
+    kl_sum: float
+    kl_mean: Optional[float]  # over the divergent tokens
+    kl_max: Optional[float]
+    notes: List[str]
+
+    @classmethod
+    def of(cls, rows: Sequence[PrefillRow]) -> "PrefillSummary":
+        moved = [r for r in rows if r.first_step is not None]
+        first = min(moved, key=lambda r: r.first_step) if moved else None
+        largest = [r.kl_max for r in rows if r.kl_max is not None]
+        divergent = sum(r.divergent for r in rows)
+        kl_sum = sum(r.kl_sum for r in rows)
+        return cls(
+            checked=len(rows),
+            max_ulp=max((r.max_ulp for r in rows), default=None),
+            first_step=first.first_step if first else None,
+            margin=first.margin if first else None,
+            tokens=sum(r.tokens for r in rows),
+            divergent=divergent,
+            kl_sum=kl_sum,
+            kl_mean=kl_sum / divergent if divergent else None,
+            kl_max=max(largest) if largest else None,
+            notes=sorted({n for r in rows for n in r.notes}),
+        )
+
+    def verdict(self) -> str:
+        if not self.checked:
+            return NO_DATA
+        if not self.tokens:
+            return NOTHING_COMPARED
+        return PREFILL_DIFFER if self.max_ulp or self.notes else PREFILL_AGREE
+
+
+@dataclass
+class KlEstimate:
+    """KL(decode || prefill) over the tokens whose two logprobs differ, by the K3 estimator
+    SGLang's p_vs_d mode reports: with log r = prefill - decode at a decoded token,
+    (exp(log r) - 1) - log r, never negative, 0 where the two agree. Clamped and non-finite
+    values give no estimate (their ULP notes say so)."""
+
+    divergent: int = 0  # tokens whose decode and prefill logprobs differ
+    total: float = 0.0  # their K3 terms, summed
+    largest: float = 0.0
+
+    def add(
+        self, decode: Sequence[float], prefill: Sequence[float], clamps: Sequence[float]
+    ) -> None:
+        for d, p in zip(decode, prefill):
+            if d == p or not (math.isfinite(d) and math.isfinite(p)) or d in clamps or p in clamps:
+                continue
+            log_r = p - d
+            term = math.expm1(log_r) - log_r
+            self.divergent += 1
+            self.total += term
+            self.largest = max(self.largest, term)
+
+
+def runner_up_margin(c: Completion, step: int, clamps: Sequence[float] = ()) -> Margin:
+    """How near the decode's choice at step was to flipping: its chosen token against the best
+    other candidate of its own top-k list there."""
+    top = c.top_logprobs[step] if step < len(c.top_logprobs) else {}
+    chosen = c.tokens[step]
+    others = [v for k, v in top.items() if k != chosen]
+    if chosen not in top or not others:
+        return Margin(note=NOT_IN_TOP_K)
+    best = max(others)
+    ulp, _ = logprob_distance(top[chosen], best, clamps)
+    return Margin(logprob=top[chosen] - best, ulp=ulp)
+
+
+class PrefillCheck:
+    """--prefill-check, decode versus prefill: each distinct completion is sent back as one
+    token-id prompt (the prompt's ids, then the generated ids: never re-tokenised text), and
+    each generated token's logprob as the server decoded it is compared with the one it
+    computes reading the whole sequence at once. Prefills are cached by token sequence, so the
+    cost is one request per distinct sequence (plus one per prompt to learn its ids), not one
+    per completion."""
+
+    EXPECT = "prefill-equal"  # the --expect it answers
+
+    def __init__(self) -> None:
+        self.prompt_ids: Dict[str, List[int]] = {}
+        self.prefills: Dict[Tuple[str, Tuple[str, ...]], List[float]] = {}
+
+    @staticmethod
+    def add_arguments(group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--prefill-check",
+            action="store_true",
+            help="also read every distinct completion back as one token-id prompt and compare "
+            "each token's decode-time logprob with its prefill-time one (what RL training "
+            "on-policy needs; see --mode help)",
+        )
+
+    @classmethod
+    def configure(cls, asked: bool, expect: Optional[str]) -> Optional["PrefillCheck"]:
+        if expect == cls.EXPECT and not asked:
+            raise UsageError("--expect prefill-equal needs --prefill-check")
+        return cls() if asked else None
+
+    def prefill(self, sender: "Sender", prompt: str, tokens: List[str]) -> List[float]:
+        key = (prompt, tuple(tokens))
+        if key not in self.prefills:
+            s = sender
+            if prompt not in self.prompt_ids:
+                self.prompt_ids[prompt] = parsed(
+                    "the prompt's token ids", s.adapter.prompt_token_ids, s.client, s.model, prompt
+                )
+            head = self.prompt_ids[prompt]
+            generated = [token_id(t) for t in tokens]
+            if not head or None in generated:
+                raise ServerError(
+                    "the prefill check needs token ids, and %s"
+                    % ("the prompt has none" if not head else "the server's tokens are not ids"),
+                    kind=ServerError.ANSWER,
+                )
+            ids = head + generated
+            self.prefills[key] = parsed(
+                "the prefill answer",
+                s.adapter.prefill_logprobs,
+                s.client,
+                s.model,
+                ids,
+                len(head),
+                s.isolate,
+            )
+        return self.prefills[key]
+
+    def compare(
+        self, sender: "Sender", prompt: str, n: int, completions: List[Completion]
+    ) -> PrefillRow:
+        """Each distinct completion of one batch (of size n) against its prefill."""
+        clamps = sender.adapter.logprob_clamps
+        worst, first, notes, margin, compared = 0, None, set(), None, 0
+        kl = KlEstimate()
+        seen: List[Completion] = []
+        try:
+            for c in completions:
+                if any(same_completion(c, s) for s in seen):
+                    continue
+                seen.append(c)
+                prefill = self.prefill(sender, prompt, c.tokens)
+                ulps, units = pair_ulps(list(c.logprobs), prefill, clamps)
+                kl.add(c.logprobs, prefill, clamps)
+                compared += len(ulps)
+                notes |= units
+                worst = max([worst] + [u for u in ulps if u])
+                moved = next((i for i, u in enumerate(ulps) if u != 0), None)
+                if moved is not None and (first is None or moved < first):
+                    first, margin = moved, runner_up_margin(c, moved, clamps)
+        except ServerError as err:
+            raise ServerError("prefill check at batch size %d: %s" % (n, err)) from None
+        return PrefillRow(
+            max_ulp=worst,
+            first_step=first,
+            notes=sorted(notes),
+            margin=margin,
+            tokens=compared,
+            divergent=kl.divergent,
+            kl_sum=kl.total,
+            kl_max=kl.largest if kl.divergent else None,
+        )
+
+    @staticmethod
+    def report(summary: PrefillSummary, sizes: Sequence["SizeResult"], out: "Out") -> None:
+        per_size = ", ".join(
+            "%d: %s" % (size.batch_size, fmt_opt(size.prefill and size.prefill.max_ulp, "?"))
+            for size in sizes
+        )
+        out.line("prefill check, max ULP per batch size: %s" % per_size)
+        margin = ""
+        if summary.margin:
+            margin = " (there, the decode's runner-up was %s behind)" % margin_text(summary.margin)
+        out.line(
+            out.style(
+                "prefill check: max ULP %s, first differing step %s%s: %s"
+                % (
+                    fmt_opt(summary.max_ulp, "?") + ("*" if summary.notes else ""),
+                    fmt_opt(summary.first_step),
+                    margin,
+                    summary.verdict(),
+                ),
+                "1",
+            )
+        )
+        if summary.notes:
+            out.line("  * %s" % "; ".join(ULP_NOTE_TEXT.get(n, n) for n in summary.notes))
+        if summary.divergent:
+            out.line(
+                "prefill check, KL(decode || prefill), K3 estimate over the %d divergent of "
+                "%d tokens: mean %.3g, max %.3g"
+                % (summary.divergent, summary.tokens, summary.kl_mean, summary.kl_max)
+            )
+
+    @staticmethod
+    def expectation(summary: Optional[PrefillSummary]) -> Tuple[bool, str]:
+        """--expect prefill-equal: (held, the line that says so)."""
+        found = summary.verdict() if summary else None
+        if found != PREFILL_AGREE:
+            return False, (
+                "expectation failed: --expect prefill-equal, but the prefill check found: %s"
+                % found
+            )
+        return True, "expect prefill-equal: held (max ULP 0 over %d tokens)" % summary.tokens
+
+
+# ----------------------------------------------------------------------------
+# Server baseline (--baseline PATH|URL): batch 1 from a file or another server
+
+
+def add_baseline_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--baseline",
+        metavar="PATH|URL",
+        help="compare with the batch-1 completions of an earlier sweep's --save file (same "
+        "model and prompts), or of another server, measured first with the same prompts and "
+        "sampling: restart to restart, TP to TP, version to version",
+    )
+
+
+def configure_baseline(
+    text: Optional[str],
+    url: str,
+    engine: Optional[str],
+    model: Optional[str],
+    sampling: Sampling,
+    prompts: List[str],
+) -> Optional[Union["BaselineFile", "BaselineServer"]]:
+    """--baseline, checked before any request: a server's URL (never the server under test),
+    or a saved sweep recorded for this engine, model, sampling and every prompt."""
+    if not text:
+        return None
+    if urllib.parse.urlsplit(text).scheme in ("http", "https"):
+        baseline_url = check_url(text, "--baseline")
+        if server_address(baseline_url) == server_address(url):
+            raise UsageError("--baseline names the server under test (--url); give another server")
+        return BaselineServer(baseline_url)
+    baseline = BaselineFile(text, read_json_file(text, "--baseline"))
+    baseline.check(engine, model, sampling, prompts)
+    return baseline
+
+
+@dataclass
+class BaselineFile:
+    """--baseline PATH: the batch-1 completions an earlier sweep saved."""
+
+    path: str
+    doc: Json
+
+    def check(
+        self, engine: Optional[str], model: Optional[str], sampling: Sampling, prompts: List[str]
+    ) -> None:
+        """Refuse a baseline recorded for another engine, model, prompt or sampling."""
+        doc, path = self.doc, self.path
+        if doc.get("schema") not in SWEEP_SCHEMAS_READ or not isinstance(doc.get("prompts"), list):
+            raise UsageError("--baseline: %s is not a sweep result" % path)
+        if engine is not None:
+            self.check_engine(engine)
+        if model is not None and doc.get("model") != model:
+            raise UsageError(
+                "--baseline: %s was recorded for model %s, not %s"
+                % (path, doc.get("model"), model)
+            )
+        mine, theirs = sampling.params(), doc.get("params") or {}
+        for key in ("temperature", "top_p", "max_tokens", "seed"):
+            if theirs.get(key) != mine[key]:
+                raise UsageError(
+                    "--baseline: %s was recorded with %s=%s, this sweep uses %s"
+                    % (path, key, theirs.get(key), mine[key])
+                )
+        for i, entry in enumerate(doc["prompts"], 1):
+            if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str):
+                raise UsageError("--baseline: %s: prompts[%d] is not a prompt record" % (path, i))
+        recorded = {p["prompt"]: p for p in doc["prompts"]}
+        for prompt in prompts:
+            entry = recorded.get(prompt)
+            if entry is None:
+                raise UsageError(
+                    "--baseline: %s has no baseline for the prompt %r" % (path, prompt[:60])
+                )
+            fault = baseline_fault(entry.get("baseline"))
+            if fault:
+                raise UsageError(
+                    "--baseline: %s: the baseline of %r: %s" % (path, prompt[:60], fault)
+                )
+
+    def check_engine(self, engine: str) -> None:
+        recorded = self.doc.get("engine")
+        if recorded != engine:
+            raise UsageError(
+                "--baseline: %s was recorded on %s, this sweep is on %s"
+                % (self.path, recorded, engine)
+            )
+
+    def open(self, cfg: "Config", facts: ServerFacts, isolate: bool) -> None:
+        """Once the server under test is known: the file must be of its engine and model."""
+        self.check_engine(cfg.engine)
+        if self.doc.get("model") != facts.model:
+            raise UsageError(
+                "--baseline: %s was recorded for model %s, this server serves %s"
+                % (self.path, self.doc.get("model"), facts.model)
+            )
+
+    def batch1(self, prompt: str) -> Tuple[Completion, str]:
+        """The prompt's baseline and where it came from."""
+        entry = next(p for p in self.doc["prompts"] if p.get("prompt") == prompt)
+        return Completion.from_record(entry["baseline"]), self.path
+
+    def params(self) -> Json:
+        return {"baseline_file": self.path}
+
+    def header_line(self) -> Optional[str]:
+        return None
+
+    def summary_line(self) -> Optional[str]:
+        return None
+
+
+def baseline_fault(rec: Any) -> Optional[str]:
+    """What is wrong with a stored baseline completion, naming the field; None if nothing."""
+    if not isinstance(rec, dict):
+        return "baseline is not a record"
+    if not isinstance(rec.get("text"), str):
+        return "baseline.text is not a string"
+    tokens, logprobs, top = rec.get("tokens"), rec.get("logprobs"), rec.get("top_logprobs")
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        return "baseline.tokens is not a list of strings"
+    if not isinstance(logprobs, list) or not all(is_number(x) for x in logprobs):
+        return "baseline.logprobs is not a list of numbers"
+    if len(logprobs) != len(tokens):
+        return "baseline.logprobs has %d entries for %d tokens" % (len(logprobs), len(tokens))
+    if top is None:
+        return None
+    if not isinstance(top, list) or len(top) != len(tokens):
+        return "baseline.top_logprobs is not a list of one entry per token"
+    for t, step in enumerate(top):
+        if not isinstance(step, dict) or not all(
+            isinstance(k, str) and is_number(v) for k, v in step.items()
+        ):
+            return "baseline.top_logprobs[%d] is not a map of token to logprob" % t
+    if rec.get("finish_reason") is not None and not isinstance(rec["finish_reason"], str):
+        return "baseline.finish_reason is not a string"
+    return None
+
+
+@dataclass
+class BaselineServer:
+    """--baseline URL: another server whose batch 1 is the baseline (another restart, TP degree
+    or version of the same model), asked with the same prompts and sampling before the sweep."""
+
+    url: str
+    sender: Optional["Sender"] = None  # once open
+    differences: List["BaselineDifference"] = field(default_factory=list)  # theirs and ours
+
+    def open(self, cfg: "Config", facts: ServerFacts, isolate: bool) -> None:
+        """Once the server under test is known: the same model, and what the two report
+        differently."""
+        theirs = read_facts(cfg, self.url, "the baseline server (--baseline)")
+        if theirs.model != facts.model:
+            raise UsageError(
+                "--baseline: %s serves %s, the server under test %s"
+                % (self.url, theirs.model, facts.model)
+            )
+        self.sender = Sender(
+            cfg.client(self.url), cfg.adapter, theirs.model, cfg.sampling, isolate
+        )
+        self.differences = server_differences(theirs, facts)
+
+    def batch1(self, prompt: str) -> Tuple[Completion, str]:
+        sender = self.sender
+        try:
+            sender.adapter.before_batch(sender.client, sender.isolate)
+            return sender.copies(prompt, 1, 0).completions[0], "batch 1 of %s" % self.url
+        except ServerError as err:
+            raise ServerError("the baseline server, batch 1: %s" % err) from None
+
+    def params(self) -> Json:
+        return {
+            "baseline_server": self.url,
+            "baseline_differences": as_record(self.differences),
+        }
+
+    def header_line(self) -> Optional[str]:
+        differences = "; ".join(
+            "%s %s there, %s here" % (d.setting, fmt_setting(d.baseline), fmt_setting(d.here))
+            for d in self.differences
+        )
+        return "        baseline: batch 1 of %s, %s" % (
+            self.url,
+            differences or "reporting the same settings",
+        )
+
+    def summary_line(self) -> Optional[str]:
+        return "  against batch 1 of %s" % self.url
+
+
+@dataclass(frozen=True)
+class BaselineDifference:
+    """A setting the baseline server reports otherwise than the server under test."""
+
+    setting: str
+    baseline: Any
+    here: Any
+
+
+def server_differences(theirs: ServerFacts, ours: ServerFacts) -> List[BaselineDifference]:
+    """Every setting the baseline server reports otherwise than ours, the flag among them."""
+    found = []
+    if theirs.flag != ours.flag:
+        found.append(BaselineDifference("flag", theirs.flag, ours.flag))
+    for label in sorted(theirs.settings.keys() | ours.settings.keys()):
+        a, b = theirs.settings.get(label), ours.settings.get(label)
+        if a != b:
+            found.append(BaselineDifference(label, a, b))
+    return found
+
+
+# ----------------------------------------------------------------------------
+# --mode sweep: unique completions and logprob ULPs across batch sizes
+
+
+@dataclass
+class SweepOptions:
+    """--mode sweep's own options, checked before any request (each field named as its
+    option's argparse dest), and the slices it runs: the prefix-cache bypass, the cache
+    check, the prefill check and the baseline."""
+
+    sampling: Sampling
+    sizes: Optional[List[int]]  # None: a ladder to max_batch straddling the graph sizes
+    max_batch: int
+    prompts: List[str]
+    traffic: str  # one of TRAFFIC_SHAPES
+    repeat: int  # passes through the ladder
+    seed: int  # the sampling seed; it also places mixed traffic's fillers
+    expect: Optional[str]  # a key of SWEEP_EXPECTATIONS
+    prompt_tokens: Optional[int]  # build a prompt of about this many tokens
+    prefix_cache: PrefixCache
+    cache_check: Optional[CacheCheck]
+    prefill_check: Optional[PrefillCheck]
+    baseline: Optional[Union[BaselineFile, BaselineServer]]
+    long_prompt: Optional["LongPrompt"] = None  # the prompt so built, as the server counted it
+
+    @staticmethod
+    def add_arguments(group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--sizes",
+            help="batch sizes, e.g. 1,15,16,17 (default: a ladder to --max-batch that "
+            "straddles every CUDA-graph size)",
+        )
+        group.add_argument(
+            "--max-batch",
+            type=whole_number(1, MAX_BATCH_SIZE),
+            default=DEFAULT_MAX_BATCH,
+            help="largest batch of the default ladder (default %d)" % DEFAULT_MAX_BATCH,
+        )
+        group.add_argument(
+            "--prompt",
+            action="append",
+            default=[],
+            metavar="TEXT",
+            help="a prompt; repeat for more (each gets its own sweep)",
+        )
+        group.add_argument("--prompt-file", metavar="PATH", help="prompts, one per line")
+        group.add_argument(
+            "--temperature",
+            type=real_number(0.0),
+            default=DEFAULT_TEMPERATURE,
+            help="default %g (greedy); above 0 a --seed is always sent" % DEFAULT_TEMPERATURE,
+        )
+        group.add_argument(
+            "--seed",
+            type=whole_number(0),
+            default=DEFAULT_SEED,
+            help="sampling seed when temperature > 0 (default %d)" % DEFAULT_SEED,
+        )
+        group.add_argument(
+            "--logprobs",
+            type=whole_number(0, MAX_LOGPROBS),
+            default=DEFAULT_LOGPROBS,
+            help="top-k logprobs per step, 0..%d (default %d)" % (MAX_LOGPROBS, DEFAULT_LOGPROBS),
+        )
+        group.add_argument(
+            "--traffic",
+            choices=TRAFFIC_SHAPES,
+            default=DEFAULT_TRAFFIC,
+            help="copies: one request of n copies of the prompt; concurrent: n one-prompt "
+            "requests in flight at once; mixed: the prompt once among n-1 other prompts "
+            "(default %s; see --mode help)" % DEFAULT_TRAFFIC,
+        )
+        group.add_argument(
+            "--repeat",
+            type=whole_number(1, MAX_REPEAT),
+            default=DEFAULT_REPEAT,
+            help="passes through the whole ladder, batch 1 included; batch 1's passes are the "
+            "run-to-run control (default %d)" % DEFAULT_REPEAT,
+        )
+        PrefixCache.add_arguments(group)
+        add_baseline_arguments(group)
+        group.add_argument(
+            "--prompt-tokens",
+            type=whole_number(1, MAX_PROMPT_TOKENS),
+            metavar="N",
+            help="measure a prompt of about N tokens, built of plain words until the server's "
+            "own tokenizer counts N within a few, instead of --prompt (to cross the "
+            "chunked-prefill budget)",
+        )
+        PrefillCheck.add_arguments(group)
+        group.add_argument(
+            "--expect",
+            choices=tuple(SWEEP_EXPECTATIONS),
+            help="exit 1 unless the result is invariant (flag on), shows a difference (flag "
+            "off, the negative control), (with --prefill-check) decode and prefill agree "
+            "bitwise, or (with --cache-check) a verified cache hit equals the cold prefill "
+            "bitwise",
+        )
+        CacheCheck.add_arguments(group)
+
+    @classmethod
+    def from_args(
+        cls, args: argparse.Namespace, url: str, engine: Optional[str]
+    ) -> "SweepOptions":
+        max_tokens = DEFAULT_SWEEP_TOKENS if args.max_tokens is None else args.max_tokens
+        sampling = Sampling.of(args.temperature, max_tokens, args.logprobs, args.seed)
+        sizes = parse_sizes(args.sizes) if args.sizes is not None else None
+        prompts = list(args.prompt) + (
+            read_prompt_file(args.prompt_file) if args.prompt_file else []
+        )
+        if any(not p.strip() for p in prompts):
+            raise UsageError("--prompt: a prompt is empty")
+        prompts = check_prompts(prompts or [DEFAULT_PROMPT], "--prompt")
+        if len(set(prompts)) != len(prompts):
+            raise UsageError("--prompt: the same prompt is given twice")
+        if args.prompt_tokens and (args.prompt or args.prompt_file):
+            raise UsageError(
+                "--prompt-tokens builds the prompt itself: leave out --prompt and --prompt-file"
+            )
+        prefill_check = PrefillCheck.configure(args.prefill_check, args.expect)
+        prefix_cache = PrefixCache(args.prefix_cache)
+        cache_check = CacheCheck.configure(
+            args.cache_check, args.expect, args.traffic, prefix_cache.bypass
+        )
+        if args.traffic == "mixed" and (max(sizes) if sizes else args.max_batch) == 1:
+            raise UsageError(
+                "--traffic mixed: batch 1 has no room for other prompts; give sizes above 1"
+            )
+        baseline = configure_baseline(args.baseline, url, engine, args.model, sampling, prompts)
+        return options_from(
+            cls,
+            args,
+            sampling=sampling,
+            sizes=sizes,
+            prompts=prompts,
+            prefix_cache=prefix_cache,
+            cache_check=cache_check,
+            prefill_check=prefill_check,
+            baseline=baseline,
+        )
+
+
+def parse_sizes(text: str) -> List[int]:
+    parts = [p.strip() for p in text.split(",")]
+    if not text.strip() or any(not p for p in parts):
+        raise UsageError("--sizes: give comma-separated batch sizes, e.g. 1,15,16,17")
+    bad = next((p for p in parts if parse_whole(p) is None), None)
+    if bad is not None:
+        raise UsageError("--sizes: %r is not a whole number" % bad)
+    sizes = [int(p) for p in parts]
+    if any(s < 1 for s in sizes):
+        raise UsageError("--sizes: batch sizes start at 1 (got %d)" % min(sizes))
+    if max(sizes) > MAX_BATCH_SIZE:
+        raise UsageError(
+            "--sizes: batch sizes go up to %d (got %d)" % (MAX_BATCH_SIZE, max(sizes))
+        )
+    if len(set(sizes)) != len(sizes):
+        raise UsageError(
+            "--sizes: %d is listed twice" % next(s for s in sizes if sizes.count(s) > 1)
+        )
+    return sizes
+
+
+def read_prompt_file(path: str) -> List[str]:
+    prompts = [
+        line.rstrip("\r")
+        for line in read_input_file(path, "--prompt-file").split("\n")
+        if line.strip()
+    ]
+    if not prompts:
+        raise UsageError("--prompt-file: %s holds no prompt" % path)
+    return check_prompts(prompts, "--prompt-file")
+
+
+def check_prompts(prompts: List[str], option: str) -> List[str]:
+    if len(prompts) > MAX_PROMPTS:
+        raise UsageError("%s: at most %d prompts (got %d)" % (option, MAX_PROMPTS, len(prompts)))
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    if len(prompts[longest]) > MAX_PROMPT_CHARS:
+        raise UsageError(
+            "%s: prompt %d has %d characters; at most %d"
+            % (option, longest + 1, len(prompts[longest]), MAX_PROMPT_CHARS)
+        )
+    return prompts
+
+
+@dataclass(frozen=True)
+class LongPrompt:
+    """--prompt-tokens: a prompt built to about a number of tokens, as the server counts them."""
+
+    text: str = field(metadata=NOT_SAVED)
+    asked: int  # --prompt-tokens
+    tokens: int  # what the server's tokenizer made of it
+    budget: Optional[int] = field(metadata=saved("prefill_budget"))  # where the server says
+    chunks: Optional[int] = field(metadata=saved("prefill_chunks"))  # of the budget it takes
+
+
+PROMPT_FIT_TRIES = 6  # rounds of counting and resizing a built prompt
+
+
+def built_prompt(
+    client: HttpClient, adapter: EngineAdapter, facts: ServerFacts, n: int
+) -> LongPrompt:
+    """Plain words, resized until the server's own tokenizer counts n within max(2, n/100)."""
+
+    def count(text: str) -> int:
+        ids = parsed("the prompt's token ids", adapter.prompt_token_ids, client, facts.model, text)
+        return len(ids)
+
+    words = n
+    tokens = count(filler_words(words))
+    for _ in range(PROMPT_FIT_TRIES):
+        if abs(tokens - n) <= max(2, n // 100):
+            break
+        words = max(1, round(words * n / max(tokens, 1)))
+        tokens = count(filler_words(words))
+    budget = facts.settings.get(adapter.PREFILL_BUDGET)
+    if not (isinstance(budget, int) and not isinstance(budget, bool) and budget > 0):
+        budget = None
+    chunks = -(-tokens // budget) if budget else None
+    return LongPrompt(filler_words(words), n, tokens, budget, chunks)
+
+
+def sweep_ladder(options: SweepOptions, facts: ServerFacts) -> List[int]:
+    """The batch sizes to run: --sizes, else a ladder straddling the server's graph sizes
+    (the engine's own when the server runs none)."""
+    if options.sizes is not None:
+        sizes = list(options.sizes)
+    else:
+        sizes = straddling_ladder(
+            options.max_batch, facts.graph_sizes or facts.default_graph_sizes
+        )
+    if 1 not in sizes:
+        sizes.insert(0, 1)  # batch 1 is the baseline, and the stored baseline's peer
+    return sizes
+
+
+@dataclass
+class SentBatch:
+    """What one batch size's traffic brought back: the completions to compare (the measured
+    prompt's only) and what the server said about them."""
+
+    completions: List[Completion]
+    seconds: float  # from the first send to the last answer
+    cached_tokens: Optional[int]  # prompt tokens served from the prefix cache, if the server says
+    send_spread: Optional[float] = None  # concurrent: first to last request's send time
+
+
+@dataclass
+class Sender:
+    """How a sweep sends one batch size in each traffic shape, to one server."""
+
+    client: HttpClient
+    adapter: EngineAdapter
+    model: str
+    sampling: Sampling
+    isolate: bool  # bypass the prefix cache
+    arrivals: Arrivals = Arrivals()  # when concurrent requests go out
+
+    def shape(self, traffic: str) -> Callable[[str, int, int], SentBatch]:
+        """The sender of a traffic shape (TRAFFIC_SHAPES; what each measures: --mode help)."""
+        return {"copies": self.copies, "concurrent": self.concurrent, "mixed": self.mixed}[traffic]
+
+    def one_request(
+        self, prompts: List[str], cache_key: Optional[str] = None
+    ) -> Tuple[List[Completion], float, Optional[int]]:
+        answer, seconds = generate(
+            self.client,
+            self.adapter,
+            self.model,
+            prompts,
+            self.sampling,
+            self.isolate,
+            cache_key,
+        )
+        completions = parsed("the answer", self.adapter.completions, answer, len(prompts), True)
+        return completions, seconds, parsed("the answer", self.adapter.cached_tokens, answer)
+
+    def copies(self, prompt: str, n: int, seed: int, cache_key: Optional[str] = None) -> SentBatch:
+        """n copies of the prompt in one request (cache_key: see EngineAdapter.body)."""
+        return SentBatch(*self.one_request([prompt] * n, cache_key))
+
+    def mixed(self, prompt: str, n: int, seed: int) -> SentBatch:
+        """The prompt once among n-1 fillers in one request; only its own completion counts."""
+        prompts, position = mixed_batch(prompt, n, seed)
+        completions, seconds, cached = self.one_request(prompts)
+        return SentBatch([completions[position]], seconds, cached)
+
+    def concurrent(self, prompt: str, n: int, seed: int) -> SentBatch:
+        """n one-prompt requests in flight at once, as independent clients send them. A thread
+        per request opens its connection; once every one is ready (a barrier that only the
+        sender waits at, so no thread wakes while the requests go out), every request is
+        written in one loop, each a single prebuilt write, so they reach the server within
+        milliseconds; then each thread reads its own answer."""
+        if n == 1:
+            return self.copies(prompt, 1, seed)
+        allow_open_files(n)
+        posts = [
+            self.client.prepare_post(
+                self.adapter.generate_path,
+                self.adapter.body(self.model, [prompt], self.sampling, self.isolate),
+            )
+            for _ in range(n)
+        ]
+        outcomes: List[Any] = [None] * n  # what failed, or (completion, cached tokens)
+        ready, all_sent = threading.Semaphore(0), threading.Event()
+
+        def client_thread(i: int) -> None:
+            try:
+                posts[i].connect()
+            except BaseException as err:  # raised in the sending thread, by failed_outcome
+                outcomes[i] = err
+            ready.release()
+            all_sent.wait()
+            if outcomes[i] is None:
+                try:
+                    answer = posts[i].answer()
+                    outcomes[i] = (
+                        parsed("the answer", self.adapter.completions, answer, 1, True)[0],
+                        parsed("the answer", self.adapter.cached_tokens, answer),
+                    )
+                except BaseException as err:
+                    outcomes[i] = err
+
+        threads = [
+            threading.Thread(target=client_thread, args=(i,), daemon=True) for i in range(n)
+        ]
+        for t in threads:
+            t.start()
+        for _ in range(n):
+            ready.acquire()
+        schedule = self.arrivals.schedule(n, seed + n)
+        start = CLOCK()
+        sent = []
+        try:
+            for i, post in enumerate(posts):
+                if outcomes[i] is None:
+                    try:
+                        self.arrivals.wait_until(start + schedule[i])
+                        sent.append(CLOCK())
+                        post.send()
+                    except BaseException as err:
+                        outcomes[i] = err
+        finally:
+            all_sent.set()  # even on a second stop signal: no thread waits for ever
+        for t in threads:
+            t.join()
+        seconds = CLOCK() - start
+        failed_outcome(outcomes, "concurrent requests")
+        cached = [o[1] for o in outcomes if o[1] is not None]
+        return SentBatch(
+            [o[0] for o in outcomes],
+            seconds,
+            sum(cached) if cached else None,
+            round(sent[-1] - sent[0], 6),
+        )
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    """One pass of one batch size against the baseline: what its completions showed, what the
+    server said of them, and the checks' rows."""
+
+    completions: int
+    distinct_in_batch: int  # distinct texts
+    same_as_baseline: int  # completions whose tokens and text are the baseline's
+    text_only: int  # completions whose tokens held but whose text differs
+    first_token_divergence: Optional[int]  # the earliest step any completion chose otherwise
+    divergence_margin: Optional[Margin]  # how near a tie that step was
+    first_ulp_step: Optional[int]  # the earliest step whose logprobs moved
+    max_ulp: int
+    ulp_notes: List[str]
+    matched: bool  # every completion equals the baseline bitwise
+    distinct_texts: List[str]
+    pass_no: int = field(default=0, metadata=saved("pass"))  # which pass through the ladder
+    seconds: float = 0.0  # from the first send to the last answer
+    cached_tokens: Optional[int] = None  # prompt tokens served from the prefix cache
+    # concurrent traffic: SEND_SPREAD_MEANS
+    send_spread_s: Optional[float] = field(default=None, metadata=saved(omit_none=True))
+    cache_check: Optional[CacheComparison] = field(default=None, metadata=saved(omit_none=True))
+    prefill: Optional[PrefillRow] = field(default=None, metadata=saved(flat="prefill_"))
+
+
+@dataclass(frozen=True)
+class SizeResult:
+    """One batch size over every pass so far, in the fields a single pass has (and how many
+    passes matched the baseline bitwise): what the table prints and the plots read."""
+
+    batch_size: int
+    bucket: Bucket
+    completions: int
+    distinct_in_batch: int  # distinct texts over every pass
+    same_as_baseline: int
+    text_only: int
+    first_token_divergence: Optional[int]
+    divergence_margin: Optional[Margin]
+    first_ulp_step: Optional[int]
+    max_ulp: int
+    ulp_notes: List[str]
+    seconds: float
+    runs_matched: int
+    cached_tokens: Optional[int]  # over every pass, where the server says
+    prefill: Optional[PrefillSummary] = field(metadata=saved(flat="prefill_"))  # where it ran
+    distinct_texts: List[str]
+    runs: List[BatchRow]
+
+    @classmethod
+    def of(cls, batch_size: int, bucket: Bucket, runs: List[BatchRow]) -> "SizeResult":
+        texts = sorted({t for r in runs for t in r.distinct_texts})
+        diverged = [r for r in runs if r.first_token_divergence is not None]
+        first = min(diverged, key=lambda r: r.first_token_divergence) if diverged else None
+        ulp_steps = [r.first_ulp_step for r in runs if r.first_ulp_step is not None]
+        cached = [r.cached_tokens for r in runs if r.cached_tokens is not None]
+        checked = [r.prefill for r in runs if r.prefill is not None]
+        return cls(
+            batch_size=batch_size,
+            bucket=bucket,
+            completions=sum(r.completions for r in runs),
+            distinct_in_batch=len(texts),
+            same_as_baseline=sum(r.same_as_baseline for r in runs),
+            text_only=sum(r.text_only for r in runs),
+            first_token_divergence=first.first_token_divergence if first else None,
+            divergence_margin=first.divergence_margin if first else None,
+            first_ulp_step=min(ulp_steps) if ulp_steps else None,
+            max_ulp=max((r.max_ulp for r in runs), default=0),
+            ulp_notes=sorted({u for r in runs for u in r.ulp_notes}),
+            seconds=round(sum(r.seconds for r in runs), 4),
+            runs_matched=sum(1 for r in runs if r.matched),
+            cached_tokens=sum(cached) if cached else None,
+            prefill=PrefillSummary.of(checked) if checked else None,
+            distinct_texts=texts,
+            runs=runs,
+        )
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One prompt's sweep as saved: its baseline, each batch size, and its own verdict."""
+
+    prompt: str
+    baseline: Optional[Completion]
+    baseline_source: str
+    sizes: List[SizeResult]
+    unique_completions: int
+    total_completions: int
+    max_ulp: int
+    batch1_repeatable: Optional[bool]
+    verdict: str
+
+
+@dataclass(frozen=True)
+class SweepSummary:
+    """A whole sweep: what it measured, its verdict (decided by verdict() alone) and how far
+    it got, with the bypass's proof and the checks' summaries where they ran."""
+
+    unique_completions: int
+    total_completions: int
+    max_ulp: int
+    batch1_repeatable: Optional[bool]
+    traffic: str
+    repeat: int
+    verdict: str
+    bypass: Optional[BypassCheck] = field(metadata=saved("prefix_cache_bypass"))
+    ulp_notes: List[str]
+    state: str  # "complete", "running", or what stopped it
+    cache: Optional[CacheSummary] = field(metadata=saved(flat="cache_"))  # --cache-check
+    prefill: Optional[PrefillSummary] = field(metadata=saved(flat="prefill_"))  # --prefill-check
+    prefill_verdict: Optional[str] = field(metadata=saved(omit_none=True))
+    measured: Measured = field(metadata=NOT_SAVED)
+
+
+@dataclass
+class PromptSweep:
+    """Everything measured for one prompt so far: per batch size, one row per pass."""
+
+    prompt: str
+    baseline: Optional[Completion] = None
+    baseline_source: str = "batch 1"
+    runs: Dict[int, List[BatchRow]] = field(default_factory=dict)  # batch size -> its passes
+    buckets: Dict[int, Bucket] = field(default_factory=dict)
+    texts: Set[str] = field(default_factory=set)  # every distinct text, the baseline's included
+    batch1: List[Completion] = field(default_factory=list)  # batch 1's completion in every pass
+    unseeded: bool = False  # sampled at temperature > 0 by a server that ignores the seed
+    finished: bool = False  # every pass is in: nothing it holds changes any more
+    # What a finished prompt's saves and summaries would work out again and again (a sweep
+    # of 1000 prompts saves many times): kept once the prompt is finished
+    kept_measured: Optional[Measured] = field(default=None, compare=False, repr=False)
+    kept_text: Optional[str] = field(default=None, compare=False, repr=False)
+
+    def set_baseline(self, baseline: Completion, source: str) -> None:
+        self.baseline, self.baseline_source = baseline, source
+        self.texts.add(baseline.text)
+
+    def add(self, n: int, bucket: Bucket, row: BatchRow, completions: List[Completion]) -> None:
+        self.runs.setdefault(n, []).append(row)
+        self.buckets[n] = bucket
+        self.texts.update(c.text for c in completions)
+        if n == 1:
+            self.batch1.append(completions[0])
+
+    def finish(self) -> None:
+        """Every pass is in: what it measured is kept, and the views the comparisons worked
+        out are let go (a sweep of 1000 prompts would hold them all to the end)."""
+        self.finished = True
+        self.measured()
+        for c in [self.baseline] + self.batch1:
+            if c is not None:
+                c.memo.clear()
+
+    def size(self, n: int) -> SizeResult:
+        """Batch size n over every pass so far."""
+        return SizeResult.of(n, self.buckets[n], self.runs[n])
+
+    def sizes(self) -> List[SizeResult]:
+        return [self.size(n) for n in self.runs]
+
+    def rows(self) -> List[Tuple[int, BatchRow]]:
+        """(batch size, row) of every pass."""
+        return [(n, r) for n, runs in self.runs.items() for r in runs]
+
+    def batch1_repeatable(self) -> Optional[bool]:
+        """Batch 1's passes against each other: None until there are two, or when a NaN
+        leaves nothing to compare (NaN against NaN is no evidence either way)."""
+        if len(self.batch1) < 2 or any(map(has_nan, self.batch1)):
+            return None
+        return all(
+            same_completion(c, self.batch1[0]) and c.text == self.batch1[0].text
+            for c in self.batch1[1:]
+        )
+
+    def measured(self) -> Measured:
+        if self.kept_measured is not None:
+            return self.kept_measured
+        rows = [r for _, r in self.rows()]
+        measured = Measured(
+            total=sum(r.completions for r in rows),
+            unique=len(self.texts),
+            max_ulp=max((r.max_ulp for r in rows), default=0),
+            tokens_diverged=any(r.first_token_divergence is not None for r in rows),
+            text_only=any(r.text_only for r in rows),
+            unmeasured=any(u in MOVED_NOTES for r in rows for u in r.ulp_notes),
+            compared=self.baseline_source != "batch 1" or any(n > 1 for n in self.runs),
+            batch1_repeatable=self.batch1_repeatable(),
+            unseeded=self.unseeded,
+        )
+        if self.finished:
+            self.kept_measured = measured
+        return measured
+
+    def record(self) -> PromptRecord:
+        measured = self.measured()
+        return PromptRecord(
+            prompt=self.prompt,
+            baseline=self.baseline,
+            baseline_source=self.baseline_source,
+            sizes=self.sizes(),
+            unique_completions=measured.unique,
+            total_completions=measured.total,
+            max_ulp=measured.max_ulp,
+            batch1_repeatable=measured.batch1_repeatable,
+            verdict=verdict(measured),
+        )
+
+    def record_text(self) -> str:
+        """The prompt's record as saved JSON, kept once the prompt is finished."""
+        if self.kept_text is not None:
+            return self.kept_text
+        text = json_text(as_record(self.record()))
+        if self.finished:
+            self.kept_text = text
+        return text
+
+
+def compare_batch(
+    completions: List[Completion], baseline: Completion, clamps: Sequence[float]
+) -> BatchRow:
+    """What one batch's completions show against the baseline (the row's other fields are
+    the sender's and the checks' to fill in)."""
+    deltas, previous, last = [], None, IDENTICAL
+    for c in completions:
+        # Copies of one completion are common; compare each distinct one once.
+        if previous is None or not same_completion(c, previous):
+            last = compare_completions(baseline, c, clamps)
+            previous = c
+        deltas.append(last)
+    diverged = [d for d in deltas if d.first_token_divergence is not None]
+    first = min(diverged, key=lambda d: d.first_token_divergence) if diverged else None
+    ulp_steps = [d.first_ulp_step for d in deltas if d.first_ulp_step is not None]
+    texts = [c.text for c in completions]
+    held = [
+        c.text == baseline.text
+        for c, d in zip(completions, deltas)
+        if d.first_token_divergence is None
+    ]
+    return BatchRow(
+        completions=len(completions),
+        distinct_in_batch=len(set(texts)),
+        same_as_baseline=sum(held),
+        text_only=held.count(False),
+        first_token_divergence=first.first_token_divergence if first else None,
+        divergence_margin=first.margin if first else None,
+        first_ulp_step=min(ulp_steps) if ulp_steps else None,
+        max_ulp=max(d.max_ulp for d in deltas),
+        ulp_notes=sorted({u for d in deltas for u in d.ulp_notes}),
+        matched=sum(held) == len(completions)
+        and all(d is IDENTICAL or d == IDENTICAL for d in deltas),
+        distinct_texts=sorted(set(texts)),
+    )
+
+
+def sweep_summary(options: SweepOptions, sweeps: List[PromptSweep], state: str) -> SweepSummary:
+    """The whole sweep so far, its verdict decided by verdict() from what every prompt
+    measured, with the bypass's proof and each check's summary where it ran."""
+    rows = [row for sweep in sweeps for row in sweep.rows()]
+    measured = Measured.combined([s.measured() for s in sweeps])
+    cache = prefill = None
+    if options.cache_check:
+        cache = CacheSummary.of([r.cache_check for _, r in rows if r.cache_check is not None])
+    if options.prefill_check:
+        prefill = PrefillSummary.of([r.prefill for _, r in rows if r.prefill is not None])
+    return SweepSummary(
+        unique_completions=measured.unique,
+        total_completions=measured.total,
+        max_ulp=measured.max_ulp,
+        batch1_repeatable=measured.batch1_repeatable,
+        traffic=options.traffic,
+        repeat=options.repeat,
+        verdict=verdict(measured),
+        bypass=options.prefix_cache.check([(n, r.cached_tokens) for n, r in rows]),
+        ulp_notes=sorted({u for _, r in rows for u in r.ulp_notes}),
+        state=state,
+        cache=cache,
+        prefill=prefill,
+        prefill_verdict=prefill.verdict() if prefill else None,
+        measured=measured,
+    )
+
+
+def sweep_params(cfg: Config, facts: ServerFacts, sizes: List[int]) -> Json:
+    """How the sweep was asked for, as its saved document holds it."""
+    options = cfg.sweep
+    params = dict(
+        cfg.sampling.params(),
+        sizes=sizes,
+        prompts=len(options.prompts),
+        prompt_tokens=as_record(options.long_prompt),
+        traffic=options.traffic,
+        arrivals=cfg.arrivals.describe(),
+        repeat=options.repeat,
+        prefix_cache=options.prefix_cache.choice,
+        seed_honoured=facts.seed_honoured,
+        prefill_check=options.prefill_check is not None,
+        cache_check=options.cache_check is not None,
+    )
+    if options.traffic == "mixed":
+        params["mixed_seed"] = options.seed
+    if options.traffic == "concurrent":
+        params["send_spread_s"] = SEND_SPREAD_MEANS
+    if options.baseline:
+        params.update(options.baseline.params())
+    return params
+
+
+def sweep_document(
+    cfg: Config,
+    facts: ServerFacts,
+    prompts: List[Json],
+    sizes: List[int],
+    summary: SweepSummary,
+) -> Json:
+    """The saved sweep (schema SWEEP_SCHEMA): the server, how the sweep was asked for, every
+    prompt's record (a PromptRecord: its baseline, and per batch size a SizeResult holding a
+    BatchRow per pass) and the summary (a SweepSummary)."""
+    return {
+        "schema": SWEEP_SCHEMA,
+        "engine": cfg.engine,
+        "engine_detected": cfg.engine_detected,
+        "url": cfg.url,
+        "model": facts.model,
+        "server": as_record(facts),
+        "params": sweep_params(cfg, facts, sizes),
+        "prompts": prompts,
+        "summary": as_record(summary),
+        "created": now_stamp(),
+        "lab": dict(cfg.provenance, ended=None if summary.state == "running" else now_stamp()),
+    }
+
+
+def unseeded(sampling: Sampling, facts: ServerFacts) -> bool:
+    """Sampling that the server does not seed: its differences may be plain sampling noise."""
+    return sampling.temperature > 0 and facts.seed_honoured is False
+
+
+def sweep_warnings(facts: ServerFacts, sizes: List[int], sampling: Sampling, out: Out) -> None:
+    if unseeded(sampling, facts):
+        out.warn(
+            "the server does not honour the seed (%s): at temperature %g every request samples "
+            "unseeded, so differences include plain sampling noise, and the verdict will not put "
+            "them down to batching" % (facts.seed_note, sampling.temperature)
+        )
+    limit = facts.max_num_seqs
+    if isinstance(limit, int) and max(sizes) > limit:
+        out.warn(
+            "batch sizes above %d exceed the server's max-num-seqs: those requests are not "
+            "all scheduled together" % limit
+        )
+    if facts.load_format == "dummy":
+        out.warn(
+            "the server runs dummy weights (--load-format dummy): flat logits have no near-ties, "
+            "so a clean flag-off result is expected and means nothing"
+        )
+    if facts.flag is None:
+        out.warn(
+            "the server does not say whether the flag is on%s"
+            % (" (%s)" % facts.settings_hint if facts.settings_hint else "")
+        )
+
+
+SWEEP_COLUMNS = (
+    "  batch  bucket  distinct  same/all  runs matched  first token  tie margin  max ULP  first "
+    "ULP step  seconds  notes"
+)
+
+
+class SweepTable:
+    """The sweep's table, printed as it is measured: the header before the first request,
+    each size's row once its last pass is in, each prompt's closing line once its sizes are,
+    and the rest (anything a stop left unprinted, the notes, the summary, the checks') at
+    the end."""
+
+    def __init__(self, cfg: Config, out: Out):
+        self.cfg, self.options, self.out = cfg, cfg.sweep, out
+        self.rows: Dict[int, Set[int]] = {}  # prompt number -> batch sizes whose rows are out
+        self.closed: Set[int] = set()  # prompt numbers whose closing line is out
+
+    def header(self, facts: ServerFacts, sizes: List[int]) -> None:
+        cfg, options, out = self.cfg, self.options, self.out
+        for line in server_lines(as_record(facts), cfg.adapter, cfg.engine_detected):
+            out.line(line)
+        sampling = cfg.sampling
+        if sampling.temperature == 0:
+            how = "greedy"
+        else:
+            honoured = {True: " (honoured)", False: " (IGNORED by the server)"}
+            how = "temperature %g, seed %s%s" % (
+                sampling.temperature,
+                sampling.seed,
+                honoured.get(facts.seed_honoured, ""),
+            )
+        out.line(
+            "params: %d tokens, %s, top-%d logprobs, sizes %s"
+            % (sampling.max_tokens, how, sampling.logprobs, ",".join(str(s) for s in sizes))
+        )
+        out.line(
+            "        traffic %s, %d pass%s through the ladder, prefix cache %s"
+            % (
+                options.traffic,
+                options.repeat,
+                "" if options.repeat == 1 else "es",
+                options.prefix_cache.choice,
+            )
+        )
+        baseline_line = options.baseline and options.baseline.header_line()
+        if baseline_line:
+            out.line(baseline_line)
+        long_prompt = options.long_prompt
+        if long_prompt:
+            budget, chunks = long_prompt.budget, long_prompt.chunks
+            if budget and chunks > 1:
+                crossing = (
+                    "crosses the chunked-prefill budget of %d tokens: prefilled in %d chunks"
+                    % (budget, chunks)
+                )
+            elif budget:
+                crossing = "fits in one chunk of the chunked-prefill budget (%d tokens)" % budget
+            else:
+                crossing = "the server does not say its chunked-prefill budget"
+            out.line(
+                "        prompt of %d tokens by the server's tokenizer (asked %d): %s"
+                % (long_prompt.tokens, long_prompt.asked, crossing)
+            )
+
+    def size_done(self, number: int, total: int, sweep: PromptSweep, n: int) -> None:
+        if number not in self.rows:
+            self.rows[number] = set()
+            self.out.line("")
+            self.out.line(
+                "prompt %d/%d: %s  (baseline: %s)"
+                % (
+                    number,
+                    total,
+                    json.dumps(sweep.prompt[:70] + ("..." if len(sweep.prompt) > 70 else "")),
+                    sweep.baseline_source,
+                )
+            )
+            self.out.line(SWEEP_COLUMNS)
+        self.rows[number].add(n)
+        self.out.line(size_row(sweep.size(n), self.options.prefix_cache))
+
+    def prompt_done(self, number: int, sweep: PromptSweep) -> None:
+        self.closed.add(number)
+        measured = sweep.measured()
+        self.out.line(
+            "  unique completions %d of %d, max ULP %d: %s"
+            % (measured.unique, measured.total, measured.max_ulp, verdict(measured))
+        )
+
+    def finish(self, summary: SweepSummary, sweeps: List[PromptSweep]) -> None:
+        out, options, m = self.out, self.options, summary.measured
+        for number, sweep in enumerate(sweeps, 1):
+            for n in sweep.runs:
+                if n not in self.rows.get(number, ()):
+                    self.size_done(number, len(sweeps), sweep, n)
+            if number not in self.closed:
+                self.prompt_done(number, sweep)
+        out.line("")
+        if summary.ulp_notes:
+            out.line("* %s" % "; ".join(ULP_NOTE_TEXT[n] for n in summary.ulp_notes))
+        unverified = PrefixCache.unverified_line(
+            summary.bypass, self.cfg.adapter.CACHE_COUNTS_HINT
+        )
+        if unverified:
+            out.line(unverified)
+        control = control_text(m.batch1_repeatable, options.repeat, sweeps)
+        reasons = [] if summary.state == "complete" else [summary.state]
+        bypass_reason = PrefixCache.summary_reason(summary.bypass)
+        if bypass_reason:
+            reasons.append(bypass_reason)
+        out.line(
+            out.style(
+                "summary: unique completions %d, total %d, max ULP %d, %s: %s%s"
+                % (
+                    m.unique,
+                    m.total,
+                    m.max_ulp,
+                    control,
+                    summary.verdict,
+                    " (%s)" % "; ".join(reasons) if reasons else "",
+                ),
+                "1",
+            )
+        )
+        baseline_line = options.baseline and options.baseline.summary_line()
+        if baseline_line:
+            out.line(baseline_line)
+        if summary.cache is not None:
+            CacheCheck.report(summary.cache, out)
+        if summary.prefill is not None:
+            sizes = [size for sweep in sweeps for size in sweep.sizes()]
+            PrefillCheck.report(summary.prefill, sizes, out)
+
+
+def control_text(repeatable: Optional[bool], repeat: int, sweeps: List[PromptSweep]) -> str:
+    """The run-to-run control as the table's last line says it, and why there is none."""
+    if repeatable is not None:
+        return (
+            "batch 1 repeatable over %d passes" % repeat
+            if repeatable
+            else "batch 1 NOT repeatable"
+        )
+    if repeat == 1:
+        return "no run-to-run control (one pass)"
+    if any(len(s.batch1) < 2 for s in sweeps):
+        return "no run-to-run control (stopped before a second pass)"
+    return "no run-to-run control (batch 1's logprobs hold NaN, which compares to nothing)"
+
+
+def size_row(s: SizeResult, prefix_cache: PrefixCache) -> str:
+    """One batch size's row of the table."""
+    ulp = str(s.max_ulp) + ("*" if s.ulp_notes else "")
+    return (
+        "  %5d  %6s  %8d  %8s  %12s  %11s  %10s  %7s  %14s  %7.2f  %s"
+        % (
+            s.batch_size,
+            fmt_opt(s.bucket, "none"),
+            s.distinct_in_batch,
+            "%d/%d" % (s.same_as_baseline, s.completions),
+            "%d/%d" % (s.runs_matched, len(s.runs)),
+            fmt_opt(s.first_token_divergence),
+            margin_text(s.divergence_margin),
+            ulp,
+            fmt_opt(s.first_ulp_step),
+            s.seconds,
+            size_notes(s, prefix_cache),
+        )
+    ).rstrip()
+
+
+def margin_text(margin: Optional[Margin]) -> str:
+    """A near-tie margin as the table shows it."""
+    if not margin:
+        return "-"
+    if margin.note:
+        return margin.note
+    return "%s ULP" % fmt_opt(margin.ulp, "?")
+
+
+def size_notes(size: SizeResult, prefix_cache: PrefixCache) -> str:
+    notes = []
+    if size.text_only:
+        notes.append("text differs, tokens equal (%d)" % size.text_only)
+    if "top-k changed" in size.ulp_notes:
+        notes.append("top-k changed")
+    cache_hit = prefix_cache.size_note(size.cached_tokens)
+    if cache_hit:
+        notes.append(cache_hit)
+    return "; ".join(notes)
+
+
+def sweep_advice(
+    flag: Optional[bool],
+    hazards: Optional[List[Json]],
+    expect: Optional[str],
+    sizes: List[int],
+    summary: SweepSummary,
+    text: Callable[[str], None],
+) -> None:
+    """What to make of the verdict, once the table is out: why nothing was compared, what
+    else explains what moved, or where to look next."""
+    sweep_verdict = summary.verdict
+    unmeasured = sweep_verdict in UNMEASURED_VERDICTS
+    moved = sweep_verdict != INVARIANT and not unmeasured
+    if unmeasured:
+        text("")
+        if sweep_verdict == NO_DATA:
+            why = "no completion came back"
+        elif sizes == [1]:
+            why = (
+                "batch 1 was the only size, and it is the baseline; give --sizes with larger "
+                "batches"
+            )
+        else:
+            why = "the run stopped (%s) before any size above batch 1 came back" % summary.state
+        text("Nothing was compared: %s. No verdict on invariance can be given." % why)
+    elif sweep_verdict == NOISE_NOT_RULED_OUT:
+        text("")
+        text(
+            "The server ignores the seed, so at this temperature every request samples on its "
+            "own: the differences above may be sampling noise alone. Measure batching greedy "
+            "(--temperature 0), or with the flag on, where the seed is honoured."
+        )
+    elif sweep_verdict == NOT_REPEATABLE:
+        text("")
+        text(
+            "Batch 1 alone gave different answers on different passes: the server is not "
+            "repeatable even without other requests beside it, so differences at other sizes "
+            "cannot be put down to batching. Check for unseeded sampling, a server restarted "
+            "between passes, or other traffic on it."
+        )
+    elif moved and flag:
+        text("")
+        text("The server reports the flag ON, yet results moved.")
+        if hazards:
+            text("Its settings meet known hazards; rule these out first:")
+            for line in hazard_lines({"hazards": hazards}):
+                text(line)
+        text(COVERAGE_CHECKLIST)
+        text("If none applies, this is worth a bug report: attach the --save file.")
+    if not moved and not unmeasured and (flag is not True or expect == "variant"):
+        text(
+            "Nothing moved. With the flag off that usually means no near-tie was met: try more "
+            "prompts (--prompt-file), longer generations (--max-tokens 256), --temperature 0.6 or "
+            "--traffic concurrent; see --mode help."
+        )
+
+
+def expect_invariant(summary: SweepSummary) -> Tuple[bool, str]:
+    """--expect invariant (flag on): nothing moved, and something was compared."""
+    if summary.verdict != INVARIANT:
+        return False, (
+            "expectation failed: --expect invariant, but the result is: %s" % summary.verdict
+        )
+    return True, "expect invariant: held (%d unique of %d, max ULP %d)" % (
+        summary.unique_completions,
+        summary.total_completions,
+        summary.max_ulp,
+    )
+
+
+def expect_variant(summary: SweepSummary) -> Tuple[bool, str]:
+    """--expect variant (flag off, the negative control): batching moved something."""
+    found = summary.verdict
+    if found in BATCH_EFFECTS:
+        return True, "expect variant: held (%s: %d unique of %d, max ULP %d)" % (
+            found,
+            summary.unique_completions,
+            summary.total_completions,
+            summary.max_ulp,
+        )
+    if found in UNMEASURED_VERDICTS:
+        why = "nothing was compared"
+    elif found == INVARIANT:
+        why = "nothing moved"
+    else:
+        why = "what moved is not put down to batching (%s)" % found
+    return False, "expectation failed: --expect variant, but %s" % why
+
+
+# --expect NAME: the rule that answers it, each (held, the line that says so)
+SWEEP_EXPECTATIONS: Dict[str, Callable[[SweepSummary], Tuple[bool, str]]] = {
+    "invariant": expect_invariant,
+    "variant": expect_variant,
+    PrefillCheck.EXPECT: lambda summary: PrefillCheck.expectation(summary.prefill),
+    CacheCheck.EXPECT: lambda summary: CacheCheck.expectation(summary.cache),
+}
+
+
+def run_sweep(cfg: Config, out: Out) -> int:
+    """--mode sweep: learn the server's facts, then for every prompt and pass send each batch
+    size in the traffic shape asked for (Sender.shape), compare it with the baseline
+    (compare_batch) and run the checks asked for (one_batch), printing each size's row and
+    saving as it goes; then the summary (sweep_summary), the saved document (sweep_document),
+    the advice (sweep_advice) and the --expect rule (SWEEP_EXPECTATIONS). Returns the exit
+    code."""
+    options = cfg.sweep
+    servers = [(cfg.url, "the server")]
+    if isinstance(options.baseline, BaselineServer):
+        servers.append((options.baseline.url, "the baseline server (--baseline)"))
+    wait_until_ready(cfg, servers, out)
+    cfg = resolve_engine(cfg, servers[:1])
+    if isinstance(options.baseline, BaselineFile):
+        options.baseline.check_engine(cfg.engine)
+    client, adapter = cfg.client(cfg.url), cfg.adapter
+    facts = read_facts(cfg, cfg.url)
+    if options.prompt_tokens:
+        built = built_prompt(client, adapter, facts, options.prompt_tokens)
+        options = dataclasses.replace(options, prompts=[built.text], long_prompt=built)
+        cfg = dataclasses.replace(cfg, sweep=options)
+    sizes = sweep_ladder(options, facts)
+    sweep_warnings(facts, sizes, cfg.sampling, out)
+    isolate = options.prefix_cache.bypass
+    sender = Sender(client, adapter, facts.model, cfg.sampling, isolate, cfg.arrivals)
+    if options.baseline:
+        options.baseline.open(cfg, facts, isolate)
+    send = sender.shape(options.traffic)
+    sweeps: List[PromptSweep] = []
+
+    saves = ThrottledSave(cfg.save)
+    progress = Progress(
+        out, len(options.prompts) * options.repeat * len(sizes), "batches", cfg.quiet
+    )
+    table = None if cfg.json_out else SweepTable(cfg, out)
+    if table:
+        table.header(facts, sizes)
+
+    def save(path: str, state: str) -> None:
+        summary = sweep_summary(options, sweeps, state)
+        doc = sweep_document(cfg, facts, [], sizes, summary)
+        write_json_atomic(path, doc, "prompts", [s.record_text() for s in sweeps])
+
+    def one_batch(sweep: PromptSweep, where: str, n: int, pass_no: int) -> List[Completion]:
+        """Send batch size n once, compare it with the baseline, run the checks asked for,
+        and add the row to the prompt's sweep."""
+        prompt, seed = sweep.prompt, options.seed
+        try:
+            adapter.before_batch(client, isolate)
+            if options.cache_check:
+                batch, cache_key = options.cache_check.cold(sender, prompt, n, seed)
+            else:
+                batch = send(prompt, n, seed)
+        except ServerError as err:
+            raise ServerError("batch size %d%s: %s" % (n, where, err)) from None
+        if sweep.baseline is None:
+            sweep.set_baseline(batch.completions[0], "batch 1")
+        cache_check = prefill = None
+        if options.cache_check:
+            cache_check = options.cache_check.compare(sender, prompt, batch, cache_key, seed)
+        if options.prefill_check:
+            prefill = options.prefill_check.compare(sender, prompt, n, batch.completions)
+        row = dataclasses.replace(
+            compare_batch(batch.completions, sweep.baseline, adapter.logprob_clamps),
+            pass_no=pass_no,
+            seconds=round(batch.seconds, 4),
+            cached_tokens=batch.cached_tokens,
+            send_spread_s=batch.send_spread,
+            cache_check=cache_check,
+            prefill=prefill,
+        )
+        sweep.add(n, facts.bucket(n), row, batch.completions)
+        return batch.completions
+
+    def measure(interrupt: DeferredInterrupt) -> None:
+        prompts = len(options.prompts)
+        for pi, prompt in enumerate(options.prompts, 1):
+            sweep = PromptSweep(prompt, unseeded=unseeded(cfg.sampling, facts))
+            sweeps.append(sweep)
+            if options.baseline:
+                sweep.set_baseline(*options.baseline.batch1(prompt))
+            for pass_no in range(1, options.repeat + 1):
+                where = (" (prompt %d)" % pi if prompts > 1 else "") + (
+                    ", pass %d" % pass_no if options.repeat > 1 else ""
+                )
+                for n in sizes:
+                    interrupt.check()
+                    step = "prompt %d/%d, pass %d/%d, batch %d" % (
+                        pi,
+                        prompts,
+                        pass_no,
+                        options.repeat,
+                        n,
+                    )
+                    progress.running(step)
+                    count = len(one_batch(sweep, where, n, pass_no))
+                    progress.finished(step, count)
+                    if table and pass_no == options.repeat:
+                        table.size_done(pi, prompts, sweep, n)
+                    saves.offer(lambda path: save(path, "running"))
+            sweep.finish()
+            if table:
+                table.prompt_done(pi, sweep)
+
+    state, code = measure_until_stopped(out, "sweep", measure)
+    summary = sweep_summary(options, sweeps, state)
+    saves.write(lambda path: save(path, state))
+    if table:
+        table.finish(summary, sweeps)
+    else:
+        prompts = [as_record(s.record()) for s in sweeps]
+        out.line(json_text(sweep_document(cfg, facts, prompts, sizes, summary), indent=1))
+    if code == EXIT_OK:
+        text = out.line if not cfg.json_out else out.note
+        sweep_advice(facts.flag, facts.hazards, options.expect, sizes, summary, text)
+        if options.expect:
+            held, line = SWEEP_EXPECTATIONS[options.expect](summary)
+            text(line)
+            code = EXIT_OK if held else EXIT_EXPECTATION
+    return report_save(cfg, saves, code, out)
+
+
+# ----------------------------------------------------------------------------
+# Batch and load trials (--batch, --concurrency): what one timed trial of cost mode is
+
+
+@dataclass(frozen=True)
+class BatchTrials:
+    """--batch: a trial is one request of --batch prompts, timed from its sending to its last
+    byte (the default)."""
+
+    batch: int  # prompts in one request
+    load = False  # no per-request timings
+
+    @staticmethod
+    def add_arguments(group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--batch",
+            type=whole_number(1, MAX_BATCH_SIZE),
+            default=DEFAULT_BATCH,
+            help="prompts per timed request (default %d)" % DEFAULT_BATCH,
+        )
+
+    @property
+    def prompts(self) -> int:
+        return self.batch
+
+    def run(
+        self,
+        arm: "Arm",
+        prompts: List[str],
+        adapter: EngineAdapter,
+        sampling: Sampling,
+        arrivals: Arrivals,
+    ) -> Tuple[float, int, None]:
+        """One timed request: (seconds, output tokens, None). The answer's shape must hold even
+        when timing."""
+        answer, seconds = generate(arm.client, adapter, arm.facts.model, prompts, sampling)
+        parsed("the answer", adapter.completions, answer, len(prompts), False)
+        return seconds, parsed("the answer", adapter.output_tokens, answer), None
+
+    def labels(self, arrivals: Arrivals) -> Json:
+        """What the cell's labels say of its trials."""
+        return {"batch": self.batch, "concurrency": None, "requests": None, "arrivals": None}
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """One streamed request of a load trial."""
+
+    ttft_s: Optional[float]  # time to first token; None where the stream does not show it
+    latency_s: float  # from sending to the last token
+    tokens: int  # output tokens
+    tpot_s: Optional[float]  # time per output token after the first
+    progress_events: int  # stream events that reported more tokens
+
+
+LOAD_FIGURES = ("latency", "ttft", "tpot")  # what each request of a load trial is timed on
+UNMEASURED_STREAM = (
+    "the stream does not report its progress token by token (its first event carries several "
+    "tokens, or most tokens arrive together), so neither the first token's arrival nor the time "
+    "between tokens can be seen: latency and throughput stand"
+)
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A figure over every request of an arm: its median and 99th percentile."""
+
+    median_s: float
+    p99_s: float
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """One cost arm under load: medians and p99 of every request's latency, TTFT and TPOT,
+    the medians of the trials' throughputs, and every request's timing."""
+
+    latency: Optional[Spread]
+    ttft: Optional[Spread]
+    tpot: Optional[Spread]
+    unmeasured: Optional[str] = field(metadata=saved(omit_none=True))  # why there is no TTFT
+    median_tokens_per_s: Optional[float]
+    median_requests_per_s: Optional[float]
+    requests: List[List[RequestTiming]]  # trial by trial
+
+    @classmethod
+    def of(
+        cls, requests: List[List[RequestTiming]], samples_s: List[float], output_tokens: List[int]
+    ) -> "LoadStats":
+        spreads = {}
+        for figure in LOAD_FIGURES:
+            found = (getattr(r, figure + "_s") for trial in requests for r in trial)
+            values = [v for v in found if v is not None]
+            spreads[figure] = (
+                Spread(statistics.median(values), percentile(values, 0.99)) if values else None
+            )
+        # A trial shorter than the clock's resolution has no rate: it is left out.
+        timed = [t for t in zip(requests, output_tokens, samples_s) if t[2] > 0]
+        return cls(
+            unmeasured=None if spreads["ttft"] else UNMEASURED_STREAM,
+            median_tokens_per_s=statistics.median(n / s for _, n, s in timed) if timed else None,
+            median_requests_per_s=(
+                statistics.median(len(r) / s for r, _, s in timed) if timed else None
+            ),
+            requests=requests,
+            **spreads,
+        )
+
+
+def token_by_token(first_count: int, events: int, count: int) -> bool:
+    """Does a stream report its progress token by token, so that its first token's arrival
+    and the time between tokens mean something? Its first progress event must report one
+    token, and at least half its tokens must arrive in events of their own (an engine may
+    coalesce a few under load); a stream that reports its count only at the end does not."""
+    return first_count == 1 and 2 * events >= count
+
+
+@dataclass(frozen=True)
+class LoadTrials:
+    """--concurrency: a trial is --requests one-prompt streamed requests, at most
+    --concurrency in flight (a closed loop: a request leaves, the next goes), each timed on
+    its latency, time to first token and time per output token; the cell then holds each
+    arm's LoadStats and an overhead for throughput and each figure."""
+
+    concurrency: int  # requests in flight at once
+    requests: int  # requests per trial
+    load = True
+
+    @staticmethod
+    def add_arguments(group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--concurrency",
+            type=whole_number(1, MAX_BATCH_SIZE),
+            metavar="C",
+            help="time a server under load instead of one batch request: each trial is "
+            "--requests one-prompt streamed requests, at most C in flight (throughput, TTFT, "
+            "TPOT and latency of both arms)",
+        )
+        group.add_argument(
+            "--requests",
+            type=whole_number(1, MAX_REQUESTS),
+            metavar="R",
+            help="requests per load trial (default 4 x --concurrency; at least C)",
+        )
+
+    @classmethod
+    def configure(
+        cls, concurrency: Optional[int], requests: Optional[int]
+    ) -> Optional["LoadTrials"]:
+        if requests is not None and concurrency is None:
+            raise UsageError("--requests goes with --concurrency")
+        if not concurrency:
+            return None
+        requests = 4 * concurrency if requests is None else requests
+        if requests < concurrency:
+            raise UsageError(
+                "--requests: give at least --concurrency (%d), or some slots stay empty"
+                % concurrency
+            )
+        return cls(concurrency, requests)
+
+    @property
+    def prompts(self) -> int:
+        return self.requests
+
+    def run(
+        self,
+        arm: "Arm",
+        prompts: List[str],
+        adapter: EngineAdapter,
+        sampling: Sampling,
+        arrivals: Arrivals,
+    ) -> Tuple[float, int, List[RequestTiming]]:
+        """A closed-loop load run: every prompt its own streamed request, at most concurrency
+        in flight. Per request: time to first token, time per output token after it,
+        end-to-end latency. Returns (seconds, output tokens, timings)."""
+        pending = list(enumerate(prompts))[::-1]  # popped from the end
+        timings: List[Any] = [None] * len(prompts)
+        lock = threading.Lock()
+
+        def stream_one(prompt: str) -> RequestTiming:
+            body = adapter.stream_body(arm.facts.model, prompt, sampling)
+            post = arm.client.prepare_post(adapter.generate_path, body)
+            start = CLOCK()
+            first = last = None
+            count = first_count = events = 0
+            try:
+                post.connect()
+                post.send()
+                for event in post.events():
+                    seen = parsed("a stream event", adapter.streamed_tokens, event)
+                    if seen is not None and seen > count:
+                        count, last, events = seen, CLOCK(), events + 1
+                        if first is None:
+                            first, first_count = last, seen
+            finally:
+                post.close()  # whatever ended the stream, its connection goes with it
+            if first is None:
+                raise shape_error("the stream held no token")
+            if count > sampling.max_tokens:
+                raise shape_error(
+                    "the stream reported %d output tokens, more than --max-tokens %d "
+                    "allows" % (count, sampling.max_tokens)
+                )
+            ttft = tpot = None
+            if token_by_token(first_count, events, count):
+                ttft = first - start
+                tpot = (last - first) / (count - 1) if count > 1 else None
+            return RequestTiming(ttft, last - start, count, tpot, events)
+
+        # Each trial's arrivals drawn from a seed of its own, the same on both arms
+        schedule = arrivals.schedule(len(prompts), DEFAULT_SEED + len(arm.samples))
+        failed: List[BaseException] = []  # once a request fails, no worker starts another
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    if not pending or failed:
+                        return
+                    i, prompt = pending.pop()
+                try:
+                    arrivals.wait_until(start + schedule[i])
+                    timings[i] = stream_one(prompt)
+                except BaseException as err:  # raised in the main thread, by failed_outcome
+                    timings[i] = err
+                    failed.append(err)
+
+        allow_open_files(self.concurrency)
+        threads = [
+            threading.Thread(target=worker, daemon=True)
+            for _ in range(min(self.concurrency, len(prompts)))
+        ]
+        start = CLOCK()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = CLOCK() - start
+        failed_outcome(timings, "streamed requests")
+        return seconds, sum(t.tokens for t in timings), timings
+
+    def labels(self, arrivals: Arrivals) -> Json:
+        """What the cell's labels say of its trials."""
+        return {
+            "batch": None,
+            "concurrency": self.concurrency,
+            "requests": self.requests,
+            "arrivals": arrivals.describe(),
+        }
+
+    @staticmethod
+    def cell_parts(
+        arms: Sequence["Arm"], pairs: int, primary: "Overhead"
+    ) -> Tuple[Dict[str, LoadStats], Dict[str, "Overhead"]]:
+        """Each arm's LoadStats, and what the flag costs in throughput (the primary figure:
+        the on/off ratio of the time each trial took for the same tokens; +30 %: the flag
+        costs 30 % more time per token, i.e. throughput falls to 1/1.3) and in each figure
+        (paired per-trial medians)."""
+        off, on = arms
+        load = {arm.name: LoadStats.of(arm.requests, arm.samples, arm.tokens) for arm in arms}
+        overheads = {"throughput": primary}
+        for figure in LOAD_FIGURES:
+            a, b = per_trial_medians(off, figure)[:pairs], per_trial_medians(on, figure)[:pairs]
+            if all(map(math.isfinite, a + b)):
+                overheads[figure] = Overhead.of(a, b)
+                continue
+            one_token = all(r.tokens < 2 for arm in arms for t in arm.requests for r in t)
+            if figure == "latency":
+                why = "a trial had no latency"
+            elif figure == "tpot" and one_token:
+                why = "time per output token needs at least two tokens a request"
+            else:
+                why = UNMEASURED_STREAM
+            overheads[figure] = Overhead(None, None, False, unmeasured=why)
+        return load, overheads
+
+    @staticmethod
+    def report(cell: "CostCell", out: Out) -> None:
+        """Each arm's throughput and latencies, and what the flag costs in each."""
+
+        def ms(spread: Optional[Spread]) -> str:
+            if spread is None:
+                return "unmeasured"
+            return "%.1f/%.1f ms" % (1000 * spread.median_s, 1000 * spread.p99_s)
+
+        for name, stats in (cell.load or {}).items():
+            out.line(
+                "  flag %-3s %s tokens/s, %s requests/s; median/p99: latency %s, TTFT %s, TPOT %s"
+                % (
+                    name,
+                    fmt_opt(stats.median_tokens_per_s, "?", "%.1f"),
+                    fmt_opt(stats.median_requests_per_s, "?", "%.2f"),
+                    ms(stats.latency),
+                    ms(stats.ttft),
+                    ms(stats.tpot),
+                )
+            )
+        for figure in LOAD_FIGURES:
+            overhead = (cell.overheads or {})[figure]
+            label = figure.upper() if figure != "latency" else "latency"
+            if overhead.unmeasured:
+                out.line("  %-8s unmeasured: %s" % (label, overhead.unmeasured))
+                continue
+            out.line(
+                "  %-8s overhead %s"
+                % (
+                    label,
+                    overhead.text(
+                        "%+.1f%% [%+.1f%%, %+.1f%%]%s", "%+.1f%% (no interval)", " n.s."
+                    ),
+                )
+            )
+        if cell.compared_on != "time per trial":
+            out.line("  compared on %s" % cell.compared_on)
+
+
+def per_trial_medians(arm: "Arm", figure: str) -> List[float]:
+    """Each trial's median of a figure ("latency", "ttft" or "tpot"); NaN where none has it."""
+    medians = []
+    for trial in arm.requests:
+        values = [getattr(r, figure + "_s") for r in trial]
+        medians.append(statistics.median([v for v in values if v is not None] or [math.nan]))
+    return medians
+
+
+# ----------------------------------------------------------------------------
+# --mode cost: what the flag costs, for one cell of the 2x2 table
+
+
+@dataclass
+class CostOptions:
+    """--mode cost's own options, checked before any request (each field named as its
+    option's argparse dest), and what one trial is (trial: BatchTrials or LoadTrials)."""
+
+    sampling: Sampling
+    invariant: str  # the flag-on arm's URL
+    trial: Union[BatchTrials, LoadTrials]
+    trials: int  # timed trial pairs at most
+    warmup: int
+    workload: str  # one of WORKLOADS
+    prefix_tokens: int
+    precision: Optional[float]  # stop once the interval's half-width is at most this
+    tp: Optional[int]  # the label's TP degree when the server does not report it
+    allow_mismatch: bool
+
+    @staticmethod
+    def add_arguments(group: argparse._ArgumentGroup) -> None:
+        group.add_argument("--invariant", metavar="URL", help="the flag-on arm (required)")
+        BatchTrials.add_arguments(group)
+        group.add_argument(
+            "--trials",
+            type=whole_number(1, MAX_TRIALS),
+            default=DEFAULT_TRIALS,
+            help="timed requests per arm (default %d)" % DEFAULT_TRIALS,
+        )
+        group.add_argument(
+            "--warmup",
+            type=whole_number(0, MAX_TRIALS),
+            default=DEFAULT_WARMUP,
+            help="discarded requests per arm (default %d)" % DEFAULT_WARMUP,
+        )
+        group.add_argument(
+            "--workload",
+            choices=WORKLOADS,
+            default="cold",
+            help="cold: no prefix can be cached; shared-prefix: one long prefix for all",
+        )
+        group.add_argument(
+            "--prefix-tokens",
+            type=whole_number(1, MAX_PROMPT_TOKENS),
+            default=DEFAULT_PREFIX_TOKENS,
+            help="length of the shared prefix (default about %d tokens)" % DEFAULT_PREFIX_TOKENS,
+        )
+        LoadTrials.add_arguments(group)
+        group.add_argument(
+            "--precision",
+            type=real_number(0.0, above=True),
+            metavar="P",
+            help="keep timing trial pairs until the overhead's 95%% interval is at most +-P "
+            "points wide, or --trials is reached",
+        )
+        group.add_argument(
+            "--tp",
+            type=whole_number(1),
+            help="TP degree for the label when the server does not report it",
+        )
+        group.add_argument(
+            "--allow-mismatch",
+            action="store_true",
+            help="time even when the two servers differ in more than the flag (the result "
+            "records the differences)",
+        )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, url: str) -> "CostOptions":
+        if not args.invariant:
+            raise UsageError("cost mode needs --invariant URL, the flag-on server")
+        invariant = check_url(args.invariant, "--invariant")
+        if server_address(invariant) == server_address(url):
+            raise UsageError("--url and --invariant are the same server; cost compares two")
+        max_tokens = DEFAULT_COST_TOKENS if args.max_tokens is None else args.max_tokens
+        load = LoadTrials.configure(args.concurrency, args.requests)
+        return options_from(
+            cls,
+            args,
+            sampling=Sampling.of(0.0, max_tokens, None, DEFAULT_SEED, ignore_eos=True),
+            invariant=invariant,
+            trial=load or BatchTrials(args.batch),
+        )
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """What the flag costs by one measure, from paired trials: the median on/off ratio - 1 in
+    per cent, with its 95% interval (none, and never significant, below
+    MIN_PAIRS_FOR_INTERVAL pairs), or why it could not be measured."""
+
+    pct: Optional[float] = field(metadata=saved("overhead_pct"))
+    ci95_pct: Optional[List[float]]
+    significant: bool
+    ratios: List[float] = field(default_factory=list, metadata=NOT_SAVED)  # on/off, by pair
+    unmeasured: Optional[str] = field(default=None, metadata=saved(omit_none=True))
+
+    @classmethod
+    def of(cls, off_s: Sequence[float], on_s: Sequence[float]) -> "Overhead":
+        ratios = [b / a if a > 0 else math.inf for a, b in zip(off_s, on_s)]
+        rounded = [round(r, 6) for r in ratios]
+        if len(ratios) < MIN_PAIRS_FOR_INTERVAL or not all(map(math.isfinite, ratios)):
+            median = statistics.median(ratios) if ratios else math.nan
+            pct = round((median - 1.0) * 100.0, 3) if math.isfinite(median) else None
+            return cls(pct, None, False, rounded)
+        lo, hi = bootstrap_median_ci(ratios)
+        ci = [round((lo - 1.0) * 100.0, 3), round((hi - 1.0) * 100.0, 3)]
+        pct = round((statistics.median(ratios) - 1.0) * 100.0, 3)
+        return cls(pct, ci, not (ci[0] <= 0.0 <= ci[1]), rounded)
+
+    @classmethod
+    def from_record(cls, record: Json) -> "Overhead":
+        return cls(
+            record.get("overhead_pct"),
+            record.get("ci95_pct"),
+            bool(record.get("significant")),
+            unmeasured=record.get("unmeasured"),
+        )
+
+    def text(self, with_interval: str, without: str, not_significant: str) -> str:
+        """with_interval % (value, low, high, mark), mark being not_significant when the
+        interval contains 0; without % value when there are too few pairs for one."""
+        if self.pct is None:
+            return "no overhead (%s)" % (self.unmeasured or "no complete trial pair")
+        if self.ci95_pct is None:
+            return without % self.pct
+        lo, hi = self.ci95_pct
+        return with_interval % (self.pct, lo, hi, "" if self.significant else not_significant)
+
+
+@dataclass(frozen=True)
+class ArmStats:
+    """The timed trials of one cost arm."""
+
+    median_s: float
+    mad_s: float
+    min_s: float
+    max_s: float
+    samples_s: List[float]  # seconds of each trial
+    output_tokens: List[int]  # of each trial
+    tokens_per_s: List[float]  # of each trial that took any time, rounded to 3 places
+    median_tokens_per_s: Optional[float]
+    noisy: bool  # max/min above NOISE_SPREAD
+
+    @classmethod
+    def of(cls, samples_s: List[float], output_tokens: List[int]) -> "ArmStats":
+        rates = [t / s for t, s in zip(output_tokens, samples_s) if s > 0]
+        low, high = min(samples_s), max(samples_s)
+        return cls(
+            median_s=statistics.median(samples_s),
+            mad_s=mad(samples_s),
+            min_s=low,
+            max_s=high,
+            samples_s=list(samples_s),
+            output_tokens=list(output_tokens),
+            tokens_per_s=[round(x, 3) for x in rates],
+            median_tokens_per_s=statistics.median(rates) if rates else None,
+            noisy=high / low > NOISE_SPREAD if low > 0 else True,
+        )
+
+
+@dataclass(frozen=True)
+class CellLabels:
+    """What names a cost cell and what the 2x2 table shows of it, read alike from this run's
+    cell and from any cell already in the cost file."""
+
+    tp: Optional[int]
+    workload: str
+    batch: Optional[int]  # None for load trials
+    concurrency: Optional[int]  # load trials only
+    requests: Optional[int]  # load trials only
+    arrivals: Optional[str]  # load trials only
+    max_tokens: int
+    model: str
+    state: Optional[str]  # None in files of labs that did not save it
+    overhead: Overhead  # the primary one
+
+    @classmethod
+    def from_record(cls, record: Json) -> "CellLabels":
+        return cls(
+            record["tp"],
+            record["workload"],
+            record["batch"],
+            record.get("concurrency"),
+            record.get("requests"),
+            record.get("arrivals"),
+            record["max_tokens"],
+            record["model"],
+            record.get("state"),
+            Overhead.from_record(record),
+        )
+
+    def key(self) -> Tuple:
+        """What makes two cells the same measurement: a newer one replaces the older."""
+        arrivals = (self.arrivals or "burst") if self.concurrency else None
+        return (
+            self.tp,
+            self.workload,
+            self.batch,
+            self.concurrency,
+            arrivals,
+            self.max_tokens,
+            self.model,
+        )
+
+    def shape(self) -> str:
+        if self.concurrency:
+            return "concurrency %d, %d requests a trial" % (self.concurrency, self.requests)
+        return "batch %d" % self.batch
+
+
+@dataclass(frozen=True)
+class CostCell:
+    """One labelled cell of the 2x2 table: both arms' trials, what the flag costs, and where
+    it was measured; saved as the cost file's cell."""
+
+    tp: Optional[int]
+    workload: str
+    batch: Optional[int]  # None for load trials
+    max_tokens: int
+    trials: int  # complete trial pairs
+    warmup: int
+    model: str
+    engine: str
+    prefix_tokens: Optional[int]  # shared-prefix only
+    off: ArmStats
+    on: ArmStats
+    servers: Json  # arm name -> its server facts' record, with its URL
+    differences: List["ArmDifference"]  # between the arms, other than the flag's own
+    state: str
+    created: str  # when the cell was made
+    lab: Json  # provenance
+    overhead: Overhead = field(metadata=saved(flat=""))  # the primary one
+    ratios: List[float]  # the primary overhead's, on/off pair by pair
+    compared_on: str  # what the primary overhead's ratio is of
+    concurrency: Optional[int] = field(default=None, metadata=saved(omit_none=True))  # load
+    requests: Optional[int] = field(default=None, metadata=saved(omit_none=True))  # load
+    primary: Optional[str] = field(default=None, metadata=saved(omit_none=True))  # load
+    arrivals: Optional[str] = field(default=None, metadata=saved(omit_none=True))  # load
+    load: Optional[Dict[str, LoadStats]] = field(default=None, metadata=saved(omit_none=True))
+    # load trials: throughput, then LOAD_FIGURES
+    overheads: Optional[Dict[str, Overhead]] = field(default=None, metadata=saved(omit_none=True))
+    # --precision: "precision", "trials", or the stop
+    stopped_by: Optional[str] = field(default=None, metadata=saved(omit_none=True))
+
+    @property
+    def labels(self) -> CellLabels:
+        return CellLabels(
+            self.tp,
+            self.workload,
+            self.batch,
+            self.concurrency,
+            self.requests,
+            self.arrivals,
+            self.max_tokens,
+            self.model,
+            self.state,
+            self.overhead,
+        )
+
+
+@dataclass
+class Arm:
+    """One server of a cost comparison, and what was timed on it."""
+
+    name: str  # "off" or "on": the flag it should report
+    option: str  # the option that named it
+    url: str
+    client: HttpClient
+    facts: ServerFacts
+    samples: List[float] = field(default_factory=list)  # seconds of each timed trial
+    tokens: List[int] = field(default_factory=list)  # output tokens of each timed trial
+    requests: List[List[RequestTiming]] = field(default_factory=list)  # load trials, by trial
+
+    @classmethod
+    def open(cls, cfg: Config, name: str, option: str, url: str) -> "Arm":
+        facts = read_facts(cfg, url, "the flag-%s arm (%s)" % (name, option))
+        return cls(name, option, url, cfg.client(url), facts)
+
+    def run(self, cfg: Config, prompts: List[str]) -> Tuple[float, int, Optional[List[Any]]]:
+        """One trial of the kind cost mode times (BatchTrials or LoadTrials) on this arm."""
+        return cfg.cost.trial.run(self, prompts, cfg.adapter, cfg.sampling, cfg.arrivals)
+
+
+@dataclass(frozen=True)
+class ArmDifference:
+    """A setting the two arms report differently, other than the flag and what it sets."""
+
+    setting: str
+    off: Any
+    on: Any
+
+
+def arm_differences(off: ServerFacts, on: ServerFacts) -> List[ArmDifference]:
+    """Settings that differ between the arms, other than the flag and what the flag itself sets."""
+    differences = []
+    for label in sorted(off.settings.keys() | on.settings.keys()):
+        a, b = off.settings.get(label), on.settings.get(label)
+        set_by_flag = label in on.flag_sets and b == on.flag_sets[label]
+        if a != b and not set_by_flag:
+            differences.append(ArmDifference(label, a, b))
+    return differences
+
+
+def cell_key(record: Json) -> Tuple:
+    """What makes two saved cells the same measurement (CellLabels.key)."""
+    return CellLabels.from_record(record).key()
+
+
+def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[ArmDifference]:
+    """Refuse arms the wrong way round or differing in more than the flag; print their settings."""
+    adapter = cfg.adapter
+    if off.facts.flag is True or on.facts.flag is False:
+        raise UsageError(
+            "the arms are the wrong way round: --url reports the %s and --invariant reports the %s"
+            % (describe_flag(off.facts.flag, adapter), describe_flag(on.facts.flag, adapter))
+        )
+    differences = arm_differences(off.facts, on.facts)
+    for arm in (off, on):
+        if arm.facts.info_source is None:
+            out.warn(
+                "the %s arm does not expose its settings, so the lab cannot check that the arms "
+                "differ in the flag only (%s)" % (arm.name, arm.facts.settings_hint)
+            )
+    if not cfg.json_out:
+        print_cost_servers(off.facts, on.facts, differences, adapter, out)
+        for arm in (off, on):
+            for line in hazard_lines(as_record(arm.facts), "flag-%s arm: " % arm.name):
+                out.line(line.strip())
+    if differences and not cfg.cost.allow_mismatch:
+        raise UsageError(
+            "the two servers differ in more than the flag (%s); pin them equal, or pass "
+            "--allow-mismatch to time them anyway" % ", ".join(d.setting for d in differences)
+        )
+    return differences
+
+
+def print_cost_servers(
+    off: ServerFacts,
+    on: ServerFacts,
+    differences: List[ArmDifference],
+    adapter: EngineAdapter,
+    out: Out,
+) -> None:
+    differing = {d.setting for d in differences}
+    row = "%-24s %-26s %-26s%s"
+    show = {None: "unknown", True: "on", False: "off"}
+    out.line(row % ("setting", "--url (flag off)", "--invariant (flag on)", ""))
+    out.line(
+        row
+        % (
+            adapter.flag_name[:24],
+            show.get(off.flag, str(off.flag)),
+            show.get(on.flag, str(on.flag)),
+            "",
+        )
+    )
+    for label in sorted(off.settings.keys() | on.settings.keys()):
+        a, b = off.settings.get(label), on.settings.get(label)
+        if a is None and b is None:
+            continue
+        mark = "  <- differs" if label in differing else ("  (set by the flag)" if a != b else "")
+        out.line(row % (label, fmt_setting(a), fmt_setting(b), mark))
+
+
+def cost_table_lines(cells: List[CellLabels], current: CellLabels) -> List[str]:
+    """The 2x2 table TP=1 / TP=k x cold / shared-prefix for the current model, batch and length."""
+    shape = lambda c: (c.model, c.batch, c.concurrency, c.max_tokens)
+    same = [c for c in cells if shape(c) == shape(current)]
+    # TP=k until a degree above 1 is measured; TP=? for cells measured without a known degree
+    tps: List[Any] = sorted({c.tp for c in same if c.tp not in (1, None)}) or ["k"]
+    if any(c.tp is None for c in same):
+        tps.append(None)
+    lines = [
+        "cost cells for %s, %s, %d tokens (from the saved file):"
+        % (current.model, current.shape(), current.max_tokens),
+        "  %-8s %-28s %-28s" % ("", *WORKLOADS),
+    ]
+    filled = 0
+    for tp in [1] + tps:
+        row = []
+        for workload in WORKLOADS:
+            cell = next((c for c in same if c.tp == tp and c.workload == workload), None)
+            filled += cell is not None
+            row.append(
+                "missing"
+                if cell is None
+                else "%s%s"
+                % (
+                    cell.overhead.text(
+                        "%+.1f%% [%+.1f, %+.1f]%s", "%+.1f%% (no interval)", " n.s."
+                    ),
+                    "" if cell.state == "complete" else " partial",
+                )
+            )
+        lines.append("  %-8s %-28s %-28s" % ("TP=%s" % ("?" if tp is None else tp), *row))
+    if filled < 4:
+        lines.append(
+            "One cell alone is not a result: report all four (TP=1 and your real TP, cold and "
+            "shared-prefix), or none."
+        )
+    return lines
+
+
+def warm_up(
+    cfg: Config,
+    arms: Sequence[Arm],
+    prompts: Callable[[int], List[str]],
+    interrupt: DeferredInterrupt,
+    progress: Progress,
+) -> None:
+    """Untimed requests on both arms; each may fail once (a server still settling)."""
+    for w in range(cfg.cost.warmup):
+        for arm in arms:
+            for attempt in range(1, WARMUP_ATTEMPTS + 1):
+                interrupt.check()
+                progress.running("warm-up %d/%d, %s arm" % (w + 1, cfg.cost.warmup, arm.name))
+                try:
+                    arm.run(cfg, prompts(-1 - w))
+                    break
+                except ServerError as err:
+                    if attempt == WARMUP_ATTEMPTS:
+                        raise ServerError(
+                            "warm-up %d, %s arm: %s" % (w + 1, arm.name, err)
+                        ) from None
+                    progress.out.warn(
+                        "warm-up request failed on the %s arm (%s); retrying once, as only "
+                        "warm-up may" % (arm.name, err)
+                    )
+
+
+def precise_enough(off_s: Sequence[float], on_s: Sequence[float], points: float) -> bool:
+    """Is the primary overhead's 95% interval at most +-points wide yet? Stopping on it biases
+    the estimate little here: the rule looks at the interval's width, which does not depend on
+    where the median lies, only on the spread of the ratios, so it does not stop when the
+    estimate happens to look large or small."""
+    pairs = min(len(off_s), len(on_s))
+    if pairs < MIN_PAIRS_FOR_INTERVAL:
+        return False
+    ci = Overhead.of(off_s[:pairs], on_s[:pairs]).ci95_pct
+    return ci is not None and (ci[1] - ci[0]) / 2.0 <= points
+
+
+def per_token(arm: Arm, pairs: int) -> List[float]:
+    return [
+        seconds / tokens if tokens > 0 else math.inf
+        for seconds, tokens in zip(arm.samples[:pairs], arm.tokens[:pairs])
+    ]
+
+
+def cost_cell(
+    cfg: Config, arms: Tuple[Arm, Arm], differences: List[ArmDifference], state: str
+) -> CostCell:
+    """One labelled cell of the 2x2 table, from the trials measured so far."""
+    options, (off, on) = cfg.cost, arms
+    pairs = min(len(off.samples), len(on.samples))
+    if off.tokens[:pairs] == on.tokens[:pairs]:
+        primary = Overhead.of(off.samples[:pairs], on.samples[:pairs])
+        compared_on = "time per trial"
+    else:  # compare what both did: the time each took per output token
+        primary = Overhead.of(per_token(off, pairs), per_token(on, pairs))
+        compared_on = "time per output token (the arms produced different token counts)"
+    load = overheads = primary_name = None
+    if options.trial.load:
+        load, overheads = options.trial.cell_parts(arms, pairs, primary)
+        primary_name = "throughput"
+    labels = options.trial.labels(cfg.arrivals)
+    return CostCell(
+        tp=off.facts.tp or options.tp,
+        workload=options.workload,
+        batch=labels["batch"],
+        max_tokens=cfg.sampling.max_tokens,
+        trials=pairs,
+        warmup=options.warmup,
+        model=off.facts.model,
+        engine=cfg.engine,
+        prefix_tokens=options.prefix_tokens if options.workload == "shared-prefix" else None,
+        off=ArmStats.of(off.samples, off.tokens),
+        on=ArmStats.of(on.samples, on.tokens),
+        servers={arm.name: dict(as_record(arm.facts), url=arm.url) for arm in arms},
+        differences=differences,
+        state=state,
+        created=now_stamp(),
+        lab=dict(cfg.provenance, ended=None if state == "running" else now_stamp()),
+        overhead=primary,
+        ratios=primary.ratios,
+        compared_on=compared_on,
+        concurrency=labels["concurrency"],
+        requests=labels["requests"],
+        primary=primary_name,
+        arrivals=labels["arrivals"],
+        load=load,
+        overheads=overheads,
+    )
+
+
+def cost_file_fault(doc: Dict[str, Any]) -> Optional[str]:
+    """What is wrong with a cost file's cells, as the cost table and the cell keys read them,
+    or None: checked before the first request, so that no run measures and then cannot save."""
+    for section in ("cells", "incomplete_cells"):
+        cells = doc.get(section, [])
+        if not isinstance(cells, list):
+            return "%s is not a list" % section
+        for i, cell in enumerate(cells, 1):
+            fault = cell_fault(cell)
+            if fault:
+                return "%s %d: %s" % (section.replace("_", " ")[:-1], i, fault)
+    return None
+
+
+def cell_fault(cell: Any) -> Optional[str]:
+    if not isinstance(cell, dict):
+        return "not an object"
+    whole = lambda x, low: isinstance(x, int) and not isinstance(x, bool) and x >= low
+    checks = [
+        ("model", isinstance(cell.get("model"), str)),
+        ("workload", cell.get("workload") in WORKLOADS),
+        ("tp", cell.get("tp") is None or whole(cell.get("tp"), 1)),
+        (
+            "batch",
+            whole(cell.get("batch"), 1) or (cell.get("concurrency") and cell["batch"] is None),
+        ),
+        ("max_tokens", whole(cell.get("max_tokens"), 1)),
+        ("concurrency", cell.get("concurrency") is None or whole(cell.get("concurrency"), 1)),
+        ("requests", not cell.get("concurrency") or whole(cell.get("requests"), 1)),
+        ("arrivals", cell.get("arrivals") is None or isinstance(cell.get("arrivals"), str)),
+        ("state", isinstance(cell.get("state"), str)),
+        ("overhead_pct", cell.get("overhead_pct") is None or is_number(cell["overhead_pct"])),
+        (
+            "ci95_pct",
+            cell.get("ci95_pct") is None
+            or (
+                isinstance(cell["ci95_pct"], list)
+                and len(cell["ci95_pct"]) == 2
+                and all(map(is_number, cell["ci95_pct"]))
+                and isinstance(cell.get("significant"), bool)
+            ),
+        ),
+    ]
+    bad = next((name for name, good in checks if not good), None)
+    return None if bad is None else "its %s is missing or malformed" % bad
+
+
+def save_cell(path: str, cell: Json) -> Json:
+    """Add a cell's record to the cost file as it is now, under a lock: two runs saving to
+    one file each keep their cells. Returns the document written."""
+    with FolderLock(path):
+        try:
+            current = read_json_file(path, "--save") if os.path.exists(path) else None
+        except UsageError as err:
+            raise SaveError(str(err)) from None
+        if current is not None and current.get("schema") != COST_SCHEMA:
+            raise SaveError("--save: %s no longer holds cost results; not overwritten" % path)
+        doc = add_cell(current or {"schema": COST_SCHEMA, "cells": []}, cell)
+        write_json_atomic(path, doc)
+        return doc
+
+
+def add_cell(doc: Json, cell: Json) -> Json:
+    """Put a cell's record in the cost file, replacing the one with the same key; an
+    unfinished run never replaces a finished cell (it is kept under "incomplete_cells")."""
+    key = cell_key(cell)
+    doc.setdefault("cells", [])
+    finished = any(cell_key(c) == key and c.get("state") == "complete" for c in doc["cells"])
+    section = "incomplete_cells" if finished and cell["state"] != "complete" else "cells"
+    doc[section] = [c for c in doc.get(section, []) if cell_key(c) != key] + [cell]
+    return doc
+
+
+def print_cost_report(cell: CostCell, out: Out) -> None:
+    labels = cell.labels
+    out.line("")
+    out.line(
+        "cell: TP=%s, workload %s, %s, %d tokens, model %s, %d trial pairs%s"
+        % (
+            fmt_opt(labels.tp, "?"),
+            labels.workload,
+            labels.shape(),
+            labels.max_tokens,
+            labels.model,
+            cell.trials,
+            "" if labels.state == "complete" else " (%s)" % labels.state,
+        )
+    )
+    for name, arm in (("off", cell.off), ("on", cell.on)):
+        out.line(
+            "  flag %-3s median %.4fs  MAD %.4fs  min-max %.4f-%.4fs  %s tokens/s%s"
+            % (
+                name,
+                arm.median_s,
+                mad(arm.samples_s),
+                min(arm.samples_s),
+                max(arm.samples_s),
+                "%.1f" % arm.median_tokens_per_s if arm.median_tokens_per_s else "?",
+                "  NOISY (max/min > %.1f)" % NOISE_SPREAD if arm.noisy else "",
+            )
+        )
+    out.line(
+        out.style(
+            "  overhead "
+            + cell.overhead.text(
+                "%+.1f%%, 95%% interval [%+.1f%%, %+.1f%%]%s",
+                "%%+.1f%%%%, no interval: %d trial pairs, an interval needs at least %d"
+                % (cell.trials, MIN_PAIRS_FOR_INTERVAL),
+                ": not significant (the interval contains 0)",
+            ),
+            "1",
+        )
+    )
+    if cell.load:
+        LoadTrials.report(cell, out)
+    if cell.stopped_by:
+        out.line(
+            "  %s"
+            % {
+                "precision": "stopped once the interval was within the asked precision "
+                "(--precision)",
+                "trials": "ran every trial (--trials) before the interval was within --precision",
+            }.get(cell.stopped_by, "stopped: %s" % cell.stopped_by)
+        )
+    if cell.differences:
+        out.line(
+            "  timed despite differences (--allow-mismatch): "
+            + ", ".join("%s %s vs %s" % (d.setting, d.off, d.on) for d in cell.differences)
+        )
+
+
+def run_cost(cfg: Config, out: Out) -> int:
+    """--mode cost: open both arms and refuse them unless they differ in the flag alone,
+    warm up, then time trial pairs in A B B A order (BatchTrials or LoadTrials, decided
+    once) until --trials or --precision; the cell (cost_cell; CostCell is its
+    schema) is added to the cost file and printed with the 2x2 table. Returns the exit
+    code."""
+    arms = [
+        (cfg.url, "the flag-off arm (--url)"),
+        (cfg.cost.invariant, "the flag-on arm (--invariant)"),
+    ]
+    wait_until_ready(cfg, arms, out)
+    cfg = resolve_engine(cfg, arms)
+    off = Arm.open(cfg, "off", "--url", cfg.url)
+    on = Arm.open(cfg, "on", "--invariant", cfg.cost.invariant)
+    differences = check_arms(cfg, off, on, out)
+    run_id = "%08x" % random.SystemRandom().getrandbits(
+        32
+    )  # no prefix cache hit across runs either
+    doc = copy.deepcopy(cfg.prior_save) if cfg.prior_save else {"schema": COST_SCHEMA, "cells": []}
+    short: List[Tuple[int, str, int]] = []  # (trial, arm, tokens) of trials that stopped early
+    per_trial = cfg.cost.trial.prompts
+    expected_tokens = per_trial * cfg.sampling.max_tokens
+    stopped_by: List[str] = []  # "precision" once the interval is narrow enough
+
+    def prompts(trial: int) -> List[str]:
+        return workload_prompts(
+            cfg.cost.workload, per_trial, trial, run_id, cfg.cost.prefix_tokens
+        )
+
+    saves = ThrottledSave(cfg.save)
+    progress = Progress(out, cfg.cost.trials, "trial pairs", cfg.quiet)
+
+    def measure(interrupt: DeferredInterrupt) -> None:
+        warm_up(cfg, (off, on), prompts, interrupt, progress)
+        for trial in range(cfg.cost.trials):
+            for arm in ((off, on) if trial % 2 == 0 else (on, off)):  # A B B A A B ...
+                interrupt.check()
+                progress.running("trial %d/%d, %s arm" % (trial + 1, cfg.cost.trials, arm.name))
+                try:
+                    seconds, count, timings = arm.run(cfg, prompts(trial))
+                except ServerError as err:
+                    raise ServerError(
+                        "trial %d, %s arm: %s" % (trial + 1, arm.name, err)
+                    ) from None
+                if count > expected_tokens:
+                    raise ServerError(
+                        "trial %d, %s arm: the server reported %d output tokens, more than %d "
+                        "prompts x --max-tokens %d allow"
+                        % (trial + 1, arm.name, count, per_trial, cfg.sampling.max_tokens)
+                    )
+                if count < expected_tokens:
+                    short.append((trial + 1, arm.name, count))
+                arm.samples.append(seconds)
+                arm.tokens.append(count)
+                if timings is not None:
+                    arm.requests.append(timings)
+            saves.offer(
+                lambda path: save_cell(
+                    path, as_record(cost_cell(cfg, (off, on), differences, "running"))
+                )
+            )
+            progress.finished("trial %d/%d" % (trial + 1, cfg.cost.trials), 2 * per_trial)
+            if cfg.cost.precision and precise_enough(off.samples, on.samples, cfg.cost.precision):
+                stopped_by.append("precision")
+                return
+
+    state, code = measure_until_stopped(out, "cost", measure)
+    for trial, arm_name, got in short[:3]:
+        out.warn(
+            "trial %d, %s arm: %d output tokens, not %d x %d (the server stopped early: is "
+            "ignore_eos honoured?)" % (trial, arm_name, got, per_trial, cfg.sampling.max_tokens)
+        )
+    if not off.samples or not on.samples:
+        out.say("no complete trial pair; nothing to report", raising=False)
+        return code or EXIT_SERVER
+    cell = cost_cell(cfg, (off, on), differences, state)
+    if cfg.cost.precision:
+        why = stopped_by[0] if stopped_by else ("trials" if state == "complete" else state)
+        cell = dataclasses.replace(cell, stopped_by=why)
+    record = as_record(cell)
+    doc = saves.write(lambda path: save_cell(path, record)) or add_cell(doc, record)
+    if cfg.json_out:
+        out.line(json_text(record, indent=1))
+    else:
+        print_cost_report(cell, out)
+        if cfg.save:
+            out.line("")
+            cells = [CellLabels.from_record(c) for c in doc["cells"]]
+            for line in cost_table_lines(cells, cell.labels):
+                out.line(line)
+    return report_save(cfg, saves, code, out)
+
+
 # ----------------------------------------------------------------------------
 # --mode harness: the upstream harnesses, quoted, with what each one does not tell you
+
 
 VLLM_REV = "vLLM upstream commit 9aaf83ef (2026-05-19)"
 SGLANG_REV = "SGLang 0.5.23 (same text and lines in 0.5.18-0.5.23)"
@@ -4604,7 +6499,6 @@ COMMON_SERVER_ARGS = [
         "arms.",
     ),
 ]
-
 VLLM_COMMANDS = """\
 From the root of a vLLM checkout (the autouse fixture turns the flag on; the
 should-fail test turns it off itself):
@@ -4638,7 +6532,6 @@ The same experiment with the lab, against two servers you start yourself:
   python3 run.py --mode cost --url http://localhost:8000 \\
       --invariant http://localhost:8001 --batch 32 --trials 20 --save cost.json
 """
-
 SGLANG_COMMANDS = """\
 Arm 1, flag off (expect "Unique samples" > 1):
 
@@ -4710,6 +6603,7 @@ def run_harness(cfg: Config, out: Out) -> int:
 # ----------------------------------------------------------------------------
 # --mode help: the guide
 
+
 COVERAGE_CHECKLIST = """\
 Before filing a flag-on divergence as a bug, rule out the documented coverage gaps:
   - vLLM: fused-MoE kernels default to unsupported; only Triton experts opt in.
@@ -4720,7 +6614,6 @@ Before filing a flag-on divergence as a bug, rule out the documented coverage ga
     started, check it is really running the backend you think.
   - Both: the two arms must run the same attention backend (pin it), and vLLM supports
     only FLASH_ATTN, FLEX_ATTENTION, TRITON_ATTN, FLASH_ATTN_MLA and TRITON_MLA."""
-
 GUIDE = """\
 BATCH-INVARIANCE LAB: THE GUIDE
 
@@ -4841,1740 +6734,8 @@ def run_help(cfg: Config, out: Out) -> int:
 
 
 # ----------------------------------------------------------------------------
-# --mode sweep
-
-
-def sweep_ladder(cfg: Config, facts: ServerFacts) -> List[int]:
-    """The batch sizes to run: --sizes, else a ladder straddling the server's graph sizes
-    (the engine's own when the server runs none)."""
-    if cfg.sweep.sizes is not None:
-        sizes = list(cfg.sweep.sizes)
-    else:
-        sizes = straddling_ladder(
-            cfg.sweep.max_batch, facts.graph_sizes or facts.default_graph_sizes
-        )
-    if 1 not in sizes:
-        sizes.insert(0, 1)  # batch 1 is the baseline, and the stored baseline's peer
-    return sizes
-
-
-@dataclass
-class SentBatch:
-    """What one batch size's traffic brought back: the completions to compare (the measured
-    prompt's only) and what the server said about them."""
-
-    completions: List[Completion]
-    seconds: float  # from the first send to the last answer
-    cached_tokens: Optional[int]  # prompt tokens served from the prefix cache, if the server says
-    send_spread: Optional[float] = None  # concurrent: first to last request's send time
-
-
-@dataclass(frozen=True)
-class Arrivals:
-    """When requests go out: all at once (rate None, a burst), or as a Poisson process at rate
-    a second, its exponential gaps drawn from a seed so that a run can be repeated."""
-
-    rate: Optional[float] = None
-
-    def schedule(self, n: int, seed: int) -> List[float]:
-        """Each request's send time, in seconds after the first."""
-        if not self.rate:
-            return [0.0] * n
-        rng, at, times = random.Random(seed), 0.0, []
-        for _ in range(n):
-            times.append(at)
-            at += rng.expovariate(self.rate)
-        return times
-
-    def wait_until(self, when: float) -> None:
-        """Sleep until the request's send time; a stop signal ends the wait (and the sending)."""
-        if self.rate:
-            STOP.event.wait(max(0.0, when - CLOCK()))
-        if STOP.event.is_set():
-            raise Stopped(STOP.signum)  # no request starts after a stop signal
-
-    def describe(self) -> str:
-        return "burst" if not self.rate else "poisson at %g/s" % self.rate
-
-
-def failed_outcome(outcomes: Sequence[Any], what: str) -> None:
-    """Raise, in the thread that sent them, what the worst of many requests' threads raised:
-    a stop first, then anything unforeseen (so that it ends the run as in this thread), then
-    the first server error, with how many failed."""
-    raised = [o for o in outcomes if isinstance(o, BaseException)]
-    if not raised:
-        return
-    stop = next((o for o in raised if isinstance(o, KeyboardInterrupt)), None)
-    unforeseen = next((o for o in raised if not isinstance(o, ServerError)), None)
-    if stop or unforeseen:
-        raise stop or unforeseen
-    raise ServerError(
-        "%s (%d of %d %s failed)" % (raised[0], len(raised), len(outcomes), what),
-        raised[0].status,
-        raised[0].kind,
-    )
-
-
-@dataclass
-class Sender:
-    """How a sweep sends one batch size in each traffic shape, to one server."""
-
-    client: HttpClient
-    adapter: EngineAdapter
-    model: str
-    sampling: Sampling
-    isolate: bool  # bypass the prefix cache
-    arrivals: Arrivals = Arrivals()  # when concurrent requests go out
-
-    def shape(self, traffic: str) -> Callable[[str, int, int], SentBatch]:
-        """The sender of a traffic shape (TRAFFIC_SHAPES; what each measures: --mode help)."""
-        return {"copies": self.copies, "concurrent": self.concurrent, "mixed": self.mixed}[traffic]
-
-    def one_request(
-        self, prompts: List[str], cache_key: Optional[str] = None
-    ) -> Tuple[List[Completion], float, Optional[int]]:
-        answer, seconds = generate(
-            self.client,
-            self.adapter,
-            self.model,
-            prompts,
-            self.sampling,
-            self.isolate,
-            cache_key,
-        )
-        completions = parsed("the answer", self.adapter.completions, answer, len(prompts), True)
-        return completions, seconds, parsed("the answer", self.adapter.cached_tokens, answer)
-
-    def copies(self, prompt: str, n: int, seed: int, cache_key: Optional[str] = None) -> SentBatch:
-        """n copies of the prompt in one request (cache_key: see EngineAdapter.body)."""
-        return SentBatch(*self.one_request([prompt] * n, cache_key))
-
-    def mixed(self, prompt: str, n: int, seed: int) -> SentBatch:
-        """The prompt once among n-1 fillers in one request; only its own completion counts."""
-        prompts, position = mixed_batch(prompt, n, seed)
-        completions, seconds, cached = self.one_request(prompts)
-        return SentBatch([completions[position]], seconds, cached)
-
-    def concurrent(self, prompt: str, n: int, seed: int) -> SentBatch:
-        """n one-prompt requests in flight at once, as independent clients send them. A thread
-        per request opens its connection; once every one is ready (a barrier that only the
-        sender waits at, so no thread wakes while the requests go out), every request is
-        written in one loop, each a single prebuilt write, so they reach the server within
-        milliseconds; then each thread reads its own answer."""
-        if n == 1:
-            return self.copies(prompt, 1, seed)
-        allow_open_files(n)
-        posts = [
-            self.client.prepare_post(
-                self.adapter.generate_path,
-                self.adapter.body(self.model, [prompt], self.sampling, self.isolate),
-            )
-            for _ in range(n)
-        ]
-        outcomes: List[Any] = [None] * n  # what failed, or (completion, cached tokens)
-        ready, all_sent = threading.Semaphore(0), threading.Event()
-
-        def client_thread(i: int) -> None:
-            try:
-                posts[i].connect()
-            except BaseException as err:  # raised in the sending thread, by failed_outcome
-                outcomes[i] = err
-            ready.release()
-            all_sent.wait()
-            if outcomes[i] is None:
-                try:
-                    answer = posts[i].answer()
-                    outcomes[i] = (
-                        parsed("the answer", self.adapter.completions, answer, 1, True)[0],
-                        parsed("the answer", self.adapter.cached_tokens, answer),
-                    )
-                except BaseException as err:
-                    outcomes[i] = err
-
-        threads = [
-            threading.Thread(target=client_thread, args=(i,), daemon=True) for i in range(n)
-        ]
-        for t in threads:
-            t.start()
-        for _ in range(n):
-            ready.acquire()
-        schedule = self.arrivals.schedule(n, seed + n)
-        start = CLOCK()
-        sent = []
-        try:
-            for i, post in enumerate(posts):
-                if outcomes[i] is None:
-                    try:
-                        self.arrivals.wait_until(start + schedule[i])
-                        sent.append(CLOCK())
-                        post.send()
-                    except BaseException as err:
-                        outcomes[i] = err
-        finally:
-            all_sent.set()  # even on a second stop signal: no thread waits for ever
-        for t in threads:
-            t.join()
-        seconds = CLOCK() - start
-        failed_outcome(outcomes, "concurrent requests")
-        cached = [o[1] for o in outcomes if o[1] is not None]
-        return SentBatch(
-            [o[0] for o in outcomes],
-            seconds,
-            sum(cached) if cached else None,
-            round(sent[-1] - sent[0], 6),
-        )
-
-
-class PrefillCheck:
-    """Decode versus prefill: each distinct completion is sent back as one token-id prompt
-    (the prompt's ids, then the generated ids: never re-tokenised text), and each generated
-    token's logprob as the server decoded it is compared with the one it computes reading the
-    whole sequence at once. Prefills are cached by token sequence, so the cost is one request
-    per distinct sequence (plus one per prompt to learn its ids), not one per completion."""
-
-    def __init__(self, sender: "Sender"):
-        self.sender = sender
-        self.prompt_ids: Dict[str, List[int]] = {}
-        self.prefills: Dict[Tuple[str, Tuple[str, ...]], List[float]] = {}
-
-    def prefill(self, prompt: str, tokens: List[str]) -> List[float]:
-        key = (prompt, tuple(tokens))
-        if key not in self.prefills:
-            s = self.sender
-            if prompt not in self.prompt_ids:
-                self.prompt_ids[prompt] = parsed(
-                    "the prompt's token ids", s.adapter.prompt_token_ids, s.client, s.model, prompt
-                )
-            head = self.prompt_ids[prompt]
-            generated = [token_id(t) for t in tokens]
-            if not head or None in generated:
-                raise ServerError(
-                    "the prefill check needs token ids, and %s"
-                    % ("the prompt has none" if not head else "the server's tokens are not ids"),
-                    kind=ServerError.ANSWER,
-                )
-            ids = head + generated
-            self.prefills[key] = parsed(
-                "the prefill answer",
-                s.adapter.prefill_logprobs,
-                s.client,
-                s.model,
-                ids,
-                len(head),
-                s.isolate,
-            )
-        return self.prefills[key]
-
-    def compare(
-        self, prompt: str, completions: List[Completion], clamps: Sequence[float]
-    ) -> PrefillRow:
-        """Each distinct completion of one batch against its prefill."""
-        worst, first, notes, margin, compared = 0, None, set(), None, 0
-        kl = KlEstimate()
-        seen: List[Completion] = []
-        for c in completions:
-            if any(same_completion(c, s) for s in seen):
-                continue
-            seen.append(c)
-            prefill = self.prefill(prompt, c.tokens)
-            ulps, units = pair_ulps(list(c.logprobs), prefill, clamps)
-            kl.add(c.logprobs, prefill, clamps)
-            compared += len(ulps)
-            notes |= units
-            worst = max([worst] + [u for u in ulps if u])
-            moved = next((i for i, u in enumerate(ulps) if u != 0), None)
-            if moved is not None and (first is None or moved < first):
-                first, margin = moved, runner_up_margin(c, moved, clamps)
-        return PrefillRow(
-            max_ulp=worst,
-            first_step=first,
-            notes=sorted(notes),
-            margin=margin,
-            tokens=compared,
-            divergent=kl.divergent,
-            kl_sum=kl.total,
-            kl_max=kl.largest if kl.divergent else None,
-        )
-
-
-@dataclass
-class KlEstimate:
-    """KL(decode || prefill) over the tokens whose two logprobs differ, by the K3 estimator
-    SGLang's p_vs_d mode reports: with log r = prefill - decode at a decoded token,
-    (exp(log r) - 1) - log r, never negative, 0 where the two agree. Clamped and non-finite
-    values give no estimate (their ULP notes say so)."""
-
-    divergent: int = 0  # tokens whose decode and prefill logprobs differ
-    total: float = 0.0  # their K3 terms, summed
-    largest: float = 0.0
-
-    def add(
-        self, decode: Sequence[float], prefill: Sequence[float], clamps: Sequence[float]
-    ) -> None:
-        for d, p in zip(decode, prefill):
-            if d == p or not (math.isfinite(d) and math.isfinite(p)) or d in clamps or p in clamps:
-                continue
-            log_r = p - d
-            term = math.expm1(log_r) - log_r
-            self.divergent += 1
-            self.total += term
-            self.largest = max(self.largest, term)
-
-
-def runner_up_margin(c: Completion, step: int, clamps: Sequence[float] = ()) -> Margin:
-    """How near the decode's choice at step was to flipping: its chosen token against the best
-    other candidate of its own top-k list there."""
-    top = c.top_logprobs[step] if step < len(c.top_logprobs) else {}
-    chosen = c.tokens[step]
-    others = [v for k, v in top.items() if k != chosen]
-    if chosen not in top or not others:
-        return Margin(note=NOT_IN_TOP_K)
-    best = max(others)
-    ulp, _ = logprob_distance(top[chosen], best, clamps)
-    return Margin(logprob=top[chosen] - best, ulp=ulp)
-
-
-@dataclass
-class PromptSweep:
-    """Everything measured for one prompt so far: per batch size, one row per pass."""
-
-    prompt: str
-    baseline: Optional[Completion] = None
-    baseline_source: str = "batch 1"
-    runs: Dict[int, List[BatchRow]] = field(default_factory=dict)  # batch size -> its passes
-    buckets: Dict[int, Bucket] = field(default_factory=dict)
-    texts: Set[str] = field(default_factory=set)  # every distinct text, the baseline's included
-    batch1: List[Completion] = field(default_factory=list)  # batch 1's completion in every pass
-    unseeded: bool = False  # sampled at temperature > 0 by a server that ignores the seed
-    finished: bool = False  # every pass is in: nothing it holds changes any more
-    # What a finished prompt's saves and summaries would work out again and again (a sweep
-    # of 1000 prompts saves many times): kept once the prompt is finished
-    kept_measured: Optional[Measured] = field(default=None, compare=False, repr=False)
-    kept_record: Optional[Json] = field(default=None, compare=False, repr=False)
-    kept_text: Optional[str] = field(default=None, compare=False, repr=False)
-
-    def set_baseline(self, baseline: Completion, source: str) -> None:
-        self.baseline, self.baseline_source = baseline, source
-        self.texts.add(baseline.text)
-
-    def add(self, n: int, bucket: Bucket, row: BatchRow, completions: List[Completion]) -> None:
-        self.runs.setdefault(n, []).append(row)
-        self.buckets[n] = bucket
-        self.texts.update(c.text for c in completions)
-        if n == 1:
-            self.batch1.append(completions[0])
-
-    def finish(self) -> None:
-        """Every pass is in: what it measured is kept, and the views the comparisons worked
-        out are let go (a sweep of 1000 prompts would hold them all, and the collector walk
-        them all, to the end)."""
-        self.finished = True
-        self.measured()
-        for c in [self.baseline] + self.batch1:
-            if c is not None:
-                c.memo.clear()
-
-    def size(self, n: int) -> SizeResult:
-        """Batch size n over every pass so far."""
-        return SizeResult.of(n, self.buckets[n], self.runs[n])
-
-    def sizes(self) -> List[SizeResult]:
-        return [self.size(n) for n in self.runs]
-
-    def rows(self) -> List[Tuple[int, BatchRow]]:
-        """(batch size, row) of every pass."""
-        return [(n, r) for n, runs in self.runs.items() for r in runs]
-
-    def batch1_repeatable(self) -> Optional[bool]:
-        """Batch 1's passes against each other: None until there are two, or when a NaN
-        leaves nothing to compare (NaN against NaN is no evidence either way)."""
-        if len(self.batch1) < 2 or any(map(has_nan, self.batch1)):
-            return None
-        return all(
-            same_completion(c, self.batch1[0]) and c.text == self.batch1[0].text
-            for c in self.batch1[1:]
-        )
-
-    def measured(self) -> Measured:
-        if self.kept_measured is not None:
-            return self.kept_measured
-        rows = [r for _, r in self.rows()]
-        measured = Measured(
-            total=sum(r.completions for r in rows),
-            unique=len(self.texts),
-            max_ulp=max((r.max_ulp for r in rows), default=0),
-            tokens_diverged=any(r.first_token_divergence is not None for r in rows),
-            text_only=any(r.text_only for r in rows),
-            unmeasured=any(u in MOVED_NOTES for r in rows for u in r.ulp_notes),
-            compared=self.baseline_source != "batch 1" or any(n > 1 for n in self.runs),
-            batch1_repeatable=self.batch1_repeatable(),
-            unseeded=self.unseeded,
-        )
-        if self.finished:
-            self.kept_measured = measured
-        return measured
-
-    def to_record(self) -> Json:
-        if self.kept_record is not None:
-            return self.kept_record
-        measured = self.measured()
-        record = {
-            "prompt": self.prompt,
-            "baseline": self.baseline.to_record() if self.baseline else None,
-            "baseline_source": self.baseline_source,
-            "sizes": [size.to_record() for size in self.sizes()],
-            "unique_completions": measured.unique,
-            "total_completions": measured.total,
-            "max_ulp": measured.max_ulp,
-            "batch1_repeatable": measured.batch1_repeatable,
-            "verdict": verdict(measured),
-        }
-        if self.finished:
-            self.kept_record = record
-        return record
-
-    def record_text(self) -> str:
-        """to_record() as saved JSON, kept once the prompt is finished."""
-        if self.kept_text is not None:
-            return self.kept_text
-        text = json_text(self.to_record())
-        if self.finished:
-            self.kept_text = text
-        return text
-
-
-def compare_batch(
-    completions: List[Completion], baseline: Completion, clamps: Sequence[float]
-) -> BatchRow:
-    """What one batch's completions show against the baseline (the row's other fields are
-    the sender's to fill in)."""
-    deltas, previous, last = [], None, IDENTICAL
-    for c in completions:
-        # Copies of one completion are common; compare each distinct one once.
-        if previous is None or not same_completion(c, previous):
-            last = compare_completions(baseline, c, clamps)
-            previous = c
-        deltas.append(last)
-    diverged = [d for d in deltas if d.first_token_divergence is not None]
-    first = min(diverged, key=lambda d: d.first_token_divergence) if diverged else None
-    ulp_steps = [d.first_ulp_step for d in deltas if d.first_ulp_step is not None]
-    texts = [c.text for c in completions]
-    held = [
-        c.text == baseline.text
-        for c, d in zip(completions, deltas)
-        if d.first_token_divergence is None
-    ]
-    return BatchRow(
-        completions=len(completions),
-        distinct_in_batch=len(set(texts)),
-        same_as_baseline=sum(held),
-        text_only=held.count(False),
-        first_token_divergence=first.first_token_divergence if first else None,
-        divergence_margin=first.margin if first else None,
-        first_ulp_step=min(ulp_steps) if ulp_steps else None,
-        max_ulp=max(d.max_ulp for d in deltas),
-        ulp_notes=sorted({u for d in deltas for u in d.ulp_notes}),
-        matched=sum(held) == len(completions)
-        and all(d is IDENTICAL or d == IDENTICAL for d in deltas),
-        distinct_texts=sorted(set(texts)),
-    )
-
-
-@dataclass
-class BaselineServer:
-    """--baseline URL: another server whose batch 1 is the baseline (another restart, TP degree
-    or version of the same model), asked with the same prompts and sampling before the sweep."""
-
-    sender: "Sender"
-    facts: ServerFacts
-
-    @classmethod
-    def open(cls, cfg: Config, facts: ServerFacts, isolate: bool) -> "BaselineServer":
-        theirs = read_facts(cfg, cfg.sweep.baseline_url, "the baseline server (--baseline)")
-        if theirs.model != facts.model:
-            raise UsageError(
-                "--baseline: %s serves %s, the server under test %s"
-                % (cfg.sweep.baseline_url, theirs.model, facts.model)
-            )
-        client = cfg.client(cfg.sweep.baseline_url)
-        sender = Sender(client, cfg.adapter, theirs.model, cfg.sampling, isolate)
-        return cls(sender, theirs)
-
-    def batch1(self, prompt: str) -> Completion:
-        try:
-            self.sender.adapter.before_batch(self.sender.client, self.sender.isolate)
-            return self.sender.copies(prompt, 1, 0).completions[0]
-        except ServerError as err:
-            raise ServerError("the baseline server, batch 1: %s" % err) from None
-
-
-def server_differences(theirs: ServerFacts, ours: ServerFacts) -> List[SettingDifference]:
-    """Every setting two servers report differently, the flag among them."""
-    found = [SettingDifference("flag", theirs.flag, ours.flag)] if theirs.flag != ours.flag else []
-    for label in sorted(theirs.settings.keys() | ours.settings.keys()):
-        a, b = theirs.settings.get(label), ours.settings.get(label)
-        if a != b:
-            found.append(SettingDifference(label, a, b))
-    return found
-
-
-def baseline_from_file(cfg: Config, prompt: str) -> Completion:
-    entry = next(p for p in cfg.sweep.baseline["prompts"] if p.get("prompt") == prompt)
-    return Completion.from_record(entry["baseline"])
-
-
-def sweep_summary(cfg: Config, sweeps: List[PromptSweep], state: str) -> SweepSummary:
-    """The whole sweep so far, its verdict decided by verdict() from what every prompt
-    measured."""
-    rows = [row for sweep in sweeps for row in sweep.rows()]
-    return SweepSummary(
-        measured=Measured.combined([s.measured() for s in sweeps]),
-        traffic=cfg.sweep.traffic,
-        repeat=cfg.sweep.repeat,
-        bypass=BypassCheck.of(rows) if cfg.sweep.prefix_cache == "bypass" else None,
-        ulp_notes=sorted({u for _, r in rows for u in r.ulp_notes}),
-        state=state,
-        cache=(
-            CacheSummary.of([r.cache_check for _, r in rows if r.cache_check is not None])
-            if cfg.sweep.cache_check
-            else None
-        ),
-        prefill=(
-            PrefillSummary.of([r.prefill for _, r in rows if r.prefill is not None])
-            if cfg.sweep.prefill_check
-            else None
-        ),
-    )
-
-
-def sweep_params(cfg: Config, facts: ServerFacts, sizes: List[int]) -> Json:
-    """How the sweep was asked for, as its saved document holds it."""
-    params = dict(
-        cfg.sampling.params(),
-        sizes=sizes,
-        prompts=len(cfg.sweep.prompts),
-        prompt_tokens=cfg.sweep.long_prompt.to_record() if cfg.sweep.long_prompt else None,
-        traffic=cfg.sweep.traffic,
-        arrivals=Arrivals(cfg.request_rate).describe(),
-        repeat=cfg.sweep.repeat,
-        prefix_cache=cfg.sweep.prefix_cache,
-        seed_honoured=facts.seed_honoured,
-        prefill_check=cfg.sweep.prefill_check,
-        cache_check=cfg.sweep.cache_check,
-    )
-    if cfg.sweep.traffic == "mixed":
-        params["mixed_seed"] = cfg.sweep.seed
-    if cfg.sweep.traffic == "concurrent":
-        params["send_spread_s"] = SEND_SPREAD_MEANS
-    if cfg.sweep.baseline_path:
-        params["baseline_file"] = cfg.sweep.baseline_path
-    if cfg.sweep.baseline_url:
-        params["baseline_server"] = cfg.sweep.baseline_url
-        params["baseline_differences"] = [
-            d.to_record("baseline", "here") for d in cfg.sweep.baseline_differences
-        ]
-    return params
-
-
-def sweep_document(
-    cfg: Config,
-    facts: ServerFacts,
-    sweeps: List[PromptSweep],
-    sizes: List[int],
-    summary: SweepSummary,
-) -> Json:
-    """The saved sweep (schema SWEEP_SCHEMA): the server, how the sweep was asked for, every
-    prompt's record (PromptSweep.to_record: its baseline, and per batch size a SizeResult
-    holding a BatchRow per pass) and the summary (SweepSummary.to_record)."""
-    return {
-        "schema": SWEEP_SCHEMA,
-        "engine": cfg.engine,
-        "engine_detected": cfg.engine_detected,
-        "url": cfg.url,
-        "model": facts.model,
-        "server": facts.to_record(),
-        "params": sweep_params(cfg, facts, sizes),
-        "prompts": [s.to_record() for s in sweeps],
-        "summary": summary.to_record(),
-        "created": now_stamp(),
-        "lab": dict(cfg.provenance, ended=None if summary.state == "running" else now_stamp()),
-    }
-
-
-def cache_comparison(
-    cold: "SentBatch", warm: "SentBatch", clamps: Sequence[float]
-) -> CacheComparison:
-    deltas = [
-        compare_completions(c, w, clamps) for c, w in zip(cold.completions, warm.completions)
-    ]
-    steps = [
-        s for d in deltas for s in (d.first_token_divergence, d.first_ulp_step) if s is not None
-    ]
-    diverged = [d for d in deltas if d.first_token_divergence is not None]
-    first = min(diverged, key=lambda d: d.first_token_divergence) if diverged else None
-    texts_differ = any(c.text != w.text for c, w in zip(cold.completions, warm.completions))
-    notes = sorted(
-        {u for d in deltas for u in d.ulp_notes} | ({"text differs"} if texts_differ else set())
-    )
-    return CacheComparison(
-        max((d.max_ulp for d in deltas), default=0),
-        min(steps) if steps else None,
-        bool(diverged),
-        tuple(notes),
-        first.margin if first else None,
-        warm.cached_tokens,
-        cold.cached_tokens,
-    )
-
-
-def unseeded(sampling: Sampling, facts: ServerFacts) -> bool:
-    """Sampling that the server does not seed: its differences may be plain sampling noise."""
-    return sampling.temperature > 0 and facts.seed_honoured is False
-
-
-PROMPT_FIT_TRIES = 6  # rounds of counting and resizing a built prompt
-
-
-def built_prompt(
-    client: HttpClient, adapter: EngineAdapter, facts: ServerFacts, n: int
-) -> LongPrompt:
-    """Plain words, resized until the server's own tokenizer counts n within max(2, n/100)."""
-
-    def count(text: str) -> int:
-        ids = parsed("the prompt's token ids", adapter.prompt_token_ids, client, facts.model, text)
-        return len(ids)
-
-    words = n
-    tokens = count(filler_words(words))
-    for _ in range(PROMPT_FIT_TRIES):
-        if abs(tokens - n) <= max(2, n // 100):
-            break
-        words = max(1, round(words * n / max(tokens, 1)))
-        tokens = count(filler_words(words))
-    budget = facts.settings.get(adapter.PREFILL_BUDGET)
-    if not (isinstance(budget, int) and not isinstance(budget, bool) and budget > 0):
-        budget = None
-    return LongPrompt(filler_words(words), n, tokens, budget)
-
-
-def sweep_warnings(facts: ServerFacts, sizes: List[int], sampling: Sampling, out: Out) -> None:
-    if unseeded(sampling, facts):
-        out.warn(
-            "the server does not honour the seed (%s): at temperature %g every request samples "
-            "unseeded, so differences include plain sampling noise, and the verdict will not put "
-            "them down to batching" % (facts.seed_note, sampling.temperature)
-        )
-    limit = facts.max_num_seqs
-    if isinstance(limit, int) and max(sizes) > limit:
-        out.warn(
-            "batch sizes above %d exceed the server's max-num-seqs: those requests are not "
-            "all scheduled together" % limit
-        )
-    if facts.load_format == "dummy":
-        out.warn(
-            "the server runs dummy weights (--load-format dummy): flat logits have no near-ties, "
-            "so a clean flag-off result is expected and means nothing"
-        )
-    if facts.flag is None:
-        out.warn(
-            "the server does not say whether the flag is on%s"
-            % (" (%s)" % facts.settings_hint if facts.settings_hint else "")
-        )
-
-
-SWEEP_COLUMNS = (
-    "  batch  bucket  distinct  same/all  runs matched  first token  tie margin  max ULP  first "
-    "ULP step  seconds  notes"
-)
-
-
-class SweepTable:
-    """The sweep's table, printed as it is measured: the header before the first request,
-    each size's row once its last pass is in, each prompt's closing line once its sizes are,
-    and the rest (anything a stop left unprinted, the notes, the summary) at the end."""
-
-    def __init__(self, cfg: Config, out: Out):
-        self.cfg, self.out = cfg, out
-        self.rows: Dict[int, Set[int]] = {}  # prompt number -> batch sizes whose rows are out
-        self.closed: Set[int] = set()  # prompt numbers whose closing line is out
-
-    def header(self, facts: ServerFacts, sizes: List[int]) -> None:
-        cfg, out = self.cfg, self.out
-        for line in server_lines(facts.to_record(), cfg.adapter, cfg.engine_detected):
-            out.line(line)
-        sampling = cfg.sampling
-        if sampling.temperature == 0:
-            how = "greedy"
-        else:
-            honoured = {True: " (honoured)", False: " (IGNORED by the server)"}
-            how = "temperature %g, seed %s%s" % (
-                sampling.temperature,
-                sampling.seed,
-                honoured.get(facts.seed_honoured, ""),
-            )
-        out.line(
-            "params: %d tokens, %s, top-%d logprobs, sizes %s"
-            % (sampling.max_tokens, how, sampling.logprobs, ",".join(str(s) for s in sizes))
-        )
-        out.line(
-            "        traffic %s, %d pass%s through the ladder, prefix cache %s"
-            % (
-                cfg.sweep.traffic,
-                cfg.sweep.repeat,
-                "" if cfg.sweep.repeat == 1 else "es",
-                cfg.sweep.prefix_cache,
-            )
-        )
-        if cfg.sweep.baseline_url:
-            out.line(
-                "        baseline: batch 1 of %s, %s"
-                % (
-                    cfg.sweep.baseline_url,
-                    "; ".join(
-                        "%s %s there, %s here"
-                        % (d.setting, fmt_setting(d.theirs), fmt_setting(d.ours))
-                        for d in cfg.sweep.baseline_differences
-                    )
-                    or "reporting the same settings",
-                )
-            )
-        long_prompt = cfg.sweep.long_prompt
-        if long_prompt:
-            budget, chunks = long_prompt.budget, long_prompt.chunks
-            if budget and chunks > 1:
-                crossing = (
-                    "crosses the chunked-prefill budget of %d tokens: prefilled in %d chunks"
-                    % (budget, chunks)
-                )
-            elif budget:
-                crossing = "fits in one chunk of the chunked-prefill budget (%d tokens)" % budget
-            else:
-                crossing = "the server does not say its chunked-prefill budget"
-            out.line(
-                "        prompt of %d tokens by the server's tokenizer (asked %d): %s"
-                % (long_prompt.tokens, long_prompt.asked, crossing)
-            )
-
-    def size_done(self, number: int, total: int, sweep: "PromptSweep", n: int) -> None:
-        if number not in self.rows:
-            self.rows[number] = set()
-            self.out.line("")
-            self.out.line(
-                "prompt %d/%d: %s  (baseline: %s)"
-                % (
-                    number,
-                    total,
-                    json.dumps(sweep.prompt[:70] + ("..." if len(sweep.prompt) > 70 else "")),
-                    sweep.baseline_source,
-                )
-            )
-            self.out.line(SWEEP_COLUMNS)
-        self.rows[number].add(n)
-        self.out.line(size_row(sweep.size(n), self.cfg.sweep.prefix_cache == "bypass"))
-
-    def prompt_done(self, number: int, sweep: "PromptSweep") -> None:
-        self.closed.add(number)
-        measured = sweep.measured()
-        self.out.line(
-            "  unique completions %d of %d, max ULP %d: %s"
-            % (measured.unique, measured.total, measured.max_ulp, verdict(measured))
-        )
-
-    def finish(self, summary: SweepSummary, sweeps: List["PromptSweep"]) -> None:
-        out, cfg, m = self.out, self.cfg, summary.measured
-        for number, sweep in enumerate(sweeps, 1):
-            for n in sweep.runs:
-                if n not in self.rows.get(number, ()):
-                    self.size_done(number, len(sweeps), sweep, n)
-            if number not in self.closed:
-                self.prompt_done(number, sweep)
-        out.line("")
-        if summary.ulp_notes:
-            out.line("* %s" % "; ".join(ULP_NOTE_TEXT[n] for n in summary.ulp_notes))
-        bypass = summary.bypass
-        if bypass and bypass.status == BYPASS_UNVERIFIED:
-            out.line(
-                "prefix cache bypass unverified: the server reports no cached-token counts (%s)"
-                % cfg.adapter.CACHE_COUNTS_HINT
-            )
-        control = control_text(m.batch1_repeatable, cfg.sweep.repeat, sweeps)
-        reasons = [] if summary.state == "complete" else [summary.state]
-        if bypass and bypass.status == BYPASS_FAILED:
-            reasons.append(
-                "cache hit: bypass did not hold at batch size%s %s"
-                % ("" if len(bypass.hit_sizes) == 1 else "s", ",".join(map(str, bypass.hit_sizes)))
-            )
-        out.line(
-            out.style(
-                "summary: unique completions %d, total %d, max ULP %d, %s: %s%s"
-                % (
-                    m.unique,
-                    m.total,
-                    m.max_ulp,
-                    control,
-                    summary.verdict,
-                    " (%s)" % "; ".join(reasons) if reasons else "",
-                ),
-                "1",
-            )
-        )
-        if cfg.sweep.baseline_url:
-            out.line("  against batch 1 of %s" % cfg.sweep.baseline_url)
-        cache = summary.cache
-        if cache is not None:
-            out.line(
-                out.style(
-                    "cache check, over %d batches each sent again from the cache: max ULP %s, "
-                    "first differing step %s: %s"
-                    % (
-                        cache.batches,
-                        fmt_opt(cache.max_ulp, "?"),
-                        fmt_opt(cache.first_step),
-                        cache.verdict,
-                    ),
-                    "1",
-                )
-            )
-        if summary.prefill is not None:
-            self.prefill_lines(summary.prefill, sweeps)
-
-    def prefill_lines(self, prefill: PrefillSummary, sweeps: List["PromptSweep"]) -> None:
-        out = self.out
-        per_size = ", ".join(
-            "%d: %s" % (size.batch_size, fmt_opt(size.prefill and size.prefill.max_ulp, "?"))
-            for sweep in sweeps
-            for size in sweep.sizes()
-        )
-        out.line("prefill check, max ULP per batch size: %s" % per_size)
-        margin = ""
-        if prefill.margin:
-            margin = " (there, the decode's runner-up was %s behind)" % margin_text(prefill.margin)
-        out.line(
-            out.style(
-                "prefill check: max ULP %s, first differing step %s%s: %s"
-                % (
-                    fmt_opt(prefill.max_ulp, "?") + ("*" if prefill.notes else ""),
-                    fmt_opt(prefill.first_step),
-                    margin,
-                    prefill.verdict(),
-                ),
-                "1",
-            )
-        )
-        if prefill.notes:
-            out.line("  * %s" % "; ".join(ULP_NOTE_TEXT.get(n, n) for n in prefill.notes))
-        if prefill.divergent:
-            out.line(
-                "prefill check, KL(decode || prefill), K3 estimate over the %d divergent of "
-                "%d tokens: mean %.3g, max %.3g"
-                % (prefill.divergent, prefill.tokens, prefill.kl_mean, prefill.kl_max)
-            )
-
-
-def control_text(repeatable: Optional[bool], repeat: int, sweeps: List["PromptSweep"]) -> str:
-    """The run-to-run control as the table's last line says it, and why there is none."""
-    if repeatable is not None:
-        return (
-            "batch 1 repeatable over %d passes" % repeat
-            if repeatable
-            else "batch 1 NOT repeatable"
-        )
-    if repeat == 1:
-        return "no run-to-run control (one pass)"
-    if any(len(s.batch1) < 2 for s in sweeps):
-        return "no run-to-run control (stopped before a second pass)"
-    return "no run-to-run control (batch 1's logprobs hold NaN, which compares to nothing)"
-
-
-def size_row(s: SizeResult, bypass: bool) -> str:
-    """One batch size's row of the table."""
-    ulp = str(s.max_ulp) + ("*" if s.ulp_notes else "")
-    return (
-        "  %5d  %6s  %8d  %8s  %12s  %11s  %10s  %7s  %14s  %7.2f  %s"
-        % (
-            s.batch_size,
-            fmt_opt(s.bucket, "none"),
-            s.distinct_in_batch,
-            "%d/%d" % (s.same_as_baseline, s.completions),
-            "%d/%d" % (s.runs_matched, len(s.runs)),
-            fmt_opt(s.first_token_divergence),
-            margin_text(s.divergence_margin),
-            ulp,
-            fmt_opt(s.first_ulp_step),
-            s.seconds,
-            size_notes(s, bypass),
-        )
-    ).rstrip()
-
-
-def margin_text(margin: Optional[Margin]) -> str:
-    """A near-tie margin as the table shows it."""
-    if not margin:
-        return "-"
-    if margin.note:
-        return margin.note
-    return "%s ULP" % fmt_opt(margin.ulp, "?")
-
-
-def size_notes(size: SizeResult, bypass: bool) -> str:
-    notes = []
-    if size.text_only:
-        notes.append("text differs, tokens equal (%d)" % size.text_only)
-    if "top-k changed" in size.ulp_notes:
-        notes.append("top-k changed")
-    if bypass and (size.cached_tokens or 0) > 0:
-        notes.append("cache hit: bypass did not hold (%s cached tokens)" % size.cached_tokens)
-    return "; ".join(notes)
-
-
-ULP_NOTE_TEXT = {
-    "top-k changed": "a step's top-k token set differed from batch 1's (a candidate swapped "
-    "places with one outside the list): counted as moved; the ULPs cover the shared entries",
-    "float64": "some logprobs were not float32-exact (a server that rounds or works in float64): "
-    "those distances are float64 ULPs",
-    "clamped": "a logprob was a clamped -inf (the engine's stand-in value) on one side only: "
-    "no distance, counted as moved",
-    "non-finite": "a logprob was inf or NaN on one side: no distance, counted as moved",
-}
-
-
-def sweep_outcome(
-    cfg: Config, facts: ServerFacts, sizes: List[int], summary: SweepSummary, out: Out
-) -> int:
-    """Advice and the --expect verdict, once the table is out."""
-    sweep_verdict, m = summary.verdict, summary.measured
-    unmeasured = sweep_verdict in UNMEASURED_VERDICTS
-    moved = sweep_verdict != INVARIANT and not unmeasured
-    text = out.line if not cfg.json_out else out.note
-    if unmeasured:
-        text("")
-        if sweep_verdict == NO_DATA:
-            why = "no completion came back"
-        elif sizes == [1]:
-            why = (
-                "batch 1 was the only size, and it is the baseline; give --sizes with larger "
-                "batches"
-            )
-        else:
-            why = "the run stopped (%s) before any size above batch 1 came back" % summary.state
-        text("Nothing was compared: %s. No verdict on invariance can be given." % why)
-    elif sweep_verdict == NOISE_NOT_RULED_OUT:
-        text("")
-        text(
-            "The server ignores the seed, so at this temperature every request samples on its "
-            "own: the differences above may be sampling noise alone. Measure batching greedy "
-            "(--temperature 0), or with the flag on, where the seed is honoured."
-        )
-    elif sweep_verdict == NOT_REPEATABLE:
-        text("")
-        text(
-            "Batch 1 alone gave different answers on different passes: the server is not "
-            "repeatable even without other requests beside it, so differences at other sizes "
-            "cannot be put down to batching. Check for unseeded sampling, a server restarted "
-            "between passes, or other traffic on it."
-        )
-    elif moved and facts.flag:
-        text("")
-        text("The server reports the flag ON, yet results moved.")
-        if facts.hazards:
-            text("Its settings meet known hazards; rule these out first:")
-            for line in hazard_lines(facts.to_record()):
-                text(line)
-        text(COVERAGE_CHECKLIST)
-        text("If none applies, this is worth a bug report: attach the --save file.")
-    if not moved and not unmeasured and (facts.flag is not True or cfg.sweep.expect == "variant"):
-        text(
-            "Nothing moved. With the flag off that usually means no near-tie was met: try more "
-            "prompts (--prompt-file), longer generations (--max-tokens 256), --temperature 0.6 or "
-            "--traffic concurrent; see --mode help."
-        )
-    cache = summary.cache
-    if cache is not None:
-        if cfg.sweep.expect == "cache-equal" and cache.verdict != CACHE_EQUAL:
-            text(
-                "expectation failed: --expect cache-equal, but the cache check found: %s"
-                % cache.verdict
-            )
-            return EXIT_EXPECTATION
-        if cfg.sweep.expect == "cache-equal":
-            text("expect cache-equal: held (max ULP 0 over %d cached batches)" % cache.batches)
-            return EXIT_OK
-    prefill = summary.prefill
-    if cfg.sweep.expect == "prefill-equal":
-        found = prefill.verdict() if prefill else None
-        if found != PREFILL_AGREE:
-            text(
-                "expectation failed: --expect prefill-equal, but the prefill check found: %s"
-                % found
-            )
-            return EXIT_EXPECTATION
-        text("expect prefill-equal: held (max ULP 0 over %d tokens)" % prefill.tokens)
-        return EXIT_OK
-    if cfg.sweep.expect == "invariant" and (moved or unmeasured):
-        text("expectation failed: --expect invariant, but the result is: %s" % sweep_verdict)
-        return EXIT_EXPECTATION
-    if cfg.sweep.expect == "variant" and sweep_verdict not in BATCH_EFFECTS:
-        text(
-            "expectation failed: --expect variant, but %s"
-            % (
-                "nothing was compared"
-                if unmeasured
-                else (
-                    "nothing moved"
-                    if not moved
-                    else "what moved is not put down to batching (%s)" % sweep_verdict
-                )
-            )
-        )
-        return EXIT_EXPECTATION
-    if cfg.sweep.expect:
-        text(
-            "expect %s: held (%s%d unique of %d, max ULP %d)"
-            % (
-                cfg.sweep.expect,
-                "" if cfg.sweep.expect == "invariant" else sweep_verdict + ": ",
-                m.unique,
-                m.total,
-                m.max_ulp,
-            )
-        )
-    return EXIT_OK
-
-
-def run_sweep(cfg: Config, out: Out) -> int:
-    """--mode sweep: learn the server's facts, then for every prompt and pass send each batch
-    size in the traffic shape asked for (Sender.shape), compare it with the baseline
-    (compare_batch) and run the checks asked for (one_batch), printing each size's row and
-    saving as it goes; then the summary (sweep_summary), the saved document (sweep_document)
-    and the advice and --expect verdict (sweep_outcome). Returns the exit code."""
-    wait_until_ready(cfg, [(cfg.url, "the server")], out)
-    cfg = resolve_engine(cfg, [(cfg.url, "the server")])
-    if cfg.sweep.baseline is not None:
-        check_baseline_engine(cfg, cfg.engine)
-    client, adapter = cfg.client(cfg.url), cfg.adapter
-    facts = read_facts(cfg, cfg.url)
-    if cfg.sweep.baseline is not None and cfg.sweep.baseline.get("model") != facts.model:
-        raise UsageError(
-            "--baseline: %s was recorded for model %s, this server serves %s"
-            % (cfg.sweep.baseline_path, cfg.sweep.baseline.get("model"), facts.model)
-        )
-    if cfg.sweep.prompt_tokens:
-        built = built_prompt(client, adapter, facts, cfg.sweep.prompt_tokens)
-        options = dataclasses.replace(cfg.sweep, prompts=[built.text], long_prompt=built)
-        cfg = dataclasses.replace(cfg, sweep=options)
-    sizes = sweep_ladder(cfg, facts)
-    sweep_warnings(facts, sizes, cfg.sampling, out)
-    isolate = cfg.sweep.prefix_cache == "bypass"
-    sender = Sender(
-        client,
-        adapter,
-        facts.model,
-        cfg.sampling,
-        isolate,
-        Arrivals(cfg.request_rate),
-    )
-    reference = None
-    if cfg.sweep.baseline_url:
-        reference = BaselineServer.open(cfg, facts, isolate)
-        differences = server_differences(reference.facts, facts)
-        options = dataclasses.replace(cfg.sweep, baseline_differences=differences)
-        cfg = dataclasses.replace(cfg, sweep=options)
-    prefill = PrefillCheck(sender) if cfg.sweep.prefill_check else None
-    send = sender.shape(cfg.sweep.traffic)
-    sweeps: List[PromptSweep] = []
-
-    saves = ThrottledSave(cfg.save)
-    progress = Progress(
-        out, len(cfg.sweep.prompts) * cfg.sweep.repeat * len(sizes), "batches", cfg.quiet
-    )
-    table = None if cfg.json_out else SweepTable(cfg, out)
-    if table:
-        table.header(facts, sizes)
-
-    def document(state: str) -> Json:
-        return sweep_document(cfg, facts, sweeps, sizes, sweep_summary(cfg, sweeps, state))
-
-    def one_batch(sweep: PromptSweep, where: str, n: int, pass_no: int) -> List[Completion]:
-        """Send batch size n once, compare it with the baseline, run the checks asked for,
-        and add the row to the prompt's sweep."""
-        prompt, clamps = sweep.prompt, adapter.logprob_clamps
-        cache_key = fresh_cache_key() if cfg.sweep.cache_check else None
-        try:
-            adapter.before_batch(client, isolate)
-            if cache_key:
-                batch = sender.copies(prompt, n, cfg.sweep.seed, cache_key)
-            else:
-                batch = send(prompt, n, cfg.sweep.seed)
-        except ServerError as err:
-            raise ServerError("batch size %d%s: %s" % (n, where, err)) from None
-        if sweep.baseline is None:
-            sweep.set_baseline(batch.completions[0], "batch 1")
-        cache_check = prefill_row = None
-        if cache_key:
-            try:
-                warm = sender.copies(prompt, n, cfg.sweep.seed, cache_key)
-            except ServerError as err:
-                raise ServerError("cache check at batch size %d: %s" % (n, err)) from None
-            cache_check = cache_comparison(batch, warm, clamps)
-        if prefill is not None:
-            try:
-                prefill_row = prefill.compare(prompt, batch.completions, clamps)
-            except ServerError as err:
-                raise ServerError("prefill check at batch size %d: %s" % (n, err)) from None
-        row = dataclasses.replace(
-            compare_batch(batch.completions, sweep.baseline, clamps),
-            pass_no=pass_no,
-            seconds=round(batch.seconds, 4),
-            cached_tokens=batch.cached_tokens,
-            send_spread_s=batch.send_spread,
-            cache_check=cache_check,
-            prefill=prefill_row,
-        )
-        sweep.add(n, facts.bucket(n), row, batch.completions)
-        return batch.completions
-
-    def measure(interrupt: DeferredInterrupt) -> None:
-        prompts = len(cfg.sweep.prompts)
-        for pi, prompt in enumerate(cfg.sweep.prompts, 1):
-            sweep = PromptSweep(prompt, unseeded=unseeded(cfg.sampling, facts))
-            sweeps.append(sweep)
-            if cfg.sweep.baseline is not None:
-                sweep.set_baseline(baseline_from_file(cfg, prompt), cfg.sweep.baseline_path)
-            elif reference is not None:
-                sweep.set_baseline(
-                    reference.batch1(prompt), "batch 1 of %s" % cfg.sweep.baseline_url
-                )
-            for pass_no in range(1, cfg.sweep.repeat + 1):
-                where = (" (prompt %d)" % pi if prompts > 1 else "") + (
-                    ", pass %d" % pass_no if cfg.sweep.repeat > 1 else ""
-                )
-                for n in sizes:
-                    interrupt.check()
-                    step = "prompt %d/%d, pass %d/%d, batch %d" % (
-                        pi,
-                        prompts,
-                        pass_no,
-                        cfg.sweep.repeat,
-                        n,
-                    )
-                    progress.running(step)
-                    count = len(one_batch(sweep, where, n, pass_no))
-                    progress.finished(step, count)
-                    if table and pass_no == cfg.sweep.repeat:
-                        table.size_done(pi, prompts, sweep, n)
-                    saves.offer(
-                        lambda path: write_json_atomic(
-                            path, document("running"), "prompts", [s.record_text() for s in sweeps]
-                        )
-                    )
-            sweep.finish()
-            if table:
-                table.prompt_done(pi, sweep)
-
-    state, code = measure_until_stopped(out, "sweep", measure)
-    summary = sweep_summary(cfg, sweeps, state)
-    doc = sweep_document(cfg, facts, sweeps, sizes, summary)
-    saves.write(
-        lambda path: write_json_atomic(path, doc, "prompts", [s.record_text() for s in sweeps])
-    )
-    if table:
-        table.finish(summary, sweeps)
-    else:
-        out.line(json_text(doc, indent=1))
-    outcome = code if code != EXIT_OK else sweep_outcome(cfg, facts, sizes, summary, out)
-    return report_save(cfg, saves, outcome, out)
-
-
-# ----------------------------------------------------------------------------
-# --mode cost
-
-
-@dataclass(frozen=True)
-class Trials:
-    """What one timed trial is, decided once, from the configuration: a batch trial (one
-    request of --batch prompts) or a load trial (--requests streamed requests, at most
-    --concurrency in flight). Everything that differs between the two asks this."""
-
-    load: bool
-    prompts: int  # in one trial
-
-    @classmethod
-    def of(cls, cfg: Config) -> "Trials":
-        return cls(True, cfg.cost.requests) if cfg.cost.concurrency else cls(False, cfg.cost.batch)
-
-    def run(
-        self, arm: "Arm", cfg: Config, prompts: List[str]
-    ) -> Tuple[float, int, Optional[List[RequestTiming]]]:
-        """One trial on arm: (seconds, output tokens, per-request timings or None)."""
-        if self.load:
-            return arm.load_trial(cfg, prompts)
-        return arm.trial(cfg.adapter, prompts, cfg.sampling) + (None,)
-
-
-@dataclass
-class Arm:
-    """One server of a cost comparison, and what was timed on it."""
-
-    name: str  # "off" or "on": the flag it should report
-    option: str  # the option that named it
-    url: str
-    client: HttpClient
-    facts: ServerFacts
-    samples: List[float] = field(default_factory=list)  # seconds of each timed trial
-    tokens: List[int] = field(default_factory=list)  # output tokens of each timed trial
-
-    @classmethod
-    def open(cls, cfg: Config, name: str, option: str, url: str) -> "Arm":
-        facts = read_facts(cfg, url, "the flag-%s arm (%s)" % (name, option))
-        return cls(name, option, url, cfg.client(url), facts)
-
-    requests: List[List[RequestTiming]] = field(default_factory=list)  # load trials, by trial
-
-    def trial(
-        self, adapter: EngineAdapter, prompts: List[str], sampling: Sampling
-    ) -> Tuple[float, int]:
-        """One timed request: (seconds, output tokens). The answer's shape must hold even when
-        timing."""
-        answer, seconds = generate(self.client, adapter, self.facts.model, prompts, sampling)
-        parsed("the answer", adapter.completions, answer, len(prompts), False)
-        return seconds, parsed("the answer", adapter.output_tokens, answer)
-
-    def load_trial(
-        self, cfg: Config, prompts: List[str]
-    ) -> Tuple[float, int, List[RequestTiming]]:
-        """A closed-loop load run: every prompt its own streamed request, at most --concurrency
-        in flight (a request leaves, the next goes). Per request: time to first token, time per
-        output token after it, end-to-end latency. Returns (seconds, output tokens, timings)."""
-        adapter, pending = cfg.adapter, list(enumerate(prompts))[::-1]  # popped from the end
-        timings: List[Any] = [None] * len(prompts)
-        lock = threading.Lock()
-
-        def stream_one(prompt: str) -> RequestTiming:
-            post = self.client.prepare_post(
-                adapter.generate_path, adapter.stream_body(self.facts.model, prompt, cfg.sampling)
-            )
-            start = CLOCK()
-            first = last = None
-            count = first_count = events = 0
-            try:
-                post.connect()
-                post.send()
-                for event in post.events():
-                    seen = parsed("a stream event", adapter.streamed_tokens, event)
-                    if seen is not None and seen > count:
-                        count, last, events = seen, CLOCK(), events + 1
-                        if first is None:
-                            first, first_count = last, seen
-            finally:
-                post.close()  # whatever ended the stream, its connection goes with it
-            if first is None:
-                raise shape_error("the stream held no token")
-            if count > cfg.sampling.max_tokens:
-                raise shape_error(
-                    "the stream reported %d output tokens, more than --max-tokens %d "
-                    "allows" % (count, cfg.sampling.max_tokens)
-                )
-            ttft = tpot = None
-            if token_by_token(first_count, events, count):
-                ttft = first - start
-                tpot = (last - first) / (count - 1) if count > 1 else None
-            return RequestTiming(ttft, last - start, count, tpot, events)
-
-        arrivals = Arrivals(cfg.request_rate)
-        schedule = arrivals.schedule(len(prompts), DEFAULT_SEED + len(self.samples))
-
-        failed: List[BaseException] = []  # once a request fails, no worker starts another
-
-        def worker() -> None:
-            while True:
-                with lock:
-                    if not pending or failed:
-                        return
-                    i, prompt = pending.pop()
-                try:
-                    arrivals.wait_until(start + schedule[i])
-                    timings[i] = stream_one(prompt)
-                except BaseException as err:  # raised in the main thread, by failed_outcome
-                    timings[i] = err
-                    failed.append(err)
-
-        allow_open_files(cfg.cost.concurrency)
-        threads = [
-            threading.Thread(target=worker, daemon=True)
-            for _ in range(min(cfg.cost.concurrency, len(prompts)))
-        ]
-        start = CLOCK()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        seconds = CLOCK() - start
-        failed_outcome(timings, "streamed requests")
-        return seconds, sum(t.tokens for t in timings), timings
-
-
-def arm_differences(off: ServerFacts, on: ServerFacts) -> List[SettingDifference]:
-    """Settings that differ between the arms, other than the flag and what the flag itself sets."""
-    differences = []
-    for label in sorted(off.settings.keys() | on.settings.keys()):
-        a, b = off.settings.get(label), on.settings.get(label)
-        set_by_flag = label in on.flag_sets and b == on.flag_sets[label]
-        if a != b and not set_by_flag:
-            differences.append(SettingDifference(label, a, b))
-    return differences
-
-
-def cell_key(record: Json) -> Tuple:
-    """What makes two saved cells the same measurement (CellLabels.key)."""
-    return CellLabels.from_record(record).key()
-
-
-def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[SettingDifference]:
-    """Refuse arms the wrong way round or differing in more than the flag; print their settings."""
-    adapter = cfg.adapter
-    if off.facts.flag is True or on.facts.flag is False:
-        raise UsageError(
-            "the arms are the wrong way round: --url reports the %s and --invariant reports the %s"
-            % (describe_flag(off.facts.flag, adapter), describe_flag(on.facts.flag, adapter))
-        )
-    differences = arm_differences(off.facts, on.facts)
-    for arm in (off, on):
-        if arm.facts.info_source is None:
-            out.warn(
-                "the %s arm does not expose its settings, so the lab cannot check that the arms "
-                "differ in the flag only (%s)" % (arm.name, arm.facts.settings_hint)
-            )
-    if not cfg.json_out:
-        print_cost_servers(off.facts, on.facts, differences, adapter, out)
-        for arm in (off, on):
-            for line in hazard_lines(arm.facts.to_record(), "flag-%s arm: " % arm.name):
-                out.line(line.strip())
-    if differences and not cfg.cost.allow_mismatch:
-        raise UsageError(
-            "the two servers differ in more than the flag (%s); pin them equal, or pass "
-            "--allow-mismatch to time them anyway" % ", ".join(d.setting for d in differences)
-        )
-    return differences
-
-
-def print_cost_servers(
-    off: ServerFacts,
-    on: ServerFacts,
-    differences: List[SettingDifference],
-    adapter: EngineAdapter,
-    out: Out,
-) -> None:
-    differing = {d.setting for d in differences}
-    row = "%-24s %-26s %-26s%s"
-    show = {None: "unknown", True: "on", False: "off"}
-    out.line(row % ("setting", "--url (flag off)", "--invariant (flag on)", ""))
-    out.line(
-        row
-        % (
-            adapter.flag_name[:24],
-            show.get(off.flag, str(off.flag)),
-            show.get(on.flag, str(on.flag)),
-            "",
-        )
-    )
-    for label in sorted(off.settings.keys() | on.settings.keys()):
-        a, b = off.settings.get(label), on.settings.get(label)
-        if a is None and b is None:
-            continue
-        mark = "  <- differs" if label in differing else ("  (set by the flag)" if a != b else "")
-        out.line(row % (label, fmt_setting(a), fmt_setting(b), mark))
-
-
-def fmt_setting(value: Any) -> str:
-    text = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
-    return text if len(text) <= 26 else text[:23] + "..."
-
-
-def cost_table_lines(cells: List[CellLabels], current: CellLabels) -> List[str]:
-    """The 2x2 table TP=1 / TP=k x cold / shared-prefix for the current model, batch and length."""
-    shape = lambda c: (c.model, c.batch, c.concurrency, c.max_tokens)
-    same = [c for c in cells if shape(c) == shape(current)]
-    # TP=k until a degree above 1 is measured; TP=? for cells measured without a known degree
-    tps: List[Any] = sorted({c.tp for c in same if c.tp not in (1, None)}) or ["k"]
-    if any(c.tp is None for c in same):
-        tps.append(None)
-    lines = [
-        "cost cells for %s, %s, %d tokens (from the saved file):"
-        % (current.model, current.shape(), current.max_tokens),
-        "  %-8s %-28s %-28s" % ("", *WORKLOADS),
-    ]
-    filled = 0
-    for tp in [1] + tps:
-        row = []
-        for workload in WORKLOADS:
-            cell = next((c for c in same if c.tp == tp and c.workload == workload), None)
-            filled += cell is not None
-            row.append(
-                "missing"
-                if cell is None
-                else "%s%s"
-                % (
-                    cell.overhead.text(
-                        "%+.1f%% [%+.1f, %+.1f]%s", "%+.1f%% (no interval)", " n.s."
-                    ),
-                    "" if cell.state == "complete" else " partial",
-                )
-            )
-        lines.append("  %-8s %-28s %-28s" % ("TP=%s" % ("?" if tp is None else tp), *row))
-    if filled < 4:
-        lines.append(
-            "One cell alone is not a result: report all four (TP=1 and your real TP, cold and "
-            "shared-prefix), or none."
-        )
-    return lines
-
-
-def warm_up(
-    cfg: Config,
-    trials: Trials,
-    arms: Sequence[Arm],
-    prompts: Callable[[int], List[str]],
-    interrupt: DeferredInterrupt,
-    progress: Progress,
-) -> None:
-    """Untimed requests on both arms; each may fail once (a server still settling)."""
-    for w in range(cfg.cost.warmup):
-        for arm in arms:
-            for attempt in range(1, WARMUP_ATTEMPTS + 1):
-                interrupt.check()
-                progress.running("warm-up %d/%d, %s arm" % (w + 1, cfg.cost.warmup, arm.name))
-                try:
-                    trials.run(arm, cfg, prompts(-1 - w))
-                    break
-                except ServerError as err:
-                    if attempt == WARMUP_ATTEMPTS:
-                        raise ServerError(
-                            "warm-up %d, %s arm: %s" % (w + 1, arm.name, err)
-                        ) from None
-                    progress.out.warn(
-                        "warm-up request failed on the %s arm (%s); retrying once, as only "
-                        "warm-up may" % (arm.name, err)
-                    )
-
-
-def precise_enough(off_s: Sequence[float], on_s: Sequence[float], points: float) -> bool:
-    """Is the primary overhead's 95% interval at most +-points wide yet? Stopping on it biases
-    the estimate little here: the rule looks at the interval's width, which does not depend on
-    where the median lies, only on the spread of the ratios, so it does not stop when the
-    estimate happens to look large or small."""
-    pairs = min(len(off_s), len(on_s))
-    if pairs < MIN_PAIRS_FOR_INTERVAL:
-        return False
-    ci = Overhead.of(off_s[:pairs], on_s[:pairs]).ci95_pct
-    return ci is not None and (ci[1] - ci[0]) / 2.0 <= points
-
-
-def token_by_token(first_count: int, events: int, count: int) -> bool:
-    """Does a stream report its progress token by token, so that its first token's arrival
-    and the time between tokens mean something? Its first progress event must report one
-    token, and at least half its tokens must arrive in events of their own (an engine may
-    coalesce a few under load); a stream that reports its count only at the end does not."""
-    return first_count == 1 and 2 * events >= count
-
-
-def per_token(arm: Arm, pairs: int) -> List[float]:
-    return [
-        seconds / tokens if tokens > 0 else math.inf
-        for seconds, tokens in zip(arm.samples[:pairs], arm.tokens[:pairs])
-    ]
-
-
-def per_trial_medians(arm: Arm, figure: str) -> List[float]:
-    """Each trial's median of a figure ("latency", "ttft" or "tpot"); NaN where none has it."""
-    medians = []
-    for trial in arm.requests:
-        values = [getattr(r, figure + "_s") for r in trial]
-        medians.append(statistics.median([v for v in values if v is not None] or [math.nan]))
-    return medians
-
-
-def cost_cell(
-    cfg: Config,
-    trials: Trials,
-    arms: Tuple[Arm, Arm],
-    differences: List[SettingDifference],
-    state: str,
-) -> CostCell:
-    """One labelled cell of the 2x2 table, from the trials measured so far."""
-    off, on = arms
-    pairs = min(len(off.samples), len(on.samples))
-    if off.tokens[:pairs] == on.tokens[:pairs]:
-        primary = Overhead.of(off.samples[:pairs], on.samples[:pairs])
-        compared_on = "time per trial"
-    else:  # compare what both did: the time each took per output token
-        primary = Overhead.of(per_token(off, pairs), per_token(on, pairs))
-        compared_on = "time per output token (the arms produced different token counts)"
-    labels = CellLabels(
-        tp=off.facts.tp or cfg.cost.tp,
-        workload=cfg.cost.workload,
-        batch=None if trials.load else cfg.cost.batch,
-        concurrency=cfg.cost.concurrency if trials.load else None,
-        requests=cfg.cost.requests if trials.load else None,
-        arrivals=Arrivals(cfg.request_rate).describe() if trials.load else None,
-        max_tokens=cfg.sampling.max_tokens,
-        model=off.facts.model,
-        state=state,
-        overhead=primary,
-    )
-    load = overheads = None
-    if trials.load:
-        # Under load the primary figure is throughput's time cost: the on/off ratio of the
-        # time each trial took for the same tokens (+30 %: the flag costs 30 % more time per
-        # token, i.e. throughput falls to 1/1.3). Latency, TTFT and TPOT: paired per-trial medians.
-        load = {arm.name: LoadStats(arm.requests, arm.samples, arm.tokens) for arm in arms}
-        overheads = {"throughput": primary}
-        for figure in LOAD_FIGURES:
-            a, b = per_trial_medians(off, figure)[:pairs], per_trial_medians(on, figure)[:pairs]
-            if all(map(math.isfinite, a + b)):
-                overheads[figure] = Overhead.of(a, b)
-                continue
-            one_token = all(r.tokens < 2 for arm in arms for t in arm.requests for r in t)
-            if figure == "latency":
-                why = "a trial had no latency"
-            elif figure == "tpot" and one_token:
-                why = "time per output token needs at least two tokens a request"
-            else:
-                why = UNMEASURED_STREAM
-            overheads[figure] = Overhead(None, None, False, unmeasured=why)
-    return CostCell(
-        labels=labels,
-        trials=pairs,
-        warmup=cfg.cost.warmup,
-        engine=cfg.engine,
-        prefix_tokens=cfg.cost.prefix_tokens if cfg.cost.workload == "shared-prefix" else None,
-        off=ArmStats(off.samples, off.tokens),
-        on=ArmStats(on.samples, on.tokens),
-        servers={arm.name: dict(arm.facts.to_record(), url=arm.url) for arm in arms},
-        differences=differences,
-        compared_on=compared_on,
-        created=now_stamp(),
-        lab=dict(cfg.provenance, ended=None if state == "running" else now_stamp()),
-        load=load,
-        overheads=overheads,
-    )
-
-
-def save_cell(path: str, cell: Json) -> Json:
-    """Add a cell's record to the cost file as it is now, under a lock: two runs saving to
-    one file each keep their cells. Returns the document written."""
-    with FolderLock(path):
-        try:
-            current = read_json_file(path, "--save") if os.path.exists(path) else None
-        except UsageError as err:
-            raise SaveError(str(err)) from None
-        if current is not None and current.get("schema") != COST_SCHEMA:
-            raise SaveError("--save: %s no longer holds cost results; not overwritten" % path)
-        doc = add_cell(current or {"schema": COST_SCHEMA, "cells": []}, cell)
-        write_json_atomic(path, doc)
-        return doc
-
-
-def add_cell(doc: Json, cell: Json) -> Json:
-    """Put a cell's record in the cost file, replacing the one with the same key; an
-    unfinished run never replaces a finished cell (it is kept under "incomplete_cells")."""
-    key = cell_key(cell)
-    doc.setdefault("cells", [])
-    finished = any(cell_key(c) == key and c.get("state") == "complete" for c in doc["cells"])
-    section = "incomplete_cells" if finished and cell["state"] != "complete" else "cells"
-    doc[section] = [c for c in doc.get(section, []) if cell_key(c) != key] + [cell]
-    return doc
-
-
-def print_load_report(cell: CostCell, out: Out) -> None:
-    """Under load: each arm's throughput and latencies, and what the flag costs in each."""
-
-    def ms(spread: Optional[Tuple[float, float]]) -> str:
-        return "%.1f/%.1f ms" % (1000 * spread[0], 1000 * spread[1]) if spread else "unmeasured"
-
-    for name, stats in (cell.load or {}).items():
-        tokens_per_s, requests_per_s = stats.rates()
-        out.line(
-            "  flag %-3s %s tokens/s, %s requests/s; median/p99: latency %s, TTFT %s, TPOT %s"
-            % (
-                name,
-                fmt_opt(tokens_per_s, "?", "%.1f"),
-                fmt_opt(requests_per_s, "?", "%.2f"),
-                ms(stats.spread("latency")),
-                ms(stats.spread("ttft")),
-                ms(stats.spread("tpot")),
-            )
-        )
-    for figure in LOAD_FIGURES:
-        overhead = (cell.overheads or {})[figure]
-        label = figure.upper() if figure != "latency" else "latency"
-        if overhead.unmeasured:
-            out.line("  %-8s unmeasured: %s" % (label, overhead.unmeasured))
-            continue
-        out.line(
-            "  %-8s overhead %s"
-            % (
-                label,
-                overhead.text("%+.1f%% [%+.1f%%, %+.1f%%]%s", "%+.1f%% (no interval)", " n.s."),
-            )
-        )
-    if cell.compared_on != "time per trial":
-        out.line("  compared on %s" % cell.compared_on)
-
-
-def print_cost_report(cell: CostCell, out: Out) -> None:
-    labels = cell.labels
-    out.line("")
-    out.line(
-        "cell: TP=%s, workload %s, %s, %d tokens, model %s, %d trial pairs%s"
-        % (
-            fmt_opt(labels.tp, "?"),
-            labels.workload,
-            labels.shape(),
-            labels.max_tokens,
-            labels.model,
-            cell.trials,
-            "" if labels.state == "complete" else " (%s)" % labels.state,
-        )
-    )
-    for name, arm in (("off", cell.off), ("on", cell.on)):
-        out.line(
-            "  flag %-3s median %.4fs  MAD %.4fs  min-max %.4f-%.4fs  %s tokens/s%s"
-            % (
-                name,
-                arm.median_s,
-                mad(arm.samples_s),
-                min(arm.samples_s),
-                max(arm.samples_s),
-                "%.1f" % arm.median_tokens_per_s if arm.median_tokens_per_s else "?",
-                "  NOISY (max/min > %.1f)" % NOISE_SPREAD if arm.noisy else "",
-            )
-        )
-    out.line(
-        out.style(
-            "  overhead "
-            + cell.overhead.text(
-                "%+.1f%%, 95%% interval [%+.1f%%, %+.1f%%]%s",
-                "%%+.1f%%%%, no interval: %d trial pairs, an interval needs at least %d"
-                % (cell.trials, MIN_PAIRS_FOR_INTERVAL),
-                ": not significant (the interval contains 0)",
-            ),
-            "1",
-        )
-    )
-    if cell.load:
-        print_load_report(cell, out)
-    if cell.stopped_by:
-        out.line(
-            "  %s"
-            % {
-                "precision": "stopped once the interval was within the asked precision "
-                "(--precision)",
-                "trials": "ran every trial (--trials) before the interval was within --precision",
-            }.get(cell.stopped_by, "stopped: %s" % cell.stopped_by)
-        )
-    if cell.differences:
-        out.line(
-            "  timed despite differences (--allow-mismatch): "
-            + ", ".join("%s %s vs %s" % (d.setting, d.theirs, d.ours) for d in cell.differences)
-        )
-
-
-def run_cost(cfg: Config, out: Out) -> int:
-    """--mode cost: open both arms and refuse them unless they differ in the flag alone,
-    warm up, then time trial pairs in A B B A order (Trials: batch or load trials, decided
-    once) until --trials or --precision; the cell (cost_cell; CostCell.to_record is its
-    schema) is added to the cost file and printed with the 2x2 table. Returns the exit
-    code."""
-    arms = [
-        (cfg.url, "the flag-off arm (--url)"),
-        (cfg.cost.invariant_url, "the flag-on arm (--invariant)"),
-    ]
-    wait_until_ready(cfg, arms, out)
-    cfg = resolve_engine(cfg, arms)
-    off = Arm.open(cfg, "off", "--url", cfg.url)
-    on = Arm.open(cfg, "on", "--invariant", cfg.cost.invariant_url)
-    differences = check_arms(cfg, off, on, out)
-    run_id = "%08x" % random.SystemRandom().getrandbits(
-        32
-    )  # no prefix cache hit across runs either
-    doc = copy.deepcopy(cfg.prior_save) if cfg.prior_save else {"schema": COST_SCHEMA, "cells": []}
-    short: List[Tuple[int, str, int]] = []  # (trial, arm, tokens) of trials that stopped early
-    trials = Trials.of(cfg)
-    per_trial = trials.prompts
-    expected_tokens = per_trial * cfg.sampling.max_tokens
-    stopped_by: List[str] = []  # "precision" once the interval is narrow enough
-
-    def prompts(trial: int) -> List[str]:
-        return workload_prompts(
-            cfg.cost.workload, per_trial, trial, run_id, cfg.cost.prefix_tokens
-        )
-
-    saves = ThrottledSave(cfg.save)
-    progress = Progress(out, cfg.cost.trials, "trial pairs", cfg.quiet)
-
-    def measure(interrupt: DeferredInterrupt) -> None:
-        warm_up(cfg, trials, (off, on), prompts, interrupt, progress)
-        for trial in range(cfg.cost.trials):
-            for arm in ((off, on) if trial % 2 == 0 else (on, off)):  # A B B A A B ...
-                interrupt.check()
-                progress.running("trial %d/%d, %s arm" % (trial + 1, cfg.cost.trials, arm.name))
-                try:
-                    seconds, count, timings = trials.run(arm, cfg, prompts(trial))
-                except ServerError as err:
-                    raise ServerError(
-                        "trial %d, %s arm: %s" % (trial + 1, arm.name, err)
-                    ) from None
-                if count > expected_tokens:
-                    raise ServerError(
-                        "trial %d, %s arm: the server reported %d output tokens, more than %d "
-                        "prompts x --max-tokens %d allow"
-                        % (trial + 1, arm.name, count, per_trial, cfg.sampling.max_tokens)
-                    )
-                if count < expected_tokens:
-                    short.append((trial + 1, arm.name, count))
-                arm.samples.append(seconds)
-                arm.tokens.append(count)
-                if timings is not None:
-                    arm.requests.append(timings)
-            saves.offer(
-                lambda path: save_cell(
-                    path, cost_cell(cfg, trials, (off, on), differences, "running").to_record()
-                )
-            )
-            progress.finished("trial %d/%d" % (trial + 1, cfg.cost.trials), 2 * per_trial)
-            if cfg.cost.precision and precise_enough(off.samples, on.samples, cfg.cost.precision):
-                stopped_by.append("precision")
-                return
-
-    state, code = measure_until_stopped(out, "cost", measure)
-    for trial, arm_name, got in short[:3]:
-        out.warn(
-            "trial %d, %s arm: %d output tokens, not %d x %d (the server stopped early: is "
-            "ignore_eos honoured?)" % (trial, arm_name, got, per_trial, cfg.sampling.max_tokens)
-        )
-    if not off.samples or not on.samples:
-        out.say("no complete trial pair; nothing to report", raising=False)
-        return code or EXIT_SERVER
-    cell = cost_cell(cfg, trials, (off, on), differences, state)
-    if cfg.cost.precision:
-        why = stopped_by[0] if stopped_by else ("trials" if state == "complete" else state)
-        cell = dataclasses.replace(cell, stopped_by=why)
-    record = cell.to_record()
-    doc = saves.write(lambda path: save_cell(path, record)) or add_cell(doc, record)
-    if cfg.json_out:
-        out.line(json_text(record, indent=1))
-    else:
-        print_cost_report(cell, out)
-        if cfg.save:
-            out.line("")
-            cells = [CellLabels.from_record(c) for c in doc["cells"]]
-            for line in cost_table_lines(cells, cell.labels):
-                out.line(line)
-    return report_save(cfg, saves, code, out)
-
-
-# ----------------------------------------------------------------------------
 # main
+
 
 RUNNERS: Dict[str, Callable[[Config, Out], int]] = {
     "harness": run_harness,
@@ -6591,20 +6752,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         SECRETS.keep(cfg.api_key)
         out.use_colour(cfg.color)
         code = RUNNERS[cfg.mode](cfg, out)
-    except UsageError as err:
-        out.say(str(err), raising=False)
-        code = EXIT_USAGE
-    except ServerError as err:
-        out.say(str(err), raising=False)
-        code = EXIT_SERVER
-    except KeyboardInterrupt as stop:
-        code, state = STOP_SIGNALS[signal.Signals(getattr(stop, "signum", signal.SIGINT)).name]
-        out.say(state, raising=False)
-    except OutputFailed as err:
-        out.failure, code = err, err.code
-    except Exception as err:  # a fault of the lab's own: one line, never a traceback
-        out.say(internal_error(err), raising=False)
-        code = EXIT_INTERNAL
+    except (Exception, KeyboardInterrupt) as err:  # one line, never a traceback
+        code, _, why = ending(err)
+        if isinstance(err, OutputFailed):
+            out.failure = err
+        else:
+            out.say(why, raising=False)
     failure = out.failure
     if failure is not None:
         if failure.code != EXIT_BROKEN_PIPE:  # `| head` closing the pipe needs no word

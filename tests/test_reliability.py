@@ -862,24 +862,24 @@ class FaultsOfTheLabsOwn(TempDirTest):
         timing = run.RequestTiming(None, 1.0, 4, None, 1)
         with mock.patch.object(run, "percentile", lambda values, share: run.statistics.median([])):
             try:
-                run.LoadStats([[timing]], [1.0], [4]).spread("latency")
+                run.LoadStats.of([[timing]], [1.0], [4])
             except run.statistics.StatisticsError as err:
                 message = run.internal_error(err)
-        source, first = inspect.getsourcelines(run.LoadStats.spread)
+        source, first = inspect.getsourcelines(run.LoadStats.of)
         named = int(re.search(r"run\.py line (\d+)", message).group(1))
         self.assertIn("percentile(", source[named - first])
 
     def test_trials_shorter_than_the_clock_resolution_leave_no_rate_and_no_crash(self):
         timing = run.RequestTiming(0.0, 0.0, 4, 0.0, 4)
-        stats = run.LoadStats([[timing], [timing]], [0.0, 0.0], [4, 4])
-        record = stats.to_record()
+        stats = run.LoadStats.of([[timing], [timing]], [0.0, 0.0], [4, 4])
+        record = run.as_record(stats)
         self.assertIsNone(record["median_tokens_per_s"])
         self.assertIsNone(record["median_requests_per_s"])
         out = io.StringIO()
         unmeasured = {name: run.Overhead(None, None, False) for name in run.LOAD_FIGURES}
         cell = mock.Mock(load={"off": stats, "on": stats}, overheads=unmeasured,
                          compared_on="time per trial")
-        run.print_load_report(cell, run.Out(out, out))
+        run.LoadTrials.report(cell, run.Out(out, out))
         self.assertIn("flag off ? tokens/s, ? requests/s", out.getvalue())
 
 class InputBoundedBeforeAnyRequest(TempDirTest):

@@ -259,8 +259,8 @@ class Statistics(unittest.TestCase):
         self.assertEqual(run.bootstrap_median_ci(data), (meds[int(0.025 * 3999)], meds[int(math.ceil(0.975 * 3999))]))
 
     def test_noise_flag(self):
-        self.assertTrue(run.ArmStats([1.0, 1.6], [10, 10]).noisy)
-        self.assertFalse(run.ArmStats([1.0, 1.4], [10, 10]).noisy)
+        self.assertTrue(run.ArmStats.of([1.0, 1.6], [10, 10]).noisy)
+        self.assertFalse(run.ArmStats.of([1.0, 1.4], [10, 10]).noisy)
 
 
 class Workloads(unittest.TestCase):
