@@ -1030,10 +1030,7 @@ class HttpClient:
         self.route = Route.to(self.base_url)
 
     def request(
-        self,
-        path: str,
-        body: Optional[Dict[str, Any]] = None,
-        as_text: bool = False,
+        self, path: str, body: Optional[Dict[str, Any]] = None, as_text: bool = False
     ) -> Any:
         """GET (body None) or POST JSON; returns the decoded JSON answer (with as_text, the
         answer's text) or raises ServerError.
@@ -4093,10 +4090,7 @@ class BaselineServer:
             raise ServerError("the baseline server, batch 1: %s" % err) from None
 
     def params(self) -> Json:
-        return {
-            "baseline_server": self.url,
-            "baseline_differences": as_record(self.differences),
-        }
+        return {"baseline_server": self.url, "baseline_differences": as_record(self.differences)}
 
     def header_line(self) -> Optional[str]:
         differences = "; ".join(
@@ -4400,13 +4394,7 @@ class Sender:
         self, prompts: List[str], cache_key: Optional[str] = None
     ) -> Tuple[List[Completion], float, Optional[int]]:
         answer, seconds = generate(
-            self.client,
-            self.adapter,
-            self.model,
-            prompts,
-            self.sampling,
-            self.isolate,
-            cache_key,
+            self.client, self.adapter, self.model, prompts, self.sampling, self.isolate, cache_key
         )
         completions = parsed("the answer", self.adapter.completions, answer, len(prompts), True)
         return completions, seconds, parsed("the answer", self.adapter.cached_tokens, answer)
@@ -4797,11 +4785,7 @@ def sweep_params(cfg: Config, facts: ServerFacts, sizes: List[int]) -> Json:
 
 
 def sweep_document(
-    cfg: Config,
-    facts: ServerFacts,
-    prompts: List[Json],
-    sizes: List[int],
-    summary: SweepSummary,
+    cfg: Config, facts: ServerFacts, prompts: List[Json], sizes: List[int], summary: SweepSummary
 ) -> Json:
     """The saved sweep (schema SWEEP_SCHEMA): the server, how the sweep was asked for, every
     prompt's record (a PromptRecord: its baseline, and per batch size a SizeResult holding a
