@@ -1,6 +1,6 @@
-"""The README stays true: every code block marked `<!-- readme-test -->` in README.md is run in
-order, in one folder of its own, against the practice engine, as a reader following the README
-from top to bottom would run it.
+"""The docs stay true: every code block marked `<!-- readme-test -->` in README.md,
+examples/README.md and tests/README.md is run in order, each file's in one folder of its own,
+against the practice engine, as a reader following the page from top to bottom would run it.
 
 How a block reads: in a transcript, lines starting with `$ ` are commands (a line ending in
 a backslash goes on to the next) and the lines after a command are what it prints; in a
@@ -141,7 +141,7 @@ def check(test, text):
                     if code is None:
                         continue
                     ran += 1
-                    where = "README line %d: %s" % (line_no, command)
+                    where = "line %d: %s" % (line_no, command)
                     test.assertEqual(code, 0, "%s\n%s" % (where, output[-2000:]))
                     seen = {normalised(reader.mapped(line)) for line in output.splitlines()}
                     for want in quoted:
@@ -154,12 +154,20 @@ def check(test, text):
     return ran
 
 
+DOCS = {  # each page, and the fewest marked blocks it has (a page that lost them fails)
+    "README.md": 4,
+    os.path.join("examples", "README.md"): 1,
+    os.path.join("tests", "README.md"): 1,
+}
+
+
 class Readme(unittest.TestCase):
-    def test_every_marked_block_runs_as_the_readme_says(self):
-        with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-            text = f.read()
-        self.assertGreaterEqual(len(blocks(text)), 6)
-        self.assertGreater(check(self, text), 15)
+    def test_every_marked_block_runs_as_its_page_says(self):
+        for page, fewest in DOCS.items():
+            with self.subTest(page), open(os.path.join(ROOT, page), encoding="utf-8") as f:
+                text = f.read()
+                self.assertGreaterEqual(len(blocks(text)), fewest)
+                self.assertGreater(check(self, text), fewest)
 
     def test_a_broken_command_or_a_changed_message_fails_it(self):
         broken = [

@@ -1,0 +1,115 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Secrets: the API key is never printed or saved, wherever a server echoes it; credentials in
+a URL are refused without being repeated; saves are atomic."""
+
+import json
+import os
+import unittest
+from unittest import mock
+
+from support import StubConfig, StubServer, TempDirTest, free_port, one_error_line, run, run_lab
+
+
+KEY = "zq7-secretvalue-991"  # distinctive: no other text the lab prints holds its pieces
+
+
+class Secrets(TempDirTest):
+    def test_credentials_in_a_url_are_refused_and_never_printed(self):
+        for url in ("http://alice:s3cret-pw@127.0.0.1:8000", "http://alice:s3cret-pw@127.0.0.1:80x/v1"):
+            with self.subTest(url=url):
+                r = run_lab("--mode", "sweep", "--url", url)
+                one_error_line(self, r, 2, "password in the URL is not accepted")
+                self.assertNotIn("s3cret", r.stderr + r.stdout)
+
+    def test_a_key_the_server_echoes_is_redacted(self):
+        with StubServer(StubConfig(faults={2: "echokey"})) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--repeat", 1, "--max-tokens", 2,
+                        "--api-key", "sk-very-secret-77", "--save", self.path("s.json"))
+            with open(self.path("s.json")) as f:
+                saved = f.read()
+        one_error_line(self, r, 3, "HTTP 401")
+        self.assertIn("[api key]", r.stderr)
+        self.assertNotIn("sk-very-secret-77", r.stderr + r.stdout + saved)
+
+
+class KeysHiddenInWhatServersSay(TempDirTest):
+    """The key is never printed or saved: in any case, whole or cut, wherever it turns up."""
+
+    def assert_no_key(self, *texts):
+        for text in texts:
+            self.assertNotIn(KEY[:5].lower(), text.lower())
+
+    def test_a_key_a_plain_text_error_echoes_is_hidden_before_the_body_is_cut(self):
+        with StubServer(StubConfig(faults={2: "keyinbody"})) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 4,
+                        "--repeat", 1, "--api-key", KEY)
+        self.assertEqual(r.code, 3, r)
+        self.assertIn("HTTP 401", r.stderr)
+        self.assert_no_key(r.stdout, r.stderr)
+
+    def test_a_key_in_the_facts_the_server_reports_is_neither_printed_nor_saved(self):
+        model = "org/%s-instruct" % KEY.upper()
+        with StubServer(StubConfig(model=model)) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 4,
+                        "--repeat", 1, "--api-key", KEY, "--save", self.path("s.json"))
+            sent = stub.generation_bodies()
+        self.assertEqual(r.code, 0, r)
+        self.assertEqual(json.loads(sent[0])["model"], model)  # the server still gets its own id
+        with open(self.path("s.json")) as f:
+            self.assert_no_key(r.stdout, r.stderr, f.read())
+        self.assertIn("[api key]", r.stdout)
+
+    def test_a_url_with_a_query_string_is_refused_without_echoing_it(self):
+        r = run_lab("--mode", "sweep", "--url", "http://127.0.0.1:8000/v1?api-key=" + KEY)
+        self.assertEqual(r.code, 2, r)
+        self.assertIn("without a query string or fragment", r.stderr)
+        self.assert_no_key(r.stdout, r.stderr)
+
+
+class FilesAndSecurity(TempDirTest):
+    def test_atomic_write_leaves_the_old_file_whole_on_failure(self):
+        target = self.path("s.json")
+        run.write_json_atomic(target, {"schema": run.SWEEP_SCHEMA, "n": 1})
+        with mock.patch.object(run.os, "replace", side_effect=OSError(28, "No space left on device")):
+            with self.assertRaises(run.SaveError):
+                run.write_json_atomic(target, {"schema": run.SWEEP_SCHEMA, "n": 2})
+        self.assertEqual(self.load("s.json")["n"], 1)
+        self.assertEqual(os.listdir(self.tmp), ["s.json"])
+
+    def test_a_redirect_to_another_server_is_refused_and_names_it(self):
+        with StubServer() as target, StubServer(StubConfig(redirect_get_to=None)) as front:
+            front.config.redirect_get_to = target.url
+            r = run_lab("--mode", "sweep", "--url", front.url, "--sizes", "1", "--max-tokens", 4,
+                        "--api-key", "key-abc")
+            self.assertEqual(r.code, 3, r)
+            self.assertIn("redirecting to %s" % target.url, r.stderr)
+            self.assertIn("follows no redirect away from the server it was given", r.stderr)
+            self.assertEqual(target.requests, [])  # the key never went there, nor anything else
+            self.assertTrue(all(h.get("Authorization") == "Bearer key-abc" for _, _, h in front.requests))
+
+    def test_key_never_printed_or_saved_in_cost(self):
+        with StubServer() as off, StubServer(StubConfig(invariant=True)) as on:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", 1,
+                        "--trials", 1, "--warmup", 0, "--max-tokens", 2, "--save", self.path("c.json"),
+                        env=dict(os.environ, OPENAI_API_KEY="sekret-cost-key"))
+        self.assertEqual(r.code, 0, r)
+        with open(self.path("c.json")) as f:
+            self.assertNotIn("sekret", f.read())
+        self.assertNotIn("sekret", r.stdout + r.stderr)
+
+    def test_loopback_bypasses_the_proxy_and_other_hosts_use_it(self):
+        dead_proxy = "http://127.0.0.1:%d" % free_port()
+        with StubServer() as stub:
+            env = dict(os.environ, http_proxy=dead_proxy, HTTP_PROXY=dead_proxy, no_proxy="", NO_PROXY="")
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1", "--max-tokens", 2, env=env)
+            self.assertEqual(r.code, 0, r)
+            # the stub as the proxy: a far host's requests arrive there with absolute URLs
+            env = dict(os.environ, http_proxy=stub.url, HTTP_PROXY=stub.url, no_proxy="", NO_PROXY="")
+            r = run_lab("--mode", "sweep", "--url", "http://gpu-box.example:8000", "--sizes", "1",
+                        "--max-tokens", 2, env=env)
+            self.assertEqual(r.code, 0, r)
+            self.assertTrue(any(p.startswith("http://gpu-box.example:8000/") for _, p, _ in stub.requests))
+
+
+if __name__ == "__main__":
+    unittest.main()
