@@ -691,6 +691,10 @@ class Measured:
     compared: bool = False  # a size above batch 1, or a stored baseline, was compared
     batch1_repeatable: Optional[bool] = None  # batch 1's passes against each other
     unseeded: bool = False  # sampling that the server does not seed
+    # what moved, moved only at sizes the prefix cache served despite the bypass: the cache,
+    # not the batch alone, may explain it
+    confounded: bool = False
+    unoverlapped: bool = False  # some size's scheduled requests were never in flight together
 
     @classmethod
     def combined(cls, parts: Sequence["Measured"]) -> "Measured":
@@ -710,6 +714,10 @@ class Measured:
                 else True if repeatable and None not in repeatable else None
             ),
             unseeded=any(m.unseeded for m in parts),
+            # batching is shown by any prompt that moved at a size the cache did not serve
+            confounded=any(m.confounded for m in parts)
+            and all(m.confounded for m in parts if verdict(m) != INVARIANT),
+            unoverlapped=any(m.unoverlapped for m in parts),
         )
 
 
@@ -725,6 +733,8 @@ NO_DATA = "no data"  # the verdict when no completion came back (the run stopped
 NOTHING_COMPARED = (
     "nothing compared"  # batch 1 alone came back: it is the baseline, not a comparison
 )
+# what moved, moved only where the prefix cache served the prompt despite the bypass
+CACHE_CONFOUNDED = "moved only where the cache served (bypass did not hold)"
 BATCH_EFFECTS = (TOKENS_DIVERGED, LOGPROBS_MOVED)  # verdicts batching explains
 UNMEASURED_VERDICTS = (NO_DATA, NOTHING_COMPARED)  # verdicts that claim nothing either way
 MOVED_NOTES = ("clamped", "non-finite", "top-k changed")  # notes that count as moved, ULPs or not
@@ -745,7 +755,7 @@ def verdict(m: Measured) -> str:
     """The one place a sweep's verdict is decided (printed, saved and read by --expect): what
     the measurements show, claiming nothing that was not compared and never blaming batching
     for what something else explains (sampling the server does not seed, a batch 1 that does
-    not repeat itself)."""
+    not repeat itself, a prefix cache that served every size that moved)."""
     if not m.total:
         return NO_DATA
     if not m.compared:
@@ -762,6 +772,8 @@ def verdict(m: Measured) -> str:
         return NOISE_NOT_RULED_OUT
     if m.batch1_repeatable is False:
         return NOT_REPEATABLE
+    if moved and m.confounded:
+        return CACHE_CONFOUNDED
     if m.tokens_diverged:
         return TOKENS_DIVERGED
     if m.text_only:
@@ -1751,6 +1763,8 @@ class VllmAdapter:
         ("KV-cache dtype", ("vllm_config", "cache_config", "cache_dtype")),
         ("CUDA-graph mode", ("vllm_config", "compilation_config", "cudagraph_mode")),
         ("CUDA-graph sizes", ("vllm_config", "compilation_config", "cudagraph_capture_sizes")),
+        ("compilation mode", ("vllm_config", "compilation_config", "mode")),
+        ("breakable CUDA graph", ("vllm_env", "VLLM_USE_BREAKABLE_CUDAGRAPH")),
         ("FlashInfer sampler", ("vllm_env", "VLLM_USE_FLASHINFER_SAMPLER")),
     ]
     # With the flag on, vLLM turns prefix caching off for these backends itself.
@@ -1777,14 +1791,20 @@ class VllmAdapter:
     def read_facts(self, client: HttpClient, model: Optional[str]) -> ServerFacts:
         version = dig(client.request("/version"), "version")
         models = client.request("/v1/models")
+        hint = self.SETTINGS_HINT  # 404: served only with VLLM_SERVER_DEV_MODE=1
         try:
             info = client.request("/server_info?config_format=json")
-        except ServerError:
-            info = None  # only served with VLLM_SERVER_DEV_MODE=1
-        return self.facts(version, models, info, model)
+        except ServerError as err:
+            info = None
+            if err.status != 404:  # dev mode is on, and the endpoint failed: say what it said
+                hint = "its /server_info answered: %s" % err
+        return self.facts(version, models, info, model, hint)
 
-    def facts(self, version: Any, models: Any, info: Any, model: Optional[str]) -> ServerFacts:
-        """The common facts record from /version, /v1/models and (dev mode) /server_info."""
+    def facts(
+        self, version: Any, models: Any, info: Any, model: Optional[str], hint: str = SETTINGS_HINT
+    ) -> ServerFacts:
+        """The common facts record from /version, /v1/models and (dev mode) /server_info;
+        hint: why the settings are unknown when info is None."""
         entries = dig(models, "data")
         entries = (
             [m for m in entries if isinstance(m, dict) and m.get("id")]
@@ -1817,7 +1837,7 @@ class VllmAdapter:
                 graph_sizes=sizes,
                 graph_source="assumed",
                 default_graph_sizes=sizes,
-                settings_hint=self.SETTINGS_HINT,
+                settings_hint=hint,
                 settings=listed,
             )
         settings = dict(listed, **{label: dig(info, *path) for label, path in self.SETTINGS})
@@ -1852,10 +1872,21 @@ class VllmAdapter:
             info_source="/server_info",
             settings=settings,
             hazards=hazards_in(self.name, info),
-            flag_sets=(
-                {"prefix caching": False} if backend in self.FLAG_DISABLES_PREFIX_CACHE else {}
-            ),
+            flag_sets=self.flag_sets(dig(info, "vllm_env", self.flag_name), backend),
         )
+
+    def flag_sets(self, flag: Any, backend: Any) -> Dict[str, Any]:
+        """What the flag itself sets on a flag-on server, by setting label: a difference from
+        the flag-off arm there is the flag's, never a mismatch. Prefix caching goes off under
+        FlashInfer and Triton-MLA; from vLLM 0.33.0 the flag turns on breakable CUDA graphs
+        for the model shapes of its tile table, and they run without torch.compile
+        (compilation mode NONE, 0: vllm/config/vllm.py lines 842-869 of vLLM 0.33.0)."""
+        if flag is not True:
+            return {}
+        sets: Dict[str, Any] = {"breakable CUDA graph": True, "compilation mode": 0}
+        if backend in self.FLAG_DISABLES_PREFIX_CACHE:
+            sets["prefix caching"] = False
+        return sets
 
     def body(
         self,
@@ -3491,6 +3522,11 @@ class PrefixCache:
             return "cache hit: bypass did not hold (%s cached tokens)" % cached_tokens
         return None
 
+    def confounded(self, moved: Set[int], cached: Set[int]) -> bool:
+        """Did everything that moved move only at sizes the cache served despite the bypass?
+        Then the cache, not the batch alone, may explain it (moved, cached: batch sizes)."""
+        return self.bypass and bool(moved) and moved <= cached
+
     @staticmethod
     def summary_reason(check: Optional[BypassCheck]) -> Optional[str]:
         """What the summary line adds when the bypass did not hold."""
@@ -3518,6 +3554,7 @@ CACHE_EQUAL = "cache hit equals cold prefill bitwise"  # the cache check's verdi
 CACHE_DIFFER = "cache hit differs from cold prefill"
 CACHE_UNVERIFIED = "equal, but the hit is unverified (the server reports no cached-token counts)"
 CACHE_MISSED = "equal, but the repeat was not served from the cache (cached-token count 0)"
+CACHE_COLD_HIT = "not compared: every cold request was itself served from the cache"
 
 
 @dataclass(frozen=True)
@@ -3571,26 +3608,34 @@ class CacheSummary:
     batches: int
     max_ulp: Optional[int]
     first_step: Optional[int]
+    # batches whose cold request the cache did not serve and whose repeat it did: the only
+    # ones that compare a cache hit with a cold prefill (copies of one vLLM request share the
+    # cache, so a cold batch of several copies is partly served from it)
+    verified: int = field(default=0, metadata=NOT_SAVED)
 
     @classmethod
     def of(cls, checked: Sequence[CacheComparison]) -> "CacheSummary":
         counts = [c.cached_tokens for c in checked if c.cached_tokens is not None]
+        verified = [c for c in checked if c.cold_cached_tokens == 0 and (c.cached_tokens or 0) > 0]
         if not checked:
             verdict = NO_DATA
         elif any(c.max_ulp or c.tokens_diverged or c.notes for c in checked):
             verdict = CACHE_DIFFER
         elif not counts:
             verdict = CACHE_UNVERIFIED
-        elif all(x > 0 for x in counts) and len(counts) == len(checked):
+        elif len(counts) < len(checked) or 0 in counts:
+            verdict = CACHE_MISSED
+        elif verified:
             verdict = CACHE_EQUAL
         else:
-            verdict = CACHE_MISSED
+            verdict = CACHE_COLD_HIT
         steps = [c.first_step for c in checked if c.first_step is not None]
         return cls(
             verdict,
             len(checked),
             max((c.max_ulp for c in checked), default=None),
             min(steps) if steps else None,
+            len(verified),
         )
 
 
@@ -3653,10 +3698,11 @@ class CacheCheck:
     def report(summary: CacheSummary, out: "Out") -> None:
         out.line(
             out.style(
-                "cache check, over %d batches each sent again from the cache: max ULP %s, "
-                "first differing step %s: %s"
+                "cache check, over %d batches each sent again from the cache (%d with a cold "
+                "request the cache did not serve): max ULP %s, first differing step %s: %s"
                 % (
                     summary.batches,
+                    summary.verified,
                     fmt_opt(summary.max_ulp, "?"),
                     fmt_opt(summary.first_step),
                     summary.verdict,
@@ -3675,7 +3721,8 @@ class CacheCheck:
             )
         return (
             True,
-            "expect cache-equal: held (max ULP 0 over %d cached batches)" % summary.batches,
+            "expect cache-equal: held (max ULP 0 over %d batches with a cold request)"
+            % summary.verified,
         )
 
 
@@ -4118,10 +4165,10 @@ class BaselineDifference:
 def server_differences(theirs: ServerFacts, ours: ServerFacts) -> List[BaselineDifference]:
     """Every setting the baseline server reports otherwise than ours, the flag among them."""
     found = []
-    if theirs.flag != ours.flag:
+    if None not in (theirs.flag, ours.flag) and theirs.flag != ours.flag:
         found.append(BaselineDifference("flag", theirs.flag, ours.flag))
-    for label in sorted(theirs.settings.keys() | ours.settings.keys()):
-        a, b = theirs.settings.get(label), ours.settings.get(label)
+    for label in sorted(theirs.settings.keys() & ours.settings.keys()):  # known on both sides
+        a, b = theirs.settings[label], ours.settings[label]
         if a != b:
             found.append(BaselineDifference(label, a, b))
     return found
@@ -4373,6 +4420,9 @@ class SentBatch:
     seconds: float  # from the first send to the last answer
     cached_tokens: Optional[int]  # prompt tokens served from the prefix cache, if the server says
     send_spread: Optional[float] = None  # concurrent: first to last request's send time
+    # scheduled concurrent requests: were any two ever in flight together (None: a burst,
+    # all in flight by construction, or one request)
+    overlapped: Optional[bool] = None
 
 
 @dataclass
@@ -4414,7 +4464,10 @@ class Sender:
         per request opens its connection; once every one is ready (a barrier that only the
         sender waits at, so no thread wakes while the requests go out), every request is
         written in one loop, each a single prebuilt write, so they reach the server within
-        milliseconds; then each thread reads its own answer."""
+        milliseconds; then each thread reads its own answer. With a --request-rate the
+        requests go out one by one on their schedule, each thread reading its answer as soon
+        as its request is out, so that the batch shows whether any two were ever in flight
+        together (SentBatch.overlapped)."""
         if n == 1:
             return self.copies(prompt, 1, seed)
         allow_open_files(n)
@@ -4427,6 +4480,10 @@ class Sender:
         ]
         outcomes: List[Any] = [None] * n  # what failed, or (completion, cached tokens)
         ready, all_sent = threading.Semaphore(0), threading.Event()
+        # A burst's threads wait for every request to be out; scheduled ones for their own
+        went = [threading.Event() for _ in range(n)] if self.arrivals.rate else [all_sent] * n
+        sent_at: List[Optional[float]] = [None] * n
+        answered_at: List[Optional[float]] = [None] * n
 
         def client_thread(i: int) -> None:
             try:
@@ -4434,10 +4491,11 @@ class Sender:
             except BaseException as err:  # raised in the sending thread, by failed_outcome
                 outcomes[i] = err
             ready.release()
-            all_sent.wait()
+            went[i].wait()
             if outcomes[i] is None:
                 try:
                     answer = posts[i].answer()
+                    answered_at[i] = CLOCK()
                     outcomes[i] = (
                         parsed("the answer", self.adapter.completions, answer, 1, True)[0],
                         parsed("the answer", self.adapter.cached_tokens, answer),
@@ -4454,28 +4512,34 @@ class Sender:
             ready.acquire()
         schedule = self.arrivals.schedule(n, seed + n)
         start = CLOCK()
-        sent = []
         try:
             for i, post in enumerate(posts):
                 if outcomes[i] is None:
                     try:
                         self.arrivals.wait_until(start + schedule[i])
-                        sent.append(CLOCK())
+                        sent_at[i] = CLOCK()
                         post.send()
                     except BaseException as err:
                         outcomes[i] = err
+                went[i].set()
         finally:
             all_sent.set()  # even on a second stop signal: no thread waits for ever
+            for event in went:
+                event.set()
         for t in threads:
             t.join()
         seconds = CLOCK() - start
         failed_outcome(outcomes, "concurrent requests")
         cached = [o[1] for o in outcomes if o[1] is not None]
+        overlapped = None  # a burst: every request was out before any answer was read
+        if self.arrivals.rate:  # was any request sent before an earlier one was answered?
+            overlapped = any(sent_at[k] < max(answered_at[:k]) for k in range(1, n))
         return SentBatch(
             [o[0] for o in outcomes],
             seconds,
             sum(cached) if cached else None,
-            round(sent[-1] - sent[0], 6),
+            round(sent_at[-1] - sent_at[0], 6),
+            overlapped,
         )
 
 
@@ -4500,8 +4564,12 @@ class BatchRow:
     cached_tokens: Optional[int] = None  # prompt tokens served from the prefix cache
     # concurrent traffic: SEND_SPREAD_MEANS
     send_spread_s: Optional[float] = field(default=None, metadata=saved(omit_none=True))
+    # scheduled concurrent traffic: were any two requests in flight together? A pass whose
+    # requests never overlapped formed no batch: it compares nothing (SentBatch.overlapped)
+    overlapped: Optional[bool] = field(default=None, metadata=saved(omit_none=True))
     cache_check: Optional[CacheComparison] = field(default=None, metadata=saved(omit_none=True))
     prefill: Optional[PrefillRow] = field(default=None, metadata=saved(flat="prefill_"))
+    tokens: int = field(default=0, metadata=NOT_SAVED)  # generated tokens compared
 
 
 @dataclass(frozen=True)
@@ -4526,6 +4594,8 @@ class SizeResult:
     prefill: Optional[PrefillSummary] = field(metadata=saved(flat="prefill_"))  # where it ran
     distinct_texts: List[str]
     runs: List[BatchRow]
+    # scheduled concurrent traffic: False when no pass's requests were ever in flight together
+    overlapped: Optional[bool] = field(default=None, metadata=saved(omit_none=True))
 
     @classmethod
     def of(cls, batch_size: int, bucket: Bucket, runs: List[BatchRow]) -> "SizeResult":
@@ -4553,7 +4623,14 @@ class SizeResult:
             prefill=PrefillSummary.of(checked) if checked else None,
             distinct_texts=texts,
             runs=runs,
+            overlapped=overlapped_any([r.overlapped for r in runs]),
         )
+
+
+def overlapped_any(flags: Sequence[Optional[bool]]) -> Optional[bool]:
+    """True where any pass overlapped, False where none did, None where none was scheduled."""
+    known = [f for f in flags if f is not None]
+    return any(known) if known else None
 
 
 @dataclass(frozen=True)
@@ -4601,9 +4678,9 @@ class PromptSweep:
     baseline_source: str = "batch 1"
     runs: Dict[int, List[BatchRow]] = field(default_factory=dict)  # batch size -> its passes
     buckets: Dict[int, Bucket] = field(default_factory=dict)
-    texts: Set[str] = field(default_factory=set)  # every distinct text, the baseline's included
     batch1: List[Completion] = field(default_factory=list)  # batch 1's completion in every pass
     unseeded: bool = False  # sampled at temperature > 0 by a server that ignores the seed
+    prefix_cache: PrefixCache = PrefixCache(DEFAULT_PREFIX_CACHE)  # as the sweep asked
     finished: bool = False  # every pass is in: nothing it holds changes any more
     # What a finished prompt's saves and summaries would work out again and again (a sweep
     # of 1000 prompts saves many times): kept once the prompt is finished
@@ -4612,12 +4689,10 @@ class PromptSweep:
 
     def set_baseline(self, baseline: Completion, source: str) -> None:
         self.baseline, self.baseline_source = baseline, source
-        self.texts.add(baseline.text)
 
     def add(self, n: int, bucket: Bucket, row: BatchRow, completions: List[Completion]) -> None:
         self.runs.setdefault(n, []).append(row)
         self.buckets[n] = bucket
-        self.texts.update(c.text for c in completions)
         if n == 1:
             self.batch1.append(completions[0])
 
@@ -4654,17 +4729,29 @@ class PromptSweep:
     def measured(self) -> Measured:
         if self.kept_measured is not None:
             return self.kept_measured
-        rows = [r for _, r in self.rows()]
+        # A pass whose scheduled requests were never in flight together formed no batch:
+        # it compares nothing, and is left out (its row says so)
+        included = [(n, r) for n, r in self.rows() if r.overlapped is not False]
+        rows = [r for _, r in included]
+        texts = {t for r in rows for t in r.distinct_texts}
+        if self.baseline is not None:
+            texts.add(self.baseline.text)
+        other = self.baseline_source != "batch 1"  # a stored baseline: batch 1 is compared too
+        compared = [(n, r) for n, r in included if (n > 1 or other) and r.tokens]
+        moved = {n for n, r in compared if moved_row(r, self.baseline)}
+        cached = {n for n, r in compared if (r.cached_tokens or 0) > 0}
         measured = Measured(
             total=sum(r.completions for r in rows),
-            unique=len(self.texts),
+            unique=len(texts),
             max_ulp=max((r.max_ulp for r in rows), default=0),
             tokens_diverged=any(r.first_token_divergence is not None for r in rows),
             text_only=any(r.text_only for r in rows),
             unmeasured=any(u in MOVED_NOTES for r in rows for u in r.ulp_notes),
-            compared=self.baseline_source != "batch 1" or any(n > 1 for n in self.runs),
+            compared=bool(compared),
             batch1_repeatable=self.batch1_repeatable(),
             unseeded=self.unseeded,
+            confounded=self.prefix_cache.confounded(moved, cached),
+            unoverlapped=len(included) < len(self.rows()),
         )
         if self.finished:
             self.kept_measured = measured
@@ -4692,6 +4779,17 @@ class PromptSweep:
         if self.finished:
             self.kept_text = text
         return text
+
+
+def moved_row(row: "BatchRow", baseline: Optional[Completion]) -> bool:
+    """Did anything in this pass differ from the baseline?"""
+    return bool(
+        row.max_ulp
+        or row.first_token_divergence is not None
+        or row.text_only
+        or any(u in MOVED_NOTES for u in row.ulp_notes)
+        or (baseline is not None and row.distinct_texts != [baseline.text])
+    )
 
 
 def compare_batch(
@@ -4728,6 +4826,7 @@ def compare_batch(
         matched=sum(held) == len(completions)
         and all(d is IDENTICAL or d == IDENTICAL for d in deltas),
         distinct_texts=sorted(set(texts)),
+        tokens=sum(len(c.tokens) for c in completions),
     )
 
 
@@ -5016,6 +5115,8 @@ def margin_text(margin: Optional[Margin]) -> str:
 
 def size_notes(size: SizeResult, prefix_cache: PrefixCache) -> str:
     notes = []
+    if size.overlapped is False:
+        notes.append("requests never in flight together: not compared")
     if size.text_only:
         notes.append("text differs, tokens equal (%d)" % size.text_only)
     if "top-k changed" in size.ulp_notes:
@@ -5043,6 +5144,12 @@ def sweep_advice(
         text("")
         if sweep_verdict == NO_DATA:
             why = "no completion came back"
+        elif summary.measured.unoverlapped:
+            why = (
+                "at every size above batch 1 the scheduled requests were never in flight "
+                "together (each was answered before the next went out), so no batch was "
+                "formed; raise --request-rate, or leave it out for a burst"
+            )
         elif sizes == [1]:
             why = (
                 "batch 1 was the only size, and it is the baseline; give --sizes with larger "
@@ -5057,6 +5164,14 @@ def sweep_advice(
             "The server ignores the seed, so at this temperature every request samples on its "
             "own: the differences above may be sampling noise alone. Measure batching greedy "
             "(--temperature 0), or with the flag on, where the seed is honoured."
+        )
+    elif sweep_verdict == CACHE_CONFOUNDED:
+        text("")
+        text(
+            "Everything that moved, moved at sizes where the prefix cache served the prompt "
+            "despite the bypass (cache hit in the table): the cache, not the batch alone, may "
+            "explain it. vLLM's copies of one request share its cache whatever the salt: sweep "
+            "with --traffic concurrent, whose requests carry a salt each."
         )
     elif sweep_verdict == NOT_REPEATABLE:
         text("")
@@ -5192,6 +5307,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
             seconds=round(batch.seconds, 4),
             cached_tokens=batch.cached_tokens,
             send_spread_s=batch.send_spread,
+            overlapped=batch.overlapped,
             cache_check=cache_check,
             prefill=prefill,
         )
@@ -5201,7 +5317,9 @@ def run_sweep(cfg: Config, out: Out) -> int:
     def measure(interrupt: DeferredInterrupt) -> None:
         prompts = len(options.prompts)
         for pi, prompt in enumerate(options.prompts, 1):
-            sweep = PromptSweep(prompt, unseeded=unseeded(cfg.sampling, facts))
+            sweep = PromptSweep(
+                prompt, unseeded=unseeded(cfg.sampling, facts), prefix_cache=options.prefix_cache
+            )
             sweeps.append(sweep)
             if options.baseline:
                 sweep.set_baseline(*options.baseline.batch1(prompt))
@@ -5865,10 +5983,11 @@ class ArmDifference:
 
 
 def arm_differences(off: ServerFacts, on: ServerFacts) -> List[ArmDifference]:
-    """Settings that differ between the arms, other than the flag and what the flag itself sets."""
+    """Settings that differ between the arms, other than the flag and what the flag itself
+    sets. A setting only one arm reports is unknown on the other, never a difference."""
     differences = []
-    for label in sorted(off.settings.keys() | on.settings.keys()):
-        a, b = off.settings.get(label), on.settings.get(label)
+    for label in sorted(off.settings.keys() & on.settings.keys()):
+        a, b = off.settings[label], on.settings[label]
         set_by_flag = label in on.flag_sets and b == on.flag_sets[label]
         if a != b and not set_by_flag:
             differences.append(ArmDifference(label, a, b))
@@ -5932,8 +6051,17 @@ def print_cost_servers(
         a, b = off.settings.get(label), on.settings.get(label)
         if a is None and b is None:
             continue
-        mark = "  <- differs" if label in differing else ("  (set by the flag)" if a != b else "")
-        out.line(row % (label, fmt_setting(a), fmt_setting(b), mark))
+        if label not in off.settings or label not in on.settings:
+            mark = "  (unknown on one arm)"
+        elif label in differing:
+            mark = "  <- differs"
+        else:
+            mark = "  (set by the flag)" if a != b else ""
+        shown = [
+            fmt_setting(v) if label in arm.settings else "unknown"
+            for v, arm in ((a, off), (b, on))
+        ]
+        out.line(row % (label, shown[0], shown[1], mark))
 
 
 def cost_table_lines(cells: List[CellLabels], current: CellLabels) -> List[str]:

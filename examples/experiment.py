@@ -26,6 +26,12 @@ How it runs the arms, and why:
   - Between TP degrees both arms are restarted. A degree that GPUS cannot hold is skipped with
     one line; the others still run.
 
+The sweeps, per TP degree: each arm with concurrent requests, a cache key each, so that no
+request is served from another's prefix cache (vLLM's copies of one request share it whatever
+the key: a copies sweep's divergence is not batching alone), with the prefill check; then
+each arm with copies in one request, the upstream tests' shape, kept as its own labelled
+sweep. Flag off expects a difference, flag on none.
+
 Variables (all optional):
   GPUS, TP, MEM, MODEL, BACKEND  the placement and the launch scripts' settings; TP takes a list
   MAX_MODEL_LEN, RADIX_CACHE     passed to the launch scripts (see vllm_serve.sh, sglang_serve.sh)
@@ -34,14 +40,18 @@ Variables (all optional):
                        for the engine, with PORT set); the practice engine, for a dry run:
                        SERVE_OFF="python3 tests/stub_server.py --port 8000"
                        SERVE_ON="python3 tests/stub_server.py --port 8001 --invariant"
-  OFF_URL, ON_URL      where the arms answer (default the launch scripts' ports)
+  OFF_PORT, ON_PORT    the arms' ports: the launch scripts listen there, the lab asks there
+                       (default: a --port in SERVE_OFF/SERVE_ON, else the engine's own pair)
+  OFF_URL, ON_URL      where the arms answer, for arms behind another address (their port is
+                       the launch scripts' too)
   WAIT                 seconds an arm may take to answer its health check (default 900)
-  SWEEP_ARGS, COST_ARGS  extra options for both sweeps and for each cost cell
+  SWEEP_ARGS, COST_ARGS  extra options for every sweep and for each cost cell
 
 Exit codes: 0 every step ran and every --expect held; otherwise the first failing step's
 code (run.py's: 1 an --expect did not hold, 3 a server failed, ...); 2 a malformed variable or
-a busy port (nothing was started); 4 an arm exited, or was not ready within WAIT;
-129, 130, 143 stopped by SIGHUP, SIGINT or SIGTERM.
+a busy port (nothing was started); 4 an arm exited, could not be started, or was not ready
+within WAIT; 5 every step ran, but a TP degree was skipped (GPUS could not hold it);
+129, 130, 143 stopped by SIGHUP, SIGINT or SIGTERM. REPORT.md's first line says which.
 """
 
 import dataclasses
@@ -57,7 +67,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -76,14 +86,25 @@ STEP_GRACE_S = 2.0  # a first TERM stops the lab after its request, a second one
 STOP_GRACE_S = 10.0  # an arm's process group gets this long after TERM, then KILL
 LOG_TAIL_LINES = 5  # lines of a dead arm's log quoted in its one-line message
 
-EXIT_ARM = 4  # an arm exited, or was not ready within WAIT
+EXIT_ARM = 4  # an arm exited, could not be started, or was not ready within WAIT
+EXIT_SKIPPED = 5  # every step ran, but a TP degree was skipped: the report is not whole
 SIGNAL_EXITS = {
     signal.SIGINT: lab.EXIT_INTERRUPTED,
     signal.SIGTERM: lab.EXIT_TERMINATED,
     signal.SIGHUP: lab.EXIT_HANGUP,
 }  # what each stop signal exits with, as run.py
 EXIT_MEANINGS = dict(lab.EXIT_CODES)  # exit code -> what it means, the lab's and the experiment's
-EXIT_MEANINGS[EXIT_ARM] = "an arm exited, or was not ready in time"
+EXIT_MEANINGS[EXIT_ARM] = "an arm exited, could not be started, or was not ready in time"
+EXIT_MEANINGS[EXIT_SKIPPED] = "a TP degree was skipped"
+# The sweeps of one degree: (file stem, arm, --traffic, --expect, what the report calls it).
+# Concurrent requests carry a cache key each, so the bypass holds on vLLM too; copies in one
+# request are the upstream tests' shape, whose cache hits the lab reports where they happen.
+SWEEPS = [
+    ("sweep_off", "off", "concurrent", "variant", "concurrent requests"),
+    ("sweep_on", "on", "concurrent", "invariant", "concurrent requests"),
+    ("copies_off", "off", "copies", None, "copies in one request"),
+    ("copies_on", "on", "copies", "invariant", "copies in one request"),
+]
 
 
 def exit_meaning(code: int) -> str:
@@ -144,13 +165,19 @@ def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
         raise UsageError("WAIT=%s is not a number of seconds" % env.get("WAIT")) from None
     urls, serve = {}, {}
     for arm, port in zip(("off", "on"), ENGINE_PORTS[engine]):
-        urls[arm] = env.get(arm.upper() + "_URL") or "http://localhost:%d" % port
+        name = arm.upper()
+        command = split_words("SERVE_" + name, env)
+        if env.get(name + "_PORT"):
+            port = whole_port(env[name + "_PORT"], name + "_PORT")
+        elif "--port" in command[:-1]:  # the port a command of one's own listens on
+            port = whole_port(command[command.index("--port") + 1], "SERVE_" + name + " --port")
+        urls[arm] = env.get(name + "_URL") or "http://localhost:%d" % port
         default = "env PORT=%d bash %s %s" % (
-            port,
+            url_port(urls[arm]),  # the launch script listens where the lab will ask
             shlex.quote(os.path.join(HERE, engine + "_serve.sh")),
             arm,
         )
-        serve[arm] = split_words("SERVE_" + arm.upper(), env) or shlex.split(default)
+        serve[arm] = command or shlex.split(default)
     return Settings(
         engine=engine,
         output=output,
@@ -161,6 +188,12 @@ def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
         sweep_args=split_words("SWEEP_ARGS", env),
         cost_args=split_words("COST_ARGS", env),
     )
+
+
+def whole_port(text: str, name: str) -> int:
+    if not (text.isdigit() and text.isascii() and 0 < int(text) < 65536):
+        raise UsageError("%s=%s is not a port (1 to 65535)" % (name, text))
+    return int(text)
 
 
 def placement(arm: str, tp: int, env: Dict[str, str]) -> Optional[Dict[str, str]]:
@@ -227,14 +260,20 @@ class Arm:
         with open(self.log_path, "wb") as log:
             # A process group of its own: stopping it reaches the launch script, the engine
             # and the engine's workers; the terminal's Ctrl-C reaches only the experiment.
-            self.process = subprocess.Popen(
-                self.command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=self.env,
-                start_new_session=True,
-            )
+            try:
+                self.process = subprocess.Popen(
+                    self.command,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=self.env,
+                    start_new_session=True,
+                )
+            except OSError as err:  # a command that does not exist, or may not run
+                raise ArmFailed(
+                    "%s could not be started (%s: %s)"
+                    % (self.name, " ".join(self.command[:1]), err.strerror or err)
+                ) from None
 
     def exit_status(self) -> Optional[int]:
         return None if self.process is None else self.process.poll()
@@ -276,6 +315,17 @@ class Arm:
             time.sleep(POLL_S)
         signal_group(self.process, signal.SIGKILL)
         self.process.wait()
+
+
+def launch_lines(arm: Arm) -> List[str]:
+    """How an arm was started: the launch script's own "launch:" line (the engine's command
+    as it ran), else the command the experiment gave."""
+    try:
+        with open(arm.log_path, encoding="utf-8", errors="replace") as f:
+            found = [line[len("launch: ") :].strip() for line in f if line.startswith("launch: ")]
+    except OSError:
+        found = []
+    return found or [" ".join(shlex.quote(w) for w in arm.command)]
 
 
 def signal_group(process: subprocess.Popen, signum: int) -> bool:
@@ -337,6 +387,8 @@ class Step:
     exit_code: Optional[int] = None  # None: not run to the end
     note: str = ""
     outputs: List[str] = dataclasses.field(default_factory=list)
+    argv: List[str] = dataclasses.field(default_factory=list)  # the command, as run
+    reason: str = ""  # a failed step's own last line: why it failed
 
 
 class Experiment:
@@ -350,17 +402,29 @@ class Experiment:
         self.ended: Optional[float] = None
         self.exit_code = 0
         self.stopped_by: Optional[str] = None
+        self.failure: str = ""  # what ended the run early (an arm), in one line
         self.first_tp: Optional[int] = None  # the first degree measured: the others against it
+        self.launched: Dict[str, List[str]] = {}  # arm -> how it was started, as logged
+        self.environment: List[Tuple[str, str]] = []  # (what, value) for the report
 
     def lab(self, *args: str) -> List[str]:
         return [sys.executable, os.path.join(ROOT, "run.py")] + list(args)
 
     def run_step(self, step: Step, argv: List[str], stdout_path: str) -> None:
-        """Run one lab command with its stdout in a file, watching both arms while it runs."""
+        """Run one lab command with its stdout and stderr in files, watching both arms while
+        it runs; a failed step's reason is its last line on stderr."""
         self.steps.append(step)
-        with open(stdout_path, "a", encoding="utf-8") as stdout:
+        step.argv = argv
+        err_path = stdout_path[: -len(".txt")] + ".err" if stdout_path.endswith(".txt") else None
+        with open(stdout_path, "a", encoding="utf-8") as stdout, open(
+            err_path or os.devnull, "a", encoding="utf-8"
+        ) as stderr:
             self.step_process = subprocess.Popen(
-                argv, stdout=stdout, stdin=subprocess.DEVNULL, start_new_session=True
+                argv,
+                stdout=stdout,
+                stderr=stderr,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
             try:
                 while self.step_process.poll() is None:
@@ -378,9 +442,17 @@ class Experiment:
             if step.lab
             else "drawn" if step.exit_code == 0 else "failed"
         )
+        if step.exit_code != 0 and err_path:
+            step.reason = failure_reason(stdout_path, err_path)
         say(
-            "%s%s: exit %d, %s"
-            % (step.name, " (TP %d)" % step.tp if step.tp else "", step.exit_code, step.note)
+            "%s%s: exit %d, %s%s"
+            % (
+                step.name,
+                " (TP %d)" % step.tp if step.tp else "",
+                step.exit_code,
+                step.note,
+                ": " + step.reason if step.reason else "",
+            )
         )
         if step.exit_code != 0 and self.exit_code == 0:
             self.exit_code = step.exit_code
@@ -411,6 +483,8 @@ class Experiment:
                 self.steps[-1].note = exit_meaning(process.returncode)
 
     def stop_arms(self) -> None:
+        for arm in self.arms:  # what the launch scripts logged they ran, for the report
+            self.launched.setdefault(arm.key, launch_lines(arm))
         for arm in self.arms:  # both at once; each then gets its grace
             if arm.process is not None:
                 signal_group(arm.process, signal.SIGTERM)
@@ -435,8 +509,8 @@ class Experiment:
         ]
         say("TP %d: starting both arms (logs in %s)" % (tp, folder))
         start_arms(self.arms, s.wait_s)
-        for key, expect in (("off", "variant"), ("on", "invariant")):
-            save = os.path.join(folder, "sweep_%s.json" % key)
+        for stem, key, traffic, expect, shape in SWEEPS:
+            save = os.path.join(folder, stem + ".json")
             argv = self.lab(
                 "--mode",
                 "sweep",
@@ -446,16 +520,15 @@ class Experiment:
                 s.urls[key],
                 "--wait-ready",
                 "60",
-                "--prefill-check",
-                "--expect",
-                expect,
+                "--traffic",
+                traffic,
                 "--save",
                 save,
-                *s.sweep_args
             )
-            self.run_step(
-                Step("flag-%s sweep" % key, tp, outputs=[save]), argv, save[:-5] + ".txt"
-            )
+            argv += ["--prefill-check"] if traffic == "concurrent" else []
+            argv += ["--expect", expect] if expect else []
+            step = Step("flag-%s sweep, %s" % (key, shape), tp, outputs=[save])
+            self.run_step(step, argv + s.sweep_args, save[:-5] + ".txt")
         self.tp_against_first(tp)
         cost = os.path.join(self.run_dir, "cost.json")
         for workload in ("cold", "shared-prefix"):
@@ -495,9 +568,27 @@ class Experiment:
             return
         s = self.settings
         save = os.path.join(self.run_dir, "tp%d" % tp, "tp%d_vs_tp%d.json" % (tp, first))
-        argv = self.lab("--mode", "sweep", "--engine", s.engine, "--url", s.urls["on"],
-                        "--wait-ready", "60", *s.sweep_args, "--baseline", baseline,
-                        "--sizes", "1", "--repeat", "1", "--expect", "invariant", "--save", save)
+        argv = self.lab(
+            "--mode",
+            "sweep",
+            "--engine",
+            s.engine,
+            "--url",
+            s.urls["on"],
+            "--wait-ready",
+            "60",
+            *s.sweep_args,
+            "--baseline",
+            baseline,
+            "--sizes",
+            "1",
+            "--repeat",
+            "1",
+            "--expect",
+            "invariant",
+            "--save",
+            save
+        )
         step = Step("TP %d against TP %d, batch 1, flag on" % (tp, first), tp, outputs=[save])
         self.run_step(step, argv, save[:-5] + ".txt")
 
@@ -528,6 +619,7 @@ class Experiment:
             )
 
     def run(self) -> None:
+        self.environment = environment(self.env)
         places = {}
         for tp in self.settings.degrees:
             found = {arm: placement(arm, tp, self.env) for arm in ("off", "on")}
@@ -544,6 +636,8 @@ class Experiment:
         for tp, found in places.items():
             self.degree(tp, found)
         self.pictures()
+        if self.skipped and self.exit_code == 0:
+            self.exit_code = EXIT_SKIPPED
 
 
 # ----------------------------------------------------------------------------
@@ -553,9 +647,10 @@ class Experiment:
 def load(path: str) -> Optional[dict]:
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
+            data = json.load(f)
+    except (OSError, ValueError, RecursionError):
         return None
+    return data if isinstance(data, dict) else None
 
 
 def fmt(value, missing="-") -> str:
@@ -574,6 +669,85 @@ def table(columns: List[str], rows: List[List[str]]) -> List[str]:
     return lines + ["| " + " | ".join(row) + " |" for row in rows]
 
 
+def command_output(argv: List[str], env: Dict[str, str], timeout: float = 60) -> str:
+    """A command's first line of output, or "" when it cannot run here."""
+    try:
+        p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    lines = p.stdout.strip().splitlines() if p.returncode == 0 else []
+    return lines[0].strip() if lines else ""
+
+
+MODEL_SHAPE = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+               "num_key_value_heads", "vocab_size", "torch_dtype")  # config.json keys reported
+
+
+def environment(env: Dict[str, str]) -> List[Tuple[str, str]]:
+    """What the report says of the machine, the software and the model, found before any arm
+    starts: the lab's version, the GPUs (model, count, driver, CUDA), torch as the arms'
+    Python sees it, and the model's shape where its config.json is at hand."""
+    found = [("lab", "run.py %s" % lab.LAB_VERSION), ("host", socket.gethostname()),
+             ("Python", sys.version.split()[0])]
+    gpus = command_output(["nvidia-smi", "--query-gpu=name,driver_version",
+                           "--format=csv,noheader"], env, 20)
+    if gpus:
+        listed = command_output(["nvidia-smi", "-L"], env, 20)
+        count = len(subprocess_lines(["nvidia-smi", "-L"], env)) or 1
+        name, _, driver = gpus.partition(",")
+        found += [("GPU", "%d x %s" % (count, name.strip()) if listed else name.strip()),
+                  ("driver", driver.strip())]
+        header = "\n".join(subprocess_lines(["nvidia-smi"], env))
+        cuda = header.split("CUDA Version:")[1].split()[0] if "CUDA Version:" in header else ""
+        found.append(("CUDA (driver)", cuda or "not reported"))
+    else:
+        found.append(("GPU", "none found (no nvidia-smi): a dry run"))
+    torch = command_output([sys.executable, "-c", "import torch; print(torch.__version__, "
+                            "torch.version.cuda)"], env)
+    found.append(("torch", "%s (CUDA %s)" % tuple(torch.split()[:2]) if len(torch.split()) > 1
+                  else "not importable by the experiment's Python"))
+    model = env.get("MODEL", "")
+    config = load(os.path.join(model, "config.json")) if model and os.path.isdir(model) else None
+    found.append(("model", model or "the launch script's default"))
+    if config:
+        shape = ", ".join("%s %s" % (k, config[k]) for k in MODEL_SHAPE if k in config)
+        found.append(("model shape", "%s: %s" % (fmt(config.get("architectures")), shape)))
+    return found
+
+
+def subprocess_lines(argv: List[str], env: Dict[str, str]) -> List[str]:
+    try:
+        p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line for line in p.stdout.splitlines() if line.strip()] if p.returncode == 0 else []
+
+
+class Keys:
+    """The API keys a run was given (OPENAI_API_KEY, and any --api-key in the variables),
+    hidden in every line the report or the experiment prints."""
+
+    def __init__(self, env: Dict[str, str]):
+        words = []
+        for name in ("SWEEP_ARGS", "COST_ARGS", "EXTRA_ARGS", "SERVE_OFF", "SERVE_ON"):
+            try:
+                words += shlex.split(env.get(name, ""))
+            except ValueError:
+                continue
+        keys = {env.get("OPENAI_API_KEY", "")}
+        for i, word in enumerate(words):
+            if word == "--api-key" and i + 1 < len(words):
+                keys.add(words[i + 1])
+            elif word.startswith("--api-key="):
+                keys.add(word.split("=", 1)[1])
+        self.keys = sorted((k for k in keys if k), key=len, reverse=True)
+
+    def hide(self, text: str) -> str:
+        for key in self.keys:
+            text = text.replace(key, "[api key]")
+        return text
+
+
 SERVER_COLUMNS = ["arm", "engine", "version", "model", "flag", "attention backend", "TP",
                   "graph sizes", "known hazards"]
 
@@ -581,114 +755,218 @@ SERVER_COLUMNS = ["arm", "engine", "version", "model", "flag", "attention backen
 def server_row(arm: str, server: dict) -> List[str]:
     hazards = server.get("hazards")
     if hazards is None:
-        known = "unknown (settings hidden)"
+        known = "unknown (settings not known)"
     else:
-        known = "; ".join(h.get("setting", "?") for h in hazards) or "none known"
+        known = "; ".join(str(h.get("setting", "?")) for h in hazards if isinstance(h, dict))
+        known = known or "none known"
     flag = {True: "on", False: "off"}.get(server.get("flag"), "unknown")
     return [arm, fmt(server.get("engine")), fmt(server.get("version")), fmt(server.get("model")),
             flag, fmt(server.get("attention_backend")), fmt(server.get("tp")),
             fmt(server.get("graph_sizes")), known]
 
 
-SWEEP_COLUMNS = ["arm", "verdict", "unique completions", "max ULP", "batch 1 run to run",
-                 "decode vs prefill", "state"]
+SWEEP_COLUMNS = ["sweep", "verdict", "unique completions", "max ULP", "first moved",
+                 "prefix-cache bypass", "batch 1 run to run", "decode vs prefill", "state"]
 
 
-def sweep_row(arm: str, doc: dict) -> List[str]:
-    sm = doc.get("summary") or {}
+def first_moved(doc: dict) -> str:
+    """Where a sweep first moved: the smallest batch size whose tokens (else logprobs) left
+    batch 1's, with the step."""
+    sizes = [s for p in doc.get("prompts") or [] if isinstance(p, dict)
+             for s in p.get("sizes") or [] if isinstance(s, dict)]
+    diverged = sorted((s["batch_size"], s["first_token_divergence"]) for s in sizes
+                      if isinstance(s.get("batch_size"), int)
+                      and isinstance(s.get("first_token_divergence"), int))
+    if diverged:
+        return "tokens at batch %d, step %d" % diverged[0]
+    moved = sorted((s["batch_size"], s.get("first_ulp_step")) for s in sizes
+                   if isinstance(s.get("batch_size"), int) and s.get("max_ulp"))
+    if moved:
+        return "logprobs at batch %d, step %s" % (moved[0][0], fmt(moved[0][1]))
+    return "nowhere"
+
+
+def sweep_row(name: str, doc: dict) -> List[str]:
+    sm = doc.get("summary") if isinstance(doc.get("summary"), dict) else {}
     prefill = "not measured"
     if sm.get("prefill_verdict"):
         prefill = "%s (max ULP %s)" % (sm["prefill_verdict"], fmt(sm.get("prefill_max_ulp")))
-    control = {True: "repeatable", False: "not repeatable"}.get(sm.get("batch1_repeatable"),
+    control = {True: "repeatable", False: "NOT repeatable"}.get(sm.get("batch1_repeatable"),
                                                                  "no control")
-    unique = "%s of %s" % (fmt(sm.get("unique_completions")), fmt(sm.get("total_completions")))
-    return [arm, fmt(sm.get("verdict")), unique, fmt(sm.get("max_ulp")), control, prefill,
-            fmt(sm.get("state"))]
-
-
-COST_COLUMNS = ["TP", "workload", "trial", "pairs", "overhead", "95 % interval", "significant",
-                "state"]
-
-
-def cost_row(cell: dict) -> List[str]:
-    ci = cell.get("ci95_pct")
-    interval = "[%+.1f, %+.1f]" % tuple(ci) if isinstance(ci, list) and len(ci) == 2 else "-"
-    overhead = cell.get("overhead_pct")
-    if cell.get("concurrency"):
-        trial = "load, %s streams" % cell["concurrency"]
+    bypass = sm.get("prefix_cache_bypass")
+    if isinstance(bypass, dict):
+        held = fmt(bypass.get("status"))
+        if bypass.get("hit_sizes"):
+            held += " (cache hits at %s)" % fmt(bypass.get("hit_sizes"))
     else:
-        trial = "batch %s" % fmt(cell.get("batch"))
-    return [fmt(cell.get("tp")), fmt(cell.get("workload")), trial, fmt(cell.get("trials")),
-            "%+.1f %%" % overhead if isinstance(overhead, (int, float)) else "-", interval,
-            fmt(cell.get("significant")), fmt(cell.get("state"))]
+        held = "kept"
+    unique = "%s of %s" % (fmt(sm.get("unique_completions")), fmt(sm.get("total_completions")))
+    return [name, fmt(sm.get("verdict")), unique, fmt(sm.get("max_ulp")), first_moved(doc),
+            held, control, prefill, fmt(sm.get("state"))]
+
+
+def cost_text(cell: Optional[dict]) -> str:
+    """A cell of the 2x2 table: the overhead and its interval, or missing."""
+    if cell is None:
+        return "missing"
+    overhead, ci = cell.get("overhead_pct"), cell.get("ci95_pct")
+    if not isinstance(overhead, (int, float)):
+        return "no overhead (%s)" % fmt(cell.get("state"))
+    text = "%+.1f %%" % overhead
+    if isinstance(ci, list) and len(ci) == 2 and all(isinstance(x, (int, float)) for x in ci):
+        text += " [%+.1f, %+.1f]%s" % (ci[0], ci[1], "" if cell.get("significant") else " n.s.")
+    else:
+        text += " (no interval)"
+    if cell.get("state") != "complete":
+        text += " (%s)" % fmt(cell.get("state"))
+    return text
+
+
+def cost_table(cells: List[dict], degrees: List[int]) -> List[str]:
+    """The 2x2 table TP=1 and each real degree, cold and shared-prefix, every cell with its
+    interval and the missing ones said missing, per trial shape and model."""
+    shapes = sorted({(fmt(c.get("model")), fmt(c.get("batch")), fmt(c.get("concurrency")),
+                      fmt(c.get("max_tokens"))) for c in cells})
+    lines = []
+    for model, batch, concurrency, tokens in shapes or [("-", "-", "-", "-")]:
+        same = [c for c in cells if (fmt(c.get("model")), fmt(c.get("batch")),
+                                     fmt(c.get("concurrency")), fmt(c.get("max_tokens")))
+                == (model, batch, concurrency, tokens)]
+        trial = ("load, %s streams" % concurrency if concurrency != "-" else "batch %s" % batch)
+        lines += ["%s, %s, %s tokens:" % (model, trial, tokens), ""]
+        rows = []
+        for tp in sorted(set([1] + degrees + [c.get("tp") for c in same if isinstance(c.get("tp"), int)])):
+            found = {w: next((c for c in same if c.get("tp") == tp and c.get("workload") == w),
+                             None) for w in ("cold", "shared-prefix")}
+            rows.append(["TP=%d" % tp, cost_text(found["cold"]), cost_text(found["shared-prefix"])])
+        if degrees == [1]:
+            rows.append(["TP=k", "missing (your real TP degree)", "missing"])
+        lines += table(["", "cold", "shared-prefix"], rows) + [""]
+    return lines
 
 
 # The settings a report names, where they are set.
 REPORTED_VARIABLES = ("GPUS", "TP", "MEM", "MODEL", "BACKEND", "MAX_MODEL_LEN", "RADIX_CACHE",
-                      "EXTRA_ARGS", "SWEEP_ARGS", "COST_ARGS")
+                      "EXTRA_ARGS", "SWEEP_ARGS", "COST_ARGS", "OFF_PORT", "ON_PORT")
 
 
 def stamp(seconds: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
 
 
+def status_line(exp: Experiment) -> str:
+    """The report's first line: whether the run is whole, and if not, why."""
+    why = []
+    if exp.stopped_by:
+        why.append("stopped by %s" % exp.stopped_by)
+    if exp.failure:
+        why.append(exp.failure)
+    for step in exp.steps:
+        if step.exit_code not in (0, None) or (step.exit_code is None and step.note):
+            why.append("%s%s: %s%s" % (step.name, " (TP %d)" % step.tp if step.tp else "",
+                                       step.note or "did not finish",
+                                       " (%s)" % step.reason if step.reason else ""))
+    why += exp.skipped
+    engine = exp.settings.engine
+    if not why and exp.exit_code == 0:
+        return "# Batch-invariance experiment, %s: complete, every step ran and every --expect held" % engine
+    return "# Batch-invariance experiment, %s: INCOMPLETE (exit %d, %s): %s" % (
+        engine, exp.exit_code, exit_meaning(exp.exit_code), "; ".join(why) or "see the steps")
+
+
+def findings(exp: Experiment) -> List[str]:
+    """One line per sweep and degree: what each arm showed, in words a post can quote."""
+    lines = []
+    for tp in exp.settings.degrees:
+        folder = os.path.join(exp.run_dir, "tp%d" % tp)
+        for stem, key, traffic, expect, shape in SWEEPS:
+            doc = load(os.path.join(folder, stem + ".json"))
+            if doc is None:
+                continue
+            sm = doc.get("summary") if isinstance(doc.get("summary"), dict) else {}
+            line = "- TP %d, flag %s, %s: **%s**, %s unique of %s, max ULP %s" % (
+                tp, key, shape, fmt(sm.get("verdict")), fmt(sm.get("unique_completions")),
+                fmt(sm.get("total_completions")), fmt(sm.get("max_ulp")))
+            if key == "off":
+                line += ", first moved: %s" % first_moved(doc)
+            if sm.get("prefill_verdict"):
+                line += "; %s" % sm["prefill_verdict"]
+            lines.append(line + ".")
+    return lines or ["- No sweep was saved."]
+
+
 def report(exp: Experiment) -> str:
-    """REPORT.md: what was found and how, from the files the steps saved."""
+    """REPORT.md: what was found and how, from the files the steps saved, in an order a reader
+    can paste: the status, the findings, the cost table, the environment, the launch commands,
+    the parameters, then each degree's servers and sweeps, and every step."""
+    keys = Keys(exp.env)
     settings = ["%s=%s" % (k, exp.env[k]) for k in REPORTED_VARIABLES if exp.env.get(k)]
-    stopped = " Stopped by %s." % exp.stopped_by if exp.stopped_by else ""
-    lines = ["# Batch-invariance experiment: %s" % exp.settings.engine, "",
-             "Started %s, ended %s, on %s. Output: `%s`." % (
-                 stamp(exp.started), stamp(exp.ended or time.time()), socket.gethostname(),
-                 exp.run_dir), "",
-             "Settings: %s." % (", ".join(settings) or "the defaults"), "",
-             "**Result: exit %d, %s.**%s" % (exp.exit_code, exit_meaning(exp.exit_code), stopped),
-             ""]
-    lines += ["- %s" % line for line in exp.skipped] + ([""] if exp.skipped else [])
+    lines = [status_line(exp), "",
+             "Started %s, ended %s. Output: `%s`." % (stamp(exp.started),
+                                                      stamp(exp.ended or time.time()),
+                                                      exp.run_dir), "",
+             "## Findings", ""] + findings(exp)
+    cost = load(os.path.join(exp.run_dir, "cost.json"))
+    cells = [c for c in (cost or {}).get("cells") or [] if isinstance(c, dict)]
+    lines += ["", "## The flag's cost", ""]
+    lines += cost_table(cells, exp.settings.degrees)
+    lines += ["One cell alone is not a result: the 2x2 table is TP 1 and your real TP degree, "
+              "cold and shared-prefix. Brackets: 95 % interval of the median paired ratio.", ""]
+    lines += ["## Environment", ""] + table(["what", "value"],
+                                               [[k, v] for k, v in exp.environment])
+    lines += ["", "## How the arms were started", ""]
+    for key in ("off", "on"):
+        for line in exp.launched.get(key) or [" ".join(exp.settings.serve[key])]:
+            lines += ["flag %s:" % key, "", "```", line, "```", ""]
+    lines += ["## Parameters", "", "Variables: %s." % (", ".join(settings) or "the defaults"), ""]
+    lab_steps = [step for step in exp.steps if step.lab and step.argv]
+    if lab_steps:
+        lines += ["Lab commands, as run:", "", "```"]
+        lines += [" ".join(shlex.quote(w) for w in ["run.py"] + step.argv[2:]) for step in lab_steps]
+        lines += ["```", ""]
     for tp in exp.settings.degrees:
         folder = os.path.join(exp.run_dir, "tp%d" % tp)
         if not os.path.isdir(folder):
             continue
-        docs = {arm: load(os.path.join(folder, "sweep_%s.json" % arm)) for arm in ("off", "on")}
-        found = {arm: doc for arm, doc in docs.items() if doc}
+        docs = {stem: load(os.path.join(folder, stem + ".json")) for stem, *_ in SWEEPS}
         lines += ["## TP %d" % tp, "", "### Servers", ""]
-        lines += table(SERVER_COLUMNS, [server_row("flag " + arm, doc.get("server") or {})
-                                        for arm, doc in found.items()])
+        servers = [(key, docs[stem]) for stem, key, *_ in SWEEPS[:2] if docs[stem]]
+        lines += table(SERVER_COLUMNS, [server_row("flag " + key, doc.get("server") or {})
+                                        for key, doc in servers])
         lines += ["", "### Sweeps", ""]
-        lines += table(SWEEP_COLUMNS, [sweep_row("flag " + arm, doc)
-                                       for arm, doc in found.items()])
+        lines += table(SWEEP_COLUMNS, [sweep_row("flag %s, %s" % (key, shape), docs[stem])
+                                       for stem, key, _, _, shape in SWEEPS if docs[stem]])
         lines += ["", "Logs: `tp%d/server_off.log`, `tp%d/server_on.log`." % (tp, tp)]
-        lines += ["No sweep saved for the flag-%s arm." % arm for arm in docs if arm not in found]
         for name in sorted(os.listdir(folder)):
             if name.startswith("tp%d_vs_tp" % tp) and name.endswith(".json"):
                 versus = load(os.path.join(folder, name)) or {}
-                sm = versus.get("summary") or {}
+                sm = versus.get("summary") if isinstance(versus.get("summary"), dict) else {}
                 lines += ["", "TP invariance of batch 1 (flag on, `%s`): %s, max ULP %s." % (
                     name, fmt(sm.get("verdict")), fmt(sm.get("max_ulp")))]
         if os.path.exists(os.path.join(folder, "sweep.png")):
             lines += ["", "![sweeps at TP %d](tp%d/sweep.png)" % (tp, tp)]
         lines.append("")
-    cost = load(os.path.join(exp.run_dir, "cost.json"))
-    lines += ["## Cost of the flag", ""]
-    if cost and cost.get("cells"):
-        cells = sorted(cost["cells"], key=lambda c: (fmt(c.get("tp")), fmt(c.get("workload"))))
-        lines += table(COST_COLUMNS, [cost_row(c) for c in cells])
-        if os.path.exists(os.path.join(exp.run_dir, "cost.png")):
-            lines += ["", "![cost cells](cost.png)"]
-    else:
-        lines.append("No cost cell was measured.")
-    lines += ["", "## Steps", ""]
+    if os.path.exists(os.path.join(exp.run_dir, "cost.png")):
+        lines += ["![cost cells](cost.png)", ""]
+    lines += ["## Steps", ""]
     lines += table(["TP", "step", "exit", "meaning", "output"], [
-        [str(step.tp or "-"), step.name, fmt(step.exit_code, "not finished"), step.note,
+        [str(step.tp or "-"), step.name, fmt(step.exit_code, "not finished"),
+         step.note + (": " + step.reason if step.reason else ""),
          ", ".join("`%s`" % os.path.relpath(p, exp.run_dir) for p in step.outputs)]
         for step in exp.steps])
-    return "\n".join(lines) + "\n"
+    return keys.hide("\n".join(lines) + "\n")
 
 
 # ----------------------------------------------------------------------------
 # main
 
 
+KEYS: Optional["Keys"] = None  # the keys main() was given, hidden in every line said
+
+
 def say(line: str) -> None:
+    if KEYS is not None:
+        line = KEYS.hide(line)
     sys.stderr.write("experiment: %s\n" % line)
     sys.stderr.flush()
 
@@ -707,12 +985,46 @@ def new_run_dir(output: str) -> str:
     raise UsageError("%s: no free run folder name for %s" % (output, stamp))
 
 
+def failure_reason(stdout_path: str, err_path: str) -> str:
+    """Why a lab step failed, in its own words: the --expect that did not hold, else its last
+    line on stderr that is not progress, a warning or where it saved."""
+    quiet = ("run.py: progress", "run.py: warning", "run.py: saved")
+    for path, keep in ((stdout_path, lambda x: x.startswith("expectation failed")),
+                       (err_path, lambda x: x and not x.startswith(quiet))):
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                said = [x.strip() for x in f.read().splitlines() if keep(x.strip())]
+        except OSError:
+            said = []
+        if said:
+            return said[-1][:300]
+    return ""
+
+
+def write_report(path: str, text: str) -> None:
+    """REPORT.md through a temporary file and a rename: whole or not there, never empty (on a
+    full disk the report still goes to stdout, and this says why the file is missing)."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as err:
+        say("cannot write %s (%s); the report follows on stdout" % (path, err.strerror or err))
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
 def raise_stopped(signum, frame):
     raise Stopped(signum)
 
 
 def main(argv=None, env=None) -> int:
+    global KEYS
     env = dict(os.environ if env is None else env)
+    KEYS = Keys(env)
     try:
         settings = read_settings(sys.argv[1:] if argv is None else argv, env)
         for tp in settings.degrees:  # every variable checked before anything starts
@@ -722,7 +1034,8 @@ def main(argv=None, env=None) -> int:
             if not port_free(port):
                 raise UsageError(
                     "port %d (the flag-%s arm, %s) is in use: stop what listens there, or "
-                    "set %s_URL; nothing was started" % (port, arm, url, arm.upper())
+                    "move the arm with %s_PORT=N (the launch script and the lab both follow "
+                    "it); nothing was started" % (port, arm, url, arm.upper())
                 )
         run_dir = new_run_dir(settings.output)
     except (UsageError, OSError) as err:
@@ -734,6 +1047,7 @@ def main(argv=None, env=None) -> int:
         exp.run()
     except ArmFailed as err:
         say(str(err))
+        exp.failure = str(err)
         exp.exit_code = EXIT_ARM
     except Stopped as stop:
         exp.stopped_by = str(stop)
@@ -745,8 +1059,7 @@ def main(argv=None, env=None) -> int:
         exp.stop_arms()
         exp.ended = time.time()
         text = report(exp)
-        with open(os.path.join(run_dir, "REPORT.md"), "w", encoding="utf-8") as f:
-            f.write(text)
+        write_report(os.path.join(run_dir, "REPORT.md"), text)
         for s, handler in previous.items():
             signal.signal(s, handler)
     if exp.stopped_by:

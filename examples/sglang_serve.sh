@@ -47,13 +47,19 @@ esac
 #                                1,2,4,8,12,16,24,32. Above 32 there is no graph to pad into.
 #                                (as in 0.5.18-0.5.23; older test classes used --cuda-graph-max-bs.)
 # --tp-size:                     TP degree.
-exec python3 -m sglang.launch_server \
-    --model-path "$MODEL" \
-    --port "$PORT" \
-    --attention-backend "$BACKEND" \
-    --cuda-graph-max-bs-decode 32 \
-    --tp-size "$TP" \
-    ${CACHE_FLAG[@]+"${CACHE_FLAG[@]}"} \
-    ${MEM_FLAG[@]+"${MEM_FLAG[@]}"} \
-    $EXTRA_ARGS \
+command=(python3 -m sglang.launch_server
+    --model-path "$MODEL"
+    --port "$PORT"
+    --attention-backend "$BACKEND"
+    --cuda-graph-max-bs-decode 32
+    --tp-size "$TP"
+    ${CACHE_FLAG[@]+"${CACHE_FLAG[@]}"}
+    ${MEM_FLAG[@]+"${MEM_FLAG[@]}"}
+    $EXTRA_ARGS
     ${FLAG[@]+"${FLAG[@]}"}
+)
+# The command as it runs, first in the log: the experiment's report quotes it
+printf 'launch: CUDA_VISIBLE_DEVICES=%s' "${CUDA_VISIBLE_DEVICES:-}" >&2
+printf ' %q' "${command[@]}" >&2
+echo >&2
+exec "${command[@]}"

@@ -41,12 +41,18 @@ LEN_FLAG=()
 #                       that its prefix-cache bypass held (and see cache hits when kept).
 # --tensor-parallel-size: TP degree; at TP > 1 the flag also pins NCCL to one channel and
 #                       tree all-reduce, and turns custom all-reduce off.
-exec vllm serve "$MODEL" \
-    --port "$PORT" \
-    --attention-backend "$BACKEND" \
-    --max-num-seqs 32 \
-    --enable-prompt-tokens-details \
-    --tensor-parallel-size "$TP" \
-    ${LEN_FLAG[@]+"${LEN_FLAG[@]}"} \
-    ${MEM_FLAG[@]+"${MEM_FLAG[@]}"} \
+command=(vllm serve "$MODEL"
+    --port "$PORT"
+    --attention-backend "$BACKEND"
+    --max-num-seqs 32
+    --enable-prompt-tokens-details
+    --tensor-parallel-size "$TP"
+    ${LEN_FLAG[@]+"${LEN_FLAG[@]}"}
+    ${MEM_FLAG[@]+"${MEM_FLAG[@]}"}
     $EXTRA_ARGS
+)
+# The command as it runs, first in the log: the experiment's report quotes it
+printf 'launch: CUDA_VISIBLE_DEVICES=%s VLLM_BATCH_INVARIANT=%s' "${CUDA_VISIBLE_DEVICES:-}" "$VLLM_BATCH_INVARIANT" >&2
+printf ' %q' "${command[@]}" >&2
+echo >&2
+exec "${command[@]}"

@@ -278,6 +278,10 @@ class StubConfig:
     cache_path_differs: bool = False         # a prompt served from the prefix cache is computed
                                              # another way (as a cached prefill's kernel may be)
     topk_edge_swap: bool = False             # above batch 1 the k-th top entry swaps with the (k+1)-th
+    version: str = "0.26.0"                  # vLLM: the release it answers as; "0.33.0" reports the
+                                             # flag-on arm's compile settings as 0.33.0 does
+    server_info_500: bool = False            # vLLM: /server_info answers HTTP 500, as real 0.26.0 and
+                                             # 0.33.0 servers did when their environment report failed
     copies_split: int = 0                    # flag off: a request's prompts from this one on are
                                              # computed another way, so its copies come back in two
                                              # runs of alike values, as real vLLM 0.26.0 and SGLang
@@ -598,7 +602,23 @@ def vllm_server_info(config: StubConfig) -> Dict:
     vc["cache_config"]["enable_prefix_caching"] = config.prefix_caching
     info["vllm_env"]["VLLM_TEST_FORCE_LOAD_FORMAT"] = None
     vc["load_config"]["load_format"] = "stub"
+    if release(config.version) >= (0, 33):
+        # 0.33.0's flag turns on breakable CUDA graphs, which run without torch.compile
+        # (compilation mode NONE): vllm/config/vllm.py lines 842-869 of vLLM 0.33.0
+        info["vllm_env"]["VLLM_USE_BREAKABLE_CUDAGRAPH"] = config.invariant
+        vc["compilation_config"]["mode"] = 0 if config.invariant else 3
     return overridden(info, config)
+
+
+def release(version: str) -> Tuple[int, ...]:
+    """"0.33.0" -> (0, 33, 0)."""
+    return tuple(int(part) for part in version.split("+")[0].split(".") if part.isdigit())
+
+
+# What real vLLM 0.26.0 and 0.33.0 servers answered at /server_info when vLLM's environment
+# report failed (its `pip list` returned nothing): examples/real/8b-1xH200-2026-12-01
+SERVER_INFO_500 = (b'{"error":{"message":"\'NoneType\' object has no attribute \'splitlines\'",'
+                   b'"type":"InternalServerError","param":null,"code":500}}')
 
 
 def overridden(info: Dict, config: StubConfig) -> Dict:
@@ -768,8 +788,10 @@ class StubHandler(BaseHTTPRequestHandler):
         if path == "/stub/stats":
             return self.send_json(200, self.server.state.stats())
         if self.config.engine == "vllm":
-            routes = {"/version": lambda: {"version": "0.26.0"},
+            routes = {"/version": lambda: {"version": self.config.version},
                       "/v1/models": lambda: models_list(self.config)}
+            if self.config.dev_mode and self.config.server_info_500 and path == "/server_info":
+                return self.send_json(500, None, raw=SERVER_INFO_500)
             if self.config.dev_mode:
                 routes["/server_info"] = lambda: vllm_server_info(self.config)
         else:
@@ -1111,6 +1133,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--no-dev-mode", action="store_true", help="vLLM: no /server_info")
+    p.add_argument("--version", default="0.26.0", dest="vllm_version", help="vLLM: the release it "
+                   "answers as (0.33.0: the flag-on arm's compile settings as 0.33.0 reports them)")
+    p.add_argument("--server-info-500", action="store_true", help="vLLM: /server_info answers "
+                   "HTTP 500, as real servers did when vLLM's environment report failed")
     p.add_argument("--step-delay", type=float, default=0.0, help="seconds per decode step")
     p.add_argument("--slowdown", type=float, default=1.0, help="delay factor with --invariant")
     p.add_argument("--jitter", type=float, default=0.0, help="+- share of the delay, seeded")
@@ -1139,7 +1165,8 @@ def main(argv=None) -> int:
         jitter=args.jitter, seed=args.seed, tp_size=args.tp_size, scheduler_window=args.scheduler_window,
         prompt_tokens_details=args.prompt_tokens_details, rotation_offset=args.rotation_offset,
         cache_path_differs=args.cache_path_differs, prefix_caching=not args.no_prefix_caching,
-        copies_split=args.copies_split,
+        copies_split=args.copies_split, version=args.vllm_version,
+        server_info_500=args.server_info_500,
         decode_graphs=not args.no_decode_graphs,
         prefill_agrees=args.prefill_agrees,
         faults=parse_faults(args.fault))

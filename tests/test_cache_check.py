@@ -4,7 +4,7 @@ bitwise, the hit proven by the server's cached-token counts."""
 import json
 import unittest
 
-from support import StubConfig, StubServer, TempDirTest, run_lab, short_sweep
+from support import StubConfig, StubServer, TempDirTest, run, run_lab, short_sweep
 
 
 class CacheCheck(TempDirTest):
@@ -53,6 +53,19 @@ class CacheCheck(TempDirTest):
         self.assertEqual(r.code, 0, r)
         self.assertEqual(r.json()["summary"]["cache_verdict"],
                          "equal, but the repeat was not served from the cache (cached-token count 0)")
+
+    def test_a_cold_request_served_from_the_cache_compares_nothing(self):
+        def compared(cold, warm):
+            return run.CacheComparison(0, None, False, (), None, warm, cold)
+
+        every_cold_hit = run.CacheSummary.of([compared(19, 19), compared(19, 19)])
+        self.assertEqual(every_cold_hit.verdict,
+                         "not compared: every cold request was itself served from the cache")
+        held, line = run.CacheCheck.expectation(every_cold_hit)
+        self.assertFalse(held)
+        one_cold = run.CacheSummary.of([compared(0, 19), compared(19, 19)])
+        self.assertEqual((one_cold.verdict, one_cold.verified),
+                         ("cache hit equals cold prefill bitwise", 1))
 
     def test_only_with_copies_and_the_bypass(self):
         for extra in (("--traffic", "concurrent"), ("--prefix-cache", "keep")):

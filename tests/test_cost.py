@@ -161,6 +161,29 @@ class CostAgainstStubs(TempDirTest):
         self.assertIn("VLLM_SERVER_DEV_MODE=1", r.stderr)
         self.assertEqual(r.json()["tp"], 4)  # the label falls back to --tp
 
+    def test_what_the_flag_sets_on_vllm_0_33_is_the_flags_never_a_mismatch(self):
+        # 0.33.0's flag turns on breakable CUDA graphs, which run without torch.compile
+        with StubServer(StubConfig(version="0.33.0")) as off, \
+                StubServer(StubConfig(version="0.33.0", invariant=True)) as on:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", 1,
+                        "--trials", 1, "--warmup", 0, "--max-tokens", 2)
+        self.assertEqual(r.code, 0, r)
+        lines = r.stdout.splitlines()
+        for label in ("compilation mode", "breakable CUDA graph"):
+            row = next(line for line in lines if line.startswith(label))
+            self.assertIn("(set by the flag)", row)
+        self.assertIn("cell: TP=1", r.stdout)
+
+    def test_a_server_info_that_fails_leaves_its_settings_unknown_never_different(self):
+        with StubServer(StubConfig(version="0.33.0")) as off, \
+                StubServer(StubConfig(version="0.33.0", invariant=True, server_info_500=True)) as on:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", 1,
+                        "--trials", 1, "--warmup", 0, "--max-tokens", 2, "--json")
+        self.assertEqual(r.code, 0, r)
+        self.assertEqual(r.json()["differences"], [])
+        self.assertIn("'NoneType' object has no attribute 'splitlines'", r.stderr)
+        self.assertNotIn("VLLM_SERVER_DEV_MODE", r.stderr)  # it is set: the endpoint answered
+
     def test_short_completions_are_warned_about(self):
         with StubServer(StubConfig(honour_ignore_eos=False)) as off, \
                 StubServer(StubConfig(invariant=True, honour_ignore_eos=False)) as on:

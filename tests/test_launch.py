@@ -12,7 +12,7 @@ import subprocess
 import sys
 import unittest
 
-from support import ROOT, TempDirTest, free_port, run_lab, wait_for
+from support import ROOT, TempDirTest, free_port, run, run_lab, wait_for
 
 STUB = [sys.executable, os.path.join(ROOT, "tests", "stub_server.py")]
 STANDIN = os.path.join(ROOT, "tests", "standin")
@@ -141,17 +141,30 @@ class ExperimentRuns(Experiment):
         self.assertIn("the arms share device(s) 0", err)
         report = self.load_run("REPORT.md")
         self.assertEqual(out, report)  # printed as well as written
+        self.assertTrue(report.startswith("# Batch-invariance experiment, vllm: complete"), report)
         for words in (
             "| flag off | vllm |",
             "| flag on | vllm |",
-            "| flag off | tokens diverged |",
-            "| flag on | invariant | 1 of 29 |",
+            "| flag off, concurrent requests | tokens diverged |",
+            "| flag on, concurrent requests | invariant | 1 of 29 |",
             "decode and prefill agree",
-            "| 1 | cold |",
-            "| 1 | shared-prefix |",
-            "**Result: exit 0",
+            "| TP=1 | ",
+            "| TP=k | missing (your real TP degree) | missing |",
+            "## Environment",
+            "| lab | run.py %s |" % run.LAB_VERSION,
+            "## How the arms were started",
+            "VLLM_BATCH_INVARIANT=1 vllm serve stub/tiny-f32 --port %d" % self.ports[1],
+            "## Parameters",
+            "run.py --mode cost",
         ):
             self.assertIn(words, report)
+        # copies in one request share the prefix cache (as vLLM's do): their divergence is
+        # not put down to batching, and the concurrent sweep's bypass holds
+        self.assertIn("| flag off, copies in one request | moved only where the cache served",
+                      report)
+        self.assertIn("tokens diverged**, 2 unique of 29", report)
+        concurrent = self.load_run("tp1", "sweep_off.json")["summary"]["prefix_cache_bypass"]
+        self.assertEqual(concurrent["status"], "held")
         self.assertEqual(self.load_run("tp1", "sweep_on.json")["summary"]["verdict"], "invariant")
         self.assert_no_server_left()
 
@@ -175,7 +188,8 @@ class ExperimentRuns(Experiment):
         report = self.load_run("REPORT.md")
         self.assertIn("## TP 1", report)
         self.assertIn("## TP 2", report)
-        self.assertIn("| 2 | shared-prefix |", report)
+        self.assertIn("| TP=2 | ", report)
+        self.assertNotIn("missing", report.split("## Environment")[0])
         # batch 1 of the flag-on arm at TP 2 against TP 1's: the practice engine does not shard
         versus = self.load_run("tp2", "tp2_vs_tp1.json")
         self.assertEqual(versus["summary"]["verdict"], "invariant")
@@ -184,9 +198,11 @@ class ExperimentRuns(Experiment):
 
     def test_a_degree_the_devices_cannot_hold_is_skipped_with_a_line(self):
         code, out, err = self.finish(self.start(GPUS="0", TP="1,2"))
-        self.assertEqual(code, 0, err)
+        self.assertEqual(code, 5, err)  # every step ran, but the report is not whole
         self.assertIn("TP 2 skipped: GPUS=0 holds fewer than 2 device(s)", err)
-        self.assertIn("TP 2 skipped", self.load_run("REPORT.md"))
+        first = self.load_run("REPORT.md").splitlines()[0]
+        self.assertIn("INCOMPLETE (exit 5, a TP degree was skipped)", first)
+        self.assertIn("TP 2 skipped", first)
         self.assertEqual({c["tp"] for c in self.load_run("cost.json")["cells"]}, {1})
         self.assertFalse(os.path.exists(self.run_path("tp2")))
 
@@ -197,9 +213,9 @@ class ExperimentRuns(Experiment):
             )
             self.assertEqual(code, 0, err)
         self.assertEqual(len(self.runs()), 2)
-        for run in (0, 1):
+        for number in (0, 1):
             self.assertEqual(
-                self.load_run("tp1", "sweep_on.json", run=run)["summary"]["state"], "complete"
+                self.load_run("tp1", "sweep_on.json", run=number)["summary"]["state"], "complete"
             )
 
     def test_the_first_failing_steps_code_is_the_experiments(self):
@@ -212,9 +228,13 @@ class ExperimentRuns(Experiment):
             )
         )
         self.assertEqual(code, 1, err)
-        self.assertIn("flag-off sweep (TP 1): exit 1", err)
-        self.assertIn("flag-on sweep (TP 1): exit 0", err)
-        self.assertIn("**Result: exit 1, an --expect did not hold", self.load_run("REPORT.md"))
+        self.assertIn("flag-off sweep, concurrent requests (TP 1): exit 1", err)
+        self.assertIn("expectation failed: --expect variant, but nothing moved", err)
+        self.assertIn("flag-on sweep, concurrent requests (TP 1): exit 0", err)
+        first = self.load_run("REPORT.md").splitlines()[0]
+        self.assertIn("INCOMPLETE (exit 1, an --expect did not hold", first)
+        self.assertIn("flag-off sweep, concurrent requests (TP 1): an --expect did not hold "
+                      "(expectation failed: --expect variant, but nothing moved)", first)
 
 
 class ExperimentFailures(Experiment):
@@ -231,8 +251,9 @@ class ExperimentFailures(Experiment):
         self.assertIn("exited with status 1", line[0])
         self.assertIn("No available memory for the cache blocks", line[0])
         report = self.load_run("REPORT.md")
-        self.assertIn("**Result: exit 4", report)
-        self.assertNotIn("sweep |", report)  # no step had started
+        self.assertIn("INCOMPLETE (exit 4", report.splitlines()[0])
+        self.assertIn("No available memory for the cache blocks", report.splitlines()[0])
+        self.assertNotIn("| 1 | flag-", report)  # no step had started
         self.assert_no_server_left()
 
     def test_an_arm_that_exits_mid_run_stops_the_step_at_once(self):
@@ -243,9 +264,25 @@ class ExperimentFailures(Experiment):
         )
         self.assertIn("illegal memory access", err)
         report = self.load_run("REPORT.md")
-        self.assertIn("| 1 | flag-on sweep |", report)
+        self.assertIn("| 1 | flag-on sweep, concurrent requests |", report)
         self.assertNotIn("cost, cold", report)  # nothing ran after it
         self.assert_no_server_left()
+
+    def test_a_launch_command_that_does_not_exist_is_one_line_and_exit_4(self):
+        code, out, err = self.finish(self.start(SERVE_OFF="no-such-engine-command --port {off}"))
+        self.assertEqual(code, 4, err)
+        self.assertNotIn("Traceback", err)
+        self.assertIn("the flag-off arm could not be started (no-such-engine-command", err)
+        self.assertIn("INCOMPLETE (exit 4", self.load_run("REPORT.md").splitlines()[0])
+
+    def test_the_arms_ports_follow_off_port_and_on_port_into_the_launch_scripts(self):
+        ports = free_port(), free_port()
+        code, out, err = self.finish(self.start(
+            OFF_URL="", ON_URL="", SERVE_OFF="", SERVE_ON="",
+            OFF_PORT=str(ports[0]), ON_PORT=str(ports[1])))
+        self.assertEqual(code, 0, err)
+        self.assertIn("ready at http://localhost:%d" % ports[0], err)
+        self.assertIn("vllm serve stub/tiny-f32 --port %d" % ports[1], self.load_run("REPORT.md"))
 
     def test_a_busy_port_is_refused_before_anything_starts(self):
         with socket.socket() as busy:
@@ -255,6 +292,7 @@ class ExperimentFailures(Experiment):
             code, out, err = self.finish(self.start(OFF_URL="http://127.0.0.1:%d" % port))
         self.assertEqual(code, 2, err)
         self.assertIn("port %d (the flag-off arm" % port, err)
+        self.assertIn("move the arm with OFF_PORT=N", err)
         self.assertEqual(self.runs(), [])  # no run folder, no server started
 
     def test_malformed_variables_are_refused_before_anything_starts(self):
@@ -286,7 +324,8 @@ class ExperimentFailures(Experiment):
         code, out, err = self.finish(p)
         self.assertEqual(code, 143, err)
         self.assertEqual(self.load_run("tp1", "sweep_off.json")["summary"]["state"], "terminated")
-        self.assertIn("Stopped by SIGTERM", self.load_run("REPORT.md"))
+        self.assertIn("INCOMPLETE (exit 143", self.load_run("REPORT.md").splitlines()[0])
+        self.assertIn("stopped by SIGTERM", self.load_run("REPORT.md").splitlines()[0])
         self.assert_no_server_left()
         for port in self.ports:
             self.assertEqual(

@@ -37,6 +37,60 @@ class NothingCompared(TempDirTest):
         self.assertEqual(r.json()["summary"]["verdict"], "invariant")
 
 
+class EvidenceForABatch(TempDirTest):
+    """A difference is put down to batching only where a batch was formed and served cold."""
+
+    def test_divergence_only_where_copies_hit_the_cache_is_not_put_down_to_batching(self):
+        # The practice engine's copies of one request share its prefix cache, as vLLM's do
+        with StubServer(StubConfig(prompt_tokens_details=True, scheduler_window=0.05)) as stub:
+            copies = short_sweep(stub, "--sizes", "1,2,9,17", "--expect", "variant", "--json")
+            concurrent = short_sweep(stub, "--sizes", "1,2,9,17", "--traffic", "concurrent",
+                                     "--expect", "variant", "--json")
+        self.assertEqual(copies.code, 1, copies)
+        summary = copies.json()["summary"]
+        self.assertEqual(summary["verdict"], "moved only where the cache served (bypass did not hold)")
+        self.assertEqual(summary["prefix_cache_bypass"]["hit_sizes"], [2, 9, 17])
+        self.assertIn("what moved is not put down to batching", copies.stderr)
+        # concurrent requests carry a key each: the bypass holds, and batching is shown
+        self.assertEqual(concurrent.code, 0, concurrent)
+        self.assertEqual(concurrent.json()["summary"]["prefix_cache_bypass"]["status"], "held")
+        self.assertEqual(concurrent.json()["summary"]["verdict"], "tokens diverged")
+
+    def test_scheduled_requests_that_never_overlapped_compare_nothing(self):
+        # Two requests a size, 0.5 s apart on average (seeded), against a server answering in
+        # milliseconds: each is answered before the next goes out, so no batch is formed
+        seed = next(s for s in range(100) if run.Arrivals(2.0).schedule(2, s + 2)[1] > 0.3)
+        with StubServer(StubConfig(scheduler_window=0)) as stub:
+            r = short_sweep(stub, "--sizes", "1,2", "--traffic", "concurrent", "--request-rate",
+                            "2", "--seed", seed, "--expect", "invariant", "--json")
+        self.assertEqual(r.code, 1, r)
+        doc = r.json()
+        self.assertEqual(doc["summary"]["verdict"], "nothing compared")
+        self.assertIs(sizes_of(doc)[2]["runs"][0]["overlapped"], False)
+        self.assertIn("never in flight together", r.stderr)
+
+    def test_a_burst_overlaps_by_construction_and_is_compared(self):
+        with StubServer(StubConfig(invariant=True)) as stub:
+            r = short_sweep(stub, "--sizes", "1,4", "--traffic", "concurrent", "--json")
+        self.assertEqual(r.json()["summary"]["verdict"], "invariant")
+        self.assertNotIn("overlapped", sizes_of(r.json())[4]["runs"][0])
+
+    def test_completions_without_tokens_compare_nothing(self):
+        sweep = run.PromptSweep("p")
+        empty = run.Completion("", [], [], [])
+        sweep.set_baseline(empty, "batch 1")
+        for n in (1, 4):
+            row = run.compare_batch([empty] * n, empty, ())
+            sweep.add(n, n, row, [empty] * n)
+        self.assertEqual(run.verdict(sweep.measured()), "nothing compared")
+        token = run.Completion("a", ["token_id:1"], [-0.5], [{"token_id:1": -0.5}])
+        sweep = run.PromptSweep("p")
+        sweep.set_baseline(token, "batch 1")
+        for n in (1, 4):
+            sweep.add(n, n, run.compare_batch([token] * n, token, ()), [token] * n)
+        self.assertEqual(run.verdict(sweep.measured()), "invariant")
+
+
 class TopKMembership(unittest.TestCase):
     def test_a_top_k_set_that_changes_with_the_batch_is_a_move(self):
         for engine in ("vllm", "sglang"):
