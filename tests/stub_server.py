@@ -50,6 +50,8 @@ from urllib.parse import urlsplit
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VLLM_INFO_TEMPLATE = os.path.join(HERE, "fixtures", "vllm-0.26.0", "server_info_flag_off.json")
+MAX_MODEL_LEN = 2048  # the context length the practice engine reports
+VLLM_033_INFO_TEMPLATE = os.path.join(HERE, "fixtures", "vllm-0.33.0", "server_info_flag_off.json")
 
 # ----------------------------------------------------------------------------
 # The model: float32 arithmetic whose reduction order follows the batch shape
@@ -584,18 +586,24 @@ def vllm_completions(config: StubConfig, body: Dict, state: EngineState) -> Dict
 
 
 def vllm_server_info(config: StubConfig) -> Dict:
-    """The real vLLM 0.26.0 dev-mode answer, with the stub's own settings written in."""
-    with open(VLLM_INFO_TEMPLATE, encoding="utf-8") as f:
+    """A real vLLM dev-mode answer (0.26.0's, or 0.33.0's from that release on), with the
+    stub's own settings written in."""
+    template = VLLM_033_INFO_TEMPLATE if release(config.version) >= (0, 33) else VLLM_INFO_TEMPLATE
+    with open(template, encoding="utf-8") as f:
         info = json.load(f)
     vc = info["vllm_config"]
     vc["model_config"]["model"] = config.model
     vc["model_config"]["served_model_name"] = config.model
     vc["model_config"]["tokenizer"] = config.model
+    vc["model_config"]["max_model_len"] = MAX_MODEL_LEN  # as /v1/models says
     vc["scheduler_config"]["max_num_seqs"] = config.max_num_seqs
     vc["attention_config"]["backend"] = config.backend()
     vc["compilation_config"]["cudagraph_capture_sizes"] = config.sizes()
     vc["compilation_config"]["max_cudagraph_capture_size"] = max(config.sizes())
-    vc["parallel_config"]["disable_custom_all_reduce"] = config.invariant
+    # 0.26.0's flag turned custom all-reduce off; 0.33.0's keeps it on (one-stage)
+    vc["parallel_config"]["disable_custom_all_reduce"] = (
+        config.invariant and release(config.version) < (0, 33)
+    )
     vc["parallel_config"]["tensor_parallel_size"] = config.tp_size
     vc["instance_id"] = str(random.getrandbits(60))
     info["vllm_env"]["VLLM_BATCH_INVARIANT"] = config.invariant
@@ -604,7 +612,8 @@ def vllm_server_info(config: StubConfig) -> Dict:
     vc["load_config"]["load_format"] = "stub"
     if release(config.version) >= (0, 33):
         # 0.33.0's flag turns on breakable CUDA graphs, which run without torch.compile
-        # (compilation mode NONE): vllm/config/vllm.py lines 842-869 of vLLM 0.33.0
+        # (compilation mode NONE): vllm/config/vllm.py lines 842-869 of vLLM 0.33.0, and as
+        # the real pair in fixtures/vllm-0.33.0/ reports (3 and false off, 0 and true on)
         info["vllm_env"]["VLLM_USE_BREAKABLE_CUDAGRAPH"] = config.invariant
         vc["compilation_config"]["mode"] = 0 if config.invariant else 3
     return overridden(info, config)
@@ -635,7 +644,7 @@ def models_list(config: StubConfig) -> Dict:
     """/v1/models, as both engines answer it; max_model_len is the context length in force."""
     return {"object": "list", "data": [{
         "id": config.model, "object": "model", "created": int(time.time()), "owned_by": config.engine,
-        "root": config.model, "parent": None, "max_model_len": 2048, "permission": []}]}
+        "root": config.model, "parent": None, "max_model_len": MAX_MODEL_LEN, "permission": []}]}
 
 
 # ----------------------------------------------------------------------------

@@ -27,8 +27,10 @@ import stub_server  # noqa: E402
 from stub_server import StubConfig, StubServer  # noqa: E402,F401
 
 
-def fixture(name):
-    with open(os.path.join(FIXTURES, name), encoding="utf-8") as f:
+def fixture(name, folder=None):
+    """A real engine's captured answer: vLLM 0.26.0's unless another folder is named."""
+    path = os.path.join(FIXTURES, name) if folder is None else os.path.join(HERE, "fixtures", folder, name)
+    with open(path, encoding="utf-8") as f:
         return json.load(f)
 
 

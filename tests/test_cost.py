@@ -58,6 +58,22 @@ class HazardCheckOnRealServers(unittest.TestCase):
                 hazards = run.arm_differences(vllm_facts(self.off_info), vllm_facts(on_info))
                 self.assertEqual([h.setting for h in hazards], [label])
 
+    def test_the_real_0_33_pair_passes_its_compile_settings_the_flags_own(self):
+        folder = "vllm-0.33.0"
+        off_info = fixture("server_info_flag_off.json", folder)
+        on_info = fixture("server_info_flag_on.json", folder)
+        version = fixture("version.json", folder)["version"]
+        models = fixture("v1_models.json", folder)
+        off, on = (run.ADAPTERS["vllm"].facts(version, models, info, None).checked()
+                   for info in (off_info, on_info))
+        self.assertEqual(run.arm_differences(off, on), [])
+        self.assertEqual((off.settings["compilation mode"], on.settings["compilation mode"]), (3, 0))
+        # the same two settings on a flag-off arm are a mismatch: only the flag may set them
+        on_info["vllm_env"]["VLLM_BATCH_INVARIANT"] = False
+        other = run.ADAPTERS["vllm"].facts(version, models, on_info, None).checked()
+        self.assertEqual({d.setting for d in run.arm_differences(off, other)},
+                         {"compilation mode", "breakable CUDA graph"})
+
     def test_prefix_cache_switched_off_by_the_flag_is_not_a_hazard(self):
         off_info, on_info = copy.deepcopy(self.off_info), copy.deepcopy(self.on_info)
         for info in (off_info, on_info):
