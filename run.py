@@ -162,6 +162,7 @@ MAX_TRIALS = 100000  # --trials and --warmup
 MAX_REQUESTS = 1000000  # --requests in one load trial
 MAX_REPEAT = 100  # --repeat: more passes than this is a soak test, not a sweep
 MAX_REQUEST_RATE = 100000.0  # --request-rate above this is a burst in all but name
+MIN_REQUEST_RATE = 0.001  # --request-rate below this waits longer than any --timeout between sends
 LIMITS = [  # what --help says of them
     ("batch sizes, --max-batch, --batch, --concurrency", MAX_BATCH_SIZE),
     ("prompts", MAX_PROMPTS),
@@ -365,11 +366,14 @@ class Completion:
 
     @classmethod
     def from_record(cls, rec: Dict[str, Any]) -> "Completion":
+        """A saved completion; the strings "NaN", "Infinity" and "-Infinity" a save wrote for
+        values standard JSON has no words for are those values again."""
+        top = rec.get("top_logprobs") or [{} for _ in rec["tokens"]]
         return cls(
             rec["text"],
             list(rec["tokens"]),
             [float(x) for x in rec["logprobs"]],
-            [dict(d) for d in rec.get("top_logprobs") or [{} for _ in rec["tokens"]]],
+            [{k: float(v) for k, v in d.items()} for d in top],
             rec.get("finish_reason"),
         )
 
@@ -905,16 +909,52 @@ class Secrets:
         self.pattern: Optional["re.Pattern[str]"] = None
 
     def keep(self, *secrets: Optional[str]) -> None:
-        """Hide these from now on. A key shorter than SHORT_SECRET (a placeholder such as
-        EMPTY) is hidden as a whole word only, so that ordinary words stay readable."""
+        """Hide these from now on: a key in any case, and any start of it of SHORT_SECRET
+        characters or more (a server may echo a key cut short). A key shorter than that (a
+        placeholder such as EMPTY) is hidden only as a word written as given, so that the
+        word "empty" in a prompt or a message stays what it was."""
         words = sorted({w for w in secrets if w}, key=len, reverse=True)
-        alternatives = [
-            re.escape(w) if len(w) >= SHORT_SECRET else r"\b%s\b" % re.escape(w) for w in words
-        ]
-        self.pattern = re.compile("|".join(alternatives), re.IGNORECASE) if words else None
+        long_keys = [w for w in words if len(w) >= SHORT_SECRET]
+        alternatives = [  # the first SHORT_SECRET characters, then as much more as matches
+            "(?i:%s)" % (re.escape(w[:SHORT_SECRET]) + nested_optional(w[SHORT_SECRET:]))
+            for w in long_keys
+        ] + [r"\b%s\b" % re.escape(w) for w in words if len(w) < SHORT_SECRET]
+        self.pattern = re.compile("|".join(alternatives)) if words else None
 
     def hide(self, text: str) -> str:
         return self.pattern.sub("[api key]", text) if self.pattern else text
+
+    def hidden(self, value: Any) -> Any:
+        """A JSON value with the key hidden in every string of it, keys of objects too: done
+        before encoding, never by rewriting encoded text (where a key such as "null" or "1"
+        would break the JSON)."""
+        if self.pattern is None:
+            return value
+        if isinstance(value, str):
+            return self.hide(value)
+        if isinstance(value, dict):
+            return {self.hidden(k): self.hidden(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.hidden(v) for v in value]
+        return value
+
+
+def nested_optional(rest: str) -> str:
+    """A pattern matching any start of rest, the empty one included (for keys cut short)."""
+    if not rest:
+        return ""
+    return "(?:%s%s)?" % (re.escape(rest[0]), nested_optional(rest[1:]))
+
+
+def check_api_key(key: Optional[str]) -> Optional[str]:
+    """The API key, refused when it could not go in an HTTP header as it is: a line break
+    would add a header of its own (exit 2, the key not repeated)."""
+    if key is not None and (not key.isprintable() or not key.isascii()):
+        raise UsageError(
+            "the API key (--api-key or $OPENAI_API_KEY) holds a line break, a control "
+            "character or a non-ASCII character: no HTTP header can carry it as it is"
+        )
+    return key
 
 
 SECRETS = Secrets()
@@ -937,9 +977,9 @@ def server_message(body: bytes) -> str:
             keys = ("message", "detail", "error")
             text = next((data[k] for k in keys if isinstance(data.get(k), str)), None)
     if text is not None:
-        return SECRETS.hide(text)
+        return printable(SECRETS.hide(text))
     text = body.decode("utf-8", "replace").strip().replace("\n", " ")
-    return SECRETS.hide(text)[:200] or "no body"
+    return printable(SECRETS.hide(text)[:200]) or "no body"
 
 
 STOP_GRACE_S = 1.0  # after a stop signal, a request in flight may take this long, then it is cut
@@ -1333,7 +1373,8 @@ class Exchange:
         return resp
 
     def events(self) -> Any:
-        """The answer as server-sent events: each `data:` line's JSON, as it arrives, until
+        """The answer as server-sent events: each event's JSON (its `data:` lines joined, as
+        the standard says; a byte-order mark at the start is dropped), as it arrives, until
         `data: [DONE]`. Both engines stream so (vLLM's /v1/completions and SGLang's /generate
         with stream true). An answer that is not a stream, an error event, or a stream that
         ends before [DONE] raises ServerError; the whole stream is under one deadline."""
@@ -1344,8 +1385,13 @@ class Exchange:
                     "%s did not stream its answer (no text/event-stream): streaming is needed "
                     "for --concurrency" % self.path
                 )
+            pending: List[bytes] = []  # the data lines of the event being read
+            start = True
             while True:
                 line = self._guard(lambda: resp.readline(MAX_EVENT_LINE + 1))
+                if start and line.startswith(b"\xef\xbb\xbf"):  # a byte-order mark
+                    line = line[3:]
+                start = False
                 if len(line) > MAX_EVENT_LINE:
                     raise ServerError(
                         "a stream line from %s is longer than %d MiB: refused"
@@ -1355,9 +1401,15 @@ class Exchange:
                 if not line.endswith(b"\n"):  # the end of the stream, in the middle of a line
                     self._raise_expired()
                     raise ServerError("the stream from %s was cut before it ended" % self.path)
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
+                field_line = line.rstrip(b"\r\n")
+                if field_line.startswith(b"data:"):
+                    pending.append(field_line[5:])
+                    if pending != [b" [DONE]"] and pending != [b"[DONE]"]:
+                        continue  # [DONE] ends the stream at once; an event, at a blank line
+                elif field_line or not pending:
+                    continue  # another field (event:, id:, a comment), or a blank line alone
+                data = b"\n".join(part[1:] if part[:1] == b" " else part for part in pending)
+                pending = []
                 if data == b"[DONE]":
                     return
                 event = self.client.decode(data, self.path)
@@ -1624,11 +1676,19 @@ def token_id(token: str) -> Optional[int]:
     return int(found.group(1)) if found else None
 
 
+def printable(text: str) -> str:
+    """A server's text as one printable line: line breaks, escape sequences and every other
+    character a terminal would act on written as escapes (a server cannot forge a line)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def plain_scalar(value: Any) -> Any:
-    """A value to print as it is: a string (cut to 120 characters), number, boolean or null;
-    anything else a server sent in its place becomes null."""
+    """A value to print as it is: a string (cut to 120 characters, printable on one line),
+    number, boolean or null; anything else a server sent in its place becomes null."""
     if isinstance(value, str):
-        return value[:120]
+        return printable(value[:120])
     return value if value is None or isinstance(value, (bool, int, float)) else None
 
 
@@ -1705,6 +1765,10 @@ def checked_completion(
     c = Completion(text, tokens, logprobs, top, plain_scalar(finish))
     flat_view(c, clamps, values)
     return c
+
+
+def is_token_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_SERVER_COUNT
 
 
 def token_ids(values: Any, what: str) -> List[int]:
@@ -1871,7 +1935,7 @@ class VllmAdapter:
             default_graph_sizes=defaults,
             info_source="/server_info",
             settings=settings,
-            hazards=hazards_in(self.name, info),
+            hazards=hazards_in(self.name, info, version),
             flag_sets=self.flag_sets(dig(info, "vllm_env", self.flag_name), backend),
         )
 
@@ -2162,7 +2226,7 @@ class SglangAdapter:
             info_source="/server_info",
             settings=settings,
             flag_sets=flag_sets,
-            hazards=hazards_in(self.name, info),
+            hazards=hazards_in(self.name, info, info.get("version")),
         )
 
     def body(
@@ -2219,6 +2283,25 @@ class SglangAdapter:
             if isinstance(ids, list) and len(ids) != len(steps):
                 raise shape_error(
                     "completion %d has %d tokens but %d logprobs" % (i, len(ids), len(steps))
+                )
+            if not all(is_token_id(s[1]) for s in steps):
+                raise shape_error("completion %d has a token id that is not a whole number" % i)
+            if isinstance(ids, list) and ids != [s[1] for s in steps]:
+                raise shape_error(
+                    "completion %d: its output_ids are not the tokens its logprobs are of" % i
+                )
+            if isinstance(top, list) and any(
+                step
+                and not all(
+                    isinstance(e, list) and len(e) >= 2 and is_token_id(e[1]) for e in step
+                )
+                or step
+                and len({e[1] for e in step}) != len(step)
+                for step in top
+            ):
+                raise shape_error(
+                    "completion %d has top logprobs whose token ids are not whole numbers, "
+                    "each once a step" % i
                 )
             try:  # entries are [logprob, token id, text or null]
                 tokens = ["token_id:%d" % s[1] for s in steps]
@@ -2328,6 +2411,17 @@ class Hazard:
     why: str  # in the lab's words
     refs: str  # the upstream reports, repository and number
     checked: str = field(metadata=NOT_SAVED)  # what was read to keep this row
+    # the first release with the fix (read in its source): not raised against it or later
+    fixed_in: Optional[str] = field(default=None, metadata=NOT_SAVED)
+
+
+def release(version: Any) -> Optional[Tuple[int, ...]]:
+    """A release number as numbers ("0.33.0" -> (0, 33, 0), "0.5.23+cu129" -> (0, 5, 23));
+    None where the server says none the lab can read."""
+    if not isinstance(version, str):
+        return None
+    parts = re.findall(r"[0-9]+", version.split("+")[0])[:3]
+    return tuple(int(p) for p in parts) if parts else None
 
 
 def _is_fp8(value: Any) -> bool:
@@ -2341,7 +2435,8 @@ HAZARDS = [
         ("vllm_config", "compilation_config", "pass_config"),
         lambda pc: isinstance(pc, dict)
         and (pc.get("enable_sp") is True or pc.get("fuse_gemm_comms") is True),
-        "seen on 0.29.0; no guard in the releases then, a fix (PR 56377) open when read",
+        "seen on 0.29.0; still no guard in 0.33.0 (its vllm/config/ never checks the flag "
+        "beside enable_sp); a fix (PR 56377) open when read",
         "SP's reduce-scatter sums each token in an order set by which rank owns its chunk, so by "
         "the batch: 1522 of 1536 logprobs differed between batch 1 and 64 in the report",
         "vllm-project/vllm#56370, #56377",
@@ -2365,11 +2460,27 @@ HAZARDS = [
         "online FP8 quantization (model_config.quantization fp8), for MoE models",
         ("vllm_config", "model_config", "quantization"),
         _is_fp8,
-        "seen on 0.27.1; a fix (PR 57092) open when read",
+        "seen on 0.27.1; fixed in 0.33.0, whose flag quantizes expert inputs per token "
+        "(vllm/model_executor/layers/quantization/online/fp8.py lines 603-608)",
         "the fused-MoE experts quantize their inputs with one scale over the whole batch, so a "
         "request's numbers depend on its neighbours (dense layers are not affected)",
         "vllm-project/vllm#57016, #57092",
-        "the issue's reproduction and the PR's diagnosis",
+        "the issue's reproduction and the PR's diagnosis; the fix in 0.33.0's source",
+        fixed_in="0.33.0",
+    ),
+    Hazard(
+        "vllm",
+        "FlashInfer sampler (VLLM_USE_FLASHINFER_SAMPLER on)",
+        ("vllm_env", "VLLM_USE_FLASHINFER_SAMPLER"),
+        lambda on: on is True,
+        "0.33.0 and before: on CUDA the FlashInfer sampler is chosen without asking the flag "
+        "(vllm/v1/sample/ops/topk_topp_sampler.py lines 241-251 of 0.33.0; the XPU branch, "
+        "262-270, does ask)",
+        "its top-k/top-p sampling is not one of the batch-invariant kernels: sampled (not "
+        "greedy) completions of concurrent requests need not repeat from run to run with the "
+        "flag on; greedy decoding does not sample",
+        "vllm-project/vllm#51187",
+        "0.33.0's sampler selection, and the issue's report",
     ),
     Hazard(
         "sglang",
@@ -2399,11 +2510,15 @@ HAZARDS = [
 ]
 
 
-def hazards_in(engine: str, info: Any) -> List[Dict[str, Any]]:
-    """The known hazards an engine's /server_info answer meets."""
+def hazards_in(engine: str, info: Any, version: Any) -> List[Dict[str, Any]]:
+    """The known hazards an engine's /server_info answer meets, at the release the server
+    reports (a hazard fixed in an earlier release is not raised; one whose fix the server's
+    unknown release may or may not have, is)."""
     found = []
+    running = release(version)
     for h in HAZARDS:
-        if h.engine == engine:
+        fixed = h.fixed_in is not None and running is not None and running >= release(h.fixed_in)
+        if h.engine == engine and not fixed:
             try:
                 if h.fires(dig(info, *h.path)):
                     found.append(as_record(h))
@@ -2512,14 +2627,33 @@ class OutputFailed(Exception):
         self.code = EXIT_BROKEN_PIPE if isinstance(err, BrokenPipeError) else EXIT_OUTPUT
 
 
+class ClosedStream:
+    """What a standard stream closed before the start (`run.py ... >&-`) is written through:
+    every write fails as on a closed file descriptor."""
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        raise ValueError("closed before the start")
+
+
 class Out:
     """Plain text to stdout; colour on a terminal unless NO_COLOR is set (non-empty) or --color
     says otherwise; progress on a stderr terminal. Every line passes SECRETS.hide. A stream
     that cannot be written raises OutputFailed once; after that nothing more is written to it."""
 
     def __init__(self, stdout=None, stderr=None):
-        self.stdout = stdout or sys.stdout
-        self.stderr = stderr or sys.stderr
+        # A stream closed before the lab started is None in sys: writing to it fails as a
+        # closed file does
+        self.stdout = stdout or sys.stdout or ClosedStream()
+        self.stderr = stderr or sys.stderr or ClosedStream()
         self.colour = self.stdout.isatty() and not os.environ.get("NO_COLOR")
         self.progress_on = self.stderr.isatty()
         self.failure: Optional[OutputFailed] = None
@@ -2628,12 +2762,20 @@ class ThrottledSave:
     file is large enough that writing it would take more than SAVE_SHARE of the run: a run's
     saves cost time in proportion to the run, not to the square of what it measured. The
     caller writes once more at the end and at every stop. A write that fails is remembered
-    (failure), not raised: measuring goes on, and the caller reports it at the end."""
+    (failure), not raised: measuring goes on, and the caller reports it at the end.
 
-    def __init__(self, path: Optional[str]):
+    exclusive (a sweep's file, which holds one run): before each write the file must still be
+    what this run last wrote (or what was there when it began). Another run that wrote it
+    meanwhile is not overwritten: this run's results go to a file beside it (moved_to), so
+    neither run loses what it measured."""
+
+    def __init__(self, path: Optional[str], exclusive: bool = False):
         self.path = path
+        self.exclusive = exclusive
         self.next_due = 0.0
         self.failure: Optional[SaveError] = None
+        self.moved_to: Optional[str] = None  # where the results went, when another run wrote
+        self.identity = file_identity(path) if path else None
 
     def offer(self, save: Callable[[str], Any]) -> None:
         """Call save(path) if a write is due; what it saves is built only then."""
@@ -2645,14 +2787,34 @@ class ThrottledSave:
         if not self.path:
             return None
         start = time.monotonic()
+        if self.exclusive and self.moved_to is None and file_identity(self.path) != self.identity:
+            root, ext = os.path.splitext(self.path)
+            self.moved_to = "%s.%d%s" % (root, os.getpid(), ext or ".json")
         try:
-            result = save(self.path)
+            result = save(self.moved_to or self.path)
+            self.identity = file_identity(self.moved_to or self.path)
             self.failure = None  # the file is whole and current again
         except SaveError as err:
             self.failure, result = err, None
         end = time.monotonic()
         self.next_due = end + max(SAVE_INTERVAL_S, (end - start) * (1 - SAVE_SHARE) / SAVE_SHARE)
         return result
+
+
+def read_only(path: str) -> bool:
+    """A file nobody may write (its mode), or this user may not: what --save never replaces
+    (root may write anything, yet a file made read-only says keep me)."""
+    return not (os.stat(path).st_mode & 0o222) or not os.access(path, os.W_OK)
+
+
+def file_identity(path: str) -> Optional[Tuple[int, int, int, int]]:
+    """What tells one version of a file from another: (device, inode, size, modified ns) of
+    the file a path leads to; None where there is none."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
 
 
 def now_stamp() -> str:
@@ -2663,11 +2825,11 @@ def json_text(doc: Dict[str, Any], indent: Optional[int] = None) -> str:
     """Standard JSON (no NaN or Infinity, which a server may have sent): such values are
     written as the strings "NaN", "Infinity" and "-Infinity". Compact unless indented."""
     separators = (",", ":") if indent is None else (",", ": ")
+    doc = SECRETS.hidden(doc)  # the key, wherever a server echoed it, is never saved
     try:
-        text = json.dumps(doc, indent=indent, separators=separators, allow_nan=False)
+        return json.dumps(doc, indent=indent, separators=separators, allow_nan=False)
     except ValueError:
-        text = json.dumps(_finite(doc), indent=indent, separators=separators, allow_nan=False)
-    return SECRETS.hide(text)  # the key, wherever a server echoed it, is never saved
+        return json.dumps(_finite(doc), indent=indent, separators=separators, allow_nan=False)
 
 
 _LIST_MARK = "\0lab-%s\0" % os.urandom(8).hex()  # in no text a server sends
@@ -2688,6 +2850,13 @@ def report_save(cfg: Config, saves: ThrottledSave, code: int, out: Out) -> int:
     could not be saved has failed: exit 3, unless it had already failed otherwise)."""
     if saves.failure is not None:
         out.say("%s; the results above are not in it" % saves.failure, raising=False)
+        return code or EXIT_SERVER
+    if saves.moved_to is not None:
+        out.say(
+            "--save: %s was written by another run while this one measured; not overwritten: "
+            "saved %s instead" % (cfg.save, saves.moved_to),
+            raising=False,
+        )
         return code or EXIT_SERVER
     if cfg.save:
         out.say("saved %s" % cfg.save, raising=False)
@@ -2722,6 +2891,8 @@ def write_json_atomic(
     """
     path = os.path.realpath(path)
     folder = os.path.dirname(path)
+    if os.path.exists(path) and read_only(path):
+        raise SaveError("--save: %s is read-only now; not replaced" % path)
     chunks = json_chunks(doc, listed, texts) if listed else [json_text(doc)]
     try:
         fd, tmp = tempfile.mkstemp(prefix=".run-", suffix=".json", dir=folder)
@@ -3343,7 +3514,12 @@ def check_save_target(path: str, schemas: Sequence[str]) -> Optional[Dict[str, A
     the folder must exist and take a new file, and a file already there must hold this mode's
     results. A finished sweep is never replaced: a sweep file holds one sweep, and a second
     run would silently lose the first (cost files gather cells, so they are added to)."""
-    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.islink(path) and not os.path.isdir(os.path.dirname(os.path.realpath(path))):
+        raise UsageError(
+            "--save: %s is a link to %s, in a folder that does not exist"
+            % (path, os.path.realpath(path))
+        )
+    folder = os.path.dirname(os.path.realpath(path))  # a link's target's, where it is written
     if not os.path.isdir(folder):
         raise UsageError("--save: folder %s does not exist" % folder)
     try:
@@ -3354,6 +3530,8 @@ def check_save_target(path: str, schemas: Sequence[str]) -> Optional[Dict[str, A
         raise UsageError("--save: cannot write in %s (%s)" % (folder, err.strerror)) from None
     if not os.path.exists(path):  # nothing there yet (a link to a file still to be made)
         return None
+    if read_only(path):
+        raise UsageError("--save: %s is read-only; refusing to replace it" % path)
     data = read_json_file(path, "--save")
     if data.get("schema") not in schemas:
         raise UsageError(
@@ -3392,7 +3570,7 @@ def configure(argv: Optional[Sequence[str]]) -> Config:
         args,
         engine=engine,
         url=url,
-        api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None,
+        api_key=check_api_key(args.api_key or os.environ.get("OPENAI_API_KEY") or None),
         provenance=made,
         prior_save=prior_save,
     )
@@ -3438,6 +3616,11 @@ class Arrivals:
         """--request-rate, checked; needs: what it goes with, when that was not asked for."""
         if rate is not None and rate > MAX_REQUEST_RATE:
             raise UsageError("--request-rate: at most %g a second" % MAX_REQUEST_RATE)
+        if rate is not None and rate < MIN_REQUEST_RATE:
+            raise UsageError(
+                "--request-rate: at least %g a second (one request in %d minutes at most)"
+                % (MIN_REQUEST_RATE, round(1 / MIN_REQUEST_RATE / 60))
+            )
         if rate is not None and needs:
             raise UsageError("--request-rate goes with %s" % needs)
         return cls(rate)
@@ -3785,7 +3968,10 @@ class PrefillSummary:
             notes=sorted({n for r in rows for n in r.notes}),
         )
 
-    def verdict(self) -> str:
+    def verdict(self, failure: Optional[str] = None) -> str:
+        """failure: why the server could not serve the check, if it could not."""
+        if failure and not self.tokens:
+            return "not measured: the server could not serve it (%s)" % failure
         if not self.checked:
             return NO_DATA
         if not self.tokens:
@@ -3811,7 +3997,8 @@ class KlEstimate:
             if d == p or not (math.isfinite(d) and math.isfinite(p)) or d in clamps or p in clamps:
                 continue
             log_r = p - d
-            term = math.expm1(log_r) - log_r
+            # a prefill logprob far above the decode's: a term beyond any float is infinite
+            term = math.expm1(log_r) - log_r if log_r < 709.0 else math.inf
             self.divergent += 1
             self.total += term
             self.largest = max(self.largest, term)
@@ -3843,6 +4030,9 @@ class PrefillCheck:
     def __init__(self) -> None:
         self.prompt_ids: Dict[str, List[int]] = {}
         self.prefills: Dict[Tuple[str, Tuple[str, ...]], List[float]] = {}
+        # why the server could not serve the check (a gateway without /tokenize, say): the
+        # check stops there, the sweep goes on
+        self.failure: Optional[str] = None
 
     @staticmethod
     def add_arguments(group: argparse._ArgumentGroup) -> None:
@@ -3889,9 +4079,13 @@ class PrefillCheck:
         return self.prefills[key]
 
     def compare(
-        self, sender: "Sender", prompt: str, n: int, completions: List[Completion]
-    ) -> PrefillRow:
-        """Each distinct completion of one batch (of size n) against its prefill."""
+        self, sender: "Sender", prompt: str, n: int, completions: List[Completion], out: "Out"
+    ) -> Optional[PrefillRow]:
+        """Each distinct completion of one batch (of size n) against its prefill; None once
+        the server has shown it cannot serve the check (it answered the check's requests with
+        an error, or without the prompt logprobs it needs)."""
+        if self.failure is not None:
+            return None
         clamps = sender.adapter.logprob_clamps
         worst, first, notes, margin, compared = 0, None, set(), None, 0
         kl = KlEstimate()
@@ -3911,7 +4105,11 @@ class PrefillCheck:
                 if moved is not None and (first is None or moved < first):
                     first, margin = moved, runner_up_margin(c, moved, clamps)
         except ServerError as err:
-            raise ServerError("prefill check at batch size %d: %s" % (n, err)) from None
+            if err.kind == ServerError.NETWORK:  # the server itself is gone: the sweep stops
+                raise ServerError("prefill check at batch size %d: %s" % (n, err)) from None
+            self.failure = str(err)
+            out.warn("the prefill check stops at batch size %d, the sweep goes on: %s" % (n, err))
+            return None
         return PrefillRow(
             max_ulp=worst,
             first_step=first,
@@ -3924,7 +4122,9 @@ class PrefillCheck:
         )
 
     @staticmethod
-    def report(summary: PrefillSummary, sizes: Sequence["SizeResult"], out: "Out") -> None:
+    def report(
+        summary: PrefillSummary, verdict: str, sizes: Sequence["SizeResult"], out: "Out"
+    ) -> None:
         per_size = ", ".join(
             "%d: %s" % (size.batch_size, fmt_opt(size.prefill and size.prefill.max_ulp, "?"))
             for size in sizes
@@ -3940,7 +4140,7 @@ class PrefillCheck:
                     fmt_opt(summary.max_ulp, "?") + ("*" if summary.notes else ""),
                     fmt_opt(summary.first_step),
                     margin,
-                    summary.verdict(),
+                    verdict,
                 ),
                 "1",
             )
@@ -3955,9 +4155,8 @@ class PrefillCheck:
             )
 
     @staticmethod
-    def expectation(summary: Optional[PrefillSummary]) -> Tuple[bool, str]:
-        """--expect prefill-equal: (held, the line that says so)."""
-        found = summary.verdict() if summary else None
+    def expectation(summary: Optional[PrefillSummary], found: Optional[str]) -> Tuple[bool, str]:
+        """--expect prefill-equal (found: the sweep's prefill verdict): (held, the line)."""
         if found != PREFILL_AGREE:
             return False, (
                 "expectation failed: --expect prefill-equal, but the prefill check found: %s"
@@ -4024,7 +4223,8 @@ class BaselineFile:
                 % (path, doc.get("model"), model)
             )
         mine, theirs = sampling.params(), doc.get("params") or {}
-        for key in ("temperature", "top_p", "max_tokens", "seed"):
+        # every request setting that changes what is compared (logprobs: the top-k lists)
+        for key in ("temperature", "top_p", "max_tokens", "seed", "logprobs"):
             if theirs.get(key) != mine[key]:
                 raise UsageError(
                     "--baseline: %s was recorded with %s=%s, this sweep uses %s"
@@ -4033,7 +4233,12 @@ class BaselineFile:
         for i, entry in enumerate(doc["prompts"], 1):
             if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str):
                 raise UsageError("--baseline: %s: prompts[%d] is not a prompt record" % (path, i))
-        recorded = {p["prompt"]: p for p in doc["prompts"]}
+        if prompts:  # --prompt-tokens: the prompt is built first, and checked then (open)
+            self.check_prompts(prompts)
+
+    def check_prompts(self, prompts: List[str]) -> None:
+        path = self.path
+        recorded = {p["prompt"]: p for p in self.doc["prompts"]}
         for prompt in prompts:
             entry = recorded.get(prompt)
             if entry is None:
@@ -4055,7 +4260,10 @@ class BaselineFile:
             )
 
     def open(self, cfg: "Config", facts: ServerFacts, isolate: bool) -> None:
-        """Once the server under test is known: the file must be of its engine and model."""
+        """Once the server under test is known: the file must be of its engine and model, and
+        hold the prompt --prompt-tokens built."""
+        if cfg.sweep.long_prompt is not None:
+            self.check_prompts(cfg.sweep.prompts)
         self.check_engine(cfg.engine)
         if self.doc.get("model") != facts.model:
             raise UsageError(
@@ -4078,6 +4286,11 @@ class BaselineFile:
         return None
 
 
+def saved_number(x: Any) -> bool:
+    """A number as a save writes it: a JSON number, or a word for a value JSON has none for."""
+    return is_number(x) or x in ("NaN", "Infinity", "-Infinity")
+
+
 def baseline_fault(rec: Any) -> Optional[str]:
     """What is wrong with a stored baseline completion, naming the field; None if nothing."""
     if not isinstance(rec, dict):
@@ -4087,7 +4300,7 @@ def baseline_fault(rec: Any) -> Optional[str]:
     tokens, logprobs, top = rec.get("tokens"), rec.get("logprobs"), rec.get("top_logprobs")
     if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
         return "baseline.tokens is not a list of strings"
-    if not isinstance(logprobs, list) or not all(is_number(x) for x in logprobs):
+    if not isinstance(logprobs, list) or not all(map(saved_number, logprobs)):
         return "baseline.logprobs is not a list of numbers"
     if len(logprobs) != len(tokens):
         return "baseline.logprobs has %d entries for %d tokens" % (len(logprobs), len(tokens))
@@ -4097,7 +4310,7 @@ def baseline_fault(rec: Any) -> Optional[str]:
         return "baseline.top_logprobs is not a list of one entry per token"
     for t, step in enumerate(top):
         if not isinstance(step, dict) or not all(
-            isinstance(k, str) and is_number(v) for k, v in step.items()
+            isinstance(k, str) and saved_number(v) for k, v in step.items()
         ):
             return "baseline.top_logprobs[%d] is not a map of token to logprob" % t
     if rec.get("finish_reason") is not None and not isinstance(rec["finish_reason"], str):
@@ -4286,6 +4499,10 @@ class SweepOptions:
         )
         if any(not p.strip() for p in prompts):
             raise UsageError("--prompt: a prompt is empty")
+        if not all(
+            p.encode("utf-8", "surrogatepass").decode("utf-8", "replace") == p for p in prompts
+        ):
+            raise UsageError("--prompt: a prompt is not UTF-8 text (as --prompt-file requires)")
         prompts = check_prompts(prompts or [DEFAULT_PROMPT], "--prompt")
         if len(set(prompts)) != len(prompts):
             raise UsageError("--prompt: the same prompt is given twice")
@@ -4302,7 +4519,8 @@ class SweepOptions:
             raise UsageError(
                 "--traffic mixed: batch 1 has no room for other prompts; give sizes above 1"
             )
-        baseline = configure_baseline(args.baseline, url, engine, args.model, sampling, prompts)
+        built = [] if args.prompt_tokens else prompts  # a built prompt is checked once built
+        baseline = configure_baseline(args.baseline, url, engine, args.model, sampling, built)
         return options_from(
             cls,
             args,
@@ -4372,6 +4590,7 @@ class LongPrompt:
 
 
 PROMPT_FIT_TRIES = 6  # rounds of counting and resizing a built prompt
+MAX_WORDS_A_TOKEN = 8  # a built prompt's words per token at most (a common word is one token)
 
 
 def built_prompt(
@@ -4388,8 +4607,16 @@ def built_prompt(
     for _ in range(PROMPT_FIT_TRIES):
         if abs(tokens - n) <= max(2, n // 100):
             break
-        words = max(1, round(words * n / max(tokens, 1)))
+        # Never more than MAX_WORDS_A_TOKEN words a token: a tokenizer that counts far fewer
+        # tokens than words is not one the lab can build a prompt for
+        words = min(MAX_WORDS_A_TOKEN * n, max(1, round(words * n / max(tokens, 1))))
         tokens = count(filler_words(words))
+    if abs(tokens - n) > max(2, n // 100) and words == MAX_WORDS_A_TOKEN * n:
+        raise ServerError(
+            "--prompt-tokens: the server's tokenizer counts %d tokens for %d words, so no "
+            "prompt of about %d tokens can be built of words" % (tokens, words, n),
+            kind=ServerError.ANSWER,
+        )
     budget = facts.settings.get(adapter.PREFILL_BUDGET)
     if not (isinstance(budget, int) and not isinstance(budget, bool) and budget > 0):
         budget = None
@@ -4853,7 +5080,7 @@ def sweep_summary(options: SweepOptions, sweeps: List[PromptSweep], state: str) 
         state=state,
         cache=cache,
         prefill=prefill,
-        prefill_verdict=prefill.verdict() if prefill else None,
+        prefill_verdict=prefill.verdict(options.prefill_check.failure) if prefill else None,
         measured=measured,
     )
 
@@ -5065,7 +5292,7 @@ class SweepTable:
             CacheCheck.report(summary.cache, out)
         if summary.prefill is not None:
             sizes = [size for sweep in sweeps for size in sweep.sizes()]
-            PrefillCheck.report(summary.prefill, sizes, out)
+            PrefillCheck.report(summary.prefill, summary.prefill_verdict, sizes, out)
 
 
 def control_text(repeatable: Optional[bool], repeat: int, sweeps: List[PromptSweep]) -> str:
@@ -5234,7 +5461,9 @@ def expect_variant(summary: SweepSummary) -> Tuple[bool, str]:
 SWEEP_EXPECTATIONS: Dict[str, Callable[[SweepSummary], Tuple[bool, str]]] = {
     "invariant": expect_invariant,
     "variant": expect_variant,
-    PrefillCheck.EXPECT: lambda summary: PrefillCheck.expectation(summary.prefill),
+    PrefillCheck.EXPECT: lambda summary: PrefillCheck.expectation(
+        summary.prefill, summary.prefill_verdict
+    ),
     CacheCheck.EXPECT: lambda summary: CacheCheck.expectation(summary.cache),
 }
 
@@ -5269,7 +5498,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
     send = sender.shape(options.traffic)
     sweeps: List[PromptSweep] = []
 
-    saves = ThrottledSave(cfg.save)
+    saves = ThrottledSave(cfg.save, exclusive=True)
     progress = Progress(
         out, len(options.prompts) * options.repeat * len(sizes), "batches", cfg.quiet
     )
@@ -5300,7 +5529,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
         if options.cache_check:
             cache_check = options.cache_check.compare(sender, prompt, batch, cache_key, seed)
         if options.prefill_check:
-            prefill = options.prefill_check.compare(sender, prompt, n, batch.completions)
+            prefill = options.prefill_check.compare(sender, prompt, n, batch.completions, out)
         row = dataclasses.replace(
             compare_batch(batch.completions, sweep.baseline, adapter.logprob_clamps),
             pass_no=pass_no,
@@ -5793,7 +6022,10 @@ class Overhead:
         if len(ratios) < MIN_PAIRS_FOR_INTERVAL or not all(map(math.isfinite, ratios)):
             median = statistics.median(ratios) if ratios else math.nan
             pct = round((median - 1.0) * 100.0, 3) if math.isfinite(median) else None
-            return cls(pct, None, False, rounded)
+            why = None
+            if pct is None and ratios:  # pairs there are, but no ratio of them means anything
+                why = "a flag-off trial took no time the clock could measure"
+            return cls(pct, None, False, rounded, why)
         lo, hi = bootstrap_median_ci(ratios)
         ci = [round((lo - 1.0) * 100.0, 3), round((hi - 1.0) * 100.0, 3)]
         pct = round((statistics.median(ratios) - 1.0) * 100.0, 3)
@@ -6130,15 +6362,28 @@ def warm_up(
                     )
 
 
-def precise_enough(off_s: Sequence[float], on_s: Sequence[float], points: float) -> bool:
-    """Is the primary overhead's 95% interval at most +-points wide yet? Stopping on it biases
-    the estimate little here: the rule looks at the interval's width, which does not depend on
-    where the median lies, only on the spread of the ratios, so it does not stop when the
-    estimate happens to look large or small."""
-    pairs = min(len(off_s), len(on_s))
-    if pairs < MIN_PAIRS_FOR_INTERVAL:
+def primary_overhead(off: Arm, on: Arm) -> Tuple[Overhead, str]:
+    """The overhead a cell reports first, over the complete trial pairs, and what its ratio is
+    of: the time per trial, or, where the arms produced different token counts, the time per
+    output token (what both did)."""
+    pairs = min(len(off.samples), len(on.samples))
+    if off.tokens[:pairs] == on.tokens[:pairs]:
+        return Overhead.of(off.samples[:pairs], on.samples[:pairs]), "time per trial"
+    return (
+        Overhead.of(per_token(off, pairs), per_token(on, pairs)),
+        "time per output token (the arms produced different token counts)",
+    )
+
+
+def precise_enough(off: Arm, on: Arm, points: float) -> bool:
+    """Is the reported overhead's 95% interval (primary_overhead: the figure the cell shows)
+    at most +-points wide yet? Stopping on it biases the estimate little here: the rule looks
+    at the interval's width, which does not depend on where the median lies, only on the
+    spread of the ratios, so it does not stop when the estimate happens to look large or
+    small."""
+    if min(len(off.samples), len(on.samples)) < MIN_PAIRS_FOR_INTERVAL:
         return False
-    ci = Overhead.of(off_s[:pairs], on_s[:pairs]).ci95_pct
+    ci = primary_overhead(off, on)[0].ci95_pct
     return ci is not None and (ci[1] - ci[0]) / 2.0 <= points
 
 
@@ -6155,12 +6400,7 @@ def cost_cell(
     """One labelled cell of the 2x2 table, from the trials measured so far."""
     options, (off, on) = cfg.cost, arms
     pairs = min(len(off.samples), len(on.samples))
-    if off.tokens[:pairs] == on.tokens[:pairs]:
-        primary = Overhead.of(off.samples[:pairs], on.samples[:pairs])
-        compared_on = "time per trial"
-    else:  # compare what both did: the time each took per output token
-        primary = Overhead.of(per_token(off, pairs), per_token(on, pairs))
-        compared_on = "time per output token (the arms produced different token counts)"
+    primary, compared_on = primary_overhead(off, on)
     load = overheads = primary_name = None
     if options.trial.load:
         load, overheads = options.trial.cell_parts(arms, pairs, primary)
@@ -6388,7 +6628,7 @@ def run_cost(cfg: Config, out: Out) -> int:
                 )
             )
             progress.finished("trial %d/%d" % (trial + 1, cfg.cost.trials), 2 * per_trial)
-            if cfg.cost.precision and precise_enough(off.samples, on.samples, cfg.cost.precision):
+            if cfg.cost.precision and precise_enough(off, on, cfg.cost.precision):
                 stopped_by.append("precision")
                 return
 
@@ -6423,7 +6663,7 @@ def run_cost(cfg: Config, out: Out) -> int:
 # --mode harness: the upstream harnesses, quoted, with what each one does not tell you
 
 
-VLLM_REV = "vLLM upstream commit 9aaf83ef (2026-05-19)"
+VLLM_REV = "vLLM 0.33.0, its source release (read 2026-12-01)"
 SGLANG_REV = "SGLang 0.5.23 (same text and lines in 0.5.18-0.5.23)"
 
 
@@ -6452,14 +6692,12 @@ def enable_batch_invariant_mode(monkeypatch: pytest.MonkeyPatch):
     Excerpt(
         "vllm",
         "the negative control that must see differences",
-        "tests/v1/determinism/test_batch_invariance.py, lines 432-446 (def 432-434, docstring "
-        "from "
-        "436, comment 444), " + VLLM_REV,
+        "tests/v1/determinism/test_batch_invariance.py, lines 509-522 (def 509-511, docstring "
+        "from 512, comment 520), " + VLLM_REV,
         '''def test_logprobs_without_batch_invariance_should_fail(
     backend, monkeypatch: pytest.MonkeyPatch
 ):
-    """
-    This test is the inverse of test_logprobs_bitwise_batch_invariance_bs1_vs_bsN.
+    """This test is the inverse of test_logprobs_bitwise_batch_invariance_bs1_vs_bsN.
     It DISABLES batch invariance mode and expects to see non-deterministic behavior
     between BS=1 and BS=N runs. This demonstrates that batch invariance is actually
     doing something useful.
@@ -6477,7 +6715,7 @@ def enable_batch_invariant_mode(monkeypatch: pytest.MonkeyPatch):
     Excerpt(
         "vllm",
         "the model is an environment variable",
-        "tests/v1/determinism/utils.py, lines 23-24, " + VLLM_REV,
+        "tests/v1/determinism/utils.py, lines 43-44, " + VLLM_REV,
         """DEFAULT_MODEL = "Qwen/Qwen3-1.7B"
 TEST_MODEL = os.getenv("VLLM_TEST_MODEL", DEFAULT_MODEL)""",
         "Set VLLM_TEST_MODEL to point the whole suite at your own weights; there is no flag.",
@@ -6485,7 +6723,7 @@ TEST_MODEL = os.getenv("VLLM_TEST_MODEL", DEFAULT_MODEL)""",
     Excerpt(
         "vllm",
         "the online test's sampling and server arguments",
-        "tests/v1/determinism/test_online_batch_invariance.py, lines 144-161, " + VLLM_REV,
+        "tests/v1/determinism/test_online_batch_invariance.py, lines 144-162, " + VLLM_REV,
         """    sp_kwargs: dict[str, Any] = {
         "temperature": 0.6,
         "top_p": 1.0,
@@ -6502,12 +6740,14 @@ TEST_MODEL = os.getenv("VLLM_TEST_MODEL", DEFAULT_MODEL)""",
     ]
     if tp_size:
         server_args += ["-tp", tp_size]
+    server_args += os.getenv("VLLM_TEST_SERVER_ARGS", "").split()
 
     with RemoteOpenAIServer(TEST_MODEL, server_args) as server:""",
         "Seeded sampling at temperature 0.6, not greedy, and only 8 tokens: a short window for a "
         "near-tie to show up. The lab defaults to greedy and 64 tokens; run it with "
         "--temperature 0.6 too. The TP size here is read from VLLM_TP_SIZE, not "
-        "VLLM_TEST_TP_SIZE.",
+        "VLLM_TEST_TP_SIZE. New since the May 2026 tree: VLLM_TEST_SERVER_ARGS adds server "
+        "flags (pin --attention-backend and friends there, as the lab's launch scripts do).",
     ),
     Excerpt(
         "vllm",
@@ -6527,7 +6767,7 @@ TEST_MODEL = os.getenv("VLLM_TEST_MODEL", DEFAULT_MODEL)""",
     Excerpt(
         "vllm",
         "the performance harness",
-        "benchmarks/benchmark_batch_invariance.py, lines 149-152 and 191-192, " + VLLM_REV,
+        "benchmarks/benchmark_batch_invariance.py, lines 147-150 and 189-190, " + VLLM_REV,
         """        print("Generating baseline (warmup)...")
         baseline_out = llm.generate([needle_prompt], sampling)
         assert len(baseline_out) == 1
@@ -6627,6 +6867,20 @@ Tensor parallelism is spelled two ways: the offline tests (test_batch_invariance
 read VLLM_TEST_TP_SIZE, the online and needle tests read VLLM_TP_SIZE. Set both
 (VLLM_TEST_TP_SIZE=2 VLLM_TP_SIZE=2) or one of them silently runs at TP=1.
 The last command is the performance harness: it prints an overhead, not a verdict.
+
+What vLLM 0.33.0 changed, read in its source release: the flag's kernels moved to
+vllm/model_executor/determinism/ (batch_invariant.py, and a tile table in
+batch_invariant_configs.py). For bf16 models whose shapes are in that table the flag
+turns on breakable CUDA graphs itself and the model then runs without torch.compile
+(vllm/config/vllm.py lines 842-870): the two arms no longer run the same compiled graph,
+and the lab's cost mode shows both settings as the flag's own. NCCL is pinned to one
+channel and tree all-reduce by pin_nccl_env (batch_invariant.py lines 1401-1424), while a
+flag-on server reports custom all-reduce still on. tests/v1/determinism/ holds 12 files;
+besides the ones above, worth running on your hardware:
+
+  pytest -v -s tests/v1/determinism/test_batch_invariance_vlm.py
+  pytest -v -s tests/v1/determinism/test_lora_shrink_batch_invariant.py
+  pytest -v -s tests/v1/determinism/test_matmul_batch_invariant.py
 
 The same experiment with the lab, against two servers you start yourself:
 
@@ -6880,7 +7134,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for stream in (sys.stdout, sys.stderr):
             try:
                 os.dup2(devnull, stream.fileno())
-            except (OSError, ValueError):
+            except (OSError, ValueError, AttributeError):  # AttributeError: closed at start
                 pass
         return code if code in (EXIT_USAGE, EXIT_SERVER, EXIT_INTERNAL) else failure.code
     return code

@@ -11,6 +11,7 @@ points. Standard library only. Exit codes: 0 printed, 2 a file that is not a lab
 of different kinds.
 """
 
+import io
 import json
 import sys
 
@@ -83,7 +84,7 @@ def compare_sweeps(a, b, out):
     table("parameters", [(k, pa.get(k), pb.get(k)) for k in sorted(set(pa) | set(pb))], out)
     ma, mb = a.get("summary") or {}, b.get("summary") or {}
     table("summary", [(k, ma.get(k), mb.get(k)) for k in SUMMARY_FIELDS if k in ma or k in mb], out)
-    sizes = lambda doc: {s["batch_size"]: s for p in doc.get("prompts") or [] for s in p.get("sizes") or []}
+    sizes = lambda doc: {s["batch_size"]: s for s in first_prompt(doc).get("sizes") or []}
     za, zb = sizes(a), sizes(b)
     rows = [("batch %d %s" % (n, k), za[n].get(k), zb[n].get(k))
             for n in sorted(set(za) & set(zb)) for k in SIZE_FIELDS]
@@ -93,9 +94,17 @@ def compare_sweeps(a, b, out):
         out.write("\nbatch sizes in one file only: %s\n" % ",".join(map(str, only)))
 
 
+def first_prompt(doc):
+    """A sweep's first prompt (the one the size table compares), as saved."""
+    prompts = doc.get("prompts") or [{}]
+    return prompts[0]
+
+
 def cell_name(cell):
+    """What tells two cells apart: the model among them, so that two models' cells stay two."""
     shape = ("load %s" % cell.get("concurrency")) if cell.get("concurrency") else "batch %s" % cell.get("batch")
-    return "TP=%s %s, %s, %s tokens" % (cell.get("tp"), cell.get("workload"), shape, cell.get("max_tokens"))
+    return "%s TP=%s %s, %s, %s tokens" % (cell.get("model"), cell.get("tp"), cell.get("workload"), shape,
+                                          cell.get("max_tokens"))
 
 
 def compare_costs(a, b, out):
@@ -124,9 +133,15 @@ def main(argv=None):
         sys.stderr.write("compare.py: %s holds a %s, %s a %s: compare two of a kind\n"
                          % (argv[0], kind_a, argv[1], kind_b))
         return 2
-    out = sys.stdout
+    out = io.StringIO()
     out.write("old: %s\nnew: %s\n" % (argv[0], argv[1]))
-    (compare_sweeps if kind_a == "sweep" else compare_costs)(a, b, out)
+    try:
+        (compare_sweeps if kind_a == "sweep" else compare_costs)(a, b, out)
+    except (TypeError, AttributeError, KeyError, ValueError) as err:  # a file of another shape
+        sys.stderr.write("compare.py: %s and %s are not both as the lab writes them (%s: %s)\n"
+                         % (argv[0], argv[1], type(err).__name__, err))
+        return 2
+    sys.stdout.write(out.getvalue())
     return 0
 
 

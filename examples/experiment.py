@@ -884,8 +884,11 @@ def findings(exp: Experiment) -> List[str]:
             if doc is None:
                 continue
             sm = doc.get("summary") if isinstance(doc.get("summary"), dict) else {}
-            line = "- TP %d, flag %s, %s: **%s**, %s unique of %s, max ULP %s" % (
-                tp, key, shape, fmt(sm.get("verdict")), fmt(sm.get("unique_completions")),
+            reported = (doc.get("server") or {}).get("tp") if isinstance(doc.get("server"), dict) else None
+            degree = "TP %d" % tp if reported in (None, tp) else (
+                "TP %d asked, the servers report TP %s" % (tp, reported))
+            line = "- %s, flag %s, %s: **%s**, %s unique of %s, max ULP %s" % (
+                degree, key, shape, fmt(sm.get("verdict")), fmt(sm.get("unique_completions")),
                 fmt(sm.get("total_completions")), fmt(sm.get("max_ulp")))
             if key == "off":
                 line += ", first moved: %s" % first_moved(doc)

@@ -40,8 +40,9 @@ def run(name, output, draw):
         return 2
     try:
         draw()
-    except (OSError, ValueError, KeyError) as err:
-        sys.stderr.write("%s: %s\n" % (name, err))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
+        # a file of another shape than the lab writes: one line, never a traceback
+        sys.stderr.write("%s: %s (%s)\n" % (name, err, type(err).__name__))
         return 2
     print("wrote %s" % output)
     return 0

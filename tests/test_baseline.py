@@ -40,6 +40,32 @@ class MalformedBaselines(TempDirTest):
                     self.assertIn(words, r.stderr)
                     self.assertEqual(len(r.stderr.strip().splitlines()), 1, r.stderr)
 
+class BaselinesThatMatch(TempDirTest):
+    def test_a_baseline_with_other_top_k_lists_is_refused(self):
+        with StubServer(StubConfig(invariant=True)) as stub:
+            self.assertEqual(short_sweep(stub, "--sizes", "1,2", "--save", self.path("k5.json")).code, 0)
+            r = short_sweep(stub, "--sizes", "1,2", "--logprobs", 2, "--baseline", self.path("k5.json"))
+        self.assertEqual(r.code, 2, r)
+        self.assertIn("was recorded with logprobs=5, this sweep uses 2", r.stderr)
+
+    def test_the_labs_own_nan_baseline_is_read_back(self):
+        with StubServer(StubConfig(invariant=True, faults={1: "nanlogprobs"})) as stub:
+            self.assertEqual(short_sweep(stub, "--sizes", "1,2", "--save", self.path("nan.json")).code, 0)
+        self.assertIn("NaN", json.dumps(self.load("nan.json")["prompts"][0]["baseline"]))
+        with StubServer(StubConfig(invariant=True)) as stub:
+            r = short_sweep(stub, "--sizes", "1,2", "--baseline", self.path("nan.json"), "--json")
+        self.assertNotEqual(r.code, 2, r)  # read back, and compared
+        self.assertEqual(r.json()["prompts"][0]["baseline_source"], self.path("nan.json"))
+
+    def test_a_built_prompt_takes_a_baseline_made_with_the_same_length(self):
+        with StubServer(StubConfig(invariant=True)) as stub:
+            first = short_sweep(stub, "--sizes", "1,2", "--prompt-tokens", 40, "--save", self.path("p40.json"))
+            self.assertEqual(first.code, 0, first)
+            r = short_sweep(stub, "--sizes", "1,2", "--prompt-tokens", 40, "--baseline", self.path("p40.json"),
+                            "--expect", "invariant")
+        self.assertEqual(r.code, 0, r)
+
+
 class AgainstAnotherServer(TempDirTest):
     """--baseline URL: batch 1 of another server (a TP degree, a version, a restart)."""
 

@@ -17,7 +17,31 @@ SWITCHES = [
     ("vllm", ("vllm_config", "model_config", "quantization"), "fp8", "online FP8 quantization",
      "vllm-project/vllm#57016"),
     ("sglang", ("kv_cache_dtype",), "fp8_e4m3", "FP8 KV cache", "sgl-project/sglang#35938"),
+    ("vllm", ("vllm_env", "VLLM_USE_FLASHINFER_SAMPLER"), True, "FlashInfer sampler",
+     "vllm-project/vllm#51187"),
 ]
+
+
+class HazardsKnowTheirReleases(TempDirTest):
+    def test_a_hazard_fixed_in_a_release_is_not_raised_against_it(self):
+        fp8 = {("vllm_config", "model_config", "quantization"): "fp8"}
+        raised = {}
+        for version in ("0.26.0", "0.33.0"):
+            config = StubConfig(version=version, info_overrides=fp8)
+            with StubServer(config) as stub:
+                r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 4,
+                            "--repeat", 1, "--json")
+            self.assertEqual(r.code, 0, r)
+            raised[version] = [h["setting"] for h in r.json()["server"]["hazards"]]
+        self.assertEqual(len(raised["0.26.0"]), 1, raised)
+        self.assertIn("online FP8 quantization", raised["0.26.0"][0])
+        self.assertEqual(raised["0.33.0"], [])  # per-token scales with the flag from 0.33.0
+
+    def test_an_unknown_release_is_not_taken_for_a_fixed_one(self):
+        info = {"vllm_config": {"model_config": {"quantization": "fp8"}}}
+        self.assertEqual(len(run.hazards_in("vllm", info, None)), 1)
+        self.assertEqual(len(run.hazards_in("vllm", info, "0.32.1")), 1)
+        self.assertEqual(run.hazards_in("vllm", info, "0.33.0+cu130"), [])
 
 
 class EachHazardOnItsOwn(TempDirTest):

@@ -154,15 +154,21 @@ class RequestBodies(unittest.TestCase):
 
 
 class Missing(unittest.TestCase):
-    def test_a_server_without_prompt_logprobs_is_one_line_and_exit_3_only_when_asked(self):
+    def test_a_server_that_cannot_serve_the_check_stops_the_check_not_the_sweep(self):
         with StubServer(StubConfig(prompt_logprobs=False)) as stub:
             r = sweep(stub)
-            self.assertEqual(r.code, 3, r)
-            lines = [x for x in r.stderr.splitlines() if not x.startswith(("run.py: progress", "run.py: saved"))]
-            self.assertEqual(len(lines), 1, r.stderr)
-            self.assertIn("no prompt_logprobs", lines[0])
-            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 4, "--repeat", 1)
-            self.assertEqual(r.code, 0, r)
+            expected = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2,9,17",
+                               "--max-tokens", 24, "--repeat", 1, "--prefill-check",
+                               "--expect", "prefill-equal")
+        self.assertEqual(r.code, 0, r)
+        lines = [x for x in r.stderr.splitlines() if not x.startswith(("run.py: progress", "run.py: saved"))]
+        self.assertEqual(len(lines), 1, r.stderr)
+        self.assertIn("the prefill check stops at batch size 1, the sweep goes on", lines[0])
+        self.assertIn("no prompt_logprobs", lines[0])
+        summary = r.json()["summary"]
+        self.assertEqual((summary["state"], summary["total_completions"]), ("complete", 29))
+        self.assertTrue(summary["prefill_verdict"].startswith("not measured: the server could not serve it"))
+        self.assertEqual(expected.code, 1, expected)  # nothing was measured: the expectation fails
 
     def test_expect_prefill_equal_needs_the_check(self):
         r = run_lab("--mode", "sweep", "--url", "http://127.0.0.1:9", "--expect", "prefill-equal")
