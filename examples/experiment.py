@@ -45,6 +45,8 @@ Variables (all optional):
   OFF_URL, ON_URL      where the arms answer, for arms behind another address (their port is
                        the launch scripts' too)
   WAIT                 seconds an arm may take to answer its health check (default 900)
+  COPIES               on (the default): also sweep each arm with copies in one request, the
+                       upstream tests' shape; off: the concurrent sweeps only
   SWEEP_ARGS, COST_ARGS  extra options for every sweep and for each cost cell
 
 Exit codes: 0 every step ran and every --expect held; otherwise the first failing step's
@@ -141,6 +143,7 @@ class Settings:
     wait_s: float
     sweep_args: List[str]
     cost_args: List[str]
+    copies: bool  # COPIES: the copies-in-one-request sweeps too
 
 
 def split_words(name: str, env: Dict[str, str]) -> List[str]:
@@ -187,7 +190,14 @@ def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
         wait_s=wait_s,
         sweep_args=split_words("SWEEP_ARGS", env),
         cost_args=split_words("COST_ARGS", env),
+        copies=copies_wanted(env.get("COPIES", "on")),
     )
+
+
+def copies_wanted(value: str) -> bool:
+    if value not in ("on", "off"):
+        raise UsageError("COPIES=%s: on or off" % value)
+    return value == "on"
 
 
 def whole_port(text: str, name: str) -> int:
@@ -510,6 +520,8 @@ class Experiment:
         say("TP %d: starting both arms (logs in %s)" % (tp, folder))
         start_arms(self.arms, s.wait_s)
         for stem, key, traffic, expect, shape in SWEEPS:
+            if traffic == "copies" and not s.copies:
+                continue
             save = os.path.join(folder, stem + ".json")
             argv = self.lab(
                 "--mode",
@@ -847,7 +859,7 @@ def cost_table(cells: List[dict], degrees: List[int]) -> List[str]:
 
 # The settings a report names, where they are set.
 REPORTED_VARIABLES = ("GPUS", "TP", "MEM", "MODEL", "BACKEND", "MAX_MODEL_LEN", "RADIX_CACHE",
-                      "EXTRA_ARGS", "SWEEP_ARGS", "COST_ARGS", "OFF_PORT", "ON_PORT")
+                      "EXTRA_ARGS", "SWEEP_ARGS", "COST_ARGS", "OFF_PORT", "ON_PORT", "COPIES")
 
 
 def stamp(seconds: float) -> str:

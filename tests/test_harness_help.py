@@ -37,12 +37,12 @@ EXCERPT_LINES = {
 }
 PROVENANCE = {
     "vllm": [
-        "tests/v1/determinism/conftest.py, lines 8-12, vLLM upstream commit 9aaf83ef",
-        "tests/v1/determinism/test_batch_invariance.py, lines 432-446",
-        "tests/v1/determinism/utils.py, lines 23-24",
-        "tests/v1/determinism/test_online_batch_invariance.py, lines 144-161",
+        "tests/v1/determinism/conftest.py, lines 8-12, vLLM 0.33.0",
+        "tests/v1/determinism/test_batch_invariance.py, lines 509-522",
+        "tests/v1/determinism/utils.py, lines 43-44",
+        "tests/v1/determinism/test_online_batch_invariance.py, lines 144-162",
         "tests/v1/determinism/test_online_batch_invariance.py, lines 126-133",
-        "benchmarks/benchmark_batch_invariance.py, lines 149-152 and 191-192",
+        "benchmarks/benchmark_batch_invariance.py, lines 147-150 and 189-190",
     ],
     "sglang": [
         "python/sglang/test/test_deterministic.py, lines 460-471, SGLang 0.5.23",

@@ -83,6 +83,7 @@ class Experiment(TempDirTest):
             ON_URL="http://127.0.0.1:%d" % self.ports[1],
             SWEEP_ARGS="--sizes 1,2,9,17 --max-tokens 12 --repeat 1",
             COST_ARGS="--batch 2 --trials 2 --warmup 0 --max-tokens 4",
+            COPIES="off",  # the copies sweeps run where a test looks at them (COPIES="on")
         )
         for name in ("VLLM_BATCH_INVARIANT", "CUDA_VISIBLE_DEVICES", "MEM", "STANDIN_EXIT_AFTER"):
             env.pop(name, None)
@@ -133,7 +134,7 @@ class Experiment(TempDirTest):
 
 class ExperimentRuns(Experiment):
     def test_one_device_the_second_arm_starts_once_the_first_is_ready(self):
-        code, out, err = self.finish(self.start())
+        code, out, err = self.finish(self.start(COPIES="on"))
         self.assertEqual(code, 0, err)
         off_loading, off_ready = self.times("off")
         on_loading, on_ready = self.times("on")
