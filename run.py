@@ -4969,7 +4969,7 @@ class PromptSweep:
         cached = {n for n, r in compared if (r.cached_tokens or 0) > 0}
         measured = Measured(
             total=sum(r.completions for r in rows),
-            unique=len(texts),
+            unique=len(texts) if rows else 0,  # no count of completions where none came back
             max_ulp=max((r.max_ulp for r in rows), default=0),
             tokens_diverged=any(r.first_token_divergence is not None for r in rows),
             text_only=any(r.text_only for r in rows),
