@@ -6664,7 +6664,7 @@ def run_cost(cfg: Config, out: Out) -> int:
 
 
 VLLM_REV = "vLLM 0.33.0, its source release (read 2026-12-01)"
-SGLANG_REV = "SGLang 0.5.23 (same text and lines in 0.5.18-0.5.23)"
+SGLANG_REV = "SGLang 0.5.23, its wheel (read 2026-12-01; same text and lines in 0.5.18-0.5.23)"
 
 
 @dataclass
@@ -6919,7 +6919,8 @@ default), as the lab's own SGLang commands below do.
 
 --attention-backend is pinned in both arms on purpose (see the fallback above). The
 driver needs a full sglang install; its other modes are prefix, radix_cache, p_vs_d.
-These commands hold for 0.5.18-0.5.23.
+These commands hold for 0.5.18-0.5.23. Run p_vs_d too: on 0.5.23 (one H200, 2026-12-01)
+the lab found decode and prefill logprobs apart with the flag on, at Qwen3-8B's shape.
 
 The same experiment with the lab (the sizes straddle the 16, 24 and 32 buckets):
 
@@ -6935,7 +6936,8 @@ The same experiment with the lab (the sizes straddle the 16, 24 and 32 buckets):
 def harness_text(engine: Optional[str], out: Out) -> List[str]:
     lines = [
         "Upstream batch-invariance harnesses, quoted verbatim (Apache-2.0; see README), with "
-        "what each one does not tell you.",
+        "what each one does not tell you. The lab itself was run against vLLM 0.26.0 and "
+        "0.33.0 and SGLang 0.5.17 and 0.5.23 on one H200 on 2026-12-01 (examples/real/).",
         "",
     ]
     for name, label, commands in (
