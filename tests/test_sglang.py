@@ -6,7 +6,7 @@ import json
 import unittest
 import urllib.request
 
-from support import StubConfig, StubServer, TempDirTest, post, run, run_lab
+from support import StubConfig, StubServer, TempDirTest, fixture, post, run, run_lab
 from stub_server import sglang_server_info
 
 SGLANG_CLAMP = -3.4028234663852886e38  # torch.finfo(torch.float32).min
@@ -195,6 +195,60 @@ class PracticeEngineLike0523(unittest.TestCase):
         self.assertEqual(info["cuda_graph_config"]["decode"]["backend"], "disabled")
         self.assertFalse(info["disable_cuda_graph"])
         self.assertTrue(info["cuda_graph_config"]["decode"]["bs"])
+
+
+class RealAnswers0523(unittest.TestCase):
+    """The two arms of the real SGLang 0.5.23 experiment (fixtures/sglang-0.5.23), read by the
+    adapter as that run's REPORT.md shows them, and the practice engine held against them."""
+
+    FOLDER = "sglang-0.5.23"
+
+    def info(self, arm):
+        return fixture("server_info_flag_%s.json" % arm, self.FOLDER)
+
+    def facts(self, info):
+        return run.ADAPTERS["sglang"].facts(info, None).checked()
+
+    def test_the_real_pair_reads_as_its_report_says(self):
+        off, on = self.facts(self.info("off")), self.facts(self.info("on"))
+        self.assertEqual((off.version, off.flag, on.flag), ("0.5.23", False, True))
+        for facts in (off, on):
+            self.assertEqual((facts.attention_backend, facts.tp), ("triton", 1))
+            self.assertEqual((facts.graph_sizes, facts.graph_source),
+                             ([1, 2, 4, 8, 12, 16, 24, 32], "reported"))
+            self.assertEqual(facts.max_num_seqs_source,
+                             "internal_states[].effective_max_running_requests_per_dp")
+            self.assertEqual(facts.hazards, [])
+        self.assertEqual(run.arm_differences(off, on), [])
+
+    def test_a_setting_edited_on_one_arm_is_a_difference(self):
+        on_info = self.info("on")
+        on_info["attention_backend"] = "fa3"
+        differences = run.arm_differences(self.facts(self.info("off")), self.facts(on_info))
+        self.assertEqual([d.setting for d in differences], ["attention backend"])
+
+    def test_the_real_generate_answer(self):
+        answer = fixture("generate_logprobs3_on.json", self.FOLDER)
+        (completion,) = run.ADAPTERS["sglang"].completions([answer], 1, True)
+        self.assertEqual(completion.tokens, ["token_id:%d" % t for t in answer["output_ids"]])
+        self.assertEqual([len(top) for top in completion.top_logprobs], [3] * 4)
+        self.assertEqual(completion.finish_reason, "length")
+
+    def test_the_practice_engine_sends_every_setting_the_real_one_sends(self):
+        real, practice = self.info("off"), sglang_server_info(StubConfig(engine="sglang"), 30000)
+        for label, path in run.ADAPTERS["sglang"].SETTINGS:
+            with self.subTest(setting=label):
+                if has_path(real, path):
+                    self.assertTrue(has_path(practice, path), path)
+
+
+def has_path(info, path):
+    """Does a JSON answer hold this path of keys (whatever its value, null included)?"""
+    for key in path:
+        if not isinstance(info, dict) or key not in info:
+            return False
+        info = info[key]
+    return True
 
 
 if __name__ == "__main__":
