@@ -210,9 +210,8 @@ DEFAULT_PREFIX_TOKENS = 1000  # about this many tokens of shared prefix
 BOOTSTRAP_RESAMPLES = 4000  # resamples of the paired ratios for the 95% interval
 BOOTSTRAP_SEED = 20251  # fixed, so the interval is reproducible
 NOISE_SPREAD = 1.5  # an arm whose max/min exceeds this is flagged noisy
-MIN_PAIRS_FOR_INTERVAL = (
-    6  # below this the bootstrap's 2.5/97.5 % bounds are just the extreme ratios
-)
+# below this the bootstrap's 2.5/97.5 % bounds are just the extreme ratios
+MIN_PAIRS_FOR_INTERVAL = 6
 # Transport defaults
 # auto: on a terminal, unless NO_COLOR is set and not empty
 COLOR_CHOICES = ("auto", "always", "never")
@@ -730,13 +729,11 @@ TOKENS_DIVERGED = "tokens diverged"
 TEXT_ONLY = "text differs, tokens equal"  # the server's text path, not its arithmetic, moved
 LOGPROBS_MOVED = "logprobs moved but tokens held"
 NOT_REPEATABLE = "batch 1 not repeatable"  # the verdict when the run-to-run control fails
-NOISE_NOT_RULED_OUT = (
-    "sampling noise not ruled out"  # the verdict when the server ignores the seed
-)
+# the verdict when the server ignores the seed
+NOISE_NOT_RULED_OUT = "sampling noise not ruled out"
 NO_DATA = "no data"  # the verdict when no completion came back (the run stopped first)
-NOTHING_COMPARED = (
-    "nothing compared"  # batch 1 alone came back: it is the baseline, not a comparison
-)
+# batch 1 alone came back: it is the baseline, not a comparison
+NOTHING_COMPARED = "nothing compared"
 # what moved, moved only where the prefix cache served the prompt despite the bypass
 CACHE_CONFOUNDED = "moved only where the cache served (bypass did not hold)"
 BATCH_EFFECTS = (TOKENS_DIVERGED, LOGPROBS_MOVED)  # verdicts batching explains
@@ -1539,34 +1536,25 @@ class ServerFacts:
     version: Any = None
     flag: Optional[bool] = None  # the batch-invariance flag; None: the server does not say
     max_model_len: Any = None
-    max_model_len_source: Optional[str] = (
-        None  # where the server keeps it (an effective value first)
-    )
+    max_model_len_source: Optional[str] = None  # where the server keeps it (effective first)
     attention_backend: Any = None  # as the adapter spells it (vLLM: the class name)
     tp: Any = None
     max_num_seqs: Any = None  # the most requests the server runs together
-    max_num_seqs_source: Optional[str] = (
-        None  # where the server keeps it (an effective value first)
-    )
+    max_num_seqs_source: Optional[str] = None  # where the server keeps it (effective first)
     seed_honoured: Optional[bool] = None  # does a per-request seed fix the sample? None: unknown
     seed_note: Optional[str] = None  # why not, when it is not
     load_format: Any = None
-    graph_sizes: List[int] = field(
-        default_factory=list
-    )  # decode CUDA-graph sizes; [] when none run
+    graph_sizes: List[int] = field(default_factory=list)  # decode CUDA graphs; [] when none run
     graph_source: str = "assumed"  # reported, derived (from reported settings) or assumed
-    default_graph_sizes: List[int] = field(
-        default_factory=list
-    )  # the engine's own; ladders use them without graphs
+    # the engine's own graph sizes; ladders use them where the server runs no graphs
+    default_graph_sizes: List[int] = field(default_factory=list)
     info_source: Optional[str] = None  # the endpoint the settings came from; None: hidden
     settings_hint: Optional[str] = None  # how to make a server that hides its settings show them
     settings: Dict[str, Any] = field(default_factory=dict)  # label -> value, compared between arms
-    flag_sets: Dict[str, Any] = field(
-        default_factory=dict
-    )  # label -> the value the flag itself gives it here
-    hazards: Optional[List[Dict[str, Any]]] = (
-        None  # known hazards this server's settings meet; None: hidden
-    )
+    # label -> the value the flag itself gives that setting on this engine
+    flag_sets: Dict[str, Any] = field(default_factory=dict)
+    # known hazards this server's settings meet; None: hidden
+    hazards: Optional[List[Dict[str, Any]]] = None
 
     def bucket(self, batch_size: int) -> Bucket:
         return (
@@ -1797,10 +1785,7 @@ def choice_order(choices: List[Any]) -> List[Any]:
 
 class VllmAdapter:
     name, label, default_port = "vllm", "vLLM", 8000
-    generate_path, health_path = (
-        "/v1/completions",
-        "/health",
-    )  # /health: 200 once the engine has loaded
+    generate_path, health_path = "/v1/completions", "/health"  # /health: 200 once loaded
     flag_name = "VLLM_BATCH_INVARIANT"
     logprob_clamps = (-9999.0,)  # vLLM writes -inf logprobs as -9999.0
     DEFAULT_MAX_NUM_SEQS = 32  # assumed when the server does not say (upstream's test value)
@@ -1848,9 +1833,8 @@ class VllmAdapter:
         return name.rsplit(".", 1)[-1] if isinstance(name, str) else name
 
     def answers_like(self, client: HttpClient) -> bool:
-        return isinstance(
-            dig(answer_or_none(client, "/version"), "version"), str
-        )  # SGLang has no /version
+        # SGLang has no /version
+        return isinstance(dig(answer_or_none(client, "/version"), "version"), str)
 
     def read_facts(self, client: HttpClient, model: Optional[str]) -> ServerFacts:
         version = dig(client.request("/version"), "version")
