@@ -2103,6 +2103,9 @@ class SglangAdapter:
     ] + [
         ("CUDA-graph sizes", ("cuda_graph_config", "decode", "bs")),
         ("CUDA-graph decode backend", ("cuda_graph_config", "decode", "backend")),
+        # 0.5.23 captures prefill graphs too ("breakable" on both arms of the real pair in
+        # tests/fixtures/sglang-0.5.23): another prefill path on one arm is another arithmetic
+        ("CUDA-graph prefill backend", ("cuda_graph_config", "prefill", "backend")),
     ]
 
     def answers_like(self, client: HttpClient) -> bool:

@@ -741,7 +741,8 @@ def sglang_server_info(config: StubConfig, port: int) -> Dict:
         # the raw flags, null unless passed; the limit in force is in internal_states
         "max_running_requests": None, "context_length": None, "disable_cuda_graph": False,
         "cuda_graph_max_bs_decode": max(sizes),
-        "cuda_graph_config": {"decode": {"bs": sizes, "backend": "full" if config.decode_graphs else "disabled"}},
+        "cuda_graph_config": {"decode": {"bs": sizes, "backend": "full" if config.decode_graphs else "disabled"},
+                              "prefill": {"backend": "breakable"}},  # as the real 0.5.23 pair
         "random_seed": random.getrandbits(30), "max_total_num_tokens": 400000 + random.getrandbits(10),
         "internal_states": [{"effective_max_running_requests_per_dp": config.max_num_seqs,
                              "last_gen_throughput": 0.0, "startup_time": time.time()}],

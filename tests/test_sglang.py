@@ -222,10 +222,17 @@ class RealAnswers0523(unittest.TestCase):
         self.assertEqual(run.arm_differences(off, on), [])
 
     def test_a_setting_edited_on_one_arm_is_a_difference(self):
-        on_info = self.info("on")
-        on_info["attention_backend"] = "fa3"
-        differences = run.arm_differences(self.facts(self.info("off")), self.facts(on_info))
-        self.assertEqual([d.setting for d in differences], ["attention backend"])
+        edits = {
+            "attention backend": ("attention_backend", "fa3"),
+            "CUDA-graph prefill backend": ("cuda_graph_config", "prefill", "backend", "disabled"),
+        }
+        for label, edit in edits.items():
+            with self.subTest(setting=label):
+                on_info = self.info("on")
+                *path, key, value = edit
+                dig_into(on_info, path)[key] = value
+                differences = run.arm_differences(self.facts(self.info("off")), self.facts(on_info))
+                self.assertEqual([d.setting for d in differences], [label])
 
     def test_the_real_generate_answer(self):
         answer = fixture("generate_logprobs3_on.json", self.FOLDER)
@@ -240,6 +247,12 @@ class RealAnswers0523(unittest.TestCase):
             with self.subTest(setting=label):
                 if has_path(real, path):
                     self.assertTrue(has_path(practice, path), path)
+
+
+def dig_into(info, path):
+    for key in path:
+        info = info[key]
+    return info
 
 
 def has_path(info, path):
