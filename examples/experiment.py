@@ -321,8 +321,12 @@ class Arm:
         signal_group(self.process, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
         while signal_group(self.process, 0) and time.monotonic() < deadline:
-            self.process.poll()  # reap the leader, so that only live members count
-            time.sleep(POLL_S)
+            try:  # back at once when the leader goes (reaped, so that only live members count)
+                self.process.wait(timeout=POLL_S)
+            except subprocess.TimeoutExpired:
+                continue
+            if signal_group(self.process, 0):  # members outlive the leader: look again soon
+                time.sleep(POLL_S)
         signal_group(self.process, signal.SIGKILL)
         self.process.wait()
 
@@ -437,9 +441,13 @@ class Experiment:
                 start_new_session=True,
             )
             try:
-                while self.step_process.poll() is None:
+                while True:
                     self.check_arms()
-                    time.sleep(POLL_S)
+                    try:  # back at once when the step ends; the arms looked at every POLL_S
+                        self.step_process.wait(timeout=POLL_S)
+                        break
+                    except subprocess.TimeoutExpired:
+                        continue
                 step.exit_code = self.step_process.returncode
                 self.check_arms()  # a step that failed because its arm died is the arm's failure
             except ArmFailed:
