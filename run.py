@@ -1,7 +1,5 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-#!/usr/bin/env python3
-# SPDX-License-Identifier: Apache-2.0
 """Batch-invariance lab: does your vLLM or SGLang server give the same answer for the
 same prompt whatever else shares its batch, and what does it cost to make it so?
 
@@ -102,29 +100,15 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from http.client import HTTPException
-from typing import (
-    Any,
-    Callable,
-    Dict,
-    Iterator,
-    List,
-    Optional,
-    Protocol,
-    Sequence,
-    Set,
-    Tuple,
-    Type,
-    TypeVar,
-    Union,
-)
+from typing import (Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Set, Tuple,
+                    Type, TypeVar, Union)
 
 # ----------------------------------------------------------------------------
 # Constants
 
-
 LAB_VERSION = "0.9.0"  # run.py --version; saved in every result, with the command that made it
 SWEEP_SCHEMA = "batch-invariance-lab/sweep/2"  # the "schema" field of sweep save files
-SWEEP_SCHEMAS_READ = ("batch-invariance-lab/sweep/1", SWEEP_SCHEMA)  # what --baseline reads
+SWEEP_SCHEMAS_READ = ("batch-invariance-lab/sweep/1", SWEEP_SCHEMA)  # what this lab reads back
 COST_SCHEMA = "batch-invariance-lab/cost/1"  # the "schema" field of cost save files
 MODES = ("harness", "sweep", "cost", "help")
 EXIT_OK = 0  # ran, and any --expect held
@@ -141,10 +125,8 @@ EXIT_CODES = [  # what each exit code means, as --help and the guide print it
     (EXIT_OK, "ran, and any --expect held"),
     (EXIT_EXPECTATION, "an --expect did not hold"),
     (EXIT_USAGE, "usage or input error, found before any request"),
-    (
-        EXIT_SERVER,
-        "the server or network failed before the run completed (--save keeps what was measured)",
-    ),
+    (EXIT_SERVER,
+     "the server or network failed before the run completed (--save keeps what was measured)"),
     (EXIT_INTERNAL, "a fault of the lab's own, to report (--save keeps what was measured)"),
     (EXIT_OUTPUT, "stdout or stderr could not be written (--save keeps what was measured)"),
     (EXIT_HANGUP, "stopped by SIGHUP, a closed terminal (--save keeps what was measured)"),
@@ -177,8 +159,7 @@ LIMITS = [  # what --help says of them
 # Sweep defaults
 DEFAULT_PROMPT = (
     "Explain, step by step, why adding the same floating-point numbers in a different order can "
-    "give a different answer:"
-)  # a prompt with room to wander
+    "give a different answer:")  # a prompt with room to wander
 DEFAULT_MAX_BATCH = 32  # the largest batch of the default ladder (upstream's max-num-seqs)
 DEFAULT_SWEEP_TOKENS = 64  # longer generations give a near-tie more chances to appear
 DEFAULT_LOGPROBS = 5  # top-k logprobs per step, as in vLLM's online test
@@ -191,14 +172,7 @@ DEFAULT_TRAFFIC = "copies"  # the shape upstream's harnesses send
 # What a concurrent row's send_spread_s measures, as the saved document says it
 SEND_SPREAD_MEANS = "seconds from the lab's first request of the batch written to its last"
 DEFAULT_REPEAT = 3  # passes through the ladder: a flag-off server is not repeatable run to run
-MIXED_FILLER_WORDS = (
-    3,
-    12,
-    40,
-    120,
-    300,
-    600,
-)  # filler prompt lengths (about tokens) of mixed traffic
+MIXED_FILLER_WORDS = (3, 12, 40, 120, 300, 600)  # filler prompt lengths (about tokens), mixed
 # Cost defaults
 WORKLOADS = ("cold", "shared-prefix")  # no prefix can be cached; one long prefix shared by all
 DEFAULT_BATCH = 32  # prompts per timed request
@@ -227,16 +201,14 @@ PROGRESS_INTERVAL_S = 10.0  # off a terminal, at most one progress line this oft
 SAVE_INTERVAL_S = 1.0  # during a run --save is rewritten at most this often (and at every stop)
 SAVE_SHARE = 0.05  # ... and never so often that writing it takes more than this share of the run
 
-
 # ----------------------------------------------------------------------------
 # Records: what is measured and saved, as dataclasses written by one function (as_record)
 
 Json = Dict[str, Any]  # a JSON object as saved or read: made by as_record, read by from_record
 
 
-def saved(
-    name: Optional[str] = None, omit_none: bool = False, flat: Optional[str] = None
-) -> Dict[str, Any]:
+def saved(name: Optional[str] = None, omit_none: bool = False,
+          flat: Optional[str] = None) -> Dict[str, Any]:
     """A record field's metadata, for as_record: saved under name (default: the field's own),
     left out when None (omit_none), or its own record's fields saved in its place, each name
     behind the prefix flat."""
@@ -249,16 +221,9 @@ NOT_SAVED: Dict[str, Any] = {"not_saved": True}  # the metadata of a field as_re
 @functools.lru_cache(maxsize=None)
 def saved_fields(kind: type) -> Tuple[Tuple[str, Optional[str], bool, Optional[str]], ...]:
     """(field, saved name, omit when None, flat prefix) of a record type, in saved order."""
-    return tuple(
-        (
-            f.name,
-            f.metadata.get("saved") or f.name,
-            f.metadata.get("omit_none", False),
-            f.metadata.get("flat"),
-        )
-        for f in dataclasses.fields(kind)
-        if not f.metadata.get("not_saved")
-    )
+    return tuple((f.name, f.metadata.get("saved") or f.name, f.metadata.get("omit_none", False),
+                  f.metadata.get("flat"))
+                 for f in dataclasses.fields(kind) if not f.metadata.get("not_saved"))
 
 
 def as_record(value: Any) -> Any:
@@ -297,7 +262,6 @@ def holds_records(value: Any) -> bool:
 # ----------------------------------------------------------------------------
 # Pure functions: float32 ULPs, comparisons, counts, ladders, statistics
 
-
 _F32 = struct.Struct("<f")
 _I32 = struct.Struct("<i")
 _F64 = struct.Struct("<d")
@@ -329,9 +293,8 @@ def ulp_distance(a: float, b: float, width: int = 32) -> int:
     return abs(_ordered(ia, 1 << 63) - _ordered(ib, 1 << 63))
 
 
-def logprob_distance(
-    a: float, b: float, clamps: Sequence[float] = ()
-) -> Tuple[Optional[int], str]:
+def logprob_distance(a: float, b: float,
+                     clamps: Sequence[float] = ()) -> Tuple[Optional[int], str]:
     """(ULPs, unit) between two logprobs; ULPs is None where no distance means anything.
 
     unit is "float32" normally, "float64" when either value is not float32-exact (a server
@@ -359,22 +322,16 @@ class Completion:
     top_logprobs: List[Dict[str, float]]  # token -> logprob at each step
     finish_reason: Optional[str] = None
     # What the comparisons work out once per completion (has_nan, flat_view), not compared
-    memo: Dict[str, Any] = field(
-        default_factory=dict, compare=False, repr=False, metadata=NOT_SAVED
-    )
+    memo: Dict[str, Any] = field(default_factory=dict, compare=False, repr=False,
+                                 metadata=NOT_SAVED)
 
     @classmethod
     def from_record(cls, rec: Dict[str, Any]) -> "Completion":
         """A saved completion; the strings "NaN", "Infinity" and "-Infinity" a save wrote for
         values standard JSON has no words for are those values again."""
         top = rec.get("top_logprobs") or [{} for _ in rec["tokens"]]
-        return cls(
-            rec["text"],
-            list(rec["tokens"]),
-            [float(x) for x in rec["logprobs"]],
-            [{k: float(v) for k, v in d.items()} for d in top],
-            rec.get("finish_reason"),
-        )
+        return cls(rec["text"], list(rec["tokens"]), [float(x) for x in rec["logprobs"]],
+                   [{k: float(v) for k, v in d.items()} for d in top], rec.get("finish_reason"))
 
 
 def same_completion(a: Completion, b: Completion) -> bool:
@@ -383,11 +340,8 @@ def same_completion(a: Completion, b: Completion) -> bool:
     decodes every NaN to one object). What equals b holds a NaN only where b does, so only
     b is looked at: pass the completion a run of copies is compared with as b."""
     return (  # logprobs first: where anything moved, they tell the two apart soonest
-        a.logprobs == b.logprobs
-        and a.tokens == b.tokens
-        and a.top_logprobs == b.top_logprobs
-        and not has_nan(b)
-    )
+        a.logprobs == b.logprobs and a.tokens == b.tokens and a.top_logprobs == b.top_logprobs
+        and not has_nan(b))
 
 
 def has_nan(c: Completion) -> bool:
@@ -410,9 +364,8 @@ class FlatView:
     raw: bytes = b""  # bits as bytes, to find where two views first differ
 
 
-def flat_view(
-    c: Completion, clamps: Sequence[float], values: Optional[List[float]] = None
-) -> FlatView:
+def flat_view(c: Completion, clamps: Sequence[float],
+              values: Optional[List[float]] = None) -> FlatView:
     """c's FlatView, worked out once (a baseline is compared with every other completion);
     values, when given, are c's logprobs already laid out so."""
     key = ("flat", tuple(clamps))
@@ -470,9 +423,8 @@ def float32_bytes(values: Tuple[float, ...]) -> Tuple[bytes, ...]:
     return tuple(array.array("f", [v]).tobytes() for v in values if is_float32_exact(v))
 
 
-def _negative_float32_bits_exactly(
-    values: List[float], clamps: Sequence[float]
-) -> Optional[array.array]:
+def _negative_float32_bits_exactly(values: List[float],
+                                   clamps: Sequence[float]) -> Optional[array.array]:
     if max(values) > 0.0 or any(c in values for c in clamps) or -math.inf in values:
         return None
     f32 = array.array("f", [v or -0.0 for v in values])
@@ -484,11 +436,11 @@ def _negative_float32_bits_exactly(
 def first_difference(a: bytes, b: bytes, start: int, stop: int) -> Optional[int]:
     """The first index in start..stop-1 where two arrays of 4-byte values differ, or None:
     a binary search over slices compared in C."""
-    if a[4 * start : 4 * stop] == b[4 * start : 4 * stop]:
+    if a[4 * start:4 * stop] == b[4 * start:4 * stop]:
         return None
     while stop - start > 1:
         mid = (start + stop) // 2
-        if a[4 * start : 4 * mid] == b[4 * start : 4 * mid]:
+        if a[4 * start:4 * mid] == b[4 * start:4 * mid]:
             start = mid
         else:
             stop = mid
@@ -509,9 +461,8 @@ NOT_IN_TOP_K = "not in top-k"
 ENDED_EARLY = "one ended early"
 
 
-def divergence_margin(
-    base: Completion, other: Completion, step: int, clamps: Sequence[float] = ()
-) -> Margin:
+def divergence_margin(base: Completion, other: Completion, step: int,
+                      clamps: Sequence[float] = ()) -> Margin:
     if step >= len(base.tokens) or step >= len(other.tokens):
         return Margin(note=ENDED_EARLY)
     top = base.top_logprobs[step] if step < len(base.top_logprobs) else {}
@@ -554,18 +505,15 @@ class ComparablePairs:
         return i if i < self.chosen else bisect.bisect_right(self.ends, i)
 
 
-def comparable_pairs(
-    base: Completion, other: Completion, clamps: Sequence[float] = ()
-) -> ComparablePairs:
+def comparable_pairs(base: Completion, other: Completion,
+                     clamps: Sequence[float] = ()) -> ComparablePairs:
     """Before the first token divergence: the chosen token's logprob and every token in both
     top-k lists. At the divergence step: only tokens in both top-k lists. After it: nothing,
     because the two contexts differ. Built with C-level extends: a sweep compares thousands."""
     steps = min(len(base.tokens), len(other.tokens))
-    diverged = (
-        None
-        if base.tokens == other.tokens
-        else next((t for t in range(steps) if base.tokens[t] != other.tokens[t]), None)
-    )
+    diverged = None
+    if base.tokens != other.tokens:
+        diverged = next((t for t in range(steps) if base.tokens[t] != other.tokens[t]), None)
     if diverged is None and len(base.tokens) != len(other.tokens):
         diverged = steps  # one ended early: its end is the divergence
     last = steps - 1 if diverged is None else min(diverged, steps - 1)
@@ -594,9 +542,8 @@ def comparable_pairs(
     return ComparablePairs(diverged, xs, ys, chosen, ends, topk_changed)
 
 
-def pair_ulps(
-    xs: List[float], ys: List[float], clamps: Sequence[float]
-) -> Tuple[List[Optional[int]], Set[str]]:
+def pair_ulps(xs: List[float], ys: List[float],
+              clamps: Sequence[float]) -> Tuple[List[Optional[int]], Set[str]]:
     """The ULP distance of every pair (None: moved, but no distance means anything), and the
     notes on units met. The common case is counted in C; the rest pair by pair."""
     bulk = _negative_float32_ulps(xs, ys, clamps)
@@ -612,9 +559,8 @@ def pair_ulps(
     return ulps, notes
 
 
-def _negative_float32_ulps(
-    xs: List[float], ys: List[float], clamps: Sequence[float]
-) -> Optional[List[int]]:
+def _negative_float32_ulps(xs: List[float], ys: List[float],
+                           clamps: Sequence[float]) -> Optional[List[int]]:
     """ULPs of each pair, computed in C, when both sides are negative_float32_bits' case."""
     bx, by = negative_float32_bits(xs, clamps), negative_float32_bits(ys, clamps)
     if bx is None or by is None:
@@ -630,9 +576,8 @@ def first_true(flags: List[bool], start: int, stop: int) -> Optional[int]:
         return None
 
 
-def compare_completions(
-    base: Completion, other: Completion, clamps: Sequence[float] = ()
-) -> Delta:
+def compare_completions(base: Completion, other: Completion,
+                        clamps: Sequence[float] = ()) -> Delta:
     """Compare a completion with the baseline, step by step (see comparable_pairs for which
     values count); clamps are the engine's stand-ins for -inf."""
     if same_completion(base, other):
@@ -658,14 +603,12 @@ def compare_completions(
     margin = None
     if pairs.diverged is not None:
         margin = divergence_margin(base, other, pairs.diverged, clamps)
-    return Delta(
-        pairs.diverged, worst, min(moved) if moved else None, tuple(sorted(notes)), margin
-    )
+    return Delta(pairs.diverged, worst,
+                 min(moved) if moved else None, tuple(sorted(notes)), margin)
 
 
-Bucket = Union[
-    int, str, None
-]  # a graph size; None above the largest (no graph); "?" sizes unknown
+Bucket = Union[int, str,
+               None]  # a graph size; None above the largest (no graph); "?" sizes unknown
 
 
 def graph_bucket(batch_size: int, graph_sizes: Sequence[int]) -> Optional[int]:
@@ -711,17 +654,13 @@ class Measured:
             text_only=any(m.text_only for m in parts),
             unmeasured=any(m.unmeasured for m in parts),
             compared=any(m.compared for m in parts),
-            batch1_repeatable=(
-                False
-                if False in repeatable
-                else True if repeatable and None not in repeatable else None
-            ),
+            batch1_repeatable=(False if False in repeatable else
+                               True if repeatable and None not in repeatable else None),
             unseeded=any(m.unseeded for m in parts),
             # batching is shown by any prompt that moved at a size the cache did not serve
             confounded=any(m.confounded for m in parts)
             and all(m.confounded for m in parts if verdict(m) != INVARIANT),
-            unoverlapped=any(m.unoverlapped for m in parts),
-        )
+            unoverlapped=any(m.unoverlapped for m in parts))
 
 
 INVARIANT = "invariant"
@@ -739,7 +678,6 @@ CACHE_CONFOUNDED = "moved only where the cache served (bypass did not hold)"
 BATCH_EFFECTS = (TOKENS_DIVERGED, LOGPROBS_MOVED)  # verdicts batching explains
 UNMEASURED_VERDICTS = (NO_DATA, NOTHING_COMPARED)  # verdicts that claim nothing either way
 MOVED_NOTES = ("clamped", "non-finite", "top-k changed")  # notes that count as moved, ULPs or not
-
 
 ULP_NOTE_TEXT = {
     "top-k changed": "a step's top-k token set differed from batch 1's (a candidate swapped "
@@ -761,14 +699,8 @@ def verdict(m: Measured) -> str:
         return NO_DATA
     if not m.compared:
         return NOTHING_COMPARED
-    moved = (
-        m.tokens_diverged
-        or m.text_only
-        or m.unique > 1
-        or m.max_ulp > 0
-        or m.unmeasured
-        or m.batch1_repeatable is False
-    )
+    moved = (m.tokens_diverged or m.text_only or m.unique > 1 or m.max_ulp > 0 or m.unmeasured
+             or m.batch1_repeatable is False)
     if m.unseeded and moved:
         return NOISE_NOT_RULED_OUT
     if m.batch1_repeatable is False:
@@ -798,19 +730,14 @@ def mad(values: Sequence[float]) -> float:
     return statistics.median([abs(v - m) for v in values])
 
 
-def bootstrap_median_ci(
-    values: Sequence[float],
-    resamples: int = BOOTSTRAP_RESAMPLES,
-    seed: int = BOOTSTRAP_SEED,
-    level: float = 0.95,
-) -> Tuple[float, float]:
+def bootstrap_median_ci(values: Sequence[float], resamples: int = BOOTSTRAP_RESAMPLES,
+                        seed: int = BOOTSTRAP_SEED, level: float = 0.95) -> Tuple[float, float]:
     """Percentile bootstrap interval of the median; seeded, so the same data give the same
     interval."""
     rng = random.Random(seed)
     n = len(values)
     meds = sorted(
-        statistics.median([values[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples)
-    )
+        statistics.median([values[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples))
     tail = (1.0 - level) / 2.0
     return meds[int(tail * (resamples - 1))], meds[int(math.ceil((1.0 - tail) * (resamples - 1)))]
 
@@ -831,8 +758,7 @@ def mixed_batch(prompt: str, n: int, seed: int) -> Tuple[List[str], int]:
 
 _FILLER = (
     "the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak tree "
-    "near the river bank and count every star in the clear night sky"
-).split()
+    "near the river bank and count every star in the clear night sky").split()
 
 
 def filler_words(count: int, offset: int = 0) -> str:
@@ -840,16 +766,14 @@ def filler_words(count: int, offset: int = 0) -> str:
     return " ".join(_FILLER[(offset + i) % len(_FILLER)] for i in range(count))
 
 
-def workload_prompts(
-    workload: str, batch: int, trial: int, run_id: str, prefix_tokens: int = DEFAULT_PREFIX_TOKENS
-) -> List[str]:
+def workload_prompts(workload: str, batch: int, trial: int, run_id: str,
+                     prefix_tokens: int = DEFAULT_PREFIX_TOKENS) -> List[str]:
     """The prompts of one trial. cold: every prompt opens with its own run, trial and slot, so
     no prefix cache can hit; shared-prefix: one long prefix for every prompt of every trial."""
     if workload == "cold":
         return [
-            "[%s.%d.%d] Write a short story about %s."
-            % (run_id, trial, i, filler_words(6, trial + i))
-            for i in range(batch)
+            "[%s.%d.%d] Write a short story about %s." %
+            (run_id, trial, i, filler_words(6, trial + i)) for i in range(batch)
         ]
     prefix = "Read this passage and answer the question after it. " + filler_words(prefix_tokens)
     return [
@@ -883,14 +807,8 @@ class UsageError(Exception):
 def is_loopback(host: str) -> bool:
     """This machine: loopback addresses and names, the any-address engines log, and the
     machine's own name. A proxy cannot reach any of them."""
-    if host.lower() in (
-        "localhost",
-        "localhost.localdomain",
-        "0.0.0.0",
-        "::",
-        "[::]",
-        socket.gethostname().lower(),
-    ):
+    if host.lower() in ("localhost", "localhost.localdomain", "0.0.0.0", "::", "[::]",
+                        socket.gethostname().lower()):
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
@@ -949,8 +867,7 @@ def check_api_key(key: Optional[str]) -> Optional[str]:
     if key is not None and (not key.isprintable() or not key.isascii()):
         raise UsageError(
             "the API key (--api-key or $OPENAI_API_KEY) holds a line break, a control "
-            "character or a non-ASCII character: no HTTP header can carry it as it is"
-        )
+            "character or a non-ASCII character: no HTTP header can carry it as it is")
     return key
 
 
@@ -1078,9 +995,8 @@ class HttpClient:
         self.max_bytes = max_bytes
         self.route = Route.to(self.base_url)
 
-    def request(
-        self, path: str, body: Optional[Dict[str, Any]] = None, as_text: bool = False
-    ) -> Any:
+    def request(self, path: str, body: Optional[Dict[str, Any]] = None,
+                as_text: bool = False) -> Any:
         """GET (body None) or POST JSON; returns the decoded JSON answer (with as_text, the
         answer's text) or raises ServerError.
         A GET redirected within the server follows the redirect (at most MAX_REDIRECTS
@@ -1109,20 +1025,16 @@ class HttpClient:
             raise ServerError(
                 "%s://%s answered HTTP %d, redirecting to %s, another server: the lab follows no "
                 "redirect away from the server it was given (give that URL instead, if it is "
-                "the one)" % (here.scheme, here.netloc, status, shown[:200])
-            )
+                "the one)" % (here.scheme, here.netloc, status, shown[:200]))
         base_path = urllib.parse.urlsplit(self.base_url).path
-        path = there.path[len(base_path) :] if there.path.startswith(base_path) else there.path
+        path = there.path[len(base_path):] if there.path.startswith(base_path) else there.path
         return path + ("?" + there.query if there.query else "")
 
     def deadline(self) -> Deadline:
         """The deadline of one answer, starting now."""
         return Deadline(
-            self.timeout,
-            lambda: ServerError(
-                "no complete answer from %s within %gs (--timeout)" % (self.base_url, self.timeout)
-            ),
-        )
+            self.timeout, lambda: ServerError("no complete answer from %s within %gs (--timeout)" %
+                                              (self.base_url, self.timeout)))
 
     def http_error(self, status: int, path: str, body: bytes) -> ServerError:
         message = server_message(body)[:300]
@@ -1133,20 +1045,15 @@ class HttpClient:
         if isinstance(reason, OSError) and reason.errno in (errno.EMFILE, errno.ENFILE):
             return ServerError(
                 "this machine ran out of open files (%s), not the server: raise the limit "
-                "(ulimit -n) or send fewer requests at once" % os.strerror(reason.errno)
-            )
+                "(ulimit -n) or send fewer requests at once" % os.strerror(reason.errno))
         if isinstance(reason, ssl.SSLCertVerificationError):
-            return ServerError(
-                "the TLS certificate of %s is not trusted here (%s)"
-                % (self.base_url, reason.verify_message or reason.reason)
-            )
+            return ServerError("the TLS certificate of %s is not trusted here (%s)" %
+                               (self.base_url, reason.verify_message or reason.reason))
         if isinstance(reason, ssl.SSLError):
-            return ServerError(
-                "TLS with %s failed (%s)" % (self.base_url, reason.reason or reason)
-            )
+            return ServerError("TLS with %s failed (%s)" %
+                               (self.base_url, reason.reason or reason))
         if isinstance(reason, (OSError, HTTPException)) and not isinstance(
-            reason, TIMEOUTS + (ConnectionRefusedError, socket.gaierror)
-        ):
+                reason, TIMEOUTS + (ConnectionRefusedError, socket.gaierror)):
             return ServerError("connection to %s dropped (%s)" % (url, type(reason).__name__))
         return ServerError(describe_network_error(reason, self.base_url, self.timeout))
 
@@ -1157,9 +1064,8 @@ class HttpClient:
         try:
             return json.loads(raw)
         except (ValueError, RecursionError):  # RecursionError: nested deeper than Python parses
-            raise ServerError(
-                "invalid JSON from %s (%d bytes)" % (path, len(raw)), kind=ServerError.ANSWER
-            ) from None
+            raise ServerError("invalid JSON from %s (%d bytes)" % (path, len(raw)),
+                              kind=ServerError.ANSWER) from None
 
     def prepare_post(self, path: str, body: Dict[str, Any]) -> "Exchange":
         return Exchange(self, "POST", path, body)
@@ -1173,14 +1079,12 @@ class HttpClient:
                 break
             total += len(chunk)
             if total > self.max_bytes:
-                raise ServerError(
-                    "answer larger than %d MB refused (--max-response-mb)" % (self.max_bytes >> 20)
-                )
+                raise ServerError("answer larger than %d MB refused (--max-response-mb)" %
+                                  (self.max_bytes >> 20))
             chunks.append(chunk)
         if getattr(resp, "length", None):  # the server hung up before the length it announced
-            raise ServerError(
-                "connection to %s dropped in the middle of an answer" % self.base_url
-            )
+            raise ServerError("connection to %s dropped in the middle of an answer"
+                              % self.base_url)
         return b"".join(chunks)
 
 
@@ -1249,13 +1153,8 @@ class Route:
         if not proxy or is_loopback(host) or urllib.request.proxy_bypass(host):
             return straight
         via = urllib.parse.urlsplit(proxy if "://" in proxy else "http://" + proxy)
-        return dataclasses.replace(
-            straight,
-            host=via.hostname or "",
-            port=via.port,
-            absolute=not https,
-            tunnel=(host, port) if https else None,
-        )
+        return dataclasses.replace(straight, host=via.hostname or "", port=via.port,
+                                   absolute=not https, tunnel=(host, port) if https else None)
 
     def connection(self, timeout: float) -> http.client.HTTPConnection:
         kind = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
@@ -1273,9 +1172,8 @@ class Exchange:
     deadline covers connecting, another the answer from the request written to its last
     byte; the watchdog keeps both, and a stop signal's grace. Errors are the client's."""
 
-    def __init__(
-        self, client: HttpClient, method: str, path: str, body: Optional[Dict[str, Any]] = None
-    ):
+    def __init__(self, client: HttpClient, method: str, path: str,
+                 body: Optional[Dict[str, Any]] = None):
         self.client, self.path = client, path
         self.deadline: Optional[Deadline] = None  # what the watchdog holds the exchange to
         self.response: Optional[http.client.HTTPResponse] = None  # from the answer's start on
@@ -1364,9 +1262,8 @@ class Exchange:
         """The response, its status line and headers read (an error status raises)."""
         resp = self._begin()
         if resp.status >= 300:
-            raise self.client.http_error(
-                resp.status, self.path, self._guard(lambda: self.client._read_capped(resp))
-            )
+            raise self.client.http_error(resp.status, self.path,
+                                         self._guard(lambda: self.client._read_capped(resp)))
         return resp
 
     def events(self) -> Any:
@@ -1380,8 +1277,7 @@ class Exchange:
             if "text/event-stream" not in (resp.getheader("Content-Type") or ""):
                 raise ServerError(
                     "%s did not stream its answer (no text/event-stream): streaming is needed "
-                    "for --concurrency" % self.path
-                )
+                    "for --concurrency" % self.path)
             pending: List[bytes] = []  # the data lines of the event being read
             start = True
             while True:
@@ -1391,10 +1287,8 @@ class Exchange:
                 start = False
                 if len(line) > MAX_EVENT_LINE:
                     raise ServerError(
-                        "a stream line from %s is longer than %d MiB: refused"
-                        % (self.path, MAX_EVENT_LINE >> 20),
-                        kind=ServerError.ANSWER,
-                    )
+                        "a stream line from %s is longer than %d MiB: refused" %
+                        (self.path, MAX_EVENT_LINE >> 20), kind=ServerError.ANSWER)
                 if not line.endswith(b"\n"):  # the end of the stream, in the middle of a line
                     self._raise_expired()
                     raise ServerError("the stream from %s was cut before it ended" % self.path)
@@ -1428,8 +1322,7 @@ def allow_open_files(connections: int) -> None:
         if soft != resource.RLIM_INFINITY and soft < wanted:
             resource.setrlimit(
                 resource.RLIMIT_NOFILE,
-                (wanted if hard == resource.RLIM_INFINITY else min(wanted, hard), hard),
-            )
+                (wanted if hard == resource.RLIM_INFINITY else min(wanted, hard), hard))
     except (ImportError, ValueError, OSError):
         pass
 
@@ -1474,11 +1367,8 @@ def failed_outcome(outcomes: Sequence[Any], what: str) -> None:
     unforeseen = next((o for o in raised if not isinstance(o, ServerError)), None)
     if stop or unforeseen:
         raise stop or unforeseen
-    raise ServerError(
-        "%s (%d of %d %s failed)" % (raised[0], len(raised), len(outcomes), what),
-        raised[0].status,
-        raised[0].kind,
-    )
+    raise ServerError("%s (%d of %d %s failed)" % (raised[0], len(raised), len(outcomes), what),
+                      raised[0].status, raised[0].kind)
 
 
 # ----------------------------------------------------------------------------
@@ -1498,24 +1388,12 @@ class Sampling:
     ignore_eos: bool = False
 
     @classmethod
-    def of(
-        cls,
-        temperature: float,
-        max_tokens: int,
-        logprobs: Optional[int],
-        seed: int,
-        ignore_eos: bool = False,
-    ) -> "Sampling":
+    def of(cls, temperature: float, max_tokens: int, logprobs: Optional[int], seed: int,
+           ignore_eos: bool = False) -> "Sampling":
         """The seed is sent only when sampling: greedy needs none, and an unseeded sample
         would draw from a generator the whole batch shares."""
-        return cls(
-            temperature,
-            DEFAULT_TOP_P,
-            max_tokens,
-            logprobs,
-            seed if temperature > 0 else None,
-            ignore_eos,
-        )
+        return cls(temperature, DEFAULT_TOP_P, max_tokens, logprobs,
+                   seed if temperature > 0 else None, ignore_eos)
 
     def params(self) -> Dict[str, Any]:
         return {
@@ -1558,8 +1436,7 @@ class ServerFacts:
 
     def bucket(self, batch_size: int) -> Bucket:
         return (
-            "?" if self.graph_source == "assumed" else graph_bucket(batch_size, self.graph_sizes)
-        )
+            "?" if self.graph_source == "assumed" else graph_bucket(batch_size, self.graph_sizes))
 
     def checked(self) -> "ServerFacts":
         """These facts with every value a server sent made safe to use: a server may send any
@@ -1596,25 +1473,22 @@ class EngineAdapter(Protocol):
         """Does the server at client answer this engine's own info endpoint as this engine does?
         A server that answers with an HTTP error does not; one that cannot be reached raises."""
 
-    def read_facts(self, client: HttpClient, model: Optional[str]) -> ServerFacts: ...
+    def read_facts(self, client: HttpClient, model: Optional[str]) -> ServerFacts:
+        ...
 
-    def body(
-        self,
-        model: str,
-        prompts: List[str],
-        sampling: Sampling,
-        isolate: bool = False,
-        cache_key: Optional[str] = None,
-    ) -> Dict[str, Any]:
+    def body(self, model: str, prompts: List[str], sampling: Sampling, isolate: bool = False,
+             cache_key: Optional[str] = None) -> Dict[str, Any]:
         """The generation request; isolate: nothing an earlier request cached may serve it
         (a fresh cache key); cache_key: this key, so that a repeat is served from the cache."""
 
     def before_batch(self, client: HttpClient, isolate: bool) -> None:
         """Called before every batch size is sent; isolate as in body()."""
 
-    def completions(self, answer: Any, n: int, with_logprobs: bool) -> List[Completion]: ...
+    def completions(self, answer: Any, n: int, with_logprobs: bool) -> List[Completion]:
+        ...
 
-    def output_tokens(self, answer: Any) -> int: ...
+    def output_tokens(self, answer: Any) -> int:
+        ...
 
     def cached_tokens(self, answer: Any) -> Optional[int]:
         """Prompt tokens the server says it served from its prefix cache; None: it does not say."""
@@ -1628,9 +1502,8 @@ class EngineAdapter(Protocol):
     def prompt_token_ids(self, client: HttpClient, model: str, prompt: str) -> List[int]:
         """The prompt as the server tokenizes it for a completion."""
 
-    def prefill_logprobs(
-        self, client: HttpClient, model: str, ids: List[int], start: int, isolate: bool
-    ) -> List[float]:
+    def prefill_logprobs(self, client: HttpClient, model: str, ids: List[int], start: int,
+                         isolate: bool) -> List[float]:
         """The logprob of each token of ids from position start on, as the server computes it
         when it reads ids as one prompt (a prefill)."""
 
@@ -1703,21 +1576,12 @@ def shape_error(what: str) -> ServerError:
 
 def is_number(x: Any) -> bool:
     """A JSON number a float can hold (true and false are not numbers here)."""
-    return isinstance(x, float) or (
-        isinstance(x, int) and not isinstance(x, bool) and abs(x) < 2**1000
-    )
+    return isinstance(x, float) or (isinstance(x, int) and not isinstance(x, bool)
+                                    and abs(x) < 2**1000)
 
 
-def checked_completion(
-    i: int,
-    text: str,
-    tokens: Any,
-    logprobs: Any,
-    top: Any,
-    finish: Any,
-    clamps: Sequence[float],
-    previous: Optional[Completion],
-) -> Completion:
+def checked_completion(i: int, text: str, tokens: Any, logprobs: Any, top: Any, finish: Any,
+                       clamps: Sequence[float], previous: Optional[Completion]) -> Completion:
     """Completion i of an answer, from its per-step lists, refused when downstream code could
     not compare them. Its flat view is worked out now, while the answer's objects are still
     in the processor's cache (a sweep compares thousands), or taken from the previous
@@ -1725,9 +1589,8 @@ def checked_completion(
     if not isinstance(logprobs, list) or not isinstance(tokens, list):
         raise shape_error("completion %d has no logprobs" % i)
     if not isinstance(top, list) or not (len(tokens) == len(logprobs) == len(top)):
-        raise shape_error(
-            "completion %d has %d tokens but %d logprobs" % (i, len(tokens), len(logprobs))
-        )
+        raise shape_error("completion %d has %d tokens but %d logprobs" %
+                          (i, len(tokens), len(logprobs)))
     # The types of every value at once, in C: the per-value checks run only on the rare
     # answer that holds something other than strings, floats and objects of floats.
     if not set(map(type, tokens)) <= {str}:
@@ -1739,9 +1602,8 @@ def checked_completion(
         # sharing the lists makes every later comparison of the two an identity check
         if tokens == previous.tokens:
             tokens = previous.tokens
-        c = Completion(
-            text, tokens, previous.logprobs, previous.top_logprobs, plain_scalar(finish)
-        )
+        c = Completion(text, tokens, previous.logprobs, previous.top_logprobs,
+                       plain_scalar(finish))
         c.memo.update(previous.memo)
         return c
     values = logprobs + list(itertools.chain.from_iterable(map(dict.values, top)))
@@ -1761,8 +1623,7 @@ def is_token_id(x: Any) -> bool:
 
 def token_ids(values: Any, what: str) -> List[int]:
     if not isinstance(values, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in values
-    ):
+            isinstance(t, int) and not isinstance(t, bool) for t in values):
         raise shape_error("%s are not token ids" % what)
     return values
 
@@ -1776,9 +1637,8 @@ def prefill_values(values: List[Any], count: int, what: str) -> List[float]:
 def choice_order(choices: List[Any]) -> List[Any]:
     """vLLM's choices by their index, which must be the whole numbers 0..n-1, each once."""
     indexes = [c.get("index") if isinstance(c, dict) else None for c in choices]
-    if any(not isinstance(x, int) or isinstance(x, bool) for x in indexes) or sorted(
-        indexes
-    ) != list(range(len(choices))):
+    if any(not isinstance(x, int) or isinstance(x, bool)
+           for x in indexes) or sorted(indexes) != list(range(len(choices))):
         raise shape_error("choice indexes are not 0..%d, each once" % (len(choices) - 1))
     return [c for _, c in sorted(zip(indexes, choices), key=lambda pair: pair[0])]
 
@@ -1848,24 +1708,19 @@ class VllmAdapter:
                 hint = "its /server_info answered: %s" % err
         return self.facts(version, models, info, model, hint)
 
-    def facts(
-        self, version: Any, models: Any, info: Any, model: Optional[str], hint: str = SETTINGS_HINT
-    ) -> ServerFacts:
+    def facts(self, version: Any, models: Any, info: Any, model: Optional[str],
+              hint: str = SETTINGS_HINT) -> ServerFacts:
         """The common facts record from /version, /v1/models and (dev mode) /server_info;
         hint: why the settings are unknown when info is None."""
         entries = dig(models, "data")
-        entries = (
-            [m for m in entries if isinstance(m, dict) and m.get("id")]
-            if isinstance(entries, list)
-            else []
-        )
+        entries = entries if isinstance(entries, list) else []
+        entries = [m for m in entries if isinstance(m, dict) and m.get("id")]
         if not entries:
             raise ServerError("/v1/models lists no model")
         ids = [m["id"] for m in entries]
         if model is not None and model not in ids:
-            raise UsageError(
-                "the server does not serve %s; it serves: %s" % (model, ", ".join(ids))
-            )
+            raise UsageError("the server does not serve %s; it serves: %s" %
+                             (model, ", ".join(ids)))
         entry = entries[ids.index(model)] if model is not None else entries[0]
         listed = {
             "engine version": version,
@@ -1875,25 +1730,16 @@ class VllmAdapter:
         config = dig(info, "vllm_config")
         if not isinstance(config, dict):
             sizes = self.capture_sizes(self.DEFAULT_MAX_NUM_SEQS)
-            return ServerFacts(
-                self.name,
-                entry["id"],
-                version,
-                max_model_len=entry.get("max_model_len"),
-                max_model_len_source="/v1/models",
-                seed_honoured=True,
-                graph_sizes=sizes,
-                graph_source="assumed",
-                default_graph_sizes=sizes,
-                settings_hint=hint,
-                settings=listed,
-            )
+            return ServerFacts(self.name, entry["id"], version,
+                               max_model_len=entry.get("max_model_len"),
+                               max_model_len_source="/v1/models", seed_honoured=True,
+                               graph_sizes=sizes, graph_source="assumed",
+                               default_graph_sizes=sizes, settings_hint=hint, settings=listed)
         settings = dict(listed, **{label: dig(info, *path) for label, path in self.SETTINGS})
         settings["attention backend"] = backend = self.short_backend(settings["attention backend"])
         max_num_seqs = settings["max num seqs"]
         defaults = self.capture_sizes(
-            max_num_seqs if isinstance(max_num_seqs, int) else self.DEFAULT_MAX_NUM_SEQS
-        )
+            max_num_seqs if isinstance(max_num_seqs, int) else self.DEFAULT_MAX_NUM_SEQS)
         reported = settings["CUDA-graph sizes"]
         if settings["enforce eager"]:
             graph, source = [], "reported"
@@ -1902,26 +1748,14 @@ class VllmAdapter:
         else:
             graph, source = defaults, "assumed"
         return ServerFacts(
-            self.name,
-            entry["id"],
-            version,
-            flag=dig(info, "vllm_env", self.flag_name),
-            max_model_len=entry.get("max_model_len"),
-            max_model_len_source="/v1/models",
-            attention_backend=backend,
-            tp=settings["TP size"],
-            max_num_seqs=max_num_seqs,
-            max_num_seqs_source="vllm_config.scheduler_config.max_num_seqs",
-            seed_honoured=True,
-            load_format=settings["load format"],
-            graph_sizes=graph,
-            graph_source=source,
-            default_graph_sizes=defaults,
-            info_source="/server_info",
-            settings=settings,
+            self.name, entry["id"], version, flag=dig(info, "vllm_env", self.flag_name),
+            max_model_len=entry.get("max_model_len"), max_model_len_source="/v1/models",
+            attention_backend=backend, tp=settings["TP size"], max_num_seqs=max_num_seqs,
+            max_num_seqs_source="vllm_config.scheduler_config.max_num_seqs", seed_honoured=True,
+            load_format=settings["load format"], graph_sizes=graph, graph_source=source,
+            default_graph_sizes=defaults, info_source="/server_info", settings=settings,
             hazards=hazards_in(self.name, info, version),
-            flag_sets=self.flag_sets(dig(info, "vllm_env", self.flag_name), backend),
-        )
+            flag_sets=self.flag_sets(dig(info, "vllm_env", self.flag_name), backend))
 
     def flag_sets(self, flag: Any, backend: Any) -> Dict[str, Any]:
         """What the flag itself sets on a flag-on server, by setting label: a difference from
@@ -1936,14 +1770,8 @@ class VllmAdapter:
             sets["prefix caching"] = False
         return sets
 
-    def body(
-        self,
-        model: str,
-        prompts: List[str],
-        s: Sampling,
-        isolate: bool = False,
-        cache_key: Optional[str] = None,
-    ) -> Dict[str, Any]:
+    def body(self, model: str, prompts: List[str], s: Sampling, isolate: bool = False,
+             cache_key: Optional[str] = None) -> Dict[str, Any]:
         body: Dict[str, Any] = {
             "model": model,
             "prompt": prompts,
@@ -1983,17 +1811,13 @@ class VllmAdapter:
                 continue
             if not isinstance(lp, dict):
                 raise shape_error("completion %d has no logprobs" % i)
-            tokens, values, top = (
-                lp.get("tokens"),
-                lp.get("token_logprobs"),
-                lp.get("top_logprobs"),
-            )
+            tokens, values = lp.get("tokens"), lp.get("token_logprobs")
+            top = lp.get("top_logprobs")
             if isinstance(top, list) and None in top:  # a step without top-k entries
                 top = [d or {} for d in top]
             finish = c.get("finish_reason")
-            completion = checked_completion(
-                i, c["text"], tokens, values, top, finish, self.logprob_clamps, (out or [None])[-1]
-            )
+            completion = checked_completion(i, c["text"], tokens, values, top, finish,
+                                            self.logprob_clamps, (out or [None])[-1])
             out.append(completion)
         return out
 
@@ -2004,11 +1828,8 @@ class VllmAdapter:
         # Usage on every event, so each says how many tokens are out so far (the real stream
         # in tests/fixtures/vllm-0.26.0/stream_usage.body: usage on every event, then a
         # last event with no choices and the final usage, then [DONE]).
-        return dict(
-            self.body(model, [prompt], sampling),
-            stream=True,
-            stream_options={"include_usage": True, "continuous_usage_stats": True},
-        )
+        return dict(self.body(model, [prompt], sampling), stream=True,
+                    stream_options={"include_usage": True, "continuous_usage_stats": True})
 
     def streamed_tokens(self, event: Any) -> Optional[int]:
         return server_count(dig(event, "usage", "completion_tokens"), "usage.completion_tokens")
@@ -2018,12 +1839,10 @@ class VllmAdapter:
         # special tokens added as a completion adds them.
         return token_ids(
             dig(client.request("/tokenize", {"model": model, "prompt": prompt}), "tokens"),
-            "/tokenize's tokens",
-        )
+            "/tokenize's tokens")
 
-    def prefill_logprobs(
-        self, client: HttpClient, model: str, ids: List[int], start: int, isolate: bool
-    ) -> List[float]:
+    def prefill_logprobs(self, client: HttpClient, model: str, ids: List[int], start: int,
+                         isolate: bool) -> List[float]:
         # A token-id prompt with prompt_logprobs (completion/protocol.py, 0.26.0 line 94): each
         # position's entry is keyed by token id and holds the actual token's logprob.
         body: Dict[str, Any] = {
@@ -2037,24 +1856,19 @@ class VllmAdapter:
             body["cache_salt"] = fresh_cache_key()
         entries = dig(
             choice_order(dig(client.request(self.generate_path, body), "choices") or [None])[0],
-            "prompt_logprobs",
-        )
+            "prompt_logprobs")
         if not isinstance(entries, list) or len(entries) != len(ids):
             raise shape_error(
-                "no prompt_logprobs for the token-id prompt (the prefill check needs them)"
-            )
+                "no prompt_logprobs for the token-id prompt (the prefill check needs them)")
         return prefill_values(
             [dig(entries[p], str(ids[p]), "logprob") for p in range(start, len(ids))],
-            len(ids) - start,
-            "prompt_logprobs",
-        )
+            len(ids) - start, "prompt_logprobs")
 
     def output_tokens(self, answer: Any) -> int:
         """Completion tokens of the whole batch (usage; a logprob-free answer has no per-choice
         count)."""
-        return server_count(
-            dig(answer, "usage", "completion_tokens"), "usage.completion_tokens", 0
-        )
+        return server_count(dig(answer, "usage", "completion_tokens"), "usage.completion_tokens",
+                            0)
 
     def cached_tokens(self, answer: Any) -> Optional[int]:
         # Only with --enable-prompt-tokens-details, and for a list prompt only the last
@@ -2073,10 +1887,8 @@ class SglangAdapter:
     GRAPH_SIZES = [1, 2, 4, 8, 12, 16, 24, 32]  # decode graphs with --cuda-graph-max-bs-decode 32
     CACHE_COUNTS_HINT = "SGLang reports them in meta_info.cached_tokens; this server did not"
     PREFILL_BUDGET = "chunked prefill size"  # the setting that splits a long prefill into chunks
-    SEED_NOTE = (
-        "SGLang honours sampling_seed only with --enable-deterministic-inference "
-        "(python/sglang/srt/sampling/sampling_batch_info.py, 0.5.23 lines 157-171)"
-    )
+    SEED_NOTE = ("SGLang honours sampling_seed only with --enable-deterministic-inference "
+                 "(python/sglang/srt/sampling/sampling_batch_info.py, 0.5.23 lines 157-171)")
 
     SETTINGS = [
         (label, (key,))
@@ -2126,9 +1938,8 @@ class SglangAdapter:
         return self.facts(info, model, models)
 
     @staticmethod
-    def effective(
-        info: Dict[str, Any], models: Any
-    ) -> Tuple[Any, Optional[str], Any, Optional[str]]:
+    def effective(info: Dict[str, Any],
+                  models: Any) -> Tuple[Any, Optional[str], Any, Optional[str]]:
         """(running-request limit, where it came from, context length, where it came from).
         /server_info's max_running_requests and context_length are the raw flags, null by
         default; the limit in force is each DP rank's effective_max_running_requests_per_dp
@@ -2136,17 +1947,12 @@ class SglangAdapter:
         and the context length /v1/models's max_model_len (entrypoints/http_server.py, 0.5.23
         line 2005)."""
         states = info.get("internal_states")
-        limits = (
-            [dig(s, "effective_max_running_requests_per_dp") for s in states]
-            if isinstance(states, list)
-            else []
-        )
+        states = states if isinstance(states, list) else []
+        limits = [dig(s, "effective_max_running_requests_per_dp") for s in states]
         limits = [x for x in limits if isinstance(x, int) and not isinstance(x, bool)]
         if limits:
-            limit, limit_source = (
-                min(limits),
-                "internal_states[].effective_max_running_requests_per_dp",
-            )
+            limit, limit_source = (min(limits),
+                                   "internal_states[].effective_max_running_requests_per_dp")
         elif info.get("max_running_requests") is not None:
             limit, limit_source = info["max_running_requests"], "max_running_requests"
         else:
@@ -2164,13 +1970,10 @@ class SglangAdapter:
             raise shape_error("server info is not SGLang's (no model_path)")
         served = [m for m in (info.get("model_path"), info.get("served_model_name")) if m]
         if model is not None and model not in served:
-            raise UsageError(
-                "the server serves %s, not %s" % (served[-1] if served else "?", model)
-            )
-        settings = dict(
-            [("engine version", info.get("version"))]
-            + [(label, dig(info, *path)) for label, path in self.SETTINGS]
-        )
+            raise UsageError("the server serves %s, not %s" %
+                             (served[-1] if served else "?", model))
+        settings = dict([("engine version", info.get("version"))]
+                        + [(label, dig(info, *path)) for label, path in self.SETTINGS])
         reported = settings["CUDA-graph sizes"]
         # Decode graphs can be off while bs stays filled: --cuda-graph-backend-decode disabled,
         # --disable-decode-cuda-graph and automatic disabling set only the decode backend
@@ -2179,9 +1982,8 @@ class SglangAdapter:
             graph, source = [], "reported"
         elif isinstance(reported, list):
             graph, source = reported, "reported"
-        elif info.get("cuda_graph_max_bs_decode", info.get("cuda_graph_max_bs")) == max(
-            self.GRAPH_SIZES
-        ):
+        elif info.get("cuda_graph_max_bs_decode",
+                      info.get("cuda_graph_max_bs")) == max(self.GRAPH_SIZES):
             graph, source = self.GRAPH_SIZES, "derived"
         else:
             graph, source = self.GRAPH_SIZES, "assumed"
@@ -2193,37 +1995,19 @@ class SglangAdapter:
             flag_sets["radix cache disabled"] = True
         flag = info.get("enable_deterministic_inference")
         limit, limit_source, context, context_source = self.effective(info, models)
-        return ServerFacts(
-            self.name,
-            model or info.get("model_path"),
-            info.get("version"),
-            flag=flag,
-            max_model_len=context,
-            max_model_len_source=context_source,
-            attention_backend=backend,
-            tp=info.get("tp_size"),
-            max_num_seqs=limit,
-            max_num_seqs_source=limit_source,
-            seed_honoured=None if flag is None else bool(flag),
-            seed_note=None if flag else self.SEED_NOTE,
-            load_format=info.get("load_format"),
-            graph_sizes=graph,
-            graph_source=source,
-            default_graph_sizes=self.GRAPH_SIZES,
-            info_source="/server_info",
-            settings=settings,
-            flag_sets=flag_sets,
-            hazards=hazards_in(self.name, info, info.get("version")),
-        )
+        return ServerFacts(self.name, model or info.get("model_path"), info.get("version"),
+                           flag=flag, max_model_len=context, max_model_len_source=context_source,
+                           attention_backend=backend, tp=info.get("tp_size"), max_num_seqs=limit,
+                           max_num_seqs_source=limit_source,
+                           seed_honoured=None if flag is None else bool(flag),
+                           seed_note=None if flag else self.SEED_NOTE,
+                           load_format=info.get("load_format"), graph_sizes=graph,
+                           graph_source=source, default_graph_sizes=self.GRAPH_SIZES,
+                           info_source="/server_info", settings=settings, flag_sets=flag_sets,
+                           hazards=hazards_in(self.name, info, info.get("version")))
 
-    def body(
-        self,
-        model: str,
-        prompts: List[str],
-        s: Sampling,
-        isolate: bool = False,
-        cache_key: Optional[str] = None,
-    ) -> Dict[str, Any]:
+    def body(self, model: str, prompts: List[str], s: Sampling, isolate: bool = False,
+             cache_key: Optional[str] = None) -> Dict[str, Any]:
         params: Dict[str, Any] = {
             "temperature": s.temperature,
             "top_p": s.top_p,
@@ -2263,33 +2047,28 @@ class SglangAdapter:
             steps = dig(item, "meta_info", "output_token_logprobs")
             top = dig(item, "meta_info", "output_top_logprobs") or []
             if not isinstance(steps, list) or not all(
-                isinstance(s, list) and len(s) >= 2 for s in steps
-            ):
+                    isinstance(s, list) and len(s) >= 2 for s in steps):
                 raise shape_error("completion %d has no logprobs" % i)
             ids = item.get("output_ids")
             if isinstance(ids, list) and len(ids) != len(steps):
-                raise shape_error(
-                    "completion %d has %d tokens but %d logprobs" % (i, len(ids), len(steps))
-                )
+                raise shape_error("completion %d has %d tokens but %d logprobs" %
+                                  (i, len(ids), len(steps)))
             if not all(is_token_id(s[1]) for s in steps):
                 raise shape_error("completion %d has a token id that is not a whole number" % i)
             if isinstance(ids, list) and ids != [s[1] for s in steps]:
                 raise shape_error(
-                    "completion %d: its output_ids are not the tokens its logprobs are of" % i
-                )
+                    "completion %d: its output_ids are not the tokens its logprobs are of" % i)
             if isinstance(top, list) and any(
                 step
                 and not all(
-                    isinstance(e, list) and len(e) >= 2 and is_token_id(e[1]) for e in step
-                )
+                    isinstance(e, list) and len(e) >= 2 and is_token_id(e[1]) for e in step)
                 or step
                 and len({e[1] for e in step}) != len(step)
                 for step in top
             ):
                 raise shape_error(
                     "completion %d has top logprobs whose token ids are not whole numbers, "
-                    "each once a step" % i
-                )
+                    "each once a step" % i)
             try:  # entries are [logprob, token id, text or null]
                 tokens = ["token_id:%d" % s[1] for s in steps]
                 tops = (
@@ -2301,17 +2080,8 @@ class SglangAdapter:
                 raise shape_error("completion %d has malformed logprob entries" % i) from None
             values = [s[0] for s in steps]
             out.append(
-                checked_completion(
-                    i,
-                    item["text"],
-                    tokens,
-                    values,
-                    tops,
-                    finish,
-                    self.logprob_clamps,
-                    (out or [None])[-1],
-                )
-            )
+                checked_completion(i, item["text"], tokens, values, tops, finish,
+                                   self.logprob_clamps, (out or [None])[-1]))
         return out
 
     def before_batch(self, client: HttpClient, isolate: bool) -> None:
@@ -2321,15 +2091,13 @@ class SglangAdapter:
             return
         text = client.request("/flush_cache", {}, as_text=True)
         if not text.startswith("Cache flushed"):
-            raise ServerError(
-                "/flush_cache did not flush the radix cache: %s" % text.strip()[:120]
-            )
+            raise ServerError("/flush_cache did not flush the radix cache: %s"
+                              % text.strip()[:120])
 
     def output_tokens(self, answer: Any) -> int:
         return sum(
             server_count(dig(item, "meta_info", "completion_tokens"), "completion_tokens", 0)
-            for item in answer or []
-        )
+            for item in answer or [])
 
     def stream_body(self, model: str, prompt: str, sampling: Sampling) -> Dict[str, Any]:
         # One prompt as a string: each event is one object, its meta_info counting the
@@ -2344,41 +2112,29 @@ class SglangAdapter:
         text] for positions start.., the first logprob None (managers/scheduler_components/
         logprob_result_processor.py, 0.5.23 lines 26-50; logprob_start_len and input_ids:
         managers/io_struct.py lines 188 and 233)."""
-        body = dict(
-            prompt,
-            sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-            return_logprob=True,
-            logprob_start_len=start,
-            stream=False,
-        )
-        entries = dig(
-            client.request(self.generate_path, body), "meta_info", "input_token_logprobs"
-        )
+        body = dict(prompt, sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+                    return_logprob=True, logprob_start_len=start, stream=False)
+        entries = dig(client.request(self.generate_path, body), "meta_info",
+                      "input_token_logprobs")
         if not isinstance(entries, list) or not all(
-            isinstance(e, list) and len(e) >= 2 for e in entries
-        ):
+                isinstance(e, list) and len(e) >= 2 for e in entries):
             raise shape_error("no input_token_logprobs (the prefill check needs them)")
         return entries
 
     def prompt_token_ids(self, client: HttpClient, model: str, prompt: str) -> List[int]:
-        return token_ids(
-            [e[1] for e in self.input_logprobs(client, {"text": prompt}, 0)], "input token ids"
-        )
+        return token_ids([e[1] for e in self.input_logprobs(client, {"text": prompt}, 0)],
+                         "input token ids")
 
-    def prefill_logprobs(
-        self, client: HttpClient, model: str, ids: List[int], start: int, isolate: bool
-    ) -> List[float]:
-        entries = self.input_logprobs(
-            client, {"input_ids": ids}, start - 1
-        )  # entry 0 is position start-1's None
-        return prefill_values(
-            [e[0] for e in entries[1:]], len(ids) - start, "input_token_logprobs"
-        )
+    def prefill_logprobs(self, client: HttpClient, model: str, ids: List[int], start: int,
+                         isolate: bool) -> List[float]:
+        entries = self.input_logprobs(client, {"input_ids": ids},
+                                      start - 1)  # entry 0 is position start-1's None
+        return prefill_values([e[0] for e in entries[1:]],
+                              len(ids) - start, "input_token_logprobs")
 
     def cached_tokens(self, answer: Any) -> Optional[int]:
         counts = [
-            dig(item, "meta_info", "cached_tokens")
-            for item in answer or []
+            dig(item, "meta_info", "cached_tokens") for item in answer or []
             if isinstance(item, dict)
         ]
         counts = [server_count(c, "cached_tokens") for c in counts if c is not None]
@@ -2417,8 +2173,7 @@ def _is_fp8(value: Any) -> bool:
 
 HAZARDS = [
     Hazard(
-        "vllm",
-        "sequence parallelism / async TP (pass_config.enable_sp or fuse_gemm_comms)",
+        "vllm", "sequence parallelism / async TP (pass_config.enable_sp or fuse_gemm_comms)",
         ("vllm_config", "compilation_config", "pass_config"),
         lambda pc: isinstance(pc, dict)
         and (pc.get("enable_sp") is True or pc.get("fuse_gemm_comms") is True),
@@ -2430,8 +2185,7 @@ HAZARDS = [
         "the issue's measurement and the PR's description",
     ),
     Hazard(
-        "vllm",
-        "speculative decoding (speculative_config)",
+        "vllm", "speculative decoding (speculative_config)",
         ("vllm_config", "speculative_config"),
         lambda spec: spec not in (None, {}, ""),
         "reported on 0.20.1 and against main; batch-invariant speculative decoding an open PR "
@@ -2443,8 +2197,7 @@ HAZARDS = [
         "the RFC, the PR's config guard, the ngram report",
     ),
     Hazard(
-        "vllm",
-        "online FP8 quantization (model_config.quantization fp8), for MoE models",
+        "vllm", "online FP8 quantization (model_config.quantization fp8), for MoE models",
         ("vllm_config", "model_config", "quantization"),
         _is_fp8,
         "seen on 0.27.1; fixed in 0.33.0, whose flag quantizes expert inputs per token "
@@ -2456,8 +2209,7 @@ HAZARDS = [
         fixed_in="0.33.0",
     ),
     Hazard(
-        "vllm",
-        "FlashInfer sampler (VLLM_USE_FLASHINFER_SAMPLER on)",
+        "vllm", "FlashInfer sampler (VLLM_USE_FLASHINFER_SAMPLER on)",
         ("vllm_env", "VLLM_USE_FLASHINFER_SAMPLER"),
         lambda on: on is True,
         "0.33.0 and before: on CUDA the FlashInfer sampler is chosen without asking the flag "
@@ -2470,8 +2222,7 @@ HAZARDS = [
         "0.33.0's sampler selection, and the issue's report",
     ),
     Hazard(
-        "sglang",
-        "FP8 KV cache (kv_cache_dtype)",
+        "sglang", "FP8 KV cache (kv_cache_dtype)",
         ("kv_cache_dtype",),
         _is_fp8,
         "measured on 0.5.18; only a warning proposed (PR 35938) when read",
@@ -2481,8 +2232,7 @@ HAZARDS = [
         "the PR's table and the issue's analysis",
     ),
     Hazard(
-        "sglang",
-        "radix cache on (disable_radix_cache false)",
+        "sglang", "radix cache on (disable_radix_cache false)",
         ("disable_radix_cache",),
         lambda disabled: disabled is False,
         "open when read; on by default in 0.5.18-0.5.23",
@@ -2516,15 +2266,8 @@ def hazards_in(engine: str, info: Any, version: Any) -> List[Dict[str, Any]]:
 
 ADAPTERS: Dict[str, EngineAdapter] = {a.name: a for a in (VllmAdapter(), SglangAdapter())}
 # What reading a server's answer can raise when the answer is not what the engine sends.
-SHAPE_FAULTS = (
-    TypeError,
-    ValueError,
-    KeyError,
-    AttributeError,
-    IndexError,
-    RecursionError,
-    OverflowError,
-)
+SHAPE_FAULTS = (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError,
+                OverflowError)
 
 
 def parsed(what: str, parse: Callable[..., Any], *args: Any) -> Any:
@@ -2562,25 +2305,17 @@ def detect_engine(client: HttpClient) -> EngineAdapter:
     if not found:
         raise ServerError(
             "cannot tell which engine answers at %s: it answers neither %s; name it with --engine"
-            % (client.base_url, " nor ".join("like %s" % a.label for a in ADAPTERS.values()))
-        )
+            % (client.base_url, " nor ".join("like %s" % a.label for a in ADAPTERS.values())))
     if len(found) > 1:
         raise UsageError(
             "%s answers like %s at once (a gateway in front of both?): name the engine with "
-            "--engine" % (client.base_url, " and like ".join(a.label for a in found))
-        )
+            "--engine" % (client.base_url, " and like ".join(a.label for a in found)))
     return found[0]
 
 
-def generate(
-    client: HttpClient,
-    adapter: EngineAdapter,
-    model: str,
-    prompts: List[str],
-    sampling: Sampling,
-    isolate: bool = False,
-    cache_key: Optional[str] = None,
-) -> Tuple[Any, float]:
+def generate(client: HttpClient, adapter: EngineAdapter, model: str, prompts: List[str],
+             sampling: Sampling, isolate: bool = False,
+             cache_key: Optional[str] = None) -> Tuple[Any, float]:
     """One request carrying every prompt, so that the engine schedules them as one batch."""
     body = adapter.body(model, prompts, sampling, isolate, cache_key)
     start = CLOCK()
@@ -2680,6 +2415,10 @@ class Out:
     def style(self, text: str, code: str) -> str:
         return "\033[%sm%s\033[0m" % (code, text) if self.colour else text
 
+    def bold(self, text: str) -> None:
+        """A summary line: a line of results, bold where colour is on."""
+        self.line(self.style(text, "1"))
+
     def warn(self, text: str) -> None:
         self.say("warning: " + text)
 
@@ -2707,19 +2446,11 @@ class Progress:
 
     def status(self) -> str:
         elapsed = time.monotonic() - self.start
-        left = (
-            " ~%s left" % fmt_duration(elapsed / self.done * (self.total - self.done))
-            if 0 < self.done < self.total
-            else ""
-        )
+        left = ""
+        if 0 < self.done < self.total:
+            left = " ~%s left" % fmt_duration(elapsed / self.done * (self.total - self.done))
         return "%d/%d %s, %d completions, %s elapsed%s" % (
-            self.done,
-            self.total,
-            self.unit,
-            self.completions,
-            fmt_duration(elapsed),
-            left,
-        )
+            self.done, self.total, self.unit, self.completions, fmt_duration(elapsed), left)
 
     def running(self, what: str) -> None:
         if self.live:
@@ -2729,11 +2460,8 @@ class Progress:
         self.done += 1
         self.completions += completions
         now = time.monotonic()
-        due = (
-            self.last_line is None
-            or now - self.last_line >= PROGRESS_INTERVAL_S
-            or self.done == self.total
-        )
+        due = (self.last_line is None or now - self.last_line >= PROGRESS_INTERVAL_S
+               or self.done == self.total)
         if self.plain and due:
             self.out.say("progress: %s done | %s" % (what, self.status()))
             self.last_line = now
@@ -2841,18 +2569,15 @@ def report_save(cfg: Config, saves: ThrottledSave, code: int, out: Out) -> int:
     if saves.moved_to is not None:
         out.say(
             "--save: %s was written by another run while this one measured; not overwritten: "
-            "saved %s instead" % (cfg.save, saves.moved_to),
-            raising=False,
-        )
+            "saved %s instead" % (cfg.save, saves.moved_to), raising=False)
         return code or EXIT_SERVER
     if cfg.save:
         out.say("saved %s" % cfg.save, raising=False)
     return code
 
 
-def json_chunks(
-    doc: Dict[str, Any], listed: str, texts: Optional[Sequence[str]] = None
-) -> Iterator[str]:
+def json_chunks(doc: Dict[str, Any], listed: str,
+                texts: Optional[Sequence[str]] = None) -> Iterator[str]:
     """json_text(doc) in pieces, the list doc[listed] one item at a time (or, given, each
     item's json_text already made), so that writing a large document never holds all of its
     text at once (a sweep of 1000 prompts is 30 MB)."""
@@ -2864,12 +2589,8 @@ def json_chunks(
     yield "]" + tail
 
 
-def write_json_atomic(
-    path: str,
-    doc: Dict[str, Any],
-    listed: Optional[str] = None,
-    texts: Optional[Sequence[str]] = None,
-) -> None:
+def write_json_atomic(path: str, doc: Dict[str, Any], listed: Optional[str] = None,
+                      texts: Optional[Sequence[str]] = None) -> None:
     """Write through a temporary file and a rename: a crash never leaves half a file, and a
     failed write leaves the old file as it was. Compact JSON, one line: only json.dumps without
     indent runs in C, ten times faster on a large sweep (`python3 -m json.tool FILE` indents it);
@@ -2951,10 +2672,8 @@ class DeferredInterrupt:
         self.signum = signum
         STOP.ask(signum)
         self.out.say(  # in a signal handler: a failed write must not raise here
-            "%s: stopping after the current request (at most %gs more; again to abort it)"
-            % (signal.Signals(signum).name, STOP_GRACE_S),
-            raising=False,
-        )
+            "%s: stopping after the current request (at most %gs more; again to abort it)" %
+            (signal.Signals(signum).name, STOP_GRACE_S), raising=False)
 
     def __enter__(self) -> "DeferredInterrupt":
         STOP.event.clear()
@@ -2991,10 +2710,8 @@ def wait_until_ready(cfg: Config, servers: Sequence[Tuple[str, str]], out: Out) 
     deadline = time.monotonic() + cfg.wait_ready
     for url, what in servers:
         if not cfg.quiet:
-            out.say(
-                "progress: waiting up to %s for %s at %s to answer %s"
-                % (fmt_duration(deadline - time.monotonic()), what, url, " or ".join(paths))
-            )
+            out.say("progress: waiting up to %s for %s at %s to answer %s" %
+                    (fmt_duration(deadline - time.monotonic()), what, url, " or ".join(paths)))
         while True:
             remaining = deadline - time.monotonic()
             client = HttpClient(url, cfg.api_key, max(0.1, min(5.0, remaining)), 1 << 20)
@@ -3004,10 +2721,8 @@ def wait_until_ready(cfg: Config, servers: Sequence[Tuple[str, str]], out: Out) 
                 break
             except ServerError as err:
                 if remaining <= WAIT_POLL_S:
-                    raise ServerError(
-                        "%s at %s was not ready within %gs (--wait-ready): %s"
-                        % (what, url, cfg.wait_ready, err)
-                    ) from None
+                    raise ServerError("%s at %s was not ready within %gs (--wait-ready): %s" %
+                                      (what, url, cfg.wait_ready, err)) from None
             time.sleep(WAIT_POLL_S)
 
 
@@ -3023,12 +2738,9 @@ def resolve_engine(cfg: Config, servers: Sequence[Tuple[str, str]]) -> Config:
         except ServerError as err:
             raise ServerError("%s at %s: %s" % (what, url, err)) from None
     if len({a.name for a in found}) > 1:
-        raise UsageError(
-            "the servers run different engines: %s"
-            % ", ".join(
-                "%s answers like %s" % (what, a.label) for (url, what), a in zip(servers, found)
-            )
-        )
+        raise UsageError("the servers run different engines: %s"
+                         % ", ".join("%s answers like %s" % (what, a.label)
+                                     for (url, what), a in zip(servers, found)))
     return dataclasses.replace(cfg, engine=found[0].name, engine_detected=True)
 
 
@@ -3044,15 +2756,10 @@ def read_facts(cfg: Config, url: str, arm: str = "the server") -> ServerFacts:
             other = next((a for a in others if answers_like(a, client)), None)
         except ServerError:
             other = None  # unreachable: the first error says so
-        hint = (
-            "; it answers like %s: pass --engine %s, or leave --engine out"
-            % (other.label, other.name)
-            if other
-            else ""
-        )
-        raise ServerError(
-            "cannot read the facts of %s at %s: %s%s" % (arm, url, err, hint)
-        ) from None
+        hint = ("; it answers like %s: pass --engine %s, or leave --engine out" %
+                (other.label, other.name) if other else "")
+        raise ServerError("cannot read the facts of %s at %s: %s%s" %
+                          (arm, url, err, hint)) from None
 
 
 def ending(err: BaseException) -> Tuple[int, str, str]:
@@ -3078,16 +2785,12 @@ def internal_error(err: BaseException) -> str:
             line = tb.tb_lineno
         tb = tb.tb_next
     where = " at run.py line %d" % line if line is not None else ""
-    return "internal error (%s%s: %s); please report it" % (
-        type(err).__name__,
-        where,
-        str(err)[:200],
-    )
+    return "internal error (%s%s: %s); please report it" % (type(err).__name__, where,
+                                                            str(err)[:200])
 
 
 def measure_until_stopped(
-    out: Out, what: str, loop: Callable[[DeferredInterrupt], None]
-) -> Tuple[str, int]:
+    out: Out, what: str, loop: Callable[[DeferredInterrupt], None]) -> Tuple[str, int]:
     """Run a measuring loop. A server error, a stop signal, an output that cannot be written
     or a fault of the lab's own ends it early; whichever it was, the caller keeps, reports
     and saves what was measured. Returns (state, exit code)."""
@@ -3113,6 +2816,10 @@ def fmt_opt(value: Any, none: str = "-", form: str = "%s") -> str:
     return none if value is None else form % value
 
 
+# The facts a table's header shows on its second line, before the graph sizes
+SHOWN_FACTS = ("attention_backend", "tp", "max_num_seqs", "max_model_len")
+
+
 def fmt_graph_sizes(facts: Dict[str, Any]) -> str:
     if facts.get("graph_source") == "assumed" or facts.get("graph_sizes") is None:
         return "unknown"
@@ -3127,27 +2834,16 @@ def describe_flag(flag: Optional[bool], adapter: EngineAdapter) -> str:
     return "flag %s (%s=%s)" % ("on" if flag else "off", adapter.flag_name, str(flag).lower())
 
 
-def server_lines(
-    facts: Dict[str, Any], adapter: EngineAdapter, detected: bool = False
-) -> List[str]:
+def server_lines(facts: Dict[str, Any], adapter: EngineAdapter,
+                 detected: bool = False) -> List[str]:
     """The header of a table, from a saved facts record."""
     return [
         "server: %s %s%s, model %s, %s"
-        % (
-            adapter.label,
-            fmt_opt(facts.get("version"), "?"),
-            " (found by asking the server)" if detected else "",
-            facts.get("model"),
-            describe_flag(facts.get("flag"), adapter),
-        ),
+        % (adapter.label, fmt_opt(facts.get("version"), "?"),
+           " (found by asking the server)" if detected else "", facts.get("model"),
+           describe_flag(facts.get("flag"), adapter)),
         "        attention %s, TP %s, max-num-seqs %s, max model length %s, graph sizes %s"
-        % (
-            fmt_opt(facts.get("attention_backend"), "?"),
-            fmt_opt(facts.get("tp"), "?"),
-            fmt_opt(facts.get("max_num_seqs"), "?"),
-            fmt_opt(facts.get("max_model_len"), "?"),
-            fmt_graph_sizes(facts),
-        ),
+        % tuple([fmt_opt(facts.get(key), "?") for key in SHOWN_FACTS] + [fmt_graph_sizes(facts)])
     ] + hazard_lines(facts)
 
 
@@ -3158,11 +2854,8 @@ def hazard_lines(facts: Dict[str, Any], whose: str = "") -> List[str]:
         return ["        %sknown hazards: unknown (the server hides its settings)" % whose]
     if not hazards:
         return ["        %sknown hazards: none known" % whose]
-    return [
-        "        %sHAZARD: %s: %s (%s; %s)"
-        % (whose, h["setting"], h["why"], h["refs"], h["versions"])
-        for h in hazards
-    ]
+    return ["        %sHAZARD: %s: %s (%s; %s)" % (whose, h["setting"], h["why"], h["refs"],
+                                                     h["versions"]) for h in hazards]
 
 
 def fmt_setting(value: Any) -> str:
@@ -3221,6 +2914,7 @@ def options_from(kind: Type[OptionsT], args: argparse.Namespace, **given: Any) -
 
 
 class _Parser(argparse.ArgumentParser):
+
     def error(self, message):
         raise UsageError(message)
 
@@ -3259,8 +2953,7 @@ def real_number(low: float, above: bool = False) -> Callable[[str], float]:
             raise argparse.ArgumentTypeError("%r is not a finite number" % text)
         if value < low or (above and value == low):
             raise argparse.ArgumentTypeError(
-                "give %s %g (got %g)" % ("a number above" if above else "at least", low, value)
-            )
+                "give %s %g (got %g)" % ("a number above" if above else "at least", low, value))
         return value
 
     return parse
@@ -3300,97 +2993,57 @@ def provenance(argv: Sequence[str]) -> Dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
-        prog="run.py",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="run.py", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Batch-invariance lab for vLLM and SGLang servers, over plain HTTP.",
-        epilog="exit codes:\n"
-        + exit_codes_text()
-        + "\n\nlimits (larger is refused):\n"
-        + limits_text(),
-    )
+        epilog="exit codes:\n" + exit_codes_text() + "\n\nlimits (larger is refused):\n"
+        + limits_text())
+    p.add_argument("--version", action="version",
+                   version="run.py (batch-invariance lab) " + LAB_VERSION)
     p.add_argument(
-        "--version", action="version", version="run.py (batch-invariance lab) " + LAB_VERSION
-    )
-    p.add_argument(
-        "--mode",
-        choices=MODES,
-        default="help",
+        "--mode", choices=MODES, default="help",
         help="harness: upstream harnesses and commands (offline); sweep: unique completions "
-        "and logprob ULPs across batch sizes; cost: the flag's overhead; help: the guide",
-    )
+        "and logprob ULPs across batch sizes; cost: the flag's overhead; help: the guide")
     common = p.add_argument_group("all modes")
     common.add_argument(
-        "--engine",
-        choices=sorted(ADAPTERS) + ["auto"],
-        help="sweep and cost: vllm, sglang "
+        "--engine", choices=sorted(ADAPTERS) + ["auto"], help="sweep and cost: vllm, sglang "
         "or auto (the default: ask the server which it is); harness: print only this engine's "
-        "part",
-    )
+        "part")
     sweep_cost = p.add_argument_group("sweep and cost")
     sweep_cost.add_argument(
-        "--url",
-        help="the server (cost: the flag-off arm), as the engine logs it or as "
+        "--url", help="the server (cost: the flag-off arm), as the engine logs it or as "
         "OpenAI clients take it (a trailing /v1 is understood); default http://localhost:8000, "
-        "or :30000 with --engine sglang",
-    )
+        "or :30000 with --engine sglang")
     sweep_cost.add_argument(
-        "--model",
-        help="served model; default: the first of /v1/models (vllm), "
-        "model_path of /server_info (sglang)",
-    )
+        "--model", help="served model; default: the first of /v1/models (vllm), "
+        "model_path of /server_info (sglang)")
+    sweep_cost.add_argument("--api-key",
+                            help="bearer token (default: $OPENAI_API_KEY); never printed or saved")
     sweep_cost.add_argument(
-        "--api-key", help="bearer token (default: $OPENAI_API_KEY); never printed or saved"
-    )
+        "--max-tokens", type=whole_number(1, MAX_TOKENS), help="tokens per completion (default: "
+        "sweep %d, cost %d)" % (DEFAULT_SWEEP_TOKENS, DEFAULT_COST_TOKENS))
     sweep_cost.add_argument(
-        "--max-tokens",
-        type=whole_number(1, MAX_TOKENS),
-        help="tokens per completion (default: "
-        "sweep %d, cost %d)" % (DEFAULT_SWEEP_TOKENS, DEFAULT_COST_TOKENS),
-    )
+        "--save", metavar="PATH", help="write the result as JSON (sweep: rewritten "
+        "after every batch size; cost: adds its cell to the file)")
+    sweep_cost.add_argument("--json", action="store_true", dest="json_out",
+                            help="print the result as JSON, not a table")
     sweep_cost.add_argument(
-        "--save",
-        metavar="PATH",
-        help="write the result as JSON (sweep: rewritten "
-        "after every batch size; cost: adds its cell to the file)",
-    )
-    sweep_cost.add_argument(
-        "--json",
-        action="store_true",
-        dest="json_out",
-        help="print the result as JSON, not a table",
-    )
-    sweep_cost.add_argument(
-        "--wait-ready",
-        type=real_number(0.0, above=True),
-        metavar="SECONDS",
+        "--wait-ready", type=real_number(0.0, above=True), metavar="SECONDS",
         help="first wait up to this long for the server(s) to answer their health "
-        "check (a server just started takes minutes to load)",
-    )
+        "check (a server just started takes minutes to load)")
     Arrivals.add_arguments(sweep_cost)
     sweep_cost.add_argument(
-        "--quiet",
-        action="store_true",
-        help="no progress lines on stderr (warnings " "and errors still appear)",
-    )
+        "--quiet", action="store_true", help="no progress lines on stderr (warnings "
+        "and errors still appear)")
     sweep_cost.add_argument(
-        "--color",
-        choices=COLOR_CHOICES,
-        default="auto",
+        "--color", choices=COLOR_CHOICES, default="auto",
         help="bold summary lines: auto (on a terminal, unless NO_COLOR is set to a "
-        "non-empty value, as no-color.org asks), always, never (default auto)",
-    )
-    sweep_cost.add_argument(
-        "--timeout",
-        type=real_number(0.0, above=True),
-        default=DEFAULT_TIMEOUT_S,
-        help="seconds to wait for one answer (default %g)" % DEFAULT_TIMEOUT_S,
-    )
-    sweep_cost.add_argument(
-        "--max-response-mb",
-        type=whole_number(1),
-        default=DEFAULT_MAX_RESPONSE_MB,
-        help="refuse a larger answer (default %d)" % DEFAULT_MAX_RESPONSE_MB,
-    )
+        "non-empty value, as no-color.org asks), always, never (default auto)")
+    sweep_cost.add_argument("--timeout", type=real_number(0.0, above=True),
+                            default=DEFAULT_TIMEOUT_S,
+                            help="seconds to wait for one answer (default %g)" % DEFAULT_TIMEOUT_S)
+    sweep_cost.add_argument("--max-response-mb", type=whole_number(1),
+                            default=DEFAULT_MAX_RESPONSE_MB,
+                            help="refuse a larger answer (default %d)" % DEFAULT_MAX_RESPONSE_MB)
     SweepOptions.add_arguments(p.add_argument_group("sweep"))
     CostOptions.add_arguments(p.add_argument_group("cost"))
     return p
@@ -3418,14 +3071,12 @@ def check_url(url: str, option: str) -> str:
         # Never echo the URL: it holds a secret. Credentials go in a header, never a URL.
         raise UsageError(
             "%s: a user name or password in the URL is not accepted (it would be printed "
-            "and saved); give the key with --api-key or $OPENAI_API_KEY" % option
-        )
+            "and saved); give the key with --api-key or $OPENAI_API_KEY" % option)
     if parts.query or parts.fragment or url.endswith(("?", "#")):
         # Never echo it: a query string is where a key is often put.
         raise UsageError(
             "%s: give the server's base URL without a query string or fragment (a key goes "
-            "in --api-key or $OPENAI_API_KEY)" % option
-        )
+            "in --api-key or $OPENAI_API_KEY)" % option)
     try:
         parts.port
     except ValueError:
@@ -3435,16 +3086,9 @@ def check_url(url: str, option: str) -> str:
     path = parts.path.rstrip("/")
     endpoint = next((e for e in ENDPOINT_PATHS if path.endswith(e)), None)
     if endpoint:
-        raise UsageError(
-            "%s: give the server's base URL, not an endpoint: %s (the lab adds %s itself)"
-            % (
-                option,
-                urllib.parse.urlunsplit(
-                    (parts.scheme, parts.netloc, path[: -len(endpoint)], "", "")
-                ),
-                endpoint,
-            )
-        )
+        base = parts._replace(path=path[:-len(endpoint)]).geturl()  # no query: refused above
+        raise UsageError("%s: give the server's base URL, not an endpoint: %s (the lab adds %s "
+                         "itself)" % (option, base, endpoint))
     if path.endswith("/v1"):
         path = path[:-3]
     netloc = parts.netloc
@@ -3455,12 +3099,10 @@ def check_url(url: str, option: str) -> str:
 
 
 # Endpoints a base URL is mistaken for: the adapters add their own paths to the base URL
-ENDPOINT_PATHS = sorted(
-    {p for a in ADAPTERS.values() for p in (a.generate_path, a.health_path)}
-    | {"/v1/chat/completions", "/v1/models"},
-    key=len,
-    reverse=True,
-)
+ENDPOINT_PATHS = sorted({p
+                         for a in ADAPTERS.values()
+                         for p in (a.generate_path, a.health_path)}
+                        | {"/v1/chat/completions", "/v1/models"}, key=len, reverse=True)
 MAX_INPUT_FILE_MB = 1024  # a prompt file or lab result larger than this is refused, not read
 
 
@@ -3502,10 +3144,8 @@ def check_save_target(path: str, schemas: Sequence[str]) -> Optional[Dict[str, A
     results. A finished sweep is never replaced: a sweep file holds one sweep, and a second
     run would silently lose the first (cost files gather cells, so they are added to)."""
     if os.path.islink(path) and not os.path.isdir(os.path.dirname(os.path.realpath(path))):
-        raise UsageError(
-            "--save: %s is a link to %s, in a folder that does not exist"
-            % (path, os.path.realpath(path))
-        )
+        raise UsageError("--save: %s is a link to %s, in a folder that does not exist" %
+                         (path, os.path.realpath(path)))
     folder = os.path.dirname(os.path.realpath(path))  # a link's target's, where it is written
     if not os.path.isdir(folder):
         raise UsageError("--save: folder %s does not exist" % folder)
@@ -3521,14 +3161,11 @@ def check_save_target(path: str, schemas: Sequence[str]) -> Optional[Dict[str, A
         raise UsageError("--save: %s is read-only; refusing to replace it" % path)
     data = read_json_file(path, "--save")
     if data.get("schema") not in schemas:
-        raise UsageError(
-            "--save: %s holds %s, not %s results; refusing to overwrite it"
-            % (path, data.get("schema") or "something else", schemas[0].split("/")[1])
-        )
+        raise UsageError("--save: %s holds %s, not %s results; refusing to overwrite it" %
+                         (path, data.get("schema") or "something else", schemas[0].split("/")[1]))
     if data.get("prompts") is not None and dig(data, "summary", "state") == "complete":
-        raise UsageError(
-            "--save: %s holds a finished sweep; save to another file (or remove it)" % path
-        )
+        raise UsageError("--save: %s holds a finished sweep; save to another file (or remove it)"
+                         % path)
     return data
 
 
@@ -3544,23 +3181,16 @@ def configure(argv: Optional[Sequence[str]]) -> Config:
     prior_save = None
     if args.save:
         prior_save = check_save_target(
-            args.save, SWEEP_SCHEMAS_READ if args.mode == "sweep" else (COST_SCHEMA,)
-        )
+            args.save, SWEEP_SCHEMAS_READ if args.mode == "sweep" else (COST_SCHEMA,))
         fault = prior_save and args.mode == "cost" and cost_file_fault(prior_save)
         if fault:
             raise UsageError(
                 "--save: %s holds cost results the lab cannot add to (%s); save to another "
-                "file" % (args.save, fault)
-            )
+                "file" % (args.save, fault))
     cfg = options_from(
-        Config,
-        args,
-        engine=engine,
-        url=url,
+        Config, args, engine=engine, url=url,
         api_key=check_api_key(args.api_key or os.environ.get("OPENAI_API_KEY") or None),
-        provenance=made,
-        prior_save=prior_save,
-    )
+        provenance=made, prior_save=prior_save)
     if args.mode == "sweep":
         cfg.sweep = SweepOptions.from_args(args, url, engine)
         cfg.sampling = cfg.sweep.sampling
@@ -3590,13 +3220,10 @@ class Arrivals:
     @staticmethod
     def add_arguments(group: argparse._ArgumentGroup) -> None:
         group.add_argument(
-            "--request-rate",
-            type=real_number(0.0, above=True),
-            metavar="R",
+            "--request-rate", type=real_number(0.0, above=True), metavar="R",
             help="with --traffic concurrent (sweep) or --concurrency (cost): requests arrive at "
             "R a second, Poisson (exponential gaps drawn from --seed, so a run repeats), as vllm "
-            "bench serve's --request-rate; default: all at once (a burst)",
-        )
+            "bench serve's --request-rate; default: all at once (a burst)")
 
     @classmethod
     def configure(cls, rate: Optional[float], needs: Optional[str]) -> "Arrivals":
@@ -3605,9 +3232,8 @@ class Arrivals:
             raise UsageError("--request-rate: at most %g a second" % MAX_REQUEST_RATE)
         if rate is not None and rate < MIN_REQUEST_RATE:
             raise UsageError(
-                "--request-rate: at least %g a second (one request in %d minutes at most)"
-                % (MIN_REQUEST_RATE, round(1 / MIN_REQUEST_RATE / 60))
-            )
+                "--request-rate: at least %g a second (one request in %d minutes at most)" %
+                (MIN_REQUEST_RATE, round(1 / MIN_REQUEST_RATE / 60)))
         if rate is not None and needs:
             raise UsageError("--request-rate goes with %s" % needs)
         return cls(rate)
@@ -3670,13 +3296,10 @@ class PrefixCache:
     @staticmethod
     def add_arguments(group: argparse._ArgumentGroup) -> None:
         group.add_argument(
-            "--prefix-cache",
-            choices=PREFIX_CACHE_CHOICES,
-            default=DEFAULT_PREFIX_CACHE,
+            "--prefix-cache", choices=PREFIX_CACHE_CHOICES, default=DEFAULT_PREFIX_CACHE,
             help="bypass: no request may be served from an earlier one's prefix cache; keep: "
             "leave the cache alone and save the cached-token counts (default %s)"
-            % DEFAULT_PREFIX_CACHE,
-        )
+            % DEFAULT_PREFIX_CACHE)
 
     @property
     def bypass(self) -> bool:
@@ -3704,17 +3327,14 @@ class PrefixCache:
             return None
         sizes = check.hit_sizes
         return "cache hit: bypass did not hold at batch size%s %s" % (
-            "" if len(sizes) == 1 else "s",
-            ",".join(map(str, sizes)),
-        )
+            "" if len(sizes) == 1 else "s", ",".join(map(str, sizes)))
 
     @staticmethod
     def unverified_line(check: Optional[BypassCheck], hint: str) -> Optional[str]:
         if check is None or check.status != BYPASS_UNVERIFIED:
             return None
-        return (
-            "prefix cache bypass unverified: the server reports no cached-token counts (%s)" % hint
-        )
+        return ("prefix cache bypass unverified: the server reports no cached-token counts (%s)"
+                % hint)
 
 
 # ----------------------------------------------------------------------------
@@ -3741,32 +3361,23 @@ class CacheComparison:
     cold_cached_tokens: Optional[int]
 
     @classmethod
-    def of(
-        cls, cold: "SentBatch", warm: "SentBatch", clamps: Sequence[float]
-    ) -> "CacheComparison":
+    def of(cls, cold: "SentBatch", warm: "SentBatch",
+           clamps: Sequence[float]) -> "CacheComparison":
         pairs = list(zip(cold.completions, warm.completions))
         deltas = [compare_completions(c, w, clamps) for c, w in pairs]
         steps = [
-            s
-            for d in deltas
-            for s in (d.first_token_divergence, d.first_ulp_step)
+            s for d in deltas for s in (d.first_token_divergence, d.first_ulp_step)
             if s is not None
         ]
         diverged = [d for d in deltas if d.first_token_divergence is not None]
         first = min(diverged, key=lambda d: d.first_token_divergence) if diverged else None
         texts_differ = any(c.text != w.text for c, w in pairs)
-        notes = {u for d in deltas for u in d.ulp_notes} | (
-            {"text differs"} if texts_differ else set()
-        )
-        return cls(
-            max((d.max_ulp for d in deltas), default=0),
-            min(steps) if steps else None,
-            bool(diverged),
-            tuple(sorted(notes)),
-            first.margin if first else None,
-            warm.cached_tokens,
-            cold.cached_tokens,
-        )
+        notes = {u
+                 for d in deltas
+                 for u in d.ulp_notes} | ({"text differs"} if texts_differ else set())
+        return cls(max((d.max_ulp for d in deltas), default=0),
+                   min(steps) if steps else None, bool(diverged), tuple(sorted(notes)),
+                   first.margin if first else None, warm.cached_tokens, cold.cached_tokens)
 
 
 @dataclass(frozen=True)
@@ -3800,13 +3411,8 @@ class CacheSummary:
         else:
             verdict = CACHE_COLD_HIT
         steps = [c.first_step for c in checked if c.first_step is not None]
-        return cls(
-            verdict,
-            len(checked),
-            max((c.max_ulp for c in checked), default=None),
-            min(steps) if steps else None,
-            len(verified),
-        )
+        return cls(verdict, len(checked), max((c.max_ulp for c in checked), default=None),
+                   min(steps) if steps else None, len(verified))
 
 
 def fresh_cache_key() -> str:
@@ -3826,17 +3432,14 @@ class CacheCheck:
     @staticmethod
     def add_arguments(group: argparse._ArgumentGroup) -> None:
         group.add_argument(
-            "--cache-check",
-            action="store_true",
+            "--cache-check", action="store_true",
             help="also send every batch again at once, with the cold request's cache key, so "
             "that the prefix cache serves it, and compare it with the cold one bitwise; the "
-            "cached-token counts prove the hit (copies traffic, bypass)",
-        )
+            "cached-token counts prove the hit (copies traffic, bypass)")
 
     @classmethod
-    def configure(
-        cls, asked: bool, expect: Optional[str], traffic: str, bypass: bool
-    ) -> Optional["CacheCheck"]:
+    def configure(cls, asked: bool, expect: Optional[str], traffic: str,
+                  bypass: bool) -> Optional["CacheCheck"]:
         if expect == cls.EXPECT and not asked:
             raise UsageError("--expect cache-equal needs --cache-check")
         if not asked:
@@ -3844,8 +3447,7 @@ class CacheCheck:
         if traffic != "copies" or not bypass:
             raise UsageError(
                 "--cache-check goes with --traffic copies and --prefix-cache bypass (its cold "
-                "request must be cold)"
-            )
+                "request must be cold)")
         return cls()
 
     def cold(self, sender: "Sender", prompt: str, n: int, seed: int) -> Tuple["SentBatch", str]:
@@ -3853,9 +3455,8 @@ class CacheCheck:
         key = fresh_cache_key()
         return sender.copies(prompt, n, seed, key), key
 
-    def compare(
-        self, sender: "Sender", prompt: str, cold: "SentBatch", key: str, seed: int
-    ) -> CacheComparison:
+    def compare(self, sender: "Sender", prompt: str, cold: "SentBatch", key: str,
+                seed: int) -> CacheComparison:
         """The same batch again under the cold one's key, against the cold one."""
         n = len(cold.completions)
         try:
@@ -3866,20 +3467,10 @@ class CacheCheck:
 
     @staticmethod
     def report(summary: CacheSummary, out: "Out") -> None:
-        out.line(
-            out.style(
-                "cache check, over %d batches each sent again from the cache (%d with a cold "
-                "request the cache did not serve): max ULP %s, first differing step %s: %s"
-                % (
-                    summary.batches,
-                    summary.verified,
-                    fmt_opt(summary.max_ulp, "?"),
-                    fmt_opt(summary.first_step),
-                    summary.verdict,
-                ),
-                "1",
-            )
-        )
+        out.bold("cache check, over %d batches each sent again from the cache (%d with a cold "
+                 "request the cache did not serve): max ULP %s, first differing step %s: %s"
+                 % (summary.batches, summary.verified, fmt_opt(summary.max_ulp, "?"),
+                    fmt_opt(summary.first_step), summary.verdict))
 
     @staticmethod
     def expectation(summary: CacheSummary) -> Tuple[bool, str]:
@@ -3887,13 +3478,9 @@ class CacheCheck:
         if summary.verdict != CACHE_EQUAL:
             return False, (
                 "expectation failed: --expect cache-equal, but the cache check found: %s"
-                % summary.verdict
-            )
-        return (
-            True,
-            "expect cache-equal: held (max ULP 0 over %d batches with a cold request)"
-            % summary.verified,
-        )
+                % summary.verdict)
+        return (True, "expect cache-equal: held (max ULP 0 over %d batches with a cold request)"
+                % summary.verified)
 
 
 # ----------------------------------------------------------------------------
@@ -3942,18 +3529,13 @@ class PrefillSummary:
         largest = [r.kl_max for r in rows if r.kl_max is not None]
         divergent = sum(r.divergent for r in rows)
         kl_sum = sum(r.kl_sum for r in rows)
-        return cls(
-            checked=len(rows),
-            max_ulp=max((r.max_ulp for r in rows), default=None),
-            first_step=first.first_step if first else None,
-            margin=first.margin if first else None,
-            tokens=sum(r.tokens for r in rows),
-            divergent=divergent,
-            kl_sum=kl_sum,
-            kl_mean=kl_sum / divergent if divergent else None,
-            kl_max=max(largest) if largest else None,
-            notes=sorted({n for r in rows for n in r.notes}),
-        )
+        return cls(checked=len(rows), max_ulp=max((r.max_ulp for r in rows), default=None),
+                   first_step=first.first_step if first else None,
+                   margin=first.margin if first else None, tokens=sum(r.tokens for r in rows),
+                   divergent=divergent, kl_sum=kl_sum,
+                   kl_mean=kl_sum / divergent if divergent else None,
+                   kl_max=max(largest) if largest else None,
+                   notes=sorted({n for r in rows for n in r.notes}))
 
     def verdict(self, failure: Optional[str] = None) -> str:
         """failure: why the server could not serve the check, if it could not."""
@@ -3977,9 +3559,8 @@ class KlEstimate:
     total: float = 0.0  # their K3 terms, summed
     largest: float = 0.0
 
-    def add(
-        self, decode: Sequence[float], prefill: Sequence[float], clamps: Sequence[float]
-    ) -> None:
+    def add(self, decode: Sequence[float], prefill: Sequence[float],
+            clamps: Sequence[float]) -> None:
         for d, p in zip(decode, prefill):
             if d == p or not (math.isfinite(d) and math.isfinite(p)) or d in clamps or p in clamps:
                 continue
@@ -4024,12 +3605,10 @@ class PrefillCheck:
     @staticmethod
     def add_arguments(group: argparse._ArgumentGroup) -> None:
         group.add_argument(
-            "--prefill-check",
-            action="store_true",
+            "--prefill-check", action="store_true",
             help="also read every distinct completion back as one token-id prompt and compare "
             "each token's decode-time logprob with its prefill-time one (what RL training "
-            "on-policy needs; see --mode help)",
-        )
+            "on-policy needs; see --mode help)")
 
     @classmethod
     def configure(cls, asked: bool, expect: Optional[str]) -> Optional["PrefillCheck"]:
@@ -4042,32 +3621,23 @@ class PrefillCheck:
         if key not in self.prefills:
             s = sender
             if prompt not in self.prompt_ids:
-                self.prompt_ids[prompt] = parsed(
-                    "the prompt's token ids", s.adapter.prompt_token_ids, s.client, s.model, prompt
-                )
+                self.prompt_ids[prompt] = parsed("the prompt's token ids",
+                                                 s.adapter.prompt_token_ids, s.client, s.model,
+                                                 prompt)
             head = self.prompt_ids[prompt]
             generated = [token_id(t) for t in tokens]
             if not head or None in generated:
                 raise ServerError(
-                    "the prefill check needs token ids, and %s"
-                    % ("the prompt has none" if not head else "the server's tokens are not ids"),
-                    kind=ServerError.ANSWER,
-                )
+                    "the prefill check needs token ids, and %s" %
+                    ("the prompt has none" if not head else "the server's tokens are not ids"),
+                    kind=ServerError.ANSWER)
             ids = head + generated
-            self.prefills[key] = parsed(
-                "the prefill answer",
-                s.adapter.prefill_logprobs,
-                s.client,
-                s.model,
-                ids,
-                len(head),
-                s.isolate,
-            )
+            self.prefills[key] = parsed("the prefill answer", s.adapter.prefill_logprobs, s.client,
+                                        s.model, ids, len(head), s.isolate)
         return self.prefills[key]
 
-    def compare(
-        self, sender: "Sender", prompt: str, n: int, completions: List[Completion], out: "Out"
-    ) -> Optional[PrefillRow]:
+    def compare(self, sender: "Sender", prompt: str, n: int, completions: List[Completion],
+                out: "Out") -> Optional[PrefillRow]:
         """Each distinct completion of one batch (of size n) against its prefill; None once
         the server has shown it cannot serve the check (it answered the check's requests with
         an error, or without the prompt logprobs it needs)."""
@@ -4097,49 +3667,29 @@ class PrefillCheck:
             self.failure = str(err)
             out.warn("the prefill check stops at batch size %d, the sweep goes on: %s" % (n, err))
             return None
-        return PrefillRow(
-            max_ulp=worst,
-            first_step=first,
-            notes=sorted(notes),
-            margin=margin,
-            tokens=compared,
-            divergent=kl.divergent,
-            kl_sum=kl.total,
-            kl_max=kl.largest if kl.divergent else None,
-        )
+        return PrefillRow(max_ulp=worst, first_step=first, notes=sorted(notes), margin=margin,
+                          tokens=compared, divergent=kl.divergent, kl_sum=kl.total,
+                          kl_max=kl.largest if kl.divergent else None)
 
     @staticmethod
-    def report(
-        summary: PrefillSummary, verdict: str, sizes: Sequence["SizeResult"], out: "Out"
-    ) -> None:
+    def report(summary: PrefillSummary, verdict: str, sizes: Sequence["SizeResult"],
+               out: "Out") -> None:
         per_size = ", ".join(
             "%d: %s" % (size.batch_size, fmt_opt(size.prefill and size.prefill.max_ulp, "?"))
-            for size in sizes
-        )
+            for size in sizes)
         out.line("prefill check, max ULP per batch size: %s" % per_size)
         margin = ""
         if summary.margin:
             margin = " (there, the decode's runner-up was %s behind)" % margin_text(summary.margin)
-        out.line(
-            out.style(
-                "prefill check: max ULP %s, first differing step %s%s: %s"
-                % (
-                    fmt_opt(summary.max_ulp, "?") + ("*" if summary.notes else ""),
-                    fmt_opt(summary.first_step),
-                    margin,
-                    verdict,
-                ),
-                "1",
-            )
-        )
+        out.bold("prefill check: max ULP %s, first differing step %s%s: %s"
+                 % (fmt_opt(summary.max_ulp, "?") + ("*" if summary.notes else ""),
+                    fmt_opt(summary.first_step), margin, verdict))
         if summary.notes:
             out.line("  * %s" % "; ".join(ULP_NOTE_TEXT.get(n, n) for n in summary.notes))
         if summary.divergent:
-            out.line(
-                "prefill check, KL(decode || prefill), K3 estimate over the %d divergent of "
-                "%d tokens: mean %.3g, max %.3g"
-                % (summary.divergent, summary.tokens, summary.kl_mean, summary.kl_max)
-            )
+            out.line("prefill check, KL(decode || prefill), K3 estimate over the %d divergent of "
+                     "%d tokens: mean %.3g, max %.3g" %
+                     (summary.divergent, summary.tokens, summary.kl_mean, summary.kl_max))
 
     @staticmethod
     def expectation(summary: Optional[PrefillSummary], found: Optional[str]) -> Tuple[bool, str]:
@@ -4147,8 +3697,7 @@ class PrefillCheck:
         if found != PREFILL_AGREE:
             return False, (
                 "expectation failed: --expect prefill-equal, but the prefill check found: %s"
-                % found
-            )
+                % found)
         return True, "expect prefill-equal: held (max ULP 0 over %d tokens)" % summary.tokens
 
 
@@ -4158,22 +3707,15 @@ class PrefillCheck:
 
 def add_baseline_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
-        "--baseline",
-        metavar="PATH|URL",
+        "--baseline", metavar="PATH|URL",
         help="compare with the batch-1 completions of an earlier sweep's --save file (same "
         "model and prompts), or of another server, measured first with the same prompts and "
-        "sampling: restart to restart, TP to TP, version to version",
-    )
+        "sampling: restart to restart, TP to TP, version to version")
 
 
-def configure_baseline(
-    text: Optional[str],
-    url: str,
-    engine: Optional[str],
-    model: Optional[str],
-    sampling: Sampling,
-    prompts: List[str],
-) -> Optional[Union["BaselineFile", "BaselineServer"]]:
+def configure_baseline(text: Optional[str], url: str, engine: Optional[str], model: Optional[str],
+                       sampling: Sampling,
+                       prompts: List[str]) -> Optional[Union["BaselineFile", "BaselineServer"]]:
     """--baseline, checked before any request: a server's URL (never the server under test),
     or a saved sweep recorded for this engine, model, sampling and every prompt."""
     if not text:
@@ -4195,9 +3737,8 @@ class BaselineFile:
     path: str
     doc: Json
 
-    def check(
-        self, engine: Optional[str], model: Optional[str], sampling: Sampling, prompts: List[str]
-    ) -> None:
+    def check(self, engine: Optional[str], model: Optional[str], sampling: Sampling,
+              prompts: List[str]) -> None:
         """Refuse a baseline recorded for another engine, model, prompt or sampling."""
         doc, path = self.doc, self.path
         if doc.get("schema") not in SWEEP_SCHEMAS_READ or not isinstance(doc.get("prompts"), list):
@@ -4205,18 +3746,14 @@ class BaselineFile:
         if engine is not None:
             self.check_engine(engine)
         if model is not None and doc.get("model") != model:
-            raise UsageError(
-                "--baseline: %s was recorded for model %s, not %s"
-                % (path, doc.get("model"), model)
-            )
+            raise UsageError("--baseline: %s was recorded for model %s, not %s" %
+                             (path, doc.get("model"), model))
         mine, theirs = sampling.params(), doc.get("params") or {}
         # every request setting that changes what is compared (logprobs: the top-k lists)
         for key in ("temperature", "top_p", "max_tokens", "seed", "logprobs"):
             if theirs.get(key) != mine[key]:
-                raise UsageError(
-                    "--baseline: %s was recorded with %s=%s, this sweep uses %s"
-                    % (path, key, theirs.get(key), mine[key])
-                )
+                raise UsageError("--baseline: %s was recorded with %s=%s, this sweep uses %s" %
+                                 (path, key, theirs.get(key), mine[key]))
         for i, entry in enumerate(doc["prompts"], 1):
             if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str):
                 raise UsageError("--baseline: %s: prompts[%d] is not a prompt record" % (path, i))
@@ -4229,22 +3766,18 @@ class BaselineFile:
         for prompt in prompts:
             entry = recorded.get(prompt)
             if entry is None:
-                raise UsageError(
-                    "--baseline: %s has no baseline for the prompt %r" % (path, prompt[:60])
-                )
+                raise UsageError("--baseline: %s has no baseline for the prompt %r" %
+                                 (path, prompt[:60]))
             fault = baseline_fault(entry.get("baseline"))
             if fault:
-                raise UsageError(
-                    "--baseline: %s: the baseline of %r: %s" % (path, prompt[:60], fault)
-                )
+                raise UsageError("--baseline: %s: the baseline of %r: %s" %
+                                 (path, prompt[:60], fault))
 
     def check_engine(self, engine: str) -> None:
         recorded = self.doc.get("engine")
         if recorded != engine:
-            raise UsageError(
-                "--baseline: %s was recorded on %s, this sweep is on %s"
-                % (self.path, recorded, engine)
-            )
+            raise UsageError("--baseline: %s was recorded on %s, this sweep is on %s" %
+                             (self.path, recorded, engine))
 
     def open(self, cfg: "Config", facts: ServerFacts, isolate: bool) -> None:
         """Once the server under test is known: the file must be of its engine and model, and
@@ -4253,10 +3786,8 @@ class BaselineFile:
             self.check_prompts(cfg.sweep.prompts)
         self.check_engine(cfg.engine)
         if self.doc.get("model") != facts.model:
-            raise UsageError(
-                "--baseline: %s was recorded for model %s, this server serves %s"
-                % (self.path, self.doc.get("model"), facts.model)
-            )
+            raise UsageError("--baseline: %s was recorded for model %s, this server serves %s" %
+                             (self.path, self.doc.get("model"), facts.model))
 
     def batch1(self, prompt: str) -> Tuple[Completion, str]:
         """The prompt's baseline and where it came from."""
@@ -4297,8 +3828,7 @@ def baseline_fault(rec: Any) -> Optional[str]:
         return "baseline.top_logprobs is not a list of one entry per token"
     for t, step in enumerate(top):
         if not isinstance(step, dict) or not all(
-            isinstance(k, str) and saved_number(v) for k, v in step.items()
-        ):
+                isinstance(k, str) and saved_number(v) for k, v in step.items()):
             return "baseline.top_logprobs[%d] is not a map of token to logprob" % t
     if rec.get("finish_reason") is not None and not isinstance(rec["finish_reason"], str):
         return "baseline.finish_reason is not a string"
@@ -4319,13 +3849,10 @@ class BaselineServer:
         differently."""
         theirs = read_facts(cfg, self.url, "the baseline server (--baseline)")
         if theirs.model != facts.model:
-            raise UsageError(
-                "--baseline: %s serves %s, the server under test %s"
-                % (self.url, theirs.model, facts.model)
-            )
-        self.sender = Sender(
-            cfg.client(self.url), cfg.adapter, theirs.model, cfg.sampling, isolate
-        )
+            raise UsageError("--baseline: %s serves %s, the server under test %s" %
+                             (self.url, theirs.model, facts.model))
+        self.sender = Sender(cfg.client(self.url), cfg.adapter, theirs.model, cfg.sampling,
+                             isolate)
         self.differences = server_differences(theirs, facts)
 
     def batch1(self, prompt: str) -> Tuple[Completion, str]:
@@ -4340,14 +3867,11 @@ class BaselineServer:
         return {"baseline_server": self.url, "baseline_differences": as_record(self.differences)}
 
     def header_line(self) -> Optional[str]:
-        differences = "; ".join(
-            "%s %s there, %s here" % (d.setting, fmt_setting(d.baseline), fmt_setting(d.here))
-            for d in self.differences
-        )
-        return "        baseline: batch 1 of %s, %s" % (
-            self.url,
-            differences or "reporting the same settings",
-        )
+        differences = "; ".join("%s %s there, %s here"
+                                % (d.setting, fmt_setting(d.baseline), fmt_setting(d.here))
+                                for d in self.differences)
+        return "        baseline: batch 1 of %s, %s" % (self.url, differences
+                                                        or "reporting the same settings")
 
     def summary_line(self) -> Optional[str]:
         return "  against batch 1 of %s" % self.url
@@ -4402,123 +3926,79 @@ class SweepOptions:
     @staticmethod
     def add_arguments(group: argparse._ArgumentGroup) -> None:
         group.add_argument(
-            "--sizes",
-            help="batch sizes, e.g. 1,15,16,17 (default: a ladder to --max-batch that "
-            "straddles every CUDA-graph size)",
-        )
+            "--sizes", help="batch sizes, e.g. 1,15,16,17 (default: a ladder to --max-batch that "
+            "straddles every CUDA-graph size)")
         group.add_argument(
-            "--max-batch",
-            type=whole_number(1, MAX_BATCH_SIZE),
-            default=DEFAULT_MAX_BATCH,
-            help="largest batch of the default ladder (default %d)" % DEFAULT_MAX_BATCH,
-        )
-        group.add_argument(
-            "--prompt",
-            action="append",
-            default=[],
-            metavar="TEXT",
-            help="a prompt; repeat for more (each gets its own sweep)",
-        )
+            "--max-batch", type=whole_number(1, MAX_BATCH_SIZE), default=DEFAULT_MAX_BATCH,
+            help="largest batch of the default ladder (default %d)" % DEFAULT_MAX_BATCH)
+        group.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                           help="a prompt; repeat for more (each gets its own sweep)")
         group.add_argument("--prompt-file", metavar="PATH", help="prompts, one per line")
         group.add_argument(
-            "--temperature",
-            type=real_number(0.0),
-            default=DEFAULT_TEMPERATURE,
-            help="default %g (greedy); above 0 a --seed is always sent" % DEFAULT_TEMPERATURE,
-        )
+            "--temperature", type=real_number(0.0), default=DEFAULT_TEMPERATURE,
+            help="default %g (greedy); above 0 a --seed is always sent" % DEFAULT_TEMPERATURE)
+        group.add_argument("--seed", type=whole_number(0), default=DEFAULT_SEED,
+                           help="sampling seed when temperature > 0 (default %d)" % DEFAULT_SEED)
         group.add_argument(
-            "--seed",
-            type=whole_number(0),
-            default=DEFAULT_SEED,
-            help="sampling seed when temperature > 0 (default %d)" % DEFAULT_SEED,
-        )
+            "--logprobs", type=whole_number(0, MAX_LOGPROBS), default=DEFAULT_LOGPROBS,
+            help="top-k logprobs per step, 0..%d (default %d)" % (MAX_LOGPROBS, DEFAULT_LOGPROBS))
         group.add_argument(
-            "--logprobs",
-            type=whole_number(0, MAX_LOGPROBS),
-            default=DEFAULT_LOGPROBS,
-            help="top-k logprobs per step, 0..%d (default %d)" % (MAX_LOGPROBS, DEFAULT_LOGPROBS),
-        )
-        group.add_argument(
-            "--traffic",
-            choices=TRAFFIC_SHAPES,
-            default=DEFAULT_TRAFFIC,
+            "--traffic", choices=TRAFFIC_SHAPES, default=DEFAULT_TRAFFIC,
             help="copies: one request of n copies of the prompt; concurrent: n one-prompt "
             "requests in flight at once; mixed: the prompt once among n-1 other prompts "
-            "(default %s; see --mode help)" % DEFAULT_TRAFFIC,
-        )
+            "(default %s; see --mode help)" % DEFAULT_TRAFFIC)
         group.add_argument(
-            "--repeat",
-            type=whole_number(1, MAX_REPEAT),
-            default=DEFAULT_REPEAT,
+            "--repeat", type=whole_number(1, MAX_REPEAT), default=DEFAULT_REPEAT,
             help="passes through the whole ladder, batch 1 included; batch 1's passes are the "
-            "run-to-run control (default %d)" % DEFAULT_REPEAT,
-        )
+            "run-to-run control (default %d)" % DEFAULT_REPEAT)
         PrefixCache.add_arguments(group)
         add_baseline_arguments(group)
         group.add_argument(
-            "--prompt-tokens",
-            type=whole_number(1, MAX_PROMPT_TOKENS),
-            metavar="N",
+            "--prompt-tokens", type=whole_number(1, MAX_PROMPT_TOKENS), metavar="N",
             help="measure a prompt of about N tokens, built of plain words until the server's "
             "own tokenizer counts N within a few, instead of --prompt (to cross the "
-            "chunked-prefill budget)",
-        )
+            "chunked-prefill budget)")
         PrefillCheck.add_arguments(group)
         group.add_argument(
-            "--expect",
-            choices=tuple(SWEEP_EXPECTATIONS),
+            "--expect", choices=tuple(SWEEP_EXPECTATIONS),
             help="exit 1 unless the result is invariant (flag on), shows a difference (flag "
             "off, the negative control), (with --prefill-check) decode and prefill agree "
             "bitwise, or (with --cache-check) a verified cache hit equals the cold prefill "
-            "bitwise",
-        )
+            "bitwise")
         CacheCheck.add_arguments(group)
 
     @classmethod
-    def from_args(
-        cls, args: argparse.Namespace, url: str, engine: Optional[str]
-    ) -> "SweepOptions":
+    def from_args(cls, args: argparse.Namespace, url: str,
+                  engine: Optional[str]) -> "SweepOptions":
         max_tokens = DEFAULT_SWEEP_TOKENS if args.max_tokens is None else args.max_tokens
         sampling = Sampling.of(args.temperature, max_tokens, args.logprobs, args.seed)
         sizes = parse_sizes(args.sizes) if args.sizes is not None else None
-        prompts = list(args.prompt) + (
-            read_prompt_file(args.prompt_file) if args.prompt_file else []
-        )
+        prompts = list(
+            args.prompt) + (read_prompt_file(args.prompt_file) if args.prompt_file else [])
         if any(not p.strip() for p in prompts):
             raise UsageError("--prompt: a prompt is empty")
         if not all(
-            p.encode("utf-8", "surrogatepass").decode("utf-8", "replace") == p for p in prompts
-        ):
+                p.encode("utf-8", "surrogatepass").decode("utf-8", "replace") == p
+                for p in prompts):
             raise UsageError("--prompt: a prompt is not UTF-8 text (as --prompt-file requires)")
         prompts = check_prompts(prompts or [DEFAULT_PROMPT], "--prompt")
         if len(set(prompts)) != len(prompts):
             raise UsageError("--prompt: the same prompt is given twice")
         if args.prompt_tokens and (args.prompt or args.prompt_file):
             raise UsageError(
-                "--prompt-tokens builds the prompt itself: leave out --prompt and --prompt-file"
-            )
+                "--prompt-tokens builds the prompt itself: leave out --prompt and --prompt-file")
         prefill_check = PrefillCheck.configure(args.prefill_check, args.expect)
         prefix_cache = PrefixCache(args.prefix_cache)
-        cache_check = CacheCheck.configure(
-            args.cache_check, args.expect, args.traffic, prefix_cache.bypass
-        )
+        cache_check = CacheCheck.configure(args.cache_check, args.expect, args.traffic,
+                                           prefix_cache.bypass)
         if args.traffic == "mixed" and (max(sizes) if sizes else args.max_batch) == 1:
             raise UsageError(
-                "--traffic mixed: batch 1 has no room for other prompts; give sizes above 1"
-            )
+                "--traffic mixed: batch 1 has no room for other prompts; give sizes above 1")
         built = [] if args.prompt_tokens else prompts  # a built prompt is checked once built
         baseline = configure_baseline(args.baseline, url, engine, args.model, sampling, built)
-        return options_from(
-            cls,
-            args,
-            sampling=sampling,
-            sizes=sizes,
-            prompts=prompts,
-            prefix_cache=prefix_cache,
-            cache_check=cache_check,
-            prefill_check=prefill_check,
-            baseline=baseline,
-        )
+        return options_from(cls, args, sampling=sampling, sizes=sizes, prompts=prompts,
+                            prefix_cache=prefix_cache, cache_check=cache_check,
+                            prefill_check=prefill_check, baseline=baseline)
 
 
 def parse_sizes(text: str) -> List[int]:
@@ -4532,22 +4012,17 @@ def parse_sizes(text: str) -> List[int]:
     if any(s < 1 for s in sizes):
         raise UsageError("--sizes: batch sizes start at 1 (got %d)" % min(sizes))
     if max(sizes) > MAX_BATCH_SIZE:
-        raise UsageError(
-            "--sizes: batch sizes go up to %d (got %d)" % (MAX_BATCH_SIZE, max(sizes))
-        )
+        raise UsageError("--sizes: batch sizes go up to %d (got %d)" %
+                         (MAX_BATCH_SIZE, max(sizes)))
     if len(set(sizes)) != len(sizes):
-        raise UsageError(
-            "--sizes: %d is listed twice" % next(s for s in sizes if sizes.count(s) > 1)
-        )
+        raise UsageError("--sizes: %d is listed twice"
+                         % next(s for s in sizes if sizes.count(s) > 1))
     return sizes
 
 
 def read_prompt_file(path: str) -> List[str]:
-    prompts = [
-        line.rstrip("\r")
-        for line in read_input_file(path, "--prompt-file").split("\n")
-        if line.strip()
-    ]
+    lines = read_input_file(path, "--prompt-file").split("\n")
+    prompts = [line.rstrip("\r") for line in lines if line.strip()]
     if not prompts:
         raise UsageError("--prompt-file: %s holds no prompt" % path)
     return check_prompts(prompts, "--prompt-file")
@@ -4558,10 +4033,8 @@ def check_prompts(prompts: List[str], option: str) -> List[str]:
         raise UsageError("%s: at most %d prompts (got %d)" % (option, MAX_PROMPTS, len(prompts)))
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
     if len(prompts[longest]) > MAX_PROMPT_CHARS:
-        raise UsageError(
-            "%s: prompt %d has %d characters; at most %d"
-            % (option, longest + 1, len(prompts[longest]), MAX_PROMPT_CHARS)
-        )
+        raise UsageError("%s: prompt %d has %d characters; at most %d" %
+                         (option, longest + 1, len(prompts[longest]), MAX_PROMPT_CHARS))
     return prompts
 
 
@@ -4580,9 +4053,8 @@ PROMPT_FIT_TRIES = 6  # rounds of counting and resizing a built prompt
 MAX_WORDS_A_TOKEN = 8  # a built prompt's words per token at most (a common word is one token)
 
 
-def built_prompt(
-    client: HttpClient, adapter: EngineAdapter, facts: ServerFacts, n: int
-) -> LongPrompt:
+def built_prompt(client: HttpClient, adapter: EngineAdapter, facts: ServerFacts,
+                 n: int) -> LongPrompt:
     """Plain words, resized until the server's own tokenizer counts n within max(2, n/100)."""
 
     def count(text: str) -> int:
@@ -4602,8 +4074,7 @@ def built_prompt(
         raise ServerError(
             "--prompt-tokens: the server's tokenizer counts %d tokens for %d words, so no "
             "prompt of about %d tokens can be built of words" % (tokens, words, n),
-            kind=ServerError.ANSWER,
-        )
+            kind=ServerError.ANSWER)
     budget = facts.settings.get(adapter.PREFILL_BUDGET)
     if not (isinstance(budget, int) and not isinstance(budget, bool) and budget > 0):
         budget = None
@@ -4617,9 +4088,8 @@ def sweep_ladder(options: SweepOptions, facts: ServerFacts) -> List[int]:
     if options.sizes is not None:
         sizes = list(options.sizes)
     else:
-        sizes = straddling_ladder(
-            options.max_batch, facts.graph_sizes or facts.default_graph_sizes
-        )
+        sizes = straddling_ladder(options.max_batch, facts.graph_sizes
+                                  or facts.default_graph_sizes)
     if 1 not in sizes:
         sizes.insert(0, 1)  # batch 1 is the baseline, and the stored baseline's peer
     return sizes
@@ -4655,11 +4125,10 @@ class Sender:
         return {"copies": self.copies, "concurrent": self.concurrent, "mixed": self.mixed}[traffic]
 
     def one_request(
-        self, prompts: List[str], cache_key: Optional[str] = None
-    ) -> Tuple[List[Completion], float, Optional[int]]:
-        answer, seconds = generate(
-            self.client, self.adapter, self.model, prompts, self.sampling, self.isolate, cache_key
-        )
+            self, prompts: List[str],
+            cache_key: Optional[str] = None) -> Tuple[List[Completion], float, Optional[int]]:
+        answer, seconds = generate(self.client, self.adapter, self.model, prompts, self.sampling,
+                                   self.isolate, cache_key)
         completions = parsed("the answer", self.adapter.completions, answer, len(prompts), True)
         return completions, seconds, parsed("the answer", self.adapter.cached_tokens, answer)
 
@@ -4685,13 +4154,10 @@ class Sender:
         if n == 1:
             return self.copies(prompt, 1, seed)
         allow_open_files(n)
-        posts = [
-            self.client.prepare_post(
-                self.adapter.generate_path,
-                self.adapter.body(self.model, [prompt], self.sampling, self.isolate),
-            )
-            for _ in range(n)
-        ]
+        body = self.adapter.body  # a fresh body a request: each takes a cache key of its own
+        posts = [self.client.prepare_post(self.adapter.generate_path,
+                                          body(self.model, [prompt], self.sampling, self.isolate))
+                 for _ in range(n)]
         outcomes: List[Any] = [None] * n  # what failed, or (completion, cached tokens)
         ready, all_sent = threading.Semaphore(0), threading.Event()
         # A burst's threads wait for every request to be out; scheduled ones for their own
@@ -4712,14 +4178,12 @@ class Sender:
                     answered_at[i] = CLOCK()
                     outcomes[i] = (
                         parsed("the answer", self.adapter.completions, answer, 1, True)[0],
-                        parsed("the answer", self.adapter.cached_tokens, answer),
-                    )
+                        parsed("the answer", self.adapter.cached_tokens, answer))
                 except BaseException as err:
                     outcomes[i] = err
 
         threads = [
-            threading.Thread(target=client_thread, args=(i,), daemon=True) for i in range(n)
-        ]
+            threading.Thread(target=client_thread, args=(i,), daemon=True) for i in range(n)]
         for t in threads:
             t.start()
         for _ in range(n):
@@ -4748,13 +4212,9 @@ class Sender:
         overlapped = None  # a burst: every request was out before any answer was read
         if self.arrivals.rate:  # was any request sent before an earlier one was answered?
             overlapped = any(sent_at[k] < max(answered_at[:k]) for k in range(1, n))
-        return SentBatch(
-            [o[0] for o in outcomes],
-            seconds,
-            sum(cached) if cached else None,
-            round(sent_at[-1] - sent_at[0], 6),
-            overlapped,
-        )
+        return SentBatch([o[0] for o in outcomes], seconds,
+                         sum(cached) if cached else None, round(sent_at[-1] - sent_at[0], 6),
+                         overlapped)
 
 
 @dataclass(frozen=True)
@@ -4819,26 +4279,20 @@ class SizeResult:
         ulp_steps = [r.first_ulp_step for r in runs if r.first_ulp_step is not None]
         cached = [r.cached_tokens for r in runs if r.cached_tokens is not None]
         checked = [r.prefill for r in runs if r.prefill is not None]
-        return cls(
-            batch_size=batch_size,
-            bucket=bucket,
-            completions=sum(r.completions for r in runs),
-            distinct_in_batch=len(texts),
-            same_as_baseline=sum(r.same_as_baseline for r in runs),
-            text_only=sum(r.text_only for r in runs),
-            first_token_divergence=first.first_token_divergence if first else None,
-            divergence_margin=first.divergence_margin if first else None,
-            first_ulp_step=min(ulp_steps) if ulp_steps else None,
-            max_ulp=max((r.max_ulp for r in runs), default=0),
-            ulp_notes=sorted({u for r in runs for u in r.ulp_notes}),
-            seconds=round(sum(r.seconds for r in runs), 4),
-            runs_matched=sum(1 for r in runs if r.matched),
-            cached_tokens=sum(cached) if cached else None,
-            prefill=PrefillSummary.of(checked) if checked else None,
-            distinct_texts=texts,
-            runs=runs,
-            overlapped=overlapped_any([r.overlapped for r in runs]),
-        )
+        return cls(batch_size=batch_size, bucket=bucket,
+                   completions=sum(r.completions for r in runs), distinct_in_batch=len(texts),
+                   same_as_baseline=sum(r.same_as_baseline for r in runs),
+                   text_only=sum(r.text_only for r in runs),
+                   first_token_divergence=first.first_token_divergence if first else None,
+                   divergence_margin=first.divergence_margin if first else None,
+                   first_ulp_step=min(ulp_steps) if ulp_steps else None,
+                   max_ulp=max((r.max_ulp for r in runs), default=0),
+                   ulp_notes=sorted({u for r in runs for u in r.ulp_notes}),
+                   seconds=round(sum(r.seconds for r in runs), 4),
+                   runs_matched=sum(1 for r in runs if r.matched),
+                   cached_tokens=sum(cached) if cached else None,
+                   prefill=PrefillSummary.of(checked) if checked else None, distinct_texts=texts,
+                   runs=runs, overlapped=overlapped_any([r.overlapped for r in runs]))
 
 
 def overlapped_any(flags: Sequence[Optional[bool]]) -> Optional[bool]:
@@ -4937,8 +4391,7 @@ class PromptSweep:
             return None
         return all(
             same_completion(c, self.batch1[0]) and c.text == self.batch1[0].text
-            for c in self.batch1[1:]
-        )
+            for c in self.batch1[1:])
 
     def measured(self) -> Measured:
         if self.kept_measured is not None:
@@ -4965,25 +4418,18 @@ class PromptSweep:
             batch1_repeatable=self.batch1_repeatable(),
             unseeded=self.unseeded,
             confounded=self.prefix_cache.confounded(moved, cached),
-            unoverlapped=len(included) < len(self.rows()),
-        )
+            unoverlapped=len(included) < len(self.rows()))
         if self.finished:
             self.kept_measured = measured
         return measured
 
     def record(self) -> PromptRecord:
         measured = self.measured()
-        return PromptRecord(
-            prompt=self.prompt,
-            baseline=self.baseline,
-            baseline_source=self.baseline_source,
-            sizes=self.sizes(),
-            unique_completions=measured.unique,
-            total_completions=measured.total,
-            max_ulp=measured.max_ulp,
-            batch1_repeatable=measured.batch1_repeatable,
-            verdict=verdict(measured),
-        )
+        return PromptRecord(prompt=self.prompt, baseline=self.baseline,
+                            baseline_source=self.baseline_source, sizes=self.sizes(),
+                            unique_completions=measured.unique, total_completions=measured.total,
+                            max_ulp=measured.max_ulp, batch1_repeatable=measured.batch1_repeatable,
+                            verdict=verdict(measured))
 
     def record_text(self) -> str:
         """The prompt's record as saved JSON, kept once the prompt is finished."""
@@ -4997,18 +4443,13 @@ class PromptSweep:
 
 def moved_row(row: "BatchRow", baseline: Optional[Completion]) -> bool:
     """Did anything in this pass differ from the baseline?"""
-    return bool(
-        row.max_ulp
-        or row.first_token_divergence is not None
-        or row.text_only
-        or any(u in MOVED_NOTES for u in row.ulp_notes)
-        or (baseline is not None and row.distinct_texts != [baseline.text])
-    )
+    return bool(row.max_ulp or row.first_token_divergence is not None or row.text_only
+                or any(u in MOVED_NOTES for u in row.ulp_notes)
+                or (baseline is not None and row.distinct_texts != [baseline.text]))
 
 
-def compare_batch(
-    completions: List[Completion], baseline: Completion, clamps: Sequence[float]
-) -> BatchRow:
+def compare_batch(completions: List[Completion], baseline: Completion,
+                  clamps: Sequence[float]) -> BatchRow:
     """What one batch's completions show against the baseline (the row's other fields are
     the sender's and the checks' to fill in)."""
     deltas, previous, last = [], None, IDENTICAL
@@ -5022,11 +4463,8 @@ def compare_batch(
     first = min(diverged, key=lambda d: d.first_token_divergence) if diverged else None
     ulp_steps = [d.first_ulp_step for d in deltas if d.first_ulp_step is not None]
     texts = [c.text for c in completions]
-    held = [
-        c.text == baseline.text
-        for c, d in zip(completions, deltas)
-        if d.first_token_divergence is None
-    ]
+    held = [c.text == baseline.text for c, d in zip(completions, deltas)
+            if d.first_token_divergence is None]
     return BatchRow(
         completions=len(completions),
         distinct_in_batch=len(set(texts)),
@@ -5055,39 +4493,25 @@ def sweep_summary(options: SweepOptions, sweeps: List[PromptSweep], state: str) 
     if options.prefill_check:
         prefill = PrefillSummary.of([r.prefill for _, r in rows if r.prefill is not None])
     return SweepSummary(
-        unique_completions=measured.unique,
-        total_completions=measured.total,
-        max_ulp=measured.max_ulp,
-        batch1_repeatable=measured.batch1_repeatable,
-        traffic=options.traffic,
-        repeat=options.repeat,
-        verdict=verdict(measured),
+        unique_completions=measured.unique, total_completions=measured.total,
+        max_ulp=measured.max_ulp, batch1_repeatable=measured.batch1_repeatable,
+        traffic=options.traffic, repeat=options.repeat, verdict=verdict(measured),
         bypass=options.prefix_cache.check([(n, r.cached_tokens) for n, r in rows]),
-        ulp_notes=sorted({u for _, r in rows for u in r.ulp_notes}),
-        state=state,
-        cache=cache,
+        ulp_notes=sorted({u for _, r in rows for u in r.ulp_notes}), state=state, cache=cache,
         prefill=prefill,
         prefill_verdict=prefill.verdict(options.prefill_check.failure) if prefill else None,
-        measured=measured,
-    )
+        measured=measured)
 
 
 def sweep_params(cfg: Config, facts: ServerFacts, sizes: List[int]) -> Json:
     """How the sweep was asked for, as its saved document holds it."""
     options = cfg.sweep
-    params = dict(
-        cfg.sampling.params(),
-        sizes=sizes,
-        prompts=len(options.prompts),
-        prompt_tokens=as_record(options.long_prompt),
-        traffic=options.traffic,
-        arrivals=cfg.arrivals.describe(),
-        repeat=options.repeat,
-        prefix_cache=options.prefix_cache.choice,
-        seed_honoured=facts.seed_honoured,
-        prefill_check=options.prefill_check is not None,
-        cache_check=options.cache_check is not None,
-    )
+    params = dict(cfg.sampling.params(), sizes=sizes, prompts=len(options.prompts),
+                  prompt_tokens=as_record(options.long_prompt), traffic=options.traffic,
+                  arrivals=cfg.arrivals.describe(), repeat=options.repeat,
+                  prefix_cache=options.prefix_cache.choice, seed_honoured=facts.seed_honoured,
+                  prefill_check=options.prefill_check is not None, cache_check=options.cache_check
+                  is not None)
     if options.traffic == "mixed":
         params["mixed_seed"] = options.seed
     if options.traffic == "concurrent":
@@ -5097,9 +4521,8 @@ def sweep_params(cfg: Config, facts: ServerFacts, sizes: List[int]) -> Json:
     return params
 
 
-def sweep_document(
-    cfg: Config, facts: ServerFacts, prompts: List[Json], sizes: List[int], summary: SweepSummary
-) -> Json:
+def sweep_document(cfg: Config, facts: ServerFacts, prompts: List[Json], sizes: List[int],
+                   summary: SweepSummary) -> Json:
     """The saved sweep (schema SWEEP_SCHEMA): the server, how the sweep was asked for, every
     prompt's record (a PromptRecord: its baseline, and per batch size a SizeResult holding a
     BatchRow per pass) and the summary (a SweepSummary)."""
@@ -5128,30 +4551,23 @@ def sweep_warnings(facts: ServerFacts, sizes: List[int], sampling: Sampling, out
         out.warn(
             "the server does not honour the seed (%s): at temperature %g every request samples "
             "unseeded, so differences include plain sampling noise, and the verdict will not put "
-            "them down to batching" % (facts.seed_note, sampling.temperature)
-        )
+            "them down to batching" % (facts.seed_note, sampling.temperature))
     limit = facts.max_num_seqs
     if isinstance(limit, int) and max(sizes) > limit:
-        out.warn(
-            "batch sizes above %d exceed the server's max-num-seqs: those requests are not "
-            "all scheduled together" % limit
-        )
+        out.warn("batch sizes above %d exceed the server's max-num-seqs: those requests are not "
+                 "all scheduled together" % limit)
     if facts.load_format == "dummy":
         out.warn(
             "the server runs dummy weights (--load-format dummy): flat logits have no near-ties, "
-            "so a clean flag-off result is expected and means nothing"
-        )
+            "so a clean flag-off result is expected and means nothing")
     if facts.flag is None:
-        out.warn(
-            "the server does not say whether the flag is on%s"
-            % (" (%s)" % facts.settings_hint if facts.settings_hint else "")
-        )
+        out.warn("the server does not say whether the flag is on%s" %
+                 (" (%s)" % facts.settings_hint if facts.settings_hint else ""))
 
 
 SWEEP_COLUMNS = (
     "  batch  bucket  distinct  same/all  runs matched  first token  tie margin  max ULP  first "
-    "ULP step  seconds  notes"
-)
+    "ULP step  seconds  notes")
 
 
 class SweepTable:
@@ -5174,24 +4590,13 @@ class SweepTable:
             how = "greedy"
         else:
             honoured = {True: " (honoured)", False: " (IGNORED by the server)"}
-            how = "temperature %g, seed %s%s" % (
-                sampling.temperature,
-                sampling.seed,
-                honoured.get(facts.seed_honoured, ""),
-            )
-        out.line(
-            "params: %d tokens, %s, top-%d logprobs, sizes %s"
-            % (sampling.max_tokens, how, sampling.logprobs, ",".join(str(s) for s in sizes))
-        )
-        out.line(
-            "        traffic %s, %d pass%s through the ladder, prefix cache %s"
-            % (
-                options.traffic,
-                options.repeat,
-                "" if options.repeat == 1 else "es",
-                options.prefix_cache.choice,
-            )
-        )
+            how = "temperature %g, seed %s%s" % (sampling.temperature, sampling.seed,
+                                                 honoured.get(facts.seed_honoured, ""))
+        out.line("params: %d tokens, %s, top-%d logprobs, sizes %s" %
+                 (sampling.max_tokens, how, sampling.logprobs, ",".join(str(s) for s in sizes)))
+        out.line("        traffic %s, %d pass%s through the ladder, prefix cache %s" %
+                 (options.traffic, options.repeat, "" if options.repeat == 1 else "es",
+                  options.prefix_cache.choice))
         baseline_line = options.baseline and options.baseline.header_line()
         if baseline_line:
             out.line(baseline_line)
@@ -5200,31 +4605,24 @@ class SweepTable:
             budget, chunks = long_prompt.budget, long_prompt.chunks
             if budget and chunks > 1:
                 crossing = (
-                    "crosses the chunked-prefill budget of %d tokens: prefilled in %d chunks"
-                    % (budget, chunks)
-                )
+                    "crosses the chunked-prefill budget of %d tokens: prefilled in %d chunks" %
+                    (budget, chunks))
             elif budget:
                 crossing = "fits in one chunk of the chunked-prefill budget (%d tokens)" % budget
             else:
                 crossing = "the server does not say its chunked-prefill budget"
-            out.line(
-                "        prompt of %d tokens by the server's tokenizer (asked %d): %s"
-                % (long_prompt.tokens, long_prompt.asked, crossing)
-            )
+            out.line("        prompt of %d tokens by the server's tokenizer (asked %d): %s" %
+                     (long_prompt.tokens, long_prompt.asked, crossing))
 
     def size_done(self, number: int, total: int, sweep: PromptSweep, n: int) -> None:
         if number not in self.rows:
             self.rows[number] = set()
             self.out.line("")
             self.out.line(
-                "prompt %d/%d: %s  (baseline: %s)"
-                % (
-                    number,
-                    total,
-                    json.dumps(sweep.prompt[:70] + ("..." if len(sweep.prompt) > 70 else "")),
-                    sweep.baseline_source,
-                )
-            )
+                "prompt %d/%d: %s  (baseline: %s)" %
+                (number, total,
+                 json.dumps(sweep.prompt[:70] + ("..." if len(sweep.prompt) > 70 else "")),
+                 sweep.baseline_source))
             self.out.line(SWEEP_COLUMNS)
         self.rows[number].add(n)
         self.out.line(size_row(sweep.size(n), self.options.prefix_cache))
@@ -5232,10 +4630,8 @@ class SweepTable:
     def prompt_done(self, number: int, sweep: PromptSweep) -> None:
         self.closed.add(number)
         measured = sweep.measured()
-        self.out.line(
-            "  unique completions %d of %d, max ULP %d: %s"
-            % (measured.unique, measured.total, measured.max_ulp, verdict(measured))
-        )
+        self.out.line("  unique completions %d of %d, max ULP %d: %s" %
+                      (measured.unique, measured.total, measured.max_ulp, verdict(measured)))
 
     def finish(self, summary: SweepSummary, sweeps: List[PromptSweep]) -> None:
         out, options, m = self.out, self.options, summary.measured
@@ -5248,9 +4644,8 @@ class SweepTable:
         out.line("")
         if summary.ulp_notes:
             out.line("* %s" % "; ".join(ULP_NOTE_TEXT[n] for n in summary.ulp_notes))
-        unverified = PrefixCache.unverified_line(
-            summary.bypass, self.cfg.adapter.CACHE_COUNTS_HINT
-        )
+        unverified = PrefixCache.unverified_line(summary.bypass,
+                                                 self.cfg.adapter.CACHE_COUNTS_HINT)
         if unverified:
             out.line(unverified)
         control = control_text(m.batch1_repeatable, options.repeat, sweeps)
@@ -5258,20 +4653,9 @@ class SweepTable:
         bypass_reason = PrefixCache.summary_reason(summary.bypass)
         if bypass_reason:
             reasons.append(bypass_reason)
-        out.line(
-            out.style(
-                "summary: unique completions %d, total %d, max ULP %d, %s: %s%s"
-                % (
-                    m.unique,
-                    m.total,
-                    m.max_ulp,
-                    control,
-                    summary.verdict,
-                    " (%s)" % "; ".join(reasons) if reasons else "",
-                ),
-                "1",
-            )
-        )
+        out.bold("summary: unique completions %d, total %d, max ULP %d, %s: %s%s"
+                 % (m.unique, m.total, m.max_ulp, control, summary.verdict,
+                    " (%s)" % "; ".join(reasons) if reasons else ""))
         baseline_line = options.baseline and options.baseline.summary_line()
         if baseline_line:
             out.line(baseline_line)
@@ -5285,11 +4669,8 @@ class SweepTable:
 def control_text(repeatable: Optional[bool], repeat: int, sweeps: List[PromptSweep]) -> str:
     """The run-to-run control as the table's last line says it, and why there is none."""
     if repeatable is not None:
-        return (
-            "batch 1 repeatable over %d passes" % repeat
-            if repeatable
-            else "batch 1 NOT repeatable"
-        )
+        return ("batch 1 repeatable over %d passes"
+                % repeat if repeatable else "batch 1 NOT repeatable")
     if repeat == 1:
         return "no run-to-run control (one pass)"
     if any(len(s.batch1) < 2 for s in sweeps):
@@ -5302,19 +4683,10 @@ def size_row(s: SizeResult, prefix_cache: PrefixCache) -> str:
     ulp = str(s.max_ulp) + ("*" if s.ulp_notes else "")
     return (
         "  %5d  %6s  %8d  %8s  %12s  %11s  %10s  %7s  %14s  %7.2f  %s"
-        % (
-            s.batch_size,
-            fmt_opt(s.bucket, "none"),
-            s.distinct_in_batch,
-            "%d/%d" % (s.same_as_baseline, s.completions),
-            "%d/%d" % (s.runs_matched, len(s.runs)),
-            fmt_opt(s.first_token_divergence),
-            margin_text(s.divergence_margin),
-            ulp,
-            fmt_opt(s.first_ulp_step),
-            s.seconds,
-            size_notes(s, prefix_cache),
-        )
+        % (s.batch_size, fmt_opt(s.bucket, "none"), s.distinct_in_batch,
+           "%d/%d" % (s.same_as_baseline, s.completions), "%d/%d" % (s.runs_matched, len(s.runs)),
+           fmt_opt(s.first_token_divergence), margin_text(s.divergence_margin), ulp,
+           fmt_opt(s.first_ulp_step), s.seconds, size_notes(s, prefix_cache))
     ).rstrip()
 
 
@@ -5341,14 +4713,8 @@ def size_notes(size: SizeResult, prefix_cache: PrefixCache) -> str:
     return "; ".join(notes)
 
 
-def sweep_advice(
-    flag: Optional[bool],
-    hazards: Optional[List[Json]],
-    expect: Optional[str],
-    sizes: List[int],
-    summary: SweepSummary,
-    text: Callable[[str], None],
-) -> None:
+def sweep_advice(flag: Optional[bool], hazards: Optional[List[Json]], expect: Optional[str],
+                 sizes: List[int], summary: SweepSummary, text: Callable[[str], None]) -> None:
     """What to make of the verdict, once the table is out: why nothing was compared, what
     else explains what moved, or where to look next."""
     sweep_verdict = summary.verdict
@@ -5359,42 +4725,32 @@ def sweep_advice(
         if sweep_verdict == NO_DATA:
             why = "no completion came back"
         elif summary.measured.unoverlapped:
-            why = (
-                "at every size above batch 1 the scheduled requests were never in flight "
-                "together (each was answered before the next went out), so no batch was "
-                "formed; raise --request-rate, or leave it out for a burst"
-            )
+            why = ("at every size above batch 1 the scheduled requests were never in flight "
+                   "together (each was answered before the next went out), so no batch was "
+                   "formed; raise --request-rate, or leave it out for a burst")
         elif sizes == [1]:
-            why = (
-                "batch 1 was the only size, and it is the baseline; give --sizes with larger "
-                "batches"
-            )
+            why = ("batch 1 was the only size, and it is the baseline; give --sizes with larger "
+                   "batches")
         else:
             why = "the run stopped (%s) before any size above batch 1 came back" % summary.state
         text("Nothing was compared: %s. No verdict on invariance can be given." % why)
     elif sweep_verdict == NOISE_NOT_RULED_OUT:
         text("")
-        text(
-            "The server ignores the seed, so at this temperature every request samples on its "
-            "own: the differences above may be sampling noise alone. Measure batching greedy "
-            "(--temperature 0), or with the flag on, where the seed is honoured."
-        )
+        text("The server ignores the seed, so at this temperature every request samples on its "
+             "own: the differences above may be sampling noise alone. Measure batching greedy "
+             "(--temperature 0), or with the flag on, where the seed is honoured.")
     elif sweep_verdict == CACHE_CONFOUNDED:
         text("")
-        text(
-            "Everything that moved, moved at sizes where the prefix cache served the prompt "
-            "despite the bypass (cache hit in the table): the cache, not the batch alone, may "
-            "explain it. vLLM's copies of one request share its cache whatever the salt: sweep "
-            "with --traffic concurrent, whose requests carry a salt each."
-        )
+        text("Everything that moved, moved at sizes where the prefix cache served the prompt "
+             "despite the bypass (cache hit in the table): the cache, not the batch alone, may "
+             "explain it. vLLM's copies of one request share its cache whatever the salt: sweep "
+             "with --traffic concurrent, whose requests carry a salt each.")
     elif sweep_verdict == NOT_REPEATABLE:
         text("")
-        text(
-            "Batch 1 alone gave different answers on different passes: the server is not "
-            "repeatable even without other requests beside it, so differences at other sizes "
-            "cannot be put down to batching. Check for unseeded sampling, a server restarted "
-            "between passes, or other traffic on it."
-        )
+        text("Batch 1 alone gave different answers on different passes: the server is not "
+             "repeatable even without other requests beside it, so differences at other sizes "
+             "cannot be put down to batching. Check for unseeded sampling, a server restarted "
+             "between passes, or other traffic on it.")
     elif moved and flag:
         text("")
         text("The server reports the flag ON, yet results moved.")
@@ -5408,21 +4764,16 @@ def sweep_advice(
         text(
             "Nothing moved. With the flag off that usually means no near-tie was met: try more "
             "prompts (--prompt-file), longer generations (--max-tokens 256), --temperature 0.6 or "
-            "--traffic concurrent; see --mode help."
-        )
+            "--traffic concurrent; see --mode help.")
 
 
 def expect_invariant(summary: SweepSummary) -> Tuple[bool, str]:
     """--expect invariant (flag on): nothing moved, and something was compared."""
     if summary.verdict != INVARIANT:
-        return False, (
-            "expectation failed: --expect invariant, but the result is: %s" % summary.verdict
-        )
+        return False, ("expectation failed: --expect invariant, but the result is: %s"
+                       % summary.verdict)
     return True, "expect invariant: held (%d unique of %d, max ULP %d)" % (
-        summary.unique_completions,
-        summary.total_completions,
-        summary.max_ulp,
-    )
+        summary.unique_completions, summary.total_completions, summary.max_ulp)
 
 
 def expect_variant(summary: SweepSummary) -> Tuple[bool, str]:
@@ -5430,11 +4781,7 @@ def expect_variant(summary: SweepSummary) -> Tuple[bool, str]:
     found = summary.verdict
     if found in BATCH_EFFECTS:
         return True, "expect variant: held (%s: %d unique of %d, max ULP %d)" % (
-            found,
-            summary.unique_completions,
-            summary.total_completions,
-            summary.max_ulp,
-        )
+            found, summary.unique_completions, summary.total_completions, summary.max_ulp)
     if found in UNMEASURED_VERDICTS:
         why = "nothing was compared"
     elif found == INVARIANT:
@@ -5449,8 +4796,7 @@ SWEEP_EXPECTATIONS: Dict[str, Callable[[SweepSummary], Tuple[bool, str]]] = {
     "invariant": expect_invariant,
     "variant": expect_variant,
     PrefillCheck.EXPECT: lambda summary: PrefillCheck.expectation(
-        summary.prefill, summary.prefill_verdict
-    ),
+        summary.prefill, summary.prefill_verdict),
     CacheCheck.EXPECT: lambda summary: CacheCheck.expectation(summary.cache),
 }
 
@@ -5486,9 +4832,8 @@ def run_sweep(cfg: Config, out: Out) -> int:
     sweeps: List[PromptSweep] = []
 
     saves = ThrottledSave(cfg.save, exclusive=True)
-    progress = Progress(
-        out, len(options.prompts) * options.repeat * len(sizes), "batches", cfg.quiet
-    )
+    progress = Progress(out,
+                        len(options.prompts) * options.repeat * len(sizes), "batches", cfg.quiet)
     table = None if cfg.json_out else SweepTable(cfg, out)
     if table:
         table.header(facts, sizes)
@@ -5519,39 +4864,27 @@ def run_sweep(cfg: Config, out: Out) -> int:
             prefill = options.prefill_check.compare(sender, prompt, n, batch.completions, out)
         row = dataclasses.replace(
             compare_batch(batch.completions, sweep.baseline, adapter.logprob_clamps),
-            pass_no=pass_no,
-            seconds=round(batch.seconds, 4),
-            cached_tokens=batch.cached_tokens,
-            send_spread_s=batch.send_spread,
-            overlapped=batch.overlapped,
-            cache_check=cache_check,
-            prefill=prefill,
-        )
+            pass_no=pass_no, seconds=round(batch.seconds, 4), cached_tokens=batch.cached_tokens,
+            send_spread_s=batch.send_spread, overlapped=batch.overlapped, cache_check=cache_check,
+            prefill=prefill)
         sweep.add(n, facts.bucket(n), row, batch.completions)
         return batch.completions
 
     def measure(interrupt: DeferredInterrupt) -> None:
         prompts = len(options.prompts)
         for pi, prompt in enumerate(options.prompts, 1):
-            sweep = PromptSweep(
-                prompt, unseeded=unseeded(cfg.sampling, facts), prefix_cache=options.prefix_cache
-            )
+            sweep = PromptSweep(prompt, unseeded=unseeded(cfg.sampling, facts),
+                                prefix_cache=options.prefix_cache)
             sweeps.append(sweep)
             if options.baseline:
                 sweep.set_baseline(*options.baseline.batch1(prompt))
             for pass_no in range(1, options.repeat + 1):
-                where = (" (prompt %d)" % pi if prompts > 1 else "") + (
-                    ", pass %d" % pass_no if options.repeat > 1 else ""
-                )
+                where = (" (prompt %d)" % pi if prompts > 1 else "") + (", pass %d" % pass_no if
+                                                                        options.repeat > 1 else "")
                 for n in sizes:
                     interrupt.check()
-                    step = "prompt %d/%d, pass %d/%d, batch %d" % (
-                        pi,
-                        prompts,
-                        pass_no,
-                        options.repeat,
-                        n,
-                    )
+                    step = "prompt %d/%d, pass %d/%d, batch %d" % (pi, prompts, pass_no,
+                                                                   options.repeat, n)
                     progress.running(step)
                     count = len(one_batch(sweep, where, n, pass_no))
                     progress.finished(step, count)
@@ -5594,25 +4927,15 @@ class BatchTrials:
 
     @staticmethod
     def add_arguments(group: argparse._ArgumentGroup) -> None:
-        group.add_argument(
-            "--batch",
-            type=whole_number(1, MAX_BATCH_SIZE),
-            default=DEFAULT_BATCH,
-            help="prompts per timed request (default %d)" % DEFAULT_BATCH,
-        )
+        group.add_argument("--batch", type=whole_number(1, MAX_BATCH_SIZE), default=DEFAULT_BATCH,
+                           help="prompts per timed request (default %d)" % DEFAULT_BATCH)
 
     @property
     def prompts(self) -> int:
         return self.batch
 
-    def run(
-        self,
-        arm: "Arm",
-        prompts: List[str],
-        adapter: EngineAdapter,
-        sampling: Sampling,
-        arrivals: Arrivals,
-    ) -> Tuple[float, int, None]:
+    def run(self, arm: "Arm", prompts: List[str], adapter: EngineAdapter, sampling: Sampling,
+            arrivals: Arrivals) -> Tuple[float, int, None]:
         """One timed request: (seconds, output tokens, None). The answer's shape must hold even
         when timing."""
         answer, seconds = generate(arm.client, adapter, arm.facts.model, prompts, sampling)
@@ -5639,8 +4962,7 @@ LOAD_FIGURES = ("latency", "ttft", "tpot")  # what each request of a load trial 
 UNMEASURED_STREAM = (
     "the stream does not report its progress token by token (its first event carries several "
     "tokens, or most tokens arrive together), so neither the first token's arrival nor the time "
-    "between tokens can be seen: latency and throughput stand"
-)
+    "between tokens can be seen: latency and throughput stand")
 
 
 @dataclass(frozen=True)
@@ -5665,27 +4987,21 @@ class LoadStats:
     requests: List[List[RequestTiming]]  # trial by trial
 
     @classmethod
-    def of(
-        cls, requests: List[List[RequestTiming]], samples_s: List[float], output_tokens: List[int]
-    ) -> "LoadStats":
+    def of(cls, requests: List[List[RequestTiming]], samples_s: List[float],
+           output_tokens: List[int]) -> "LoadStats":
         spreads = {}
         for figure in LOAD_FIGURES:
             found = (getattr(r, figure + "_s") for trial in requests for r in trial)
             values = [v for v in found if v is not None]
-            spreads[figure] = (
-                Spread(statistics.median(values), percentile(values, 0.99)) if values else None
-            )
+            spreads[figure] = (Spread(statistics.median(values), percentile(values, 0.99))
+                               if values else None)
         # A trial shorter than the clock's resolution has no rate: it is left out.
         timed = [t for t in zip(requests, output_tokens, samples_s) if t[2] > 0]
-        return cls(
-            unmeasured=None if spreads["ttft"] else UNMEASURED_STREAM,
-            median_tokens_per_s=statistics.median(n / s for _, n, s in timed) if timed else None,
-            median_requests_per_s=(
-                statistics.median(len(r) / s for r, _, s in timed) if timed else None
-            ),
-            requests=requests,
-            **spreads,
-        )
+        tokens_per_s = statistics.median(n / s for _, n, s in timed) if timed else None
+        requests_per_s = statistics.median(len(r) / s for r, _, s in timed) if timed else None
+        return cls(unmeasured=None if spreads["ttft"] else UNMEASURED_STREAM,
+                   median_tokens_per_s=tokens_per_s, median_requests_per_s=requests_per_s,
+                   requests=requests, **spreads)
 
 
 def token_by_token(first_count: int, events: int, count: int) -> bool:
@@ -5710,24 +5026,16 @@ class LoadTrials:
     @staticmethod
     def add_arguments(group: argparse._ArgumentGroup) -> None:
         group.add_argument(
-            "--concurrency",
-            type=whole_number(1, MAX_BATCH_SIZE),
-            metavar="C",
+            "--concurrency", type=whole_number(1, MAX_BATCH_SIZE), metavar="C",
             help="time a server under load instead of one batch request: each trial is "
             "--requests one-prompt streamed requests, at most C in flight (throughput, TTFT, "
-            "TPOT and latency of both arms)",
-        )
-        group.add_argument(
-            "--requests",
-            type=whole_number(1, MAX_REQUESTS),
-            metavar="R",
-            help="requests per load trial (default 4 x --concurrency; at least C)",
-        )
+            "TPOT and latency of both arms)")
+        group.add_argument("--requests", type=whole_number(1, MAX_REQUESTS), metavar="R",
+                           help="requests per load trial (default 4 x --concurrency; at least C)")
 
     @classmethod
-    def configure(
-        cls, concurrency: Optional[int], requests: Optional[int]
-    ) -> Optional["LoadTrials"]:
+    def configure(cls, concurrency: Optional[int],
+                  requests: Optional[int]) -> Optional["LoadTrials"]:
         if requests is not None and concurrency is None:
             raise UsageError("--requests goes with --concurrency")
         if not concurrency:
@@ -5736,22 +5044,15 @@ class LoadTrials:
         if requests < concurrency:
             raise UsageError(
                 "--requests: give at least --concurrency (%d), or some slots stay empty"
-                % concurrency
-            )
+                % concurrency)
         return cls(concurrency, requests)
 
     @property
     def prompts(self) -> int:
         return self.requests
 
-    def run(
-        self,
-        arm: "Arm",
-        prompts: List[str],
-        adapter: EngineAdapter,
-        sampling: Sampling,
-        arrivals: Arrivals,
-    ) -> Tuple[float, int, List[RequestTiming]]:
+    def run(self, arm: "Arm", prompts: List[str], adapter: EngineAdapter, sampling: Sampling,
+            arrivals: Arrivals) -> Tuple[float, int, List[RequestTiming]]:
         """A closed-loop load run: every prompt its own streamed request, at most concurrency
         in flight. Per request: time to first token, time per output token after it,
         end-to-end latency. Returns (seconds, output tokens, timings)."""
@@ -5781,8 +5082,7 @@ class LoadTrials:
             if count > sampling.max_tokens:
                 raise shape_error(
                     "the stream reported %d output tokens, more than --max-tokens %d "
-                    "allows" % (count, sampling.max_tokens)
-                )
+                    "allows" % (count, sampling.max_tokens))
             ttft = tpot = None
             if token_by_token(first_count, events, count):
                 ttft = first - start
@@ -5807,10 +5107,8 @@ class LoadTrials:
                     failed.append(err)
 
         allow_open_files(self.concurrency)
-        threads = [
-            threading.Thread(target=worker, daemon=True)
-            for _ in range(min(self.concurrency, len(prompts)))
-        ]
+        workers = min(self.concurrency, len(prompts))
+        threads = [threading.Thread(target=worker, daemon=True) for _ in range(workers)]
         start = CLOCK()
         for t in threads:
             t.start()
@@ -5830,9 +5128,8 @@ class LoadTrials:
         }
 
     @staticmethod
-    def cell_parts(
-        arms: Sequence["Arm"], pairs: int, primary: "Overhead"
-    ) -> Tuple[Dict[str, LoadStats], Dict[str, "Overhead"]]:
+    def cell_parts(arms: Sequence["Arm"], pairs: int,
+                   primary: "Overhead") -> Tuple[Dict[str, LoadStats], Dict[str, "Overhead"]]:
         """Each arm's LoadStats, and what the flag costs in throughput (the primary figure:
         the on/off ratio of the time each trial took for the same tokens; +30 %: the flag
         costs 30 % more time per token, i.e. throughput falls to 1/1.3) and in each figure
@@ -5865,17 +5162,10 @@ class LoadTrials:
             return "%.1f/%.1f ms" % (1000 * spread.median_s, 1000 * spread.p99_s)
 
         for name, stats in (cell.load or {}).items():
-            out.line(
-                "  flag %-3s %s tokens/s, %s requests/s; median/p99: latency %s, TTFT %s, TPOT %s"
-                % (
-                    name,
-                    fmt_opt(stats.median_tokens_per_s, "?", "%.1f"),
-                    fmt_opt(stats.median_requests_per_s, "?", "%.2f"),
-                    ms(stats.latency),
-                    ms(stats.ttft),
-                    ms(stats.tpot),
-                )
-            )
+            out.line("  flag %-3s %s tokens/s, %s requests/s; median/p99: latency %s, TTFT %s, "
+                     "TPOT %s" % (name, fmt_opt(stats.median_tokens_per_s, "?", "%.1f"),
+                                  fmt_opt(stats.median_requests_per_s, "?", "%.2f"),
+                                  ms(stats.latency), ms(stats.ttft), ms(stats.tpot)))
         for figure in LOAD_FIGURES:
             overhead = (cell.overheads or {})[figure]
             label = figure.upper() if figure != "latency" else "latency"
@@ -5883,14 +5173,9 @@ class LoadTrials:
                 out.line("  %-8s unmeasured: %s" % (label, overhead.unmeasured))
                 continue
             out.line(
-                "  %-8s overhead %s"
-                % (
-                    label,
-                    overhead.text(
-                        "%+.1f%% [%+.1f%%, %+.1f%%]%s", "%+.1f%% (no interval)", " n.s."
-                    ),
-                )
-            )
+                "  %-8s overhead %s" %
+                (label,
+                 overhead.text("%+.1f%% [%+.1f%%, %+.1f%%]%s", "%+.1f%% (no interval)", " n.s.")))
         if cell.compared_on != "time per trial":
             out.line("  compared on %s" % cell.compared_on)
 
@@ -5928,49 +5213,28 @@ class CostOptions:
     def add_arguments(group: argparse._ArgumentGroup) -> None:
         group.add_argument("--invariant", metavar="URL", help="the flag-on arm (required)")
         BatchTrials.add_arguments(group)
+        group.add_argument("--trials", type=whole_number(1, MAX_TRIALS), default=DEFAULT_TRIALS,
+                           help="timed requests per arm (default %d)" % DEFAULT_TRIALS)
+        group.add_argument("--warmup", type=whole_number(0, MAX_TRIALS), default=DEFAULT_WARMUP,
+                           help="discarded requests per arm (default %d)" % DEFAULT_WARMUP)
         group.add_argument(
-            "--trials",
-            type=whole_number(1, MAX_TRIALS),
-            default=DEFAULT_TRIALS,
-            help="timed requests per arm (default %d)" % DEFAULT_TRIALS,
-        )
+            "--workload", choices=WORKLOADS, default="cold",
+            help="cold: no prefix can be cached; shared-prefix: one long prefix for all")
         group.add_argument(
-            "--warmup",
-            type=whole_number(0, MAX_TRIALS),
-            default=DEFAULT_WARMUP,
-            help="discarded requests per arm (default %d)" % DEFAULT_WARMUP,
-        )
-        group.add_argument(
-            "--workload",
-            choices=WORKLOADS,
-            default="cold",
-            help="cold: no prefix can be cached; shared-prefix: one long prefix for all",
-        )
-        group.add_argument(
-            "--prefix-tokens",
-            type=whole_number(1, MAX_PROMPT_TOKENS),
+            "--prefix-tokens", type=whole_number(1, MAX_PROMPT_TOKENS),
             default=DEFAULT_PREFIX_TOKENS,
-            help="length of the shared prefix (default about %d tokens)" % DEFAULT_PREFIX_TOKENS,
-        )
+            help="length of the shared prefix (default about %d tokens)" % DEFAULT_PREFIX_TOKENS)
         LoadTrials.add_arguments(group)
         group.add_argument(
-            "--precision",
-            type=real_number(0.0, above=True),
-            metavar="P",
+            "--precision", type=real_number(0.0, above=True), metavar="P",
             help="keep timing trial pairs until the overhead's 95%% interval is at most +-P "
-            "points wide, or --trials is reached",
-        )
+            "points wide, or --trials is reached")
+        group.add_argument("--tp", type=whole_number(1),
+                           help="TP degree for the label when the server does not report it")
         group.add_argument(
-            "--tp",
-            type=whole_number(1),
-            help="TP degree for the label when the server does not report it",
-        )
-        group.add_argument(
-            "--allow-mismatch",
-            action="store_true",
+            "--allow-mismatch", action="store_true",
             help="time even when the two servers differ in more than the flag (the result "
-            "records the differences)",
-        )
+            "records the differences)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, url: str) -> "CostOptions":
@@ -5982,12 +5246,8 @@ class CostOptions:
         max_tokens = DEFAULT_COST_TOKENS if args.max_tokens is None else args.max_tokens
         load = LoadTrials.configure(args.concurrency, args.requests)
         return options_from(
-            cls,
-            args,
-            sampling=Sampling.of(0.0, max_tokens, None, DEFAULT_SEED, ignore_eos=True),
-            invariant=invariant,
-            trial=load or BatchTrials(args.batch),
-        )
+            cls, args, sampling=Sampling.of(0.0, max_tokens, None, DEFAULT_SEED, ignore_eos=True),
+            invariant=invariant, trial=load or BatchTrials(args.batch))
 
 
 @dataclass(frozen=True)
@@ -6020,12 +5280,8 @@ class Overhead:
 
     @classmethod
     def from_record(cls, record: Json) -> "Overhead":
-        return cls(
-            record.get("overhead_pct"),
-            record.get("ci95_pct"),
-            bool(record.get("significant")),
-            unmeasured=record.get("unmeasured"),
-        )
+        return cls(record.get("overhead_pct"), record.get("ci95_pct"),
+                   bool(record.get("significant")), unmeasured=record.get("unmeasured"))
 
     def text(self, with_interval: str, without: str, not_significant: str) -> str:
         """with_interval % (value, low, high, mark), mark being not_significant when the
@@ -6056,17 +5312,11 @@ class ArmStats:
     def of(cls, samples_s: List[float], output_tokens: List[int]) -> "ArmStats":
         rates = [t / s for t, s in zip(output_tokens, samples_s) if s > 0]
         low, high = min(samples_s), max(samples_s)
-        return cls(
-            median_s=statistics.median(samples_s),
-            mad_s=mad(samples_s),
-            min_s=low,
-            max_s=high,
-            samples_s=list(samples_s),
-            output_tokens=list(output_tokens),
-            tokens_per_s=[round(x, 3) for x in rates],
-            median_tokens_per_s=statistics.median(rates) if rates else None,
-            noisy=high / low > NOISE_SPREAD if low > 0 else True,
-        )
+        return cls(median_s=statistics.median(samples_s), mad_s=mad(samples_s), min_s=low,
+                   max_s=high, samples_s=list(samples_s), output_tokens=list(output_tokens),
+                   tokens_per_s=[round(x, 3) for x in rates],
+                   median_tokens_per_s=statistics.median(rates) if rates else None,
+                   noisy=high / low > NOISE_SPREAD if low > 0 else True)
 
 
 @dataclass(frozen=True)
@@ -6087,31 +5337,15 @@ class CellLabels:
 
     @classmethod
     def from_record(cls, record: Json) -> "CellLabels":
-        return cls(
-            record["tp"],
-            record["workload"],
-            record["batch"],
-            record.get("concurrency"),
-            record.get("requests"),
-            record.get("arrivals"),
-            record["max_tokens"],
-            record["model"],
-            record.get("state"),
-            Overhead.from_record(record),
-        )
+        return cls(record["tp"], record["workload"], record["batch"], record.get("concurrency"),
+                   record.get("requests"), record.get("arrivals"), record["max_tokens"],
+                   record["model"], record.get("state"), Overhead.from_record(record))
 
     def key(self) -> Tuple:
         """What makes two cells the same measurement: a newer one replaces the older."""
         arrivals = (self.arrivals or "burst") if self.concurrency else None
-        return (
-            self.tp,
-            self.workload,
-            self.batch,
-            self.concurrency,
-            arrivals,
-            self.max_tokens,
-            self.model,
-        )
+        return (self.tp, self.workload, self.batch, self.concurrency, arrivals, self.max_tokens,
+                self.model)
 
     def shape(self) -> str:
         if self.concurrency:
@@ -6155,18 +5389,8 @@ class CostCell:
 
     @property
     def labels(self) -> CellLabels:
-        return CellLabels(
-            self.tp,
-            self.workload,
-            self.batch,
-            self.concurrency,
-            self.requests,
-            self.arrivals,
-            self.max_tokens,
-            self.model,
-            self.state,
-            self.overhead,
-        )
+        return CellLabels(self.tp, self.workload, self.batch, self.concurrency, self.requests,
+                          self.arrivals, self.max_tokens, self.model, self.state, self.overhead)
 
 
 @dataclass
@@ -6224,15 +5448,13 @@ def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[ArmDifference]:
     if off.facts.flag is True or on.facts.flag is False:
         raise UsageError(
             "the arms are the wrong way round: --url reports the %s and --invariant reports the %s"
-            % (describe_flag(off.facts.flag, adapter), describe_flag(on.facts.flag, adapter))
-        )
+            % (describe_flag(off.facts.flag, adapter), describe_flag(on.facts.flag, adapter)))
     differences = arm_differences(off.facts, on.facts)
     for arm in (off, on):
         if arm.facts.info_source is None:
             out.warn(
                 "the %s arm does not expose its settings, so the lab cannot check that the arms "
-                "differ in the flag only (%s)" % (arm.name, arm.facts.settings_hint)
-            )
+                "differ in the flag only (%s)" % (arm.name, arm.facts.settings_hint))
     if not cfg.json_out:
         print_cost_servers(off.facts, on.facts, differences, adapter, out)
         for arm in (off, on):
@@ -6241,31 +5463,18 @@ def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[ArmDifference]:
     if differences and not cfg.cost.allow_mismatch:
         raise UsageError(
             "the two servers differ in more than the flag (%s); pin them equal, or pass "
-            "--allow-mismatch to time them anyway" % ", ".join(d.setting for d in differences)
-        )
+            "--allow-mismatch to time them anyway" % ", ".join(d.setting for d in differences))
     return differences
 
 
-def print_cost_servers(
-    off: ServerFacts,
-    on: ServerFacts,
-    differences: List[ArmDifference],
-    adapter: EngineAdapter,
-    out: Out,
-) -> None:
+def print_cost_servers(off: ServerFacts, on: ServerFacts, differences: List[ArmDifference],
+                       adapter: EngineAdapter, out: Out) -> None:
     differing = {d.setting for d in differences}
     row = "%-24s %-26s %-26s%s"
     show = {None: "unknown", True: "on", False: "off"}
     out.line(row % ("setting", "--url (flag off)", "--invariant (flag on)", ""))
-    out.line(
-        row
-        % (
-            adapter.flag_name[:24],
-            show.get(off.flag, str(off.flag)),
-            show.get(on.flag, str(on.flag)),
-            "",
-        )
-    )
+    out.line(row % (adapter.flag_name[:24], show.get(off.flag, str(off.flag)),
+                    show.get(on.flag, str(on.flag)), ""))
     for label in sorted(off.settings.keys() | on.settings.keys()):
         a, b = off.settings.get(label), on.settings.get(label)
         if a is None and b is None:
@@ -6276,10 +5485,8 @@ def print_cost_servers(
             mark = "  <- differs"
         else:
             mark = "  (set by the flag)" if a != b else ""
-        shown = [
-            fmt_setting(v) if label in arm.settings else "unknown"
-            for v, arm in ((a, off), (b, on))
-        ]
+        shown = [fmt_setting(v) if label in arm.settings else "unknown"
+                 for v, arm in ((a, off), (b, on))]
         out.line(row % (label, shown[0], shown[1], mark))
 
 
@@ -6291,44 +5498,31 @@ def cost_table_lines(cells: List[CellLabels], current: CellLabels) -> List[str]:
     tps: List[Any] = sorted({c.tp for c in same if c.tp not in (1, None)}) or ["k"]
     if any(c.tp is None for c in same):
         tps.append(None)
-    lines = [
-        "cost cells for %s, %s, %d tokens (from the saved file):"
-        % (current.model, current.shape(), current.max_tokens),
-        "  %-8s %-28s %-28s" % ("", *WORKLOADS),
-    ]
+    lines = ["cost cells for %s, %s, %d tokens (from the saved file):"
+             % (current.model, current.shape(), current.max_tokens),
+             "  %-8s %-28s %-28s" % ("", *WORKLOADS)]
     filled = 0
     for tp in [1] + tps:
         row = []
         for workload in WORKLOADS:
             cell = next((c for c in same if c.tp == tp and c.workload == workload), None)
             filled += cell is not None
-            row.append(
-                "missing"
-                if cell is None
-                else "%s%s"
-                % (
-                    cell.overhead.text(
-                        "%+.1f%% [%+.1f, %+.1f]%s", "%+.1f%% (no interval)", " n.s."
-                    ),
-                    "" if cell.state == "complete" else " partial",
-                )
-            )
+            if cell is None:
+                row.append("missing")
+                continue
+            overhead = cell.overhead.text("%+.1f%% [%+.1f, %+.1f]%s", "%+.1f%% (no interval)",
+                                          " n.s.")
+            row.append(overhead + ("" if cell.state == "complete" else " partial"))
         lines.append("  %-8s %-28s %-28s" % ("TP=%s" % ("?" if tp is None else tp), *row))
     if filled < 4:
         lines.append(
             "One cell alone is not a result: report all four (TP=1 and your real TP, cold and "
-            "shared-prefix), or none."
-        )
+            "shared-prefix), or none.")
     return lines
 
 
-def warm_up(
-    cfg: Config,
-    arms: Sequence[Arm],
-    prompts: Callable[[int], List[str]],
-    interrupt: DeferredInterrupt,
-    progress: Progress,
-) -> None:
+def warm_up(cfg: Config, arms: Sequence[Arm], prompts: Callable[[int], List[str]],
+            interrupt: DeferredInterrupt, progress: Progress) -> None:
     """Untimed requests on both arms; each may fail once (a server still settling)."""
     for w in range(cfg.cost.warmup):
         for arm in arms:
@@ -6340,13 +5534,11 @@ def warm_up(
                     break
                 except ServerError as err:
                     if attempt == WARMUP_ATTEMPTS:
-                        raise ServerError(
-                            "warm-up %d, %s arm: %s" % (w + 1, arm.name, err)
-                        ) from None
+                        raise ServerError("warm-up %d, %s arm: %s" %
+                                          (w + 1, arm.name, err)) from None
                     progress.out.warn(
                         "warm-up request failed on the %s arm (%s); retrying once, as only "
-                        "warm-up may" % (arm.name, err)
-                    )
+                        "warm-up may" % (arm.name, err))
 
 
 def primary_overhead(off: Arm, on: Arm) -> Tuple[Overhead, str]:
@@ -6356,10 +5548,8 @@ def primary_overhead(off: Arm, on: Arm) -> Tuple[Overhead, str]:
     pairs = min(len(off.samples), len(on.samples))
     if off.tokens[:pairs] == on.tokens[:pairs]:
         return Overhead.of(off.samples[:pairs], on.samples[:pairs]), "time per trial"
-    return (
-        Overhead.of(per_token(off, pairs), per_token(on, pairs)),
-        "time per output token (the arms produced different token counts)",
-    )
+    return (Overhead.of(per_token(off, pairs), per_token(on, pairs)),
+            "time per output token (the arms produced different token counts)")
 
 
 def precise_enough(off: Arm, on: Arm, points: float) -> bool:
@@ -6375,15 +5565,12 @@ def precise_enough(off: Arm, on: Arm, points: float) -> bool:
 
 
 def per_token(arm: Arm, pairs: int) -> List[float]:
-    return [
-        seconds / tokens if tokens > 0 else math.inf
-        for seconds, tokens in zip(arm.samples[:pairs], arm.tokens[:pairs])
-    ]
+    return [seconds / tokens if tokens > 0 else math.inf
+            for seconds, tokens in zip(arm.samples[:pairs], arm.tokens[:pairs])]
 
 
-def cost_cell(
-    cfg: Config, arms: Tuple[Arm, Arm], differences: List[ArmDifference], state: str
-) -> CostCell:
+def cost_cell(cfg: Config, arms: Tuple[Arm, Arm], differences: List[ArmDifference],
+              state: str) -> CostCell:
     """One labelled cell of the 2x2 table, from the trials measured so far."""
     options, (off, on) = cfg.cost, arms
     pairs = min(len(off.samples), len(on.samples))
@@ -6394,32 +5581,17 @@ def cost_cell(
         primary_name = "throughput"
     labels = options.trial.labels(cfg.arrivals)
     return CostCell(
-        tp=off.facts.tp or options.tp,
-        workload=options.workload,
-        batch=labels["batch"],
-        max_tokens=cfg.sampling.max_tokens,
-        trials=pairs,
-        warmup=options.warmup,
-        model=off.facts.model,
-        engine=cfg.engine,
+        tp=off.facts.tp or options.tp, workload=options.workload, batch=labels["batch"],
+        max_tokens=cfg.sampling.max_tokens, trials=pairs, warmup=options.warmup,
+        model=off.facts.model, engine=cfg.engine,
         prefix_tokens=options.prefix_tokens if options.workload == "shared-prefix" else None,
-        off=ArmStats.of(off.samples, off.tokens),
-        on=ArmStats.of(on.samples, on.tokens),
+        off=ArmStats.of(off.samples, off.tokens), on=ArmStats.of(on.samples, on.tokens),
         servers={arm.name: dict(as_record(arm.facts), url=arm.url) for arm in arms},
-        differences=differences,
-        state=state,
-        created=now_stamp(),
+        differences=differences, state=state, created=now_stamp(),
         lab=dict(cfg.provenance, ended=None if state == "running" else now_stamp()),
-        overhead=primary,
-        ratios=primary.ratios,
-        compared_on=compared_on,
-        concurrency=labels["concurrency"],
-        requests=labels["requests"],
-        primary=primary_name,
-        arrivals=labels["arrivals"],
-        load=load,
-        overheads=overheads,
-    )
+        overhead=primary, ratios=primary.ratios, compared_on=compared_on,
+        concurrency=labels["concurrency"], requests=labels["requests"], primary=primary_name,
+        arrivals=labels["arrivals"], load=load, overheads=overheads)
 
 
 def cost_file_fault(doc: Dict[str, Any]) -> Optional[str]:
@@ -6444,10 +5616,8 @@ def cell_fault(cell: Any) -> Optional[str]:
         ("model", isinstance(cell.get("model"), str)),
         ("workload", cell.get("workload") in WORKLOADS),
         ("tp", cell.get("tp") is None or whole(cell.get("tp"), 1)),
-        (
-            "batch",
-            whole(cell.get("batch"), 1) or (cell.get("concurrency") and cell["batch"] is None),
-        ),
+        ("batch",
+         whole(cell.get("batch"), 1) or (cell.get("concurrency") and cell["batch"] is None)),
         ("max_tokens", whole(cell.get("max_tokens"), 1)),
         ("concurrency", cell.get("concurrency") is None or whole(cell.get("concurrency"), 1)),
         ("requests", not cell.get("concurrency") or whole(cell.get("requests"), 1)),
@@ -6495,62 +5665,36 @@ def add_cell(doc: Json, cell: Json) -> Json:
     return doc
 
 
+STOPPED_BY = {  # what ended a --precision run, as the report says it
+    "precision": "stopped once the interval was within the asked precision (--precision)",
+    "trials": "ran every trial (--trials) before the interval was within --precision",
+}
+
+
 def print_cost_report(cell: CostCell, out: Out) -> None:
     labels = cell.labels
     out.line("")
     out.line(
-        "cell: TP=%s, workload %s, %s, %d tokens, model %s, %d trial pairs%s"
-        % (
-            fmt_opt(labels.tp, "?"),
-            labels.workload,
-            labels.shape(),
-            labels.max_tokens,
-            labels.model,
-            cell.trials,
-            "" if labels.state == "complete" else " (%s)" % labels.state,
-        )
-    )
+        "cell: TP=%s, workload %s, %s, %d tokens, model %s, %d trial pairs%s" %
+        (fmt_opt(labels.tp, "?"), labels.workload, labels.shape(), labels.max_tokens, labels.model,
+         cell.trials, "" if labels.state == "complete" else " (%s)" % labels.state))
     for name, arm in (("off", cell.off), ("on", cell.on)):
-        out.line(
-            "  flag %-3s median %.4fs  MAD %.4fs  min-max %.4f-%.4fs  %s tokens/s%s"
-            % (
-                name,
-                arm.median_s,
-                mad(arm.samples_s),
-                min(arm.samples_s),
-                max(arm.samples_s),
-                "%.1f" % arm.median_tokens_per_s if arm.median_tokens_per_s else "?",
-                "  NOISY (max/min > %.1f)" % NOISE_SPREAD if arm.noisy else "",
-            )
-        )
-    out.line(
-        out.style(
-            "  overhead "
-            + cell.overhead.text(
-                "%+.1f%%, 95%% interval [%+.1f%%, %+.1f%%]%s",
-                "%%+.1f%%%%, no interval: %d trial pairs, an interval needs at least %d"
-                % (cell.trials, MIN_PAIRS_FOR_INTERVAL),
-                ": not significant (the interval contains 0)",
-            ),
-            "1",
-        )
-    )
+        out.line("  flag %-3s median %.4fs  MAD %.4fs  min-max %.4f-%.4fs  %s tokens/s%s" %
+                 (name, arm.median_s, mad(arm.samples_s), min(arm.samples_s), max(arm.samples_s),
+                  "%.1f" % arm.median_tokens_per_s if arm.median_tokens_per_s else "?",
+                  "  NOISY (max/min > %.1f)" % NOISE_SPREAD if arm.noisy else ""))
+    without = "%%+.1f%%%%, no interval: %d trial pairs, an interval needs at least %d" % (
+        cell.trials, MIN_PAIRS_FOR_INTERVAL)
+    out.bold("  overhead " + cell.overhead.text("%+.1f%%, 95%% interval [%+.1f%%, %+.1f%%]%s",
+                                                without,
+                                                ": not significant (the interval contains 0)"))
     if cell.load:
         LoadTrials.report(cell, out)
     if cell.stopped_by:
-        out.line(
-            "  %s"
-            % {
-                "precision": "stopped once the interval was within the asked precision "
-                "(--precision)",
-                "trials": "ran every trial (--trials) before the interval was within --precision",
-            }.get(cell.stopped_by, "stopped: %s" % cell.stopped_by)
-        )
+        out.line("  " + STOPPED_BY.get(cell.stopped_by, "stopped: %s" % cell.stopped_by))
     if cell.differences:
-        out.line(
-            "  timed despite differences (--allow-mismatch): "
-            + ", ".join("%s %s vs %s" % (d.setting, d.off, d.on) for d in cell.differences)
-        )
+        out.line("  timed despite differences (--allow-mismatch): "
+                 + ", ".join("%s %s vs %s" % (d.setting, d.off, d.on) for d in cell.differences))
 
 
 def run_cost(cfg: Config, out: Out) -> int:
@@ -6559,18 +5703,15 @@ def run_cost(cfg: Config, out: Out) -> int:
     once) until --trials or --precision; the cell (cost_cell; CostCell is its
     schema) is added to the cost file and printed with the 2x2 table. Returns the exit
     code."""
-    arms = [
-        (cfg.url, "the flag-off arm (--url)"),
-        (cfg.cost.invariant, "the flag-on arm (--invariant)"),
-    ]
+    arms = [(cfg.url, "the flag-off arm (--url)"),
+            (cfg.cost.invariant, "the flag-on arm (--invariant)")]
     wait_until_ready(cfg, arms, out)
     cfg = resolve_engine(cfg, arms)
     off = Arm.open(cfg, "off", "--url", cfg.url)
     on = Arm.open(cfg, "on", "--invariant", cfg.cost.invariant)
     differences = check_arms(cfg, off, on, out)
     run_id = "%08x" % random.SystemRandom().getrandbits(
-        32
-    )  # no prefix cache hit across runs either
+        32)  # no prefix cache hit across runs either
     doc = copy.deepcopy(cfg.prior_save) if cfg.prior_save else {"schema": COST_SCHEMA, "cells": []}
     short: List[Tuple[int, str, int]] = []  # (trial, arm, tokens) of trials that stopped early
     per_trial = cfg.cost.trial.prompts
@@ -6578,9 +5719,8 @@ def run_cost(cfg: Config, out: Out) -> int:
     stopped_by: List[str] = []  # "precision" once the interval is narrow enough
 
     def prompts(trial: int) -> List[str]:
-        return workload_prompts(
-            cfg.cost.workload, per_trial, trial, run_id, cfg.cost.prefix_tokens
-        )
+        return workload_prompts(cfg.cost.workload, per_trial, trial, run_id,
+                                cfg.cost.prefix_tokens)
 
     saves = ThrottledSave(cfg.save)
     progress = Progress(out, cfg.cost.trials, "trial pairs", cfg.quiet)
@@ -6594,26 +5734,21 @@ def run_cost(cfg: Config, out: Out) -> int:
                 try:
                     seconds, count, timings = arm.run(cfg, prompts(trial))
                 except ServerError as err:
-                    raise ServerError(
-                        "trial %d, %s arm: %s" % (trial + 1, arm.name, err)
-                    ) from None
+                    raise ServerError("trial %d, %s arm: %s" %
+                                      (trial + 1, arm.name, err)) from None
                 if count > expected_tokens:
                     raise ServerError(
                         "trial %d, %s arm: the server reported %d output tokens, more than %d "
-                        "prompts x --max-tokens %d allow"
-                        % (trial + 1, arm.name, count, per_trial, cfg.sampling.max_tokens)
-                    )
+                        "prompts x --max-tokens %d allow" %
+                        (trial + 1, arm.name, count, per_trial, cfg.sampling.max_tokens))
                 if count < expected_tokens:
                     short.append((trial + 1, arm.name, count))
                 arm.samples.append(seconds)
                 arm.tokens.append(count)
                 if timings is not None:
                     arm.requests.append(timings)
-            saves.offer(
-                lambda path: save_cell(
-                    path, as_record(cost_cell(cfg, (off, on), differences, "running"))
-                )
-            )
+            saves.offer(lambda path: save_cell(
+                path, as_record(cost_cell(cfg, (off, on), differences, "running"))))
             progress.finished("trial %d/%d" % (trial + 1, cfg.cost.trials), 2 * per_trial)
             if cfg.cost.precision and precise_enough(off, on, cfg.cost.precision):
                 stopped_by.append("precision")
@@ -6621,10 +5756,9 @@ def run_cost(cfg: Config, out: Out) -> int:
 
     state, code = measure_until_stopped(out, "cost", measure)
     for trial, arm_name, got in short[:3]:
-        out.warn(
-            "trial %d, %s arm: %d output tokens, not %d x %d (the server stopped early: is "
-            "ignore_eos honoured?)" % (trial, arm_name, got, per_trial, cfg.sampling.max_tokens)
-        )
+        out.warn("trial %d, %s arm: %d output tokens, not %d x %d (the server stopped early: is "
+                 "ignore_eos honoured?)" %
+                 (trial, arm_name, got, per_trial, cfg.sampling.max_tokens))
     if not off.samples or not on.samples:
         out.say("no complete trial pair; nothing to report", raising=False)
         return code or EXIT_SERVER
@@ -6649,7 +5783,6 @@ def run_cost(cfg: Config, out: Out) -> int:
 # ----------------------------------------------------------------------------
 # --mode harness: the upstream harnesses, quoted, with what each one does not tell you
 
-
 VLLM_REV = "vLLM 0.33.0, its source release (read 2026-12-01)"
 SGLANG_REV = "SGLang 0.5.23, its wheel (read 2026-12-01; same text and lines in 0.5.18-0.5.23)"
 
@@ -6665,8 +5798,7 @@ class Excerpt:
 
 HARNESS_EXCERPTS = [
     Excerpt(
-        "vllm",
-        "the autouse fixture",
+        "vllm", "the autouse fixture",
         "tests/v1/determinism/conftest.py, lines 8-12, " + VLLM_REV,
         '''@pytest.fixture(autouse=True)
 def enable_batch_invariant_mode(monkeypatch: pytest.MonkeyPatch):
@@ -6677,8 +5809,7 @@ def enable_batch_invariant_mode(monkeypatch: pytest.MonkeyPatch):
         "test that needs the flag off has to switch it off itself, as the next one does.",
     ),
     Excerpt(
-        "vllm",
-        "the negative control that must see differences",
+        "vllm", "the negative control that must see differences",
         "tests/v1/determinism/test_batch_invariance.py, lines 509-522 (def 509-511, docstring "
         "from 512, comment 520), " + VLLM_REV,
         '''def test_logprobs_without_batch_invariance_should_fail(
@@ -6700,16 +5831,14 @@ def enable_batch_invariant_mode(monkeypatch: pytest.MonkeyPatch):
         "the lab's `--mode sweep --expect variant` is the same negative control over HTTP.",
     ),
     Excerpt(
-        "vllm",
-        "the model is an environment variable",
+        "vllm", "the model is an environment variable",
         "tests/v1/determinism/utils.py, lines 43-44, " + VLLM_REV,
         """DEFAULT_MODEL = "Qwen/Qwen3-1.7B"
 TEST_MODEL = os.getenv("VLLM_TEST_MODEL", DEFAULT_MODEL)""",
         "Set VLLM_TEST_MODEL to point the whole suite at your own weights; there is no flag.",
     ),
     Excerpt(
-        "vllm",
-        "the online test's sampling and server arguments",
+        "vllm", "the online test's sampling and server arguments",
         "tests/v1/determinism/test_online_batch_invariance.py, lines 144-162, " + VLLM_REV,
         """    sp_kwargs: dict[str, Any] = {
         "temperature": 0.6,
@@ -6737,8 +5866,7 @@ TEST_MODEL = os.getenv("VLLM_TEST_MODEL", DEFAULT_MODEL)""",
         "flags (pin --attention-backend and friends there, as the lab's launch scripts do).",
     ),
     Excerpt(
-        "vllm",
-        "the online test's bitwise comparison",
+        "vllm", "the online test's bitwise comparison",
         "tests/v1/determinism/test_online_batch_invariance.py, lines 126-133, " + VLLM_REV,
         """        for t, (a, b) in enumerate(zip(logprobs_bs1, logprobs_bsN)):
             if a != b:
@@ -6752,8 +5880,7 @@ TEST_MODEL = os.getenv("VLLM_TEST_MODEL", DEFAULT_MODEL)""",
         "mismatch; the lab reports the largest float32 ULP distance over every comparable step.",
     ),
     Excerpt(
-        "vllm",
-        "the performance harness",
+        "vllm", "the performance harness",
         "benchmarks/benchmark_batch_invariance.py, lines 147-150 and 189-190, " + VLLM_REV,
         """        print("Generating baseline (warmup)...")
         baseline_out = llm.generate([needle_prompt], sampling)
@@ -6768,8 +5895,7 @@ TEST_MODEL = os.getenv("VLLM_TEST_MODEL", DEFAULT_MODEL)""",
         "say nothing about invariance. It also needs an SM90+ GPU.",
     ),
     Excerpt(
-        "sglang",
-        "the driver's single mode",
+        "sglang", "the driver's single mode",
         "python/sglang/test/test_deterministic.py, lines 460-471, " + SGLANG_REV,
         """def test_deterministic(args):
     if args.test_mode == "single":
@@ -6792,8 +5918,7 @@ TEST_MODEL = os.getenv("VLLM_TEST_MODEL", DEFAULT_MODEL)""",
         "completion, and the logprobs too.",
     ),
     Excerpt(
-        "sglang",
-        "the in-tree test's model and server arguments",
+        "sglang", "the in-tree test's model and server arguments",
         "python/sglang/test/test_deterministic_utils.py, lines 12-18, " + SGLANG_REV,
         """DEFAULT_MODEL = "Qwen/Qwen3-8B"
 COMMON_SERVER_ARGS = [
@@ -6812,8 +5937,7 @@ COMMON_SERVER_ARGS = [
         "that spelling is rejected as ambiguous.",
     ),
     Excerpt(
-        "sglang",
-        "the deterministic attention-backend fallback",
+        "sglang", "the deterministic attention-backend fallback",
         "python/sglang/srt/arg_groups/overrides.py, lines 1112-1123, SGLang 0.5.23 (the function "
         "spans 1093-1123; in 0.5.18 it spans 2078-2108 of the same file)",
         """        logger.warning(
@@ -6924,25 +6048,18 @@ def harness_text(engine: Optional[str], out: Out) -> List[str]:
     lines = [
         "Upstream batch-invariance harnesses, quoted verbatim (Apache-2.0; see README), with "
         "what each one does not tell you. The lab itself was run against vLLM 0.26.0 and "
-        "0.33.0 and SGLang 0.5.17 and 0.5.23 on one H200 on 2026-12-01 (examples/real/).",
-        "",
+        "0.33.0 and SGLang 0.5.17 and 0.5.23 on one H200 on 2026-12-01 (examples/real/).", ""
     ]
-    for name, label, commands in (
-        ("vllm", "vLLM", VLLM_COMMANDS),
-        ("sglang", "SGLang", SGLANG_COMMANDS),
-    ):
+    for name, label, commands in (("vllm", "vLLM", VLLM_COMMANDS), ("sglang", "SGLang",
+                                                                    SGLANG_COMMANDS)):
         if engine not in (None, name):
             continue
         lines.append(out.style("=" * 78, "1"))
         lines.append(out.style("%s" % label, "1"))
         lines.append(out.style("=" * 78, "1"))
         for ex in (e for e in HARNESS_EXCERPTS if e.engine == name):
-            lines += [
-                "",
-                out.style("--- %s: %s" % (label, ex.title), "1;36"),
-                "Quoted from %s %s" % (label, ex.source),
-                "",
-            ]
+            lines += ["", out.style("--- %s: %s" % (label, ex.title), "1;36"),
+                      "Quoted from %s %s" % (label, ex.source), ""]
             lines += ["    > " + row if row else "    >" for row in ex.text.splitlines()]
             lines += ["", "Note: " + ex.note]
         lines += ["", out.style("--- %s: commands" % label, "1;36"), "", commands]
@@ -6957,7 +6074,6 @@ def run_harness(cfg: Config, out: Out) -> int:
 
 # ----------------------------------------------------------------------------
 # --mode help: the guide
-
 
 COVERAGE_CHECKLIST = """\
 Before filing a flag-on divergence as a bug, rule out the documented coverage gaps:
@@ -7090,7 +6206,6 @@ def run_help(cfg: Config, out: Out) -> int:
 
 # ----------------------------------------------------------------------------
 # main
-
 
 RUNNERS: Dict[str, Callable[[Config, Out], int]] = {
     "harness": run_harness,
