@@ -132,8 +132,7 @@ EXIT_CODES = [  # what each exit code means, as --help and the guide print it
     (EXIT_HANGUP, "stopped by SIGHUP, a closed terminal (--save keeps what was measured)"),
     (EXIT_INTERRUPTED, "interrupted by Ctrl-C (--save keeps what was measured)"),
     (EXIT_BROKEN_PIPE, "the output pipe closed (e.g. `run.py ... | head`)"),
-    (EXIT_TERMINATED, "stopped by SIGTERM, e.g. a job scheduler (--save keeps what was measured)"),
-]
+    (EXIT_TERMINATED, "stopped by SIGTERM, e.g. a job scheduler (--save keeps what was measured)")]
 # Limits on what the lab is asked to send, checked before any request (--help lists them)
 MAX_BATCH_SIZE = 4096  # batch sizes, --batch, --concurrency: no engine runs more at once
 MAX_PROMPTS = 100000  # prompts a sweep takes (--prompt, --prompt-file)
@@ -143,9 +142,7 @@ MAX_PROMPT_TOKENS = 1000000  # --prompt-tokens and --prefix-tokens above this fi
 MAX_TRIALS = 100000  # --trials and --warmup
 MAX_REQUESTS = 1000000  # --requests in one load trial
 MAX_REPEAT = 100  # --repeat: more passes than this is a soak test, not a sweep
-MAX_REQUEST_RATE = 100000.0  # --request-rate above this is a burst in all but name
-MIN_REQUEST_RATE = 0.001  # --request-rate below this waits longer than any --timeout between sends
-LIMITS = [  # what --help says of them
+LIMITS = [  # what --help says of them (the arrivals slice adds its own)
     ("batch sizes, --max-batch, --batch, --concurrency", MAX_BATCH_SIZE),
     ("prompts", MAX_PROMPTS),
     ("characters in a prompt", MAX_PROMPT_CHARS),
@@ -153,13 +150,11 @@ LIMITS = [  # what --help says of them
     ("--prompt-tokens, --prefix-tokens", MAX_PROMPT_TOKENS),
     ("--trials, --warmup", MAX_TRIALS),
     ("--requests", MAX_REQUESTS),
-    ("--repeat", MAX_REPEAT),
-    ("--request-rate (a second)", int(MAX_REQUEST_RATE)),
-]
+    ("--repeat", MAX_REPEAT)]
 # Sweep defaults
-DEFAULT_PROMPT = (
+DEFAULT_PROMPT = (  # a prompt with room to wander
     "Explain, step by step, why adding the same floating-point numbers in a different order can "
-    "give a different answer:")  # a prompt with room to wander
+    "give a different answer:")
 DEFAULT_MAX_BATCH = 32  # the largest batch of the default ladder (upstream's max-num-seqs)
 DEFAULT_SWEEP_TOKENS = 64  # longer generations give a near-tie more chances to appear
 DEFAULT_LOGPROBS = 5  # top-k logprobs per step, as in vLLM's online test
@@ -321,7 +316,7 @@ class Completion:
     logprobs: List[float]  # the chosen token's logprob at each step
     top_logprobs: List[Dict[str, float]]  # token -> logprob at each step
     finish_reason: Optional[str] = None
-    # What the comparisons work out once per completion (has_nan, flat_view), not compared
+    # What the comparisons work out once per completion (has_nan), not compared
     memo: Dict[str, Any] = field(default_factory=dict, compare=False, repr=False,
                                  metadata=NOT_SAVED)
 
@@ -352,99 +347,18 @@ def has_nan(c: Completion) -> bool:
     return c.memo["nan"]
 
 
-@dataclass(frozen=True)
-class FlatView:
-    """A completion's logprobs in the order comparable_pairs lays them out when nothing
-    diverged: the chosen tokens' (one a step), then each step's top-k entries."""
-
-    top_keys: List[str]  # every step's top-k tokens, in the order listed (ends marks the steps)
-    values: List[float]
-    ends: List[int]  # where each step's top-k entries end in values
-    bits: Optional[List[int]]  # negative_float32_bits(values), if they are that case
-    raw: bytes = b""  # bits as bytes, to find where two views first differ
-
-
-def flat_view(c: Completion, clamps: Sequence[float],
-              values: Optional[List[float]] = None) -> FlatView:
-    """c's FlatView, worked out once (a baseline is compared with every other completion);
-    values, when given, are c's logprobs already laid out so."""
-    key = ("flat", tuple(clamps))
-    if key not in c.memo:
-        top = c.top_logprobs
-        if values is None:
-            values = c.logprobs + list(itertools.chain.from_iterable(map(dict.values, top)))
-        ends = list(itertools.accumulate(map(len, top), initial=len(c.logprobs)))[1:]
-        keys = list(itertools.chain.from_iterable(top))
-        bits = negative_float32_bits(values, clamps)
-        if bits is None:
-            c.memo[key] = FlatView(keys, values, ends, None)
-        else:  # a list maps faster than an array; the bytes find the first difference
-            c.memo[key] = FlatView(keys, values, ends, bits.tolist(), bits.tobytes())
-            c.memo["nan"] = False  # values with float32 bit patterns hold no NaN
-    return c.memo[key]
-
-
-NEG_INF_BITS = -(1 << 23)  # float32 -inf's bit pattern read as a signed int: finite below it
-MINUS_ZERO_BITS = -(1 << 31)  # -0.0's
-_FLOAT_HIGH_BYTE = 3 if sys.byteorder == "little" else 0  # the sign and high exponent bits
-_ABOVE_0x80 = bytes(range(0x81, 0x100))  # the high bytes of negative normal float32 values
-
-
 def negative_float32_bits(values: List[float], clamps: Sequence[float]) -> Optional[array.array]:
     """values' float32 bit patterns as signed ints, for the common case: every value a finite
     float32 at or below zero and none a clamp. Then the patterns order like the values and a
     plain difference counts ULPs (+0.0, a certain token, is written as -0.0, so that every
-    sign bit is set). None when any value falls outside that case.
-
-    All in C, a sweep looking at millions of values: the float32 round trip shows precision,
-    the high bytes (a strided slice) the sign and range. Zeros, tiny and positive values
-    take the exact way."""
-    if not values:
-        return None
-    f32 = array.array("f", values)
-    if f32.tolist() != values:
-        return None  # more precision or range than a float32 holds, or a NaN
-    raw = f32.tobytes()
-    high = raw[_FLOAT_HIGH_BYTE::4]
-    if high.translate(None, _ABOVE_0x80):  # above zero, NaN, a zero or a subnormal is left
-        return _negative_float32_bits_exactly(values, clamps)
-    # A clamp's bytes found across two values is only a false alarm: the slow path then.
-    if any(clamp in raw for clamp in float32_bytes(tuple(clamps))):
-        return None
-    bits = array.array("i", raw)
-    if 0xFF in high and max(bits) >= NEG_INF_BITS:  # -inf
-        return None
-    return bits
-
-
-@functools.lru_cache(maxsize=None)
-def float32_bytes(values: Tuple[float, ...]) -> Tuple[bytes, ...]:
-    """Each float32-exact value's 4 bytes, in the machine's order."""
-    return tuple(array.array("f", [v]).tobytes() for v in values if is_float32_exact(v))
-
-
-def _negative_float32_bits_exactly(values: List[float],
-                                   clamps: Sequence[float]) -> Optional[array.array]:
-    if max(values) > 0.0 or any(c in values for c in clamps) or -math.inf in values:
+    sign bit is set). None when any value falls outside that case. All in C: a sweep looks
+    at millions of values."""
+    if not values or max(values) > 0.0 or any(c in values for c in clamps) or -math.inf in values:
         return None
     f32 = array.array("f", [v or -0.0 for v in values])
     if f32.tolist() != values:  # not float32 values (a zero compares equal to -0.0), or NaN
         return None
     return array.array("i", f32.tobytes())
-
-
-def first_difference(a: bytes, b: bytes, start: int, stop: int) -> Optional[int]:
-    """The first index in start..stop-1 where two arrays of 4-byte values differ, or None:
-    a binary search over slices compared in C."""
-    if a[4 * start:4 * stop] == b[4 * start:4 * stop]:
-        return None
-    while stop - start > 1:
-        mid = (start + stop) // 2
-        if a[4 * start:4 * mid] == b[4 * start:4 * mid]:
-            start = mid
-        else:
-            stop = mid
-    return start
 
 
 @dataclass(frozen=True)
@@ -499,7 +413,6 @@ class ComparablePairs:
     chosen: int
     ends: List[int]
     topk_changed: Optional[int] = None  # first step whose top-k token set differs
-    views: Optional[Tuple[FlatView, FlatView]] = None  # both sides, when both have float32 bits
 
     def step_of(self, i: int) -> int:
         return i if i < self.chosen else bisect.bisect_right(self.ends, i)
@@ -521,13 +434,6 @@ def comparable_pairs(base: Completion, other: Completion,
     xs, ys = base.logprobs[:chosen], other.logprobs[:chosen]
     ends: List[int] = []
     topk_changed = None
-    if diverged is None:
-        bv, ov = flat_view(base, clamps), flat_view(other, clamps)
-        if bv.ends == ov.ends and bv.top_keys == ov.top_keys:
-            # The common case, worked out once per completion and in C: nothing diverged and
-            # every step lists the same tokens in the same order.
-            views = (bv, ov) if bv.bits is not None and ov.bits is not None else None
-            return ComparablePairs(None, bv.values, ov.values, chosen, bv.ends, None, views)
     for t in range(last + 1):
         bt, ot = base.top_logprobs[t], other.top_logprobs[t]
         if bt.keys() == ot.keys():
@@ -583,13 +489,6 @@ def compare_completions(base: Completion, other: Completion,
     if same_completion(base, other):
         return IDENTICAL
     pairs = comparable_pairs(base, other, clamps)
-    if pairs.views is not None:  # the common case, in C
-        bv, ov = pairs.views
-        first_chosen = first_difference(bv.raw, ov.raw, 0, pairs.chosen)
-        first_top = first_difference(bv.raw, ov.raw, pairs.chosen, len(bv.values))
-        steps = [pairs.step_of(i) for i in (first_chosen, first_top) if i is not None]
-        worst = max(map(abs, map(operator.sub, bv.bits, ov.bits)))
-        return Delta(None, worst, min(steps) if steps else None, (), None)
     ulps, notes = pair_ulps(pairs.xs, pairs.ys, clamps)
     worst = max(filter(None, ulps), default=0)
     # None (moved, but no distance) counts as moved; the common all-int case is mapped in C
@@ -647,13 +546,11 @@ class Measured:
         """All prompts together: the verdict of a sweep is that of its least invariant prompt."""
         repeatable = [m.batch1_repeatable for m in parts]
         return cls(
-            total=sum(m.total for m in parts),
-            unique=max((m.unique for m in parts), default=0),
+            total=sum(m.total for m in parts), unique=max((m.unique for m in parts), default=0),
             max_ulp=max((m.max_ulp for m in parts), default=0),
             tokens_diverged=any(m.tokens_diverged for m in parts),
             text_only=any(m.text_only for m in parts),
-            unmeasured=any(m.unmeasured for m in parts),
-            compared=any(m.compared for m in parts),
+            unmeasured=any(m.unmeasured for m in parts), compared=any(m.compared for m in parts),
             batch1_repeatable=(False if False in repeatable else
                                True if repeatable and None not in repeatable else None),
             unseeded=any(m.unseeded for m in parts),
@@ -686,8 +583,7 @@ ULP_NOTE_TEXT = {
     "those distances are float64 ULPs",
     "clamped": "a logprob was a clamped -inf (the engine's stand-in value) on one side only: "
     "no distance, counted as moved",
-    "non-finite": "a logprob was inf or NaN on one side: no distance, counted as moved",
-}
+    "non-finite": "a logprob was inf or NaN on one side: no distance, counted as moved"}
 
 
 def verdict(m: Measured) -> str:
@@ -756,9 +652,8 @@ def mixed_batch(prompt: str, n: int, seed: int) -> Tuple[List[str], int]:
     return fillers[:position] + [prompt] + fillers[position:], position
 
 
-_FILLER = (
-    "the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak tree "
-    "near the river bank and count every star in the clear night sky").split()
+_FILLER = ("the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak "
+           "tree near the river bank and count every star in the clear night sky").split()
 
 
 def filler_words(count: int, offset: int = 0) -> str:
@@ -773,13 +668,11 @@ def workload_prompts(workload: str, batch: int, trial: int, run_id: str,
     if workload == "cold":
         return [
             "[%s.%d.%d] Write a short story about %s." %
-            (run_id, trial, i, filler_words(6, trial + i)) for i in range(batch)
-        ]
+            (run_id, trial, i, filler_words(6, trial + i)) for i in range(batch)]
     prefix = "Read this passage and answer the question after it. " + filler_words(prefix_tokens)
     return [
         "%s\nQuestion %d.%d: what is word %d of the passage?" % (prefix, trial, i, i + 1)
-        for i in range(batch)
-    ]
+        for i in range(batch)]
 
 
 # ----------------------------------------------------------------------------
@@ -1032,9 +925,8 @@ class HttpClient:
 
     def deadline(self) -> Deadline:
         """The deadline of one answer, starting now."""
-        return Deadline(
-            self.timeout, lambda: ServerError("no complete answer from %s within %gs (--timeout)" %
-                                              (self.base_url, self.timeout)))
+        late = "no complete answer from %s within %gs (--timeout)" % (self.base_url, self.timeout)
+        return Deadline(self.timeout, lambda: ServerError(late))
 
     def http_error(self, status: int, path: str, body: bytes) -> ServerError:
         message = server_message(body)[:300]
@@ -1055,7 +947,14 @@ class HttpClient:
         if isinstance(reason, (OSError, HTTPException)) and not isinstance(
                 reason, TIMEOUTS + (ConnectionRefusedError, socket.gaierror)):
             return ServerError("connection to %s dropped (%s)" % (url, type(reason).__name__))
-        return ServerError(describe_network_error(reason, self.base_url, self.timeout))
+        if isinstance(reason, ConnectionRefusedError):
+            return ServerError("connection refused by %s: is the server running?" % self.base_url)
+        if isinstance(reason, socket.gaierror):
+            return ServerError("cannot resolve the host of %s" % self.base_url)
+        if isinstance(reason, TIMEOUTS):
+            return ServerError("no answer from %s within %gs (--timeout)" %
+                               (self.base_url, self.timeout))
+        return ServerError("cannot reach %s: %s" % (self.base_url, reason))
 
     @staticmethod
     def decode(raw: bytes, path: str, as_text: bool = False) -> Any:
@@ -1066,9 +965,6 @@ class HttpClient:
         except (ValueError, RecursionError):  # RecursionError: nested deeper than Python parses
             raise ServerError("invalid JSON from %s (%d bytes)" % (path, len(raw)),
                               kind=ServerError.ANSWER) from None
-
-    def prepare_post(self, path: str, body: Dict[str, Any]) -> "Exchange":
-        return Exchange(self, "POST", path, body)
 
     def _read_capped(self, resp) -> bytes:
         """The body, no larger than --max-response-mb (its deadline is the caller's)."""
@@ -1258,14 +1154,6 @@ class Exchange:
         self._guard(resp.begin)
         return resp
 
-    def _response(self) -> http.client.HTTPResponse:
-        """The response, its status line and headers read (an error status raises)."""
-        resp = self._begin()
-        if resp.status >= 300:
-            raise self.client.http_error(resp.status, self.path,
-                                         self._guard(lambda: self.client._read_capped(resp)))
-        return resp
-
     def events(self) -> Any:
         """The answer as server-sent events: each event's JSON (its `data:` lines joined, as
         the standard says; a byte-order mark at the start is dropped), as it arrives, until
@@ -1273,11 +1161,13 @@ class Exchange:
         with stream true). An answer that is not a stream, an error event, or a stream that
         ends before [DONE] raises ServerError; the whole stream is under one deadline."""
         try:
-            resp = self._response()
+            resp = self._begin()
+            if resp.status >= 300:
+                raise self.client.http_error(resp.status, self.path,
+                                             self._guard(lambda: self.client._read_capped(resp)))
             if "text/event-stream" not in (resp.getheader("Content-Type") or ""):
-                raise ServerError(
-                    "%s did not stream its answer (no text/event-stream): streaming is needed "
-                    "for --concurrency" % self.path)
+                raise ServerError("%s did not stream its answer (no text/event-stream), though "
+                                  "the request asked it to" % self.path)
             pending: List[bytes] = []  # the data lines of the event being read
             start = True
             while True:
@@ -1286,9 +1176,8 @@ class Exchange:
                     line = line[3:]
                 start = False
                 if len(line) > MAX_EVENT_LINE:
-                    raise ServerError(
-                        "a stream line from %s is longer than %d MiB: refused" %
-                        (self.path, MAX_EVENT_LINE >> 20), kind=ServerError.ANSWER)
+                    raise ServerError("a stream line from %s is longer than %d MiB: refused" %
+                                      (self.path, MAX_EVENT_LINE >> 20), kind=ServerError.ANSWER)
                 if not line.endswith(b"\n"):  # the end of the stream, in the middle of a line
                     self._raise_expired()
                     raise ServerError("the stream from %s was cut before it ended" % self.path)
@@ -1331,16 +1220,6 @@ def allow_open_files(connections: int) -> None:
 TIMEOUTS = (TimeoutError, socket.timeout)
 
 
-def describe_network_error(reason: Any, base_url: str, timeout: float) -> str:
-    if isinstance(reason, ConnectionRefusedError):
-        return "connection refused by %s: is the server running?" % base_url
-    if isinstance(reason, socket.gaierror):
-        return "cannot resolve the host of %s" % base_url
-    if isinstance(reason, TIMEOUTS):
-        return "no answer from %s within %gs (--timeout)" % (base_url, timeout)
-    return "cannot reach %s: %s" % (base_url, reason)
-
-
 class Stopped(KeyboardInterrupt):
     """A stop asked for by a signal; the run ends with the signal's own exit code."""
 
@@ -1352,8 +1231,7 @@ class Stopped(KeyboardInterrupt):
 STOP_SIGNALS = {
     "SIGINT": (EXIT_INTERRUPTED, "interrupted"),
     "SIGTERM": (EXIT_TERMINATED, "terminated"),
-    "SIGHUP": (EXIT_HANGUP, "hung up"),
-}  # signal -> (exit code, state); SIGHUP is not on Windows
+    "SIGHUP": (EXIT_HANGUP, "hung up")}  # signal -> (exit code, state); SIGHUP is not on Windows
 
 
 def failed_outcome(outcomes: Sequence[Any], what: str) -> None:
@@ -1378,14 +1256,14 @@ def failed_outcome(outcomes: Sequence[Any], what: str) -> None:
 
 @dataclass(frozen=True)
 class Sampling:
-    """What every generation request asks for; the saved params are derived from it too."""
+    """What every generation request asks for; saved as the sweep's params (as_record)."""
 
     temperature: float
     top_p: float
     max_tokens: int
     logprobs: Optional[int]  # top-k per step; None asks for none
     seed: Optional[int] = None  # sent only when temperature > 0 (see of())
-    ignore_eos: bool = False
+    ignore_eos: bool = field(default=False, metadata=NOT_SAVED)  # cost's fixed output length
 
     @classmethod
     def of(cls, temperature: float, max_tokens: int, logprobs: Optional[int], seed: int,
@@ -1394,15 +1272,6 @@ class Sampling:
         would draw from a generator the whole batch shares."""
         return cls(temperature, DEFAULT_TOP_P, max_tokens, logprobs,
                    seed if temperature > 0 else None, ignore_eos)
-
-    def params(self) -> Dict[str, Any]:
-        return {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "max_tokens": self.max_tokens,
-            "logprobs": self.logprobs,
-            "seed": self.seed,
-        }
 
 
 @dataclass
@@ -1435,8 +1304,8 @@ class ServerFacts:
     hazards: Optional[List[Dict[str, Any]]] = None
 
     def bucket(self, batch_size: int) -> Bucket:
-        return (
-            "?" if self.graph_source == "assumed" else graph_bucket(batch_size, self.graph_sizes))
+        assumed = self.graph_source == "assumed"
+        return "?" if assumed else graph_bucket(batch_size, self.graph_sizes)
 
     def checked(self) -> "ServerFacts":
         """These facts with every value a server sent made safe to use: a server may send any
@@ -1474,7 +1343,7 @@ class EngineAdapter(Protocol):
         A server that answers with an HTTP error does not; one that cannot be reached raises."""
 
     def read_facts(self, client: HttpClient, model: Optional[str]) -> ServerFacts:
-        ...
+        """What the server says of itself; model, when given, must be one it serves."""
 
     def body(self, model: str, prompts: List[str], sampling: Sampling, isolate: bool = False,
              cache_key: Optional[str] = None) -> Dict[str, Any]:
@@ -1485,10 +1354,10 @@ class EngineAdapter(Protocol):
         """Called before every batch size is sent; isolate as in body()."""
 
     def completions(self, answer: Any, n: int, with_logprobs: bool) -> List[Completion]:
-        ...
+        """The answer's n completions, checked, with their per-step logprobs if asked."""
 
     def output_tokens(self, answer: Any) -> int:
-        ...
+        """The answer's output tokens, as the server counts them."""
 
     def cached_tokens(self, answer: Any) -> Optional[int]:
         """Prompt tokens the server says it served from its prefix cache; None: it does not say."""
@@ -1581,11 +1450,10 @@ def is_number(x: Any) -> bool:
 
 
 def checked_completion(i: int, text: str, tokens: Any, logprobs: Any, top: Any, finish: Any,
-                       clamps: Sequence[float], previous: Optional[Completion]) -> Completion:
+                       previous: Optional[Completion]) -> Completion:
     """Completion i of an answer, from its per-step lists, refused when downstream code could
-    not compare them. Its flat view is worked out now, while the answer's objects are still
-    in the processor's cache (a sweep compares thousands), or taken from the previous
-    completion of the answer when the values are the same (copies of one prompt mostly are)."""
+    not compare them; a copy of the previous completion of the answer (copies of one prompt
+    mostly are) shares its lists."""
     if not isinstance(logprobs, list) or not isinstance(tokens, list):
         raise shape_error("completion %d has no logprobs" % i)
     if not isinstance(top, list) or not (len(tokens) == len(logprobs) == len(top)):
@@ -1598,8 +1466,8 @@ def checked_completion(i: int, text: str, tokens: Any, logprobs: Any, top: Any, 
     if not set(map(type, top)) <= {dict}:
         raise shape_error("completion %d has malformed top logprobs" % i)
     if previous is not None and logprobs == previous.logprobs and top == previous.top_logprobs:
-        # A copy: it holds the previous completion's values, checked already, and its views;
-        # sharing the lists makes every later comparison of the two an identity check
+        # A copy: it holds the previous completion's values, checked already; sharing the
+        # lists makes every later comparison of the two an identity check
         if tokens == previous.tokens:
             tokens = previous.tokens
         c = Completion(text, tokens, previous.logprobs, previous.top_logprobs,
@@ -1612,9 +1480,7 @@ def checked_completion(i: int, text: str, tokens: Any, logprobs: Any, top: Any, 
             raise shape_error("completion %d has a logprob that is not a number" % i)
         if not all(map(is_number, itertools.chain.from_iterable(map(dict.values, top)))):
             raise shape_error("completion %d has malformed top logprobs" % i)
-    c = Completion(text, tokens, logprobs, top, plain_scalar(finish))
-    flat_view(c, clamps, values)
-    return c
+    return Completion(text, tokens, logprobs, top, plain_scalar(finish))
 
 
 def is_token_id(x: Any) -> bool:
@@ -1637,8 +1503,8 @@ def prefill_values(values: List[Any], count: int, what: str) -> List[float]:
 def choice_order(choices: List[Any]) -> List[Any]:
     """vLLM's choices by their index, which must be the whole numbers 0..n-1, each once."""
     indexes = [c.get("index") if isinstance(c, dict) else None for c in choices]
-    if any(not isinstance(x, int) or isinstance(x, bool)
-           for x in indexes) or sorted(indexes) != list(range(len(choices))):
+    whole = all(isinstance(x, int) and not isinstance(x, bool) for x in indexes)
+    if not whole or sorted(indexes) != list(range(len(choices))):
         raise shape_error("choice indexes are not 0..%d, each once" % (len(choices) - 1))
     return [c for _, c in sorted(zip(indexes, choices), key=lambda pair: pair[0])]
 
@@ -1674,8 +1540,7 @@ class VllmAdapter:
         ("CUDA-graph sizes", ("vllm_config", "compilation_config", "cudagraph_capture_sizes")),
         ("compilation mode", ("vllm_config", "compilation_config", "mode")),
         ("breakable CUDA graph", ("vllm_env", "VLLM_USE_BREAKABLE_CUDAGRAPH")),
-        ("FlashInfer sampler", ("vllm_env", "VLLM_USE_FLASHINFER_SAMPLER")),
-    ]
+        ("FlashInfer sampler", ("vllm_env", "VLLM_USE_FLASHINFER_SAMPLER"))]
     # With the flag on, vLLM turns prefix caching off for these backends itself.
     FLAG_DISABLES_PREFIX_CACHE = ("FlashInferBackend", "TritonMLABackend")
 
@@ -1722,40 +1587,36 @@ class VllmAdapter:
             raise UsageError("the server does not serve %s; it serves: %s" %
                              (model, ", ".join(ids)))
         entry = entries[ids.index(model)] if model is not None else entries[0]
-        listed = {
-            "engine version": version,
-            "served model": entry["id"],
-            "max model length": entry.get("max_model_len"),
-        }
-        config = dig(info, "vllm_config")
-        if not isinstance(config, dict):
-            sizes = self.capture_sizes(self.DEFAULT_MAX_NUM_SEQS)
-            return ServerFacts(self.name, entry["id"], version,
-                               max_model_len=entry.get("max_model_len"),
-                               max_model_len_source="/v1/models", seed_honoured=True,
-                               graph_sizes=sizes, graph_source="assumed",
-                               default_graph_sizes=sizes, settings_hint=hint, settings=listed)
+        listed = {"engine version": version, "served model": entry["id"],
+                  "max model length": entry.get("max_model_len")}
+        sizes = self.capture_sizes(self.DEFAULT_MAX_NUM_SEQS)
+        facts = ServerFacts(self.name, entry["id"], version, seed_honoured=True,
+                            max_model_len=entry.get("max_model_len"),
+                            max_model_len_source="/v1/models", graph_sizes=sizes,
+                            default_graph_sizes=sizes, settings_hint=hint, settings=listed)
+        if not isinstance(dig(info, "vllm_config"), dict):
+            return facts  # the settings are hidden: only what /v1/models lists
         settings = dict(listed, **{label: dig(info, *path) for label, path in self.SETTINGS})
         settings["attention backend"] = backend = self.short_backend(settings["attention backend"])
         max_num_seqs = settings["max num seqs"]
-        defaults = self.capture_sizes(
-            max_num_seqs if isinstance(max_num_seqs, int) else self.DEFAULT_MAX_NUM_SEQS)
+        if isinstance(max_num_seqs, int):
+            sizes = self.capture_sizes(max_num_seqs)
         reported = settings["CUDA-graph sizes"]
         if settings["enforce eager"]:
             graph, source = [], "reported"
         elif isinstance(reported, list):
             graph, source = reported, "reported"
         else:
-            graph, source = defaults, "assumed"
-        return ServerFacts(
-            self.name, entry["id"], version, flag=dig(info, "vllm_env", self.flag_name),
-            max_model_len=entry.get("max_model_len"), max_model_len_source="/v1/models",
-            attention_backend=backend, tp=settings["TP size"], max_num_seqs=max_num_seqs,
-            max_num_seqs_source="vllm_config.scheduler_config.max_num_seqs", seed_honoured=True,
+            graph, source = sizes, "assumed"
+        flag = dig(info, "vllm_env", self.flag_name)
+        return dataclasses.replace(
+            facts, flag=flag, attention_backend=backend, tp=settings["TP size"],
+            max_num_seqs=max_num_seqs,
+            max_num_seqs_source="vllm_config.scheduler_config.max_num_seqs",
             load_format=settings["load format"], graph_sizes=graph, graph_source=source,
-            default_graph_sizes=defaults, info_source="/server_info", settings=settings,
-            hazards=hazards_in(self.name, info, version),
-            flag_sets=self.flag_sets(dig(info, "vllm_env", self.flag_name), backend))
+            default_graph_sizes=sizes, info_source="/server_info", settings_hint=None,
+            settings=settings, hazards=hazards_in(self.name, info, version),
+            flag_sets=self.flag_sets(flag, backend))
 
     def flag_sets(self, flag: Any, backend: Any) -> Dict[str, Any]:
         """What the flag itself sets on a flag-on server, by setting label: a difference from
@@ -1772,13 +1633,8 @@ class VllmAdapter:
 
     def body(self, model: str, prompts: List[str], s: Sampling, isolate: bool = False,
              cache_key: Optional[str] = None) -> Dict[str, Any]:
-        body: Dict[str, Any] = {
-            "model": model,
-            "prompt": prompts,
-            "max_tokens": s.max_tokens,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-        }
+        body: Dict[str, Any] = {"model": model, "prompt": prompts, "max_tokens": s.max_tokens,
+                                "temperature": s.temperature, "top_p": s.top_p}
         if isolate:
             # A fresh salt puts the request's prefix-cache entries apart from every other's
             # (CompletionRequest.cache_salt, vllm/entrypoints/openai/completion/protocol.py,
@@ -1816,9 +1672,8 @@ class VllmAdapter:
             if isinstance(top, list) and None in top:  # a step without top-k entries
                 top = [d or {} for d in top]
             finish = c.get("finish_reason")
-            completion = checked_completion(i, c["text"], tokens, values, top, finish,
-                                            self.logprob_clamps, (out or [None])[-1])
-            out.append(completion)
+            out.append(checked_completion(i, c["text"], tokens, values, top, finish,
+                                          (out or [None])[-1]))
         return out
 
     def before_batch(self, client: HttpClient, isolate: bool) -> None:
@@ -1837,26 +1692,19 @@ class VllmAdapter:
     def prompt_token_ids(self, client: HttpClient, model: str, prompt: str) -> List[int]:
         # POST /tokenize (vllm/entrypoints/serve/tokenize/protocol.py, 0.26.0 lines 24-40):
         # special tokens added as a completion adds them.
-        return token_ids(
-            dig(client.request("/tokenize", {"model": model, "prompt": prompt}), "tokens"),
-            "/tokenize's tokens")
+        answer = client.request("/tokenize", {"model": model, "prompt": prompt})
+        return token_ids(dig(answer, "tokens"), "/tokenize's tokens")
 
     def prefill_logprobs(self, client: HttpClient, model: str, ids: List[int], start: int,
                          isolate: bool) -> List[float]:
         # A token-id prompt with prompt_logprobs (completion/protocol.py, 0.26.0 line 94): each
         # position's entry is keyed by token id and holds the actual token's logprob.
-        body: Dict[str, Any] = {
-            "model": model,
-            "prompt": ids,
-            "max_tokens": 1,
-            "temperature": 0.0,
-            "prompt_logprobs": 0,
-        }
+        body: Dict[str, Any] = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+                                "prompt_logprobs": 0}
         if isolate:
             body["cache_salt"] = fresh_cache_key()
-        entries = dig(
-            choice_order(dig(client.request(self.generate_path, body), "choices") or [None])[0],
-            "prompt_logprobs")
+        choices = dig(client.request(self.generate_path, body), "choices") or [None]
+        entries = dig(choice_order(choices)[0], "prompt_logprobs")
         if not isinstance(entries, list) or len(entries) != len(ids):
             raise shape_error(
                 "no prompt_logprobs for the token-id prompt (the prefill check needs them)")
@@ -1867,8 +1715,8 @@ class VllmAdapter:
     def output_tokens(self, answer: Any) -> int:
         """Completion tokens of the whole batch (usage; a logprob-free answer has no per-choice
         count)."""
-        return server_count(dig(answer, "usage", "completion_tokens"), "usage.completion_tokens",
-                            0)
+        count = dig(answer, "usage", "completion_tokens")
+        return server_count(count, "usage.completion_tokens", 0)
 
     def cached_tokens(self, answer: Any) -> Optional[int]:
         # Only with --enable-prompt-tokens-details, and for a list prompt only the last
@@ -1890,35 +1738,30 @@ class SglangAdapter:
     SEED_NOTE = ("SGLang honours sampling_seed only with --enable-deterministic-inference "
                  "(python/sglang/srt/sampling/sampling_batch_info.py, 0.5.23 lines 157-171)")
 
-    SETTINGS = [
-        (label, (key,))
-        for label, key in [
-            ("model", "model_path"),
-            ("dtype", "dtype"),
-            ("quantization", "quantization"),
-            ("load format", "load_format"),
-            ("max model length", "context_length"),
-            ("attention backend", "attention_backend"),
-            ("TP size", "tp_size"),
-            ("PP size", "pp_size"),
-            ("DP size", "dp_size"),
-            ("max running requests", "max_running_requests"),
-            ("chunked prefill size", "chunked_prefill_size"),
-            ("max prefill tokens", "max_prefill_tokens"),
-            ("radix cache disabled", "disable_radix_cache"),
-            ("KV-cache dtype", "kv_cache_dtype"),
-            ("CUDA graph disabled", "disable_cuda_graph"),
-            ("sampling backend", "sampling_backend"),
-            ("CUDA-graph max bs", "cuda_graph_max_bs_decode"),
-            ("CUDA-graph max bs (old)", "cuda_graph_max_bs"),
-        ]
-    ] + [
+    SETTINGS = [(label, (key,)) for label, key in [
+        ("model", "model_path"),
+        ("dtype", "dtype"),
+        ("quantization", "quantization"),
+        ("load format", "load_format"),
+        ("max model length", "context_length"),
+        ("attention backend", "attention_backend"),
+        ("TP size", "tp_size"),
+        ("PP size", "pp_size"),
+        ("DP size", "dp_size"),
+        ("max running requests", "max_running_requests"),
+        ("chunked prefill size", "chunked_prefill_size"),
+        ("max prefill tokens", "max_prefill_tokens"),
+        ("radix cache disabled", "disable_radix_cache"),
+        ("KV-cache dtype", "kv_cache_dtype"),
+        ("CUDA graph disabled", "disable_cuda_graph"),
+        ("sampling backend", "sampling_backend"),
+        ("CUDA-graph max bs", "cuda_graph_max_bs_decode"),
+        ("CUDA-graph max bs (old)", "cuda_graph_max_bs")]] + [
         ("CUDA-graph sizes", ("cuda_graph_config", "decode", "bs")),
         ("CUDA-graph decode backend", ("cuda_graph_config", "decode", "backend")),
         # 0.5.23 captures prefill graphs too ("breakable" on both arms of the real pair in
         # tests/fixtures/sglang-0.5.23): another prefill path on one arm is another arithmetic
-        ("CUDA-graph prefill backend", ("cuda_graph_config", "prefill", "backend")),
-    ]
+        ("CUDA-graph prefill backend", ("cuda_graph_config", "prefill", "backend"))]
 
     def answers_like(self, client: HttpClient) -> bool:
         info = answer_or_none(client, "/server_info")  # vLLM's (dev mode only) has no model_path
@@ -2008,11 +1851,8 @@ class SglangAdapter:
 
     def body(self, model: str, prompts: List[str], s: Sampling, isolate: bool = False,
              cache_key: Optional[str] = None) -> Dict[str, Any]:
-        params: Dict[str, Any] = {
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "max_new_tokens": s.max_tokens,
-        }
+        params: Dict[str, Any] = {"temperature": s.temperature, "top_p": s.top_p,
+                                  "max_new_tokens": s.max_tokens}
         if s.seed is not None:
             params["sampling_seed"] = s.seed
         if s.ignore_eos:
@@ -2059,29 +1899,21 @@ class SglangAdapter:
                 raise shape_error(
                     "completion %d: its output_ids are not the tokens its logprobs are of" % i)
             if isinstance(top, list) and any(
-                step
-                and not all(
-                    isinstance(e, list) and len(e) >= 2 and is_token_id(e[1]) for e in step)
-                or step
-                and len({e[1] for e in step}) != len(step)
-                for step in top
-            ):
-                raise shape_error(
-                    "completion %d has top logprobs whose token ids are not whole numbers, "
-                    "each once a step" % i)
+                    step and (not all(isinstance(e, list) and len(e) >= 2 and is_token_id(e[1])
+                                      for e in step) or len({e[1] for e in step}) != len(step))
+                    for step in top):
+                raise shape_error("completion %d has top logprobs whose token ids are not whole "
+                                  "numbers, each once a step" % i)
             try:  # entries are [logprob, token id, text or null]
                 tokens = ["token_id:%d" % s[1] for s in steps]
-                tops = (
-                    [{"token_id:%d" % e[1]: e[0] for e in (step or [])} for step in top]
-                    if isinstance(top, list) and top
-                    else [{} for _ in steps]
-                )
+                tops = [{} for _ in steps]
+                if isinstance(top, list) and top:
+                    tops = [{"token_id:%d" % e[1]: e[0] for e in (step or [])} for step in top]
             except (TypeError, IndexError, KeyError, ValueError, OverflowError):
                 raise shape_error("completion %d has malformed logprob entries" % i) from None
             values = [s[0] for s in steps]
-            out.append(
-                checked_completion(i, item["text"], tokens, values, tops, finish,
-                                   self.logprob_clamps, (out or [None])[-1]))
+            out.append(checked_completion(i, item["text"], tokens, values, tops, finish,
+                                          (out or [None])[-1]))
         return out
 
     def before_batch(self, client: HttpClient, isolate: bool) -> None:
@@ -2095,9 +1927,8 @@ class SglangAdapter:
                               % text.strip()[:120])
 
     def output_tokens(self, answer: Any) -> int:
-        return sum(
-            server_count(dig(item, "meta_info", "completion_tokens"), "completion_tokens", 0)
-            for item in answer or [])
+        counts = (dig(item, "meta_info", "completion_tokens") for item in answer or [])
+        return sum(server_count(count, "completion_tokens", 0) for count in counts)
 
     def stream_body(self, model: str, prompt: str, sampling: Sampling) -> Dict[str, Any]:
         # One prompt as a string: each event is one object, its meta_info counting the
@@ -2127,16 +1958,14 @@ class SglangAdapter:
 
     def prefill_logprobs(self, client: HttpClient, model: str, ids: List[int], start: int,
                          isolate: bool) -> List[float]:
-        entries = self.input_logprobs(client, {"input_ids": ids},
-                                      start - 1)  # entry 0 is position start-1's None
-        return prefill_values([e[0] for e in entries[1:]],
-                              len(ids) - start, "input_token_logprobs")
+        # entry 0 is position start-1's, its logprob None
+        entries = self.input_logprobs(client, {"input_ids": ids}, start - 1)
+        return prefill_values([e[0] for e in entries[1:]], len(ids) - start,
+                              "input_token_logprobs")
 
     def cached_tokens(self, answer: Any) -> Optional[int]:
-        counts = [
-            dig(item, "meta_info", "cached_tokens") for item in answer or []
-            if isinstance(item, dict)
-        ]
+        counts = [dig(item, "meta_info", "cached_tokens") for item in answer or []
+                  if isinstance(item, dict)]
         counts = [server_count(c, "cached_tokens") for c in counts if c is not None]
         return sum(counts) if counts else None
 
@@ -2181,70 +2010,54 @@ HAZARDS = [
         "beside enable_sp); a fix (PR 56377) open when read",
         "SP's reduce-scatter sums each token in an order set by which rank owns its chunk, so by "
         "the batch: 1522 of 1536 logprobs differed between batch 1 and 64 in the report",
-        "vllm-project/vllm#56370, #56377",
-        "the issue's measurement and the PR's description",
-    ),
+        "vllm-project/vllm#56370, #56377", "the issue's measurement and the PR's description"),
     Hazard(
         "vllm", "speculative decoding (speculative_config)",
-        ("vllm_config", "speculative_config"),
-        lambda spec: spec not in (None, {}, ""),
+        ("vllm_config", "speculative_config"), lambda spec: spec not in (None, {}, ""),
         "reported on 0.20.1 and against main; batch-invariant speculative decoding an open PR "
         "(52522) when read",
         "a verified draft runs the same row as k+1 tokens instead of 1, an axis the "
         "batch-invariant kernels do not cover; greedy output changed with an ngram draft on "
         "0.20.1",
         "vllm-project/vllm#54506, #52522, #41758",
-        "the RFC, the PR's config guard, the ngram report",
-    ),
+        "the RFC, the PR's config guard, the ngram report"),
     Hazard(
         "vllm", "online FP8 quantization (model_config.quantization fp8), for MoE models",
-        ("vllm_config", "model_config", "quantization"),
-        _is_fp8,
+        ("vllm_config", "model_config", "quantization"), _is_fp8,
         "seen on 0.27.1; fixed in 0.33.0, whose flag quantizes expert inputs per token "
         "(vllm/model_executor/layers/quantization/online/fp8.py lines 603-608)",
         "the fused-MoE experts quantize their inputs with one scale over the whole batch, so a "
         "request's numbers depend on its neighbours (dense layers are not affected)",
         "vllm-project/vllm#57016, #57092",
         "the issue's reproduction and the PR's diagnosis; the fix in 0.33.0's source",
-        fixed_in="0.33.0",
-    ),
+        fixed_in="0.33.0"),
     Hazard(
         "vllm", "FlashInfer sampler (VLLM_USE_FLASHINFER_SAMPLER on)",
-        ("vllm_env", "VLLM_USE_FLASHINFER_SAMPLER"),
-        lambda on: on is True,
+        ("vllm_env", "VLLM_USE_FLASHINFER_SAMPLER"), lambda on: on is True,
         "0.33.0 and before: on CUDA the FlashInfer sampler is chosen without asking the flag "
         "(vllm/v1/sample/ops/topk_topp_sampler.py lines 241-251 of 0.33.0; the XPU branch, "
         "262-270, does ask)",
         "its top-k/top-p sampling is not one of the batch-invariant kernels: sampled (not "
         "greedy) completions of concurrent requests need not repeat from run to run with the "
         "flag on; greedy decoding does not sample",
-        "vllm-project/vllm#51187",
-        "0.33.0's sampler selection, and the issue's report",
-    ),
+        "vllm-project/vllm#51187", "0.33.0's sampler selection, and the issue's report"),
     Hazard(
         "sglang", "FP8 KV cache (kv_cache_dtype)",
-        ("kv_cache_dtype",),
-        _is_fp8,
+        ("kv_cache_dtype",), _is_fp8,
         "measured on 0.5.18; only a warning proposed (PR 35938) when read",
         "with --enable-deterministic-inference and an FP8 KV cache, greedy outputs diverged at "
         "the same position (token 97) for every prompt length; the bf16 control was bit-identical",
-        "sgl-project/sglang#35938, #25790",
-        "the PR's table and the issue's analysis",
-    ),
+        "sgl-project/sglang#35938, #25790", "the PR's table and the issue's analysis"),
     Hazard(
         "sglang", "radix cache on (disable_radix_cache false)",
-        ("disable_radix_cache",),
-        lambda disabled: disabled is False,
+        ("disable_radix_cache",), lambda disabled: disabled is False,
         "open when read; on by default in 0.5.18-0.5.23",
         "a prompt served from the radix cache runs another kernel path than a cold prefill: 18 "
         "of 40 greedy outputs flipped on a cache hit in the report (--prefix-cache bypass "
         "flushes the cache before every size and gives every prompt a cache key of its own, so "
         "no sweep request is served from the cache, as the cached-token counts show; other "
         "clients' requests and --prefix-cache keep still are)",
-        "sgl-project/sglang#34683",
-        "the issue's cold/warm reproduction",
-    ),
-]
+        "sgl-project/sglang#34683", "the issue's cold/warm reproduction")]
 
 
 def hazards_in(engine: str, info: Any, version: Any) -> List[Dict[str, Any]]:
@@ -2567,9 +2380,8 @@ def report_save(cfg: Config, saves: ThrottledSave, code: int, out: Out) -> int:
         out.say("%s; the results above are not in it" % saves.failure, raising=False)
         return code or EXIT_SERVER
     if saves.moved_to is not None:
-        out.say(
-            "--save: %s was written by another run while this one measured; not overwritten: "
-            "saved %s instead" % (cfg.save, saves.moved_to), raising=False)
+        out.say("--save: %s was written by another run while this one measured; not overwritten: "
+                "saved %s instead" % (cfg.save, saves.moved_to), raising=False)
         return code or EXIT_SERVER
     if cfg.save:
         out.say("saved %s" % cfg.save, raising=False)
@@ -2738,9 +2550,8 @@ def resolve_engine(cfg: Config, servers: Sequence[Tuple[str, str]]) -> Config:
         except ServerError as err:
             raise ServerError("%s at %s: %s" % (what, url, err)) from None
     if len({a.name for a in found}) > 1:
-        raise UsageError("the servers run different engines: %s"
-                         % ", ".join("%s answers like %s" % (what, a.label)
-                                     for (url, what), a in zip(servers, found)))
+        answers = ["%s answers like %s" % (what, a.label) for (_, what), a in zip(servers, found)]
+        raise UsageError("the servers run different engines: %s" % ", ".join(answers))
     return dataclasses.replace(cfg, engine=found[0].name, engine_detected=True)
 
 
@@ -2789,8 +2600,8 @@ def internal_error(err: BaseException) -> str:
                                                             str(err)[:200])
 
 
-def measure_until_stopped(
-    out: Out, what: str, loop: Callable[[DeferredInterrupt], None]) -> Tuple[str, int]:
+def measure_until_stopped(out: Out, what: str,
+                          loop: Callable[[DeferredInterrupt], None]) -> Tuple[str, int]:
     """Run a measuring loop. A server error, a stop signal, an output that cannot be written
     or a fault of the lab's own ends it early; whichever it was, the caller keeps, reports
     and saves what was measured. Returns (state, exit code)."""
@@ -2889,7 +2700,6 @@ class Config:
     save: Optional[str] = None
     prior_save: Optional[Json] = None  # the document already at --save (cost adds to it)
     sampling: Optional[Sampling] = None  # what every generation request asks for
-    arrivals: Optional["Arrivals"] = None  # --request-rate: sweep's concurrent, cost's load
     sweep: Optional["SweepOptions"] = None  # --mode sweep only
     cost: Optional["CostOptions"] = None  # --mode cost only
 
@@ -2970,33 +2780,26 @@ def exit_codes_text(indent: str = "  ") -> str:
 def provenance(argv: Sequence[str]) -> Dict[str, Any]:
     """What a saved result records of how it was made: the lab's version, the command line
     with any key removed, the client's host and when the run started."""
-    command, hide = [], False
-    for word in argv:
-        if hide:
-            command.append("[api key]")
-            hide = False
-        elif word == "--api-key":
-            command.append(word)
-            hide = True
+    command = []
+    for i, word in enumerate(argv):
+        if i and argv[i - 1] == "--api-key":
+            word = "[api key]"
         elif word.startswith("--api-key="):
-            command.append("--api-key=[api key]")
-        else:
-            command.append(word)
+            word = "--api-key=[api key]"
+        command.append(word)
     return {
         "version": LAB_VERSION,
         "command": ["run.py"] + command,
         "host": socket.gethostname(),
         "python": "%d.%d.%d" % sys.version_info[:3],
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+        "started": now_stamp()}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="run.py", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Batch-invariance lab for vLLM and SGLang servers, over plain HTTP.",
-        epilog="exit codes:\n" + exit_codes_text() + "\n\nlimits (larger is refused):\n"
-        + limits_text())
+    p = _Parser(prog="run.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+                description="Batch-invariance lab for vLLM and SGLang servers, over plain HTTP.",
+                epilog="exit codes:\n" + exit_codes_text() + "\n\nlimits (larger is refused):\n"
+                + limits_text())
     p.add_argument("--version", action="version",
                    version="run.py (batch-invariance lab) " + LAB_VERSION)
     p.add_argument(
@@ -3099,9 +2902,7 @@ def check_url(url: str, option: str) -> str:
 
 
 # Endpoints a base URL is mistaken for: the adapters add their own paths to the base URL
-ENDPOINT_PATHS = sorted({p
-                         for a in ADAPTERS.values()
-                         for p in (a.generate_path, a.health_path)}
+ENDPOINT_PATHS = sorted({p for a in ADAPTERS.values() for p in (a.generate_path, a.health_path)}
                         | {"/v1/chat/completions", "/v1/models"}, key=len, reverse=True)
 MAX_INPUT_FILE_MB = 1024  # a prompt file or lab result larger than this is refused, not read
 
@@ -3184,9 +2985,8 @@ def configure(argv: Optional[Sequence[str]]) -> Config:
             args.save, SWEEP_SCHEMAS_READ if args.mode == "sweep" else (COST_SCHEMA,))
         fault = prior_save and args.mode == "cost" and cost_file_fault(prior_save)
         if fault:
-            raise UsageError(
-                "--save: %s holds cost results the lab cannot add to (%s); save to another "
-                "file" % (args.save, fault))
+            raise UsageError("--save: %s holds cost results the lab cannot add to (%s); save to "
+                             "another file" % (args.save, fault))
     cfg = options_from(
         Config, args, engine=engine, url=url,
         api_key=check_api_key(args.api_key or os.environ.get("OPENAI_API_KEY") or None),
@@ -3194,19 +2994,18 @@ def configure(argv: Optional[Sequence[str]]) -> Config:
     if args.mode == "sweep":
         cfg.sweep = SweepOptions.from_args(args, url, engine)
         cfg.sampling = cfg.sweep.sampling
-        concurrent = cfg.sweep.traffic == "concurrent"
-        needs = None if concurrent else "--traffic concurrent (one request a prompt)"
-        cfg.arrivals = Arrivals.configure(args.request_rate, needs)
     else:
         cfg.cost = CostOptions.from_args(args, url)
         cfg.sampling = cfg.cost.sampling
-        needs = None if cfg.cost.trial.load else "--concurrency (one streamed request a prompt)"
-        cfg.arrivals = Arrivals.configure(args.request_rate, needs)
     return cfg
 
 
 # ----------------------------------------------------------------------------
 # Arrivals (--request-rate): when concurrent and load requests go out
+
+MAX_REQUEST_RATE = 100000.0  # --request-rate above this is a burst in all but name
+MIN_REQUEST_RATE = 0.001  # --request-rate below this waits longer than any --timeout between sends
+LIMITS.append(("--request-rate (a second)", int(MAX_REQUEST_RATE)))
 
 
 @dataclass(frozen=True)
@@ -3365,16 +3164,13 @@ class CacheComparison:
            clamps: Sequence[float]) -> "CacheComparison":
         pairs = list(zip(cold.completions, warm.completions))
         deltas = [compare_completions(c, w, clamps) for c, w in pairs]
-        steps = [
-            s for d in deltas for s in (d.first_token_divergence, d.first_ulp_step)
-            if s is not None
-        ]
+        steps = [s for d in deltas for s in (d.first_token_divergence, d.first_ulp_step)
+                 if s is not None]
         diverged = [d for d in deltas if d.first_token_divergence is not None]
         first = min(diverged, key=lambda d: d.first_token_divergence) if diverged else None
-        texts_differ = any(c.text != w.text for c, w in pairs)
-        notes = {u
-                 for d in deltas
-                 for u in d.ulp_notes} | ({"text differs"} if texts_differ else set())
+        notes = {u for d in deltas for u in d.ulp_notes}
+        if any(c.text != w.text for c, w in pairs):
+            notes.add("text differs")
         return cls(max((d.max_ulp for d in deltas), default=0),
                    min(steps) if steps else None, bool(diverged), tuple(sorted(notes)),
                    first.margin if first else None, warm.cached_tokens, cold.cached_tokens)
@@ -3445,9 +3241,8 @@ class CacheCheck:
         if not asked:
             return None
         if traffic != "copies" or not bypass:
-            raise UsageError(
-                "--cache-check goes with --traffic copies and --prefix-cache bypass (its cold "
-                "request must be cold)")
+            raise UsageError("--cache-check goes with --traffic copies and --prefix-cache bypass "
+                             "(its cold request must be cold)")
         return cls()
 
     def cold(self, sender: "Sender", prompt: str, n: int, seed: int) -> Tuple["SentBatch", str]:
@@ -3476,9 +3271,8 @@ class CacheCheck:
     def expectation(summary: CacheSummary) -> Tuple[bool, str]:
         """--expect cache-equal: (held, the line that says so)."""
         if summary.verdict != CACHE_EQUAL:
-            return False, (
-                "expectation failed: --expect cache-equal, but the cache check found: %s"
-                % summary.verdict)
+            return False, ("expectation failed: --expect cache-equal, but the cache check "
+                           "found: %s" % summary.verdict)
         return (True, "expect cache-equal: held (max ULP 0 over %d batches with a cold request)"
                 % summary.verified)
 
@@ -3695,9 +3489,8 @@ class PrefillCheck:
     def expectation(summary: Optional[PrefillSummary], found: Optional[str]) -> Tuple[bool, str]:
         """--expect prefill-equal (found: the sweep's prefill verdict): (held, the line)."""
         if found != PREFILL_AGREE:
-            return False, (
-                "expectation failed: --expect prefill-equal, but the prefill check found: %s"
-                % found)
+            return False, ("expectation failed: --expect prefill-equal, but the prefill check "
+                           "found: %s" % found)
         return True, "expect prefill-equal: held (max ULP 0 over %d tokens)" % summary.tokens
 
 
@@ -3748,7 +3541,7 @@ class BaselineFile:
         if model is not None and doc.get("model") != model:
             raise UsageError("--baseline: %s was recorded for model %s, not %s" %
                              (path, doc.get("model"), model))
-        mine, theirs = sampling.params(), doc.get("params") or {}
+        mine, theirs = as_record(sampling), doc.get("params") or {}
         # every request setting that changes what is compared (logprobs: the top-k lists)
         for key in ("temperature", "top_p", "max_tokens", "seed", "logprobs"):
             if theirs.get(key) != mine[key]:
@@ -3870,8 +3663,8 @@ class BaselineServer:
         differences = "; ".join("%s %s there, %s here"
                                 % (d.setting, fmt_setting(d.baseline), fmt_setting(d.here))
                                 for d in self.differences)
-        return "        baseline: batch 1 of %s, %s" % (self.url, differences
-                                                        or "reporting the same settings")
+        shown = differences or "reporting the same settings"
+        return "        baseline: batch 1 of %s, %s" % (self.url, shown)
 
     def summary_line(self) -> Optional[str]:
         return "  against batch 1 of %s" % self.url
@@ -3913,6 +3706,7 @@ class SweepOptions:
     max_batch: int
     prompts: List[str]
     traffic: str  # one of TRAFFIC_SHAPES
+    arrivals: Arrivals  # when concurrent traffic's requests go out (--request-rate)
     repeat: int  # passes through the ladder
     seed: int  # the sampling seed; it also places mixed traffic's fillers
     expect: Optional[str]  # a key of SWEEP_EXPECTATIONS
@@ -3973,13 +3767,12 @@ class SweepOptions:
         max_tokens = DEFAULT_SWEEP_TOKENS if args.max_tokens is None else args.max_tokens
         sampling = Sampling.of(args.temperature, max_tokens, args.logprobs, args.seed)
         sizes = parse_sizes(args.sizes) if args.sizes is not None else None
-        prompts = list(
-            args.prompt) + (read_prompt_file(args.prompt_file) if args.prompt_file else [])
+        read = read_prompt_file(args.prompt_file) if args.prompt_file else []
+        prompts = list(args.prompt) + read
         if any(not p.strip() for p in prompts):
             raise UsageError("--prompt: a prompt is empty")
-        if not all(
-                p.encode("utf-8", "surrogatepass").decode("utf-8", "replace") == p
-                for p in prompts):
+        if not all(p.encode("utf-8", "surrogatepass").decode("utf-8", "replace") == p
+                   for p in prompts):
             raise UsageError("--prompt: a prompt is not UTF-8 text (as --prompt-file requires)")
         prompts = check_prompts(prompts or [DEFAULT_PROMPT], "--prompt")
         if len(set(prompts)) != len(prompts):
@@ -3996,8 +3789,11 @@ class SweepOptions:
                 "--traffic mixed: batch 1 has no room for other prompts; give sizes above 1")
         built = [] if args.prompt_tokens else prompts  # a built prompt is checked once built
         baseline = configure_baseline(args.baseline, url, engine, args.model, sampling, built)
+        concurrent = args.traffic == "concurrent"
+        needs = None if concurrent else "--traffic concurrent (one request a prompt)"
+        arrivals = Arrivals.configure(args.request_rate, needs)
         return options_from(cls, args, sampling=sampling, sizes=sizes, prompts=prompts,
-                            prefix_cache=prefix_cache, cache_check=cache_check,
+                            arrivals=arrivals, prefix_cache=prefix_cache, cache_check=cache_check,
                             prefill_check=prefill_check, baseline=baseline)
 
 
@@ -4124,23 +3920,22 @@ class Sender:
         """The sender of a traffic shape (TRAFFIC_SHAPES; what each measures: --mode help)."""
         return {"copies": self.copies, "concurrent": self.concurrent, "mixed": self.mixed}[traffic]
 
-    def one_request(
-            self, prompts: List[str],
-            cache_key: Optional[str] = None) -> Tuple[List[Completion], float, Optional[int]]:
+    def one_request(self, prompts: List[str], cache_key: Optional[str] = None) -> SentBatch:
         answer, seconds = generate(self.client, self.adapter, self.model, prompts, self.sampling,
                                    self.isolate, cache_key)
         completions = parsed("the answer", self.adapter.completions, answer, len(prompts), True)
-        return completions, seconds, parsed("the answer", self.adapter.cached_tokens, answer)
+        return SentBatch(completions, seconds,
+                         parsed("the answer", self.adapter.cached_tokens, answer))
 
     def copies(self, prompt: str, n: int, seed: int, cache_key: Optional[str] = None) -> SentBatch:
         """n copies of the prompt in one request (cache_key: see EngineAdapter.body)."""
-        return SentBatch(*self.one_request([prompt] * n, cache_key))
+        return self.one_request([prompt] * n, cache_key)
 
     def mixed(self, prompt: str, n: int, seed: int) -> SentBatch:
         """The prompt once among n-1 fillers in one request; only its own completion counts."""
         prompts, position = mixed_batch(prompt, n, seed)
-        completions, seconds, cached = self.one_request(prompts)
-        return SentBatch([completions[position]], seconds, cached)
+        batch = self.one_request(prompts)
+        return dataclasses.replace(batch, completions=[batch.completions[position]])
 
     def concurrent(self, prompt: str, n: int, seed: int) -> SentBatch:
         """n one-prompt requests in flight at once, as independent clients send them. A thread
@@ -4155,8 +3950,8 @@ class Sender:
             return self.copies(prompt, 1, seed)
         allow_open_files(n)
         body = self.adapter.body  # a fresh body a request: each takes a cache key of its own
-        posts = [self.client.prepare_post(self.adapter.generate_path,
-                                          body(self.model, [prompt], self.sampling, self.isolate))
+        posts = [Exchange(self.client, "POST", self.adapter.generate_path,
+                          body(self.model, [prompt], self.sampling, self.isolate))
                  for _ in range(n)]
         outcomes: List[Any] = [None] * n  # what failed, or (completion, cached tokens)
         ready, all_sent = threading.Semaphore(0), threading.Event()
@@ -4365,13 +4160,9 @@ class PromptSweep:
             self.batch1.append(completions[0])
 
     def finish(self) -> None:
-        """Every pass is in: what it measured is kept, and the views the comparisons worked
-        out are let go (a sweep of 1000 prompts would hold them all to the end)."""
+        """Every pass is in: what it measured is kept."""
         self.finished = True
         self.measured()
-        for c in [self.baseline] + self.batch1:
-            if c is not None:
-                c.memo.clear()
 
     def size(self, n: int) -> SizeResult:
         """Batch size n over every pass so far."""
@@ -4389,9 +4180,8 @@ class PromptSweep:
         leaves nothing to compare (NaN against NaN is no evidence either way)."""
         if len(self.batch1) < 2 or any(map(has_nan, self.batch1)):
             return None
-        return all(
-            same_completion(c, self.batch1[0]) and c.text == self.batch1[0].text
-            for c in self.batch1[1:])
+        return all(same_completion(c, self.batch1[0]) and c.text == self.batch1[0].text
+                   for c in self.batch1[1:])
 
     def measured(self) -> Measured:
         if self.kept_measured is not None:
@@ -4414,10 +4204,8 @@ class PromptSweep:
             tokens_diverged=any(r.first_token_divergence is not None for r in rows),
             text_only=any(r.text_only for r in rows),
             unmeasured=any(u in MOVED_NOTES for r in rows for u in r.ulp_notes),
-            compared=bool(compared),
-            batch1_repeatable=self.batch1_repeatable(),
-            unseeded=self.unseeded,
-            confounded=self.prefix_cache.confounded(moved, cached),
+            compared=bool(compared), batch1_repeatable=self.batch1_repeatable(),
+            unseeded=self.unseeded, confounded=self.prefix_cache.confounded(moved, cached),
             unoverlapped=len(included) < len(self.rows()))
         if self.finished:
             self.kept_measured = measured
@@ -4465,21 +4253,17 @@ def compare_batch(completions: List[Completion], baseline: Completion,
     texts = [c.text for c in completions]
     held = [c.text == baseline.text for c, d in zip(completions, deltas)
             if d.first_token_divergence is None]
+    identical = all(d is IDENTICAL or d == IDENTICAL for d in deltas)
     return BatchRow(
-        completions=len(completions),
-        distinct_in_batch=len(set(texts)),
-        same_as_baseline=sum(held),
-        text_only=held.count(False),
+        completions=len(completions), distinct_in_batch=len(set(texts)),
+        same_as_baseline=sum(held), text_only=held.count(False),
         first_token_divergence=first.first_token_divergence if first else None,
         divergence_margin=first.margin if first else None,
         first_ulp_step=min(ulp_steps) if ulp_steps else None,
         max_ulp=max(d.max_ulp for d in deltas),
         ulp_notes=sorted({u for d in deltas for u in d.ulp_notes}),
-        matched=sum(held) == len(completions)
-        and all(d is IDENTICAL or d == IDENTICAL for d in deltas),
-        distinct_texts=sorted(set(texts)),
-        tokens=sum(len(c.tokens) for c in completions),
-    )
+        matched=sum(held) == len(completions) and identical, distinct_texts=sorted(set(texts)),
+        tokens=sum(len(c.tokens) for c in completions))
 
 
 def sweep_summary(options: SweepOptions, sweeps: List[PromptSweep], state: str) -> SweepSummary:
@@ -4506,9 +4290,9 @@ def sweep_summary(options: SweepOptions, sweeps: List[PromptSweep], state: str) 
 def sweep_params(cfg: Config, facts: ServerFacts, sizes: List[int]) -> Json:
     """How the sweep was asked for, as its saved document holds it."""
     options = cfg.sweep
-    params = dict(cfg.sampling.params(), sizes=sizes, prompts=len(options.prompts),
+    params = dict(as_record(cfg.sampling), sizes=sizes, prompts=len(options.prompts),
                   prompt_tokens=as_record(options.long_prompt), traffic=options.traffic,
-                  arrivals=cfg.arrivals.describe(), repeat=options.repeat,
+                  arrivals=options.arrivals.describe(), repeat=options.repeat,
                   prefix_cache=options.prefix_cache.choice, seed_honoured=facts.seed_honoured,
                   prefill_check=options.prefill_check is not None, cache_check=options.cache_check
                   is not None)
@@ -4537,8 +4321,7 @@ def sweep_document(cfg: Config, facts: ServerFacts, prompts: List[Json], sizes: 
         "prompts": prompts,
         "summary": as_record(summary),
         "created": now_stamp(),
-        "lab": dict(cfg.provenance, ended=None if summary.state == "running" else now_stamp()),
-    }
+        "lab": dict(cfg.provenance, ended=None if summary.state == "running" else now_stamp())}
 
 
 def unseeded(sampling: Sampling, facts: ServerFacts) -> bool:
@@ -4548,26 +4331,23 @@ def unseeded(sampling: Sampling, facts: ServerFacts) -> bool:
 
 def sweep_warnings(facts: ServerFacts, sizes: List[int], sampling: Sampling, out: Out) -> None:
     if unseeded(sampling, facts):
-        out.warn(
-            "the server does not honour the seed (%s): at temperature %g every request samples "
-            "unseeded, so differences include plain sampling noise, and the verdict will not put "
-            "them down to batching" % (facts.seed_note, sampling.temperature))
+        out.warn("the server does not honour the seed (%s): at temperature %g every request "
+                 "samples unseeded, so differences include plain sampling noise, and the verdict "
+                 "will not put them down to batching" % (facts.seed_note, sampling.temperature))
     limit = facts.max_num_seqs
     if isinstance(limit, int) and max(sizes) > limit:
         out.warn("batch sizes above %d exceed the server's max-num-seqs: those requests are not "
                  "all scheduled together" % limit)
     if facts.load_format == "dummy":
-        out.warn(
-            "the server runs dummy weights (--load-format dummy): flat logits have no near-ties, "
-            "so a clean flag-off result is expected and means nothing")
+        out.warn("the server runs dummy weights (--load-format dummy): flat logits have no "
+                 "near-ties, so a clean flag-off result is expected and means nothing")
     if facts.flag is None:
         out.warn("the server does not say whether the flag is on%s" %
                  (" (%s)" % facts.settings_hint if facts.settings_hint else ""))
 
 
-SWEEP_COLUMNS = (
-    "  batch  bucket  distinct  same/all  runs matched  first token  tie margin  max ULP  first "
-    "ULP step  seconds  notes")
+SWEEP_COLUMNS = ("  batch  bucket  distinct  same/all  runs matched  first token  tie margin  max "
+                 "ULP  first ULP step  seconds  notes")
 
 
 class SweepTable:
@@ -4604,9 +4384,8 @@ class SweepTable:
         if long_prompt:
             budget, chunks = long_prompt.budget, long_prompt.chunks
             if budget and chunks > 1:
-                crossing = (
-                    "crosses the chunked-prefill budget of %d tokens: prefilled in %d chunks" %
-                    (budget, chunks))
+                crossing = ("crosses the chunked-prefill budget of %d tokens: prefilled in %d "
+                            "chunks" % (budget, chunks))
             elif budget:
                 crossing = "fits in one chunk of the chunked-prefill budget (%d tokens)" % budget
             else:
@@ -4618,11 +4397,9 @@ class SweepTable:
         if number not in self.rows:
             self.rows[number] = set()
             self.out.line("")
-            self.out.line(
-                "prompt %d/%d: %s  (baseline: %s)" %
-                (number, total,
-                 json.dumps(sweep.prompt[:70] + ("..." if len(sweep.prompt) > 70 else "")),
-                 sweep.baseline_source))
+            shown = json.dumps(sweep.prompt[:70] + ("..." if len(sweep.prompt) > 70 else ""))
+            self.out.line("prompt %d/%d: %s  (baseline: %s)"
+                          % (number, total, shown, sweep.baseline_source))
             self.out.line(SWEEP_COLUMNS)
         self.rows[number].add(n)
         self.out.line(size_row(sweep.size(n), self.options.prefix_cache))
@@ -4681,13 +4458,12 @@ def control_text(repeatable: Optional[bool], repeat: int, sweeps: List[PromptSwe
 def size_row(s: SizeResult, prefix_cache: PrefixCache) -> str:
     """One batch size's row of the table."""
     ulp = str(s.max_ulp) + ("*" if s.ulp_notes else "")
-    return (
-        "  %5d  %6s  %8d  %8s  %12s  %11s  %10s  %7s  %14s  %7.2f  %s"
-        % (s.batch_size, fmt_opt(s.bucket, "none"), s.distinct_in_batch,
-           "%d/%d" % (s.same_as_baseline, s.completions), "%d/%d" % (s.runs_matched, len(s.runs)),
-           fmt_opt(s.first_token_divergence), margin_text(s.divergence_margin), ulp,
-           fmt_opt(s.first_ulp_step), s.seconds, size_notes(s, prefix_cache))
-    ).rstrip()
+    row = "  %5d  %6s  %8d  %8s  %12s  %11s  %10s  %7s  %14s  %7.2f  %s" % (
+        s.batch_size, fmt_opt(s.bucket, "none"), s.distinct_in_batch,
+        "%d/%d" % (s.same_as_baseline, s.completions), "%d/%d" % (s.runs_matched, len(s.runs)),
+        fmt_opt(s.first_token_divergence), margin_text(s.divergence_margin), ulp,
+        fmt_opt(s.first_ulp_step), s.seconds, size_notes(s, prefix_cache))
+    return row.rstrip()
 
 
 def margin_text(margin: Optional[Margin]) -> str:
@@ -4713,6 +4489,20 @@ def size_notes(size: SizeResult, prefix_cache: PrefixCache) -> str:
     return "; ".join(notes)
 
 
+VERDICT_ADVICE = {  # what else explains what moved, by the verdict that says so
+    NOISE_NOT_RULED_OUT: "The server ignores the seed, so at this temperature every request "
+    "samples on its own: the differences above may be sampling noise alone. Measure batching "
+    "greedy (--temperature 0), or with the flag on, where the seed is honoured.",
+    CACHE_CONFOUNDED: "Everything that moved, moved at sizes where the prefix cache served the "
+    "prompt despite the bypass (cache hit in the table): the cache, not the batch alone, may "
+    "explain it. vLLM's copies of one request share its cache whatever the salt: sweep with "
+    "--traffic concurrent, whose requests carry a salt each.",
+    NOT_REPEATABLE: "Batch 1 alone gave different answers on different passes: the server is not "
+    "repeatable even without other requests beside it, so differences at other sizes cannot be "
+    "put down to batching. Check for unseeded sampling, a server restarted between passes, or "
+    "other traffic on it."}
+
+
 def sweep_advice(flag: Optional[bool], hazards: Optional[List[Json]], expect: Optional[str],
                  sizes: List[int], summary: SweepSummary, text: Callable[[str], None]) -> None:
     """What to make of the verdict, once the table is out: why nothing was compared, what
@@ -4734,23 +4524,9 @@ def sweep_advice(flag: Optional[bool], hazards: Optional[List[Json]], expect: Op
         else:
             why = "the run stopped (%s) before any size above batch 1 came back" % summary.state
         text("Nothing was compared: %s. No verdict on invariance can be given." % why)
-    elif sweep_verdict == NOISE_NOT_RULED_OUT:
+    elif sweep_verdict in VERDICT_ADVICE:
         text("")
-        text("The server ignores the seed, so at this temperature every request samples on its "
-             "own: the differences above may be sampling noise alone. Measure batching greedy "
-             "(--temperature 0), or with the flag on, where the seed is honoured.")
-    elif sweep_verdict == CACHE_CONFOUNDED:
-        text("")
-        text("Everything that moved, moved at sizes where the prefix cache served the prompt "
-             "despite the bypass (cache hit in the table): the cache, not the batch alone, may "
-             "explain it. vLLM's copies of one request share its cache whatever the salt: sweep "
-             "with --traffic concurrent, whose requests carry a salt each.")
-    elif sweep_verdict == NOT_REPEATABLE:
-        text("")
-        text("Batch 1 alone gave different answers on different passes: the server is not "
-             "repeatable even without other requests beside it, so differences at other sizes "
-             "cannot be put down to batching. Check for unseeded sampling, a server restarted "
-             "between passes, or other traffic on it.")
+        text(VERDICT_ADVICE[sweep_verdict])
     elif moved and flag:
         text("")
         text("The server reports the flag ON, yet results moved.")
@@ -4795,10 +4571,8 @@ def expect_variant(summary: SweepSummary) -> Tuple[bool, str]:
 SWEEP_EXPECTATIONS: Dict[str, Callable[[SweepSummary], Tuple[bool, str]]] = {
     "invariant": expect_invariant,
     "variant": expect_variant,
-    PrefillCheck.EXPECT: lambda summary: PrefillCheck.expectation(
-        summary.prefill, summary.prefill_verdict),
-    CacheCheck.EXPECT: lambda summary: CacheCheck.expectation(summary.cache),
-}
+    PrefillCheck.EXPECT: lambda s: PrefillCheck.expectation(s.prefill, s.prefill_verdict),
+    CacheCheck.EXPECT: lambda s: CacheCheck.expectation(s.cache)}
 
 
 def run_sweep(cfg: Config, out: Out) -> int:
@@ -4825,7 +4599,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
     sizes = sweep_ladder(options, facts)
     sweep_warnings(facts, sizes, cfg.sampling, out)
     isolate = options.prefix_cache.bypass
-    sender = Sender(client, adapter, facts.model, cfg.sampling, isolate, cfg.arrivals)
+    sender = Sender(client, adapter, facts.model, cfg.sampling, isolate, options.arrivals)
     if options.baseline:
         options.baseline.open(cfg, facts, isolate)
     send = sender.shape(options.traffic)
@@ -4934,15 +4708,15 @@ class BatchTrials:
     def prompts(self) -> int:
         return self.batch
 
-    def run(self, arm: "Arm", prompts: List[str], adapter: EngineAdapter, sampling: Sampling,
-            arrivals: Arrivals) -> Tuple[float, int, None]:
+    def run(self, arm: "Arm", prompts: List[str], adapter: EngineAdapter,
+            sampling: Sampling) -> Tuple[float, int, None]:
         """One timed request: (seconds, output tokens, None). The answer's shape must hold even
         when timing."""
         answer, seconds = generate(arm.client, adapter, arm.facts.model, prompts, sampling)
         parsed("the answer", adapter.completions, answer, len(prompts), False)
         return seconds, parsed("the answer", adapter.output_tokens, answer), None
 
-    def labels(self, arrivals: Arrivals) -> Json:
+    def labels(self) -> Json:
         """What the cell's labels say of its trials."""
         return {"batch": self.batch, "concurrency": None, "requests": None, "arrivals": None}
 
@@ -5021,6 +4795,7 @@ class LoadTrials:
 
     concurrency: int  # requests in flight at once
     requests: int  # requests per trial
+    arrivals: Arrivals  # when each request goes out (--request-rate)
     load = True
 
     @staticmethod
@@ -5034,25 +4809,27 @@ class LoadTrials:
                            help="requests per load trial (default 4 x --concurrency; at least C)")
 
     @classmethod
-    def configure(cls, concurrency: Optional[int],
-                  requests: Optional[int]) -> Optional["LoadTrials"]:
+    def configure(cls, concurrency: Optional[int], requests: Optional[int],
+                  rate: Optional[float]) -> Optional["LoadTrials"]:
+        """--concurrency, --requests and --request-rate, checked (None: batch trials)."""
         if requests is not None and concurrency is None:
             raise UsageError("--requests goes with --concurrency")
-        if not concurrency:
-            return None
-        requests = 4 * concurrency if requests is None else requests
-        if requests < concurrency:
-            raise UsageError(
-                "--requests: give at least --concurrency (%d), or some slots stay empty"
-                % concurrency)
-        return cls(concurrency, requests)
+        if concurrency:
+            requests = 4 * concurrency if requests is None else requests
+            if requests < concurrency:
+                raise UsageError(
+                    "--requests: give at least --concurrency (%d), or some slots stay empty"
+                    % concurrency)
+        needs = None if concurrency else "--concurrency (one streamed request a prompt)"
+        arrivals = Arrivals.configure(rate, needs)
+        return cls(concurrency, requests, arrivals) if concurrency else None
 
     @property
     def prompts(self) -> int:
         return self.requests
 
-    def run(self, arm: "Arm", prompts: List[str], adapter: EngineAdapter, sampling: Sampling,
-            arrivals: Arrivals) -> Tuple[float, int, List[RequestTiming]]:
+    def run(self, arm: "Arm", prompts: List[str], adapter: EngineAdapter,
+            sampling: Sampling) -> Tuple[float, int, List[RequestTiming]]:
         """A closed-loop load run: every prompt its own streamed request, at most concurrency
         in flight. Per request: time to first token, time per output token after it,
         end-to-end latency. Returns (seconds, output tokens, timings)."""
@@ -5062,7 +4839,7 @@ class LoadTrials:
 
         def stream_one(prompt: str) -> RequestTiming:
             body = adapter.stream_body(arm.facts.model, prompt, sampling)
-            post = arm.client.prepare_post(adapter.generate_path, body)
+            post = Exchange(arm.client, "POST", adapter.generate_path, body)
             start = CLOCK()
             first = last = None
             count = first_count = events = 0
@@ -5090,6 +4867,7 @@ class LoadTrials:
             return RequestTiming(ttft, last - start, count, tpot, events)
 
         # Each trial's arrivals drawn from a seed of its own, the same on both arms
+        arrivals = self.arrivals
         schedule = arrivals.schedule(len(prompts), DEFAULT_SEED + len(arm.samples))
         failed: List[BaseException] = []  # once a request fails, no worker starts another
 
@@ -5118,14 +4896,10 @@ class LoadTrials:
         failed_outcome(timings, "streamed requests")
         return seconds, sum(t.tokens for t in timings), timings
 
-    def labels(self, arrivals: Arrivals) -> Json:
+    def labels(self) -> Json:
         """What the cell's labels say of its trials."""
-        return {
-            "batch": None,
-            "concurrency": self.concurrency,
-            "requests": self.requests,
-            "arrivals": arrivals.describe(),
-        }
+        return {"batch": None, "concurrency": self.concurrency, "requests": self.requests,
+                "arrivals": self.arrivals.describe()}
 
     @staticmethod
     def cell_parts(arms: Sequence["Arm"], pairs: int,
@@ -5172,10 +4946,8 @@ class LoadTrials:
             if overhead.unmeasured:
                 out.line("  %-8s unmeasured: %s" % (label, overhead.unmeasured))
                 continue
-            out.line(
-                "  %-8s overhead %s" %
-                (label,
-                 overhead.text("%+.1f%% [%+.1f%%, %+.1f%%]%s", "%+.1f%% (no interval)", " n.s.")))
+            shown = overhead.text("%+.1f%% [%+.1f%%, %+.1f%%]%s", "%+.1f%% (no interval)", " n.s.")
+            out.line("  %-8s overhead %s" % (label, shown))
         if cell.compared_on != "time per trial":
             out.line("  compared on %s" % cell.compared_on)
 
@@ -5244,7 +5016,7 @@ class CostOptions:
         if server_address(invariant) == server_address(url):
             raise UsageError("--url and --invariant are the same server; cost compares two")
         max_tokens = DEFAULT_COST_TOKENS if args.max_tokens is None else args.max_tokens
-        load = LoadTrials.configure(args.concurrency, args.requests)
+        load = LoadTrials.configure(args.concurrency, args.requests, args.request_rate)
         return options_from(
             cls, args, sampling=Sampling.of(0.0, max_tokens, None, DEFAULT_SEED, ignore_eos=True),
             invariant=invariant, trial=load or BatchTrials(args.batch))
@@ -5413,7 +5185,7 @@ class Arm:
 
     def run(self, cfg: Config, prompts: List[str]) -> Tuple[float, int, Optional[List[Any]]]:
         """One trial of the kind cost mode times (BatchTrials or LoadTrials) on this arm."""
-        return cfg.cost.trial.run(self, prompts, cfg.adapter, cfg.sampling, cfg.arrivals)
+        return cfg.cost.trial.run(self, prompts, cfg.adapter, cfg.sampling)
 
 
 @dataclass(frozen=True)
@@ -5452,9 +5224,8 @@ def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[ArmDifference]:
     differences = arm_differences(off.facts, on.facts)
     for arm in (off, on):
         if arm.facts.info_source is None:
-            out.warn(
-                "the %s arm does not expose its settings, so the lab cannot check that the arms "
-                "differ in the flag only (%s)" % (arm.name, arm.facts.settings_hint))
+            out.warn("the %s arm does not expose its settings, so the lab cannot check that the "
+                     "arms differ in the flag only (%s)" % (arm.name, arm.facts.settings_hint))
     if not cfg.json_out:
         print_cost_servers(off.facts, on.facts, differences, adapter, out)
         for arm in (off, on):
@@ -5515,9 +5286,8 @@ def cost_table_lines(cells: List[CellLabels], current: CellLabels) -> List[str]:
             row.append(overhead + ("" if cell.state == "complete" else " partial"))
         lines.append("  %-8s %-28s %-28s" % ("TP=%s" % ("?" if tp is None else tp), *row))
     if filled < 4:
-        lines.append(
-            "One cell alone is not a result: report all four (TP=1 and your real TP, cold and "
-            "shared-prefix), or none.")
+        lines.append("One cell alone is not a result: report all four (TP=1 and your real TP, "
+                     "cold and shared-prefix), or none.")
     return lines
 
 
@@ -5536,9 +5306,8 @@ def warm_up(cfg: Config, arms: Sequence[Arm], prompts: Callable[[int], List[str]
                     if attempt == WARMUP_ATTEMPTS:
                         raise ServerError("warm-up %d, %s arm: %s" %
                                           (w + 1, arm.name, err)) from None
-                    progress.out.warn(
-                        "warm-up request failed on the %s arm (%s); retrying once, as only "
-                        "warm-up may" % (arm.name, err))
+                    progress.out.warn("warm-up request failed on the %s arm (%s); retrying once, "
+                                      "as only warm-up may" % (arm.name, err))
 
 
 def primary_overhead(off: Arm, on: Arm) -> Tuple[Overhead, str]:
@@ -5579,7 +5348,7 @@ def cost_cell(cfg: Config, arms: Tuple[Arm, Arm], differences: List[ArmDifferenc
     if options.trial.load:
         load, overheads = options.trial.cell_parts(arms, pairs, primary)
         primary_name = "throughput"
-    labels = options.trial.labels(cfg.arrivals)
+    labels = options.trial.labels()
     return CostCell(
         tp=off.facts.tp or options.tp, workload=options.workload, batch=labels["batch"],
         max_tokens=cfg.sampling.max_tokens, trials=pairs, warmup=options.warmup,
@@ -5612,6 +5381,7 @@ def cell_fault(cell: Any) -> Optional[str]:
     if not isinstance(cell, dict):
         return "not an object"
     whole = lambda x, low: isinstance(x, int) and not isinstance(x, bool) and x >= low
+    ci = cell.get("ci95_pct")
     checks = [
         ("model", isinstance(cell.get("model"), str)),
         ("workload", cell.get("workload") in WORKLOADS),
@@ -5624,17 +5394,9 @@ def cell_fault(cell: Any) -> Optional[str]:
         ("arrivals", cell.get("arrivals") is None or isinstance(cell.get("arrivals"), str)),
         ("state", isinstance(cell.get("state"), str)),
         ("overhead_pct", cell.get("overhead_pct") is None or is_number(cell["overhead_pct"])),
-        (
-            "ci95_pct",
-            cell.get("ci95_pct") is None
-            or (
-                isinstance(cell["ci95_pct"], list)
-                and len(cell["ci95_pct"]) == 2
-                and all(map(is_number, cell["ci95_pct"]))
-                and isinstance(cell.get("significant"), bool)
-            ),
-        ),
-    ]
+        ("ci95_pct", ci is None or (isinstance(ci, list) and len(ci) == 2
+                                    and all(map(is_number, ci))
+                                    and isinstance(cell.get("significant"), bool)))]
     bad = next((name for name, good in checks if not good), None)
     return None if bad is None else "its %s is missing or malformed" % bad
 
@@ -5667,17 +5429,16 @@ def add_cell(doc: Json, cell: Json) -> Json:
 
 STOPPED_BY = {  # what ended a --precision run, as the report says it
     "precision": "stopped once the interval was within the asked precision (--precision)",
-    "trials": "ran every trial (--trials) before the interval was within --precision",
-}
+    "trials": "ran every trial (--trials) before the interval was within --precision"}
 
 
 def print_cost_report(cell: CostCell, out: Out) -> None:
     labels = cell.labels
     out.line("")
-    out.line(
-        "cell: TP=%s, workload %s, %s, %d tokens, model %s, %d trial pairs%s" %
-        (fmt_opt(labels.tp, "?"), labels.workload, labels.shape(), labels.max_tokens, labels.model,
-         cell.trials, "" if labels.state == "complete" else " (%s)" % labels.state))
+    state = "" if labels.state == "complete" else " (%s)" % labels.state
+    out.line("cell: TP=%s, workload %s, %s, %d tokens, model %s, %d trial pairs%s"
+             % (fmt_opt(labels.tp, "?"), labels.workload, labels.shape(), labels.max_tokens,
+                labels.model, cell.trials, state))
     for name, arm in (("off", cell.off), ("on", cell.on)):
         out.line("  flag %-3s median %.4fs  MAD %.4fs  min-max %.4f-%.4fs  %s tokens/s%s" %
                  (name, arm.median_s, mad(arm.samples_s), min(arm.samples_s), max(arm.samples_s),
@@ -5710,8 +5471,7 @@ def run_cost(cfg: Config, out: Out) -> int:
     off = Arm.open(cfg, "off", "--url", cfg.url)
     on = Arm.open(cfg, "on", "--invariant", cfg.cost.invariant)
     differences = check_arms(cfg, off, on, out)
-    run_id = "%08x" % random.SystemRandom().getrandbits(
-        32)  # no prefix cache hit across runs either
+    run_id = "%08x" % random.SystemRandom().getrandbits(32)  # no cache hit across runs either
     doc = copy.deepcopy(cfg.prior_save) if cfg.prior_save else {"schema": COST_SCHEMA, "cells": []}
     short: List[Tuple[int, str, int]] = []  # (trial, arm, tokens) of trials that stopped early
     per_trial = cfg.cost.trial.prompts
@@ -5737,9 +5497,8 @@ def run_cost(cfg: Config, out: Out) -> int:
                     raise ServerError("trial %d, %s arm: %s" %
                                       (trial + 1, arm.name, err)) from None
                 if count > expected_tokens:
-                    raise ServerError(
-                        "trial %d, %s arm: the server reported %d output tokens, more than %d "
-                        "prompts x --max-tokens %d allow" %
+                    raise ServerError("trial %d, %s arm: the server reported %d output tokens, "
+                                      "more than %d prompts x --max-tokens %d allow" %
                         (trial + 1, arm.name, count, per_trial, cfg.sampling.max_tokens))
                 if count < expected_tokens:
                     short.append((trial + 1, arm.name, count))
@@ -5806,8 +5565,7 @@ def enable_batch_invariant_mode(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", True)
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")''',
         "Every test in tests/v1/determinism/ runs with the flag ON, whatever your shell says. A "
-        "test that needs the flag off has to switch it off itself, as the next one does.",
-    ),
+        "test that needs the flag off has to switch it off itself, as the next one does."),
     Excerpt(
         "vllm", "the negative control that must see differences",
         "tests/v1/determinism/test_batch_invariance.py, lines 509-522 (def 509-511, docstring "
@@ -5828,15 +5586,13 @@ def enable_batch_invariant_mode(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", False)''',
         "Because of the autouse fixture above, this test must undo the flag itself (the two "
         "monkeypatch lines). A green result here means differences WERE seen with the flag off: "
-        "the lab's `--mode sweep --expect variant` is the same negative control over HTTP.",
-    ),
+        "the lab's `--mode sweep --expect variant` is the same negative control over HTTP."),
     Excerpt(
         "vllm", "the model is an environment variable",
         "tests/v1/determinism/utils.py, lines 43-44, " + VLLM_REV,
         """DEFAULT_MODEL = "Qwen/Qwen3-1.7B"
 TEST_MODEL = os.getenv("VLLM_TEST_MODEL", DEFAULT_MODEL)""",
-        "Set VLLM_TEST_MODEL to point the whole suite at your own weights; there is no flag.",
-    ),
+        "Set VLLM_TEST_MODEL to point the whole suite at your own weights; there is no flag."),
     Excerpt(
         "vllm", "the online test's sampling and server arguments",
         "tests/v1/determinism/test_online_batch_invariance.py, lines 144-162, " + VLLM_REV,
@@ -5863,8 +5619,7 @@ TEST_MODEL = os.getenv("VLLM_TEST_MODEL", DEFAULT_MODEL)""",
         "near-tie to show up. The lab defaults to greedy and 64 tokens; run it with "
         "--temperature 0.6 too. The TP size here is read from VLLM_TP_SIZE, not "
         "VLLM_TEST_TP_SIZE. New since the May 2026 tree: VLLM_TEST_SERVER_ARGS adds server "
-        "flags (pin --attention-backend and friends there, as the lab's launch scripts do).",
-    ),
+        "flags (pin --attention-backend and friends there, as the lab's launch scripts do)."),
     Excerpt(
         "vllm", "the online test's bitwise comparison",
         "tests/v1/determinism/test_online_batch_invariance.py, lines 126-133, " + VLLM_REV,
@@ -5877,8 +5632,7 @@ TEST_MODEL = os.getenv("VLLM_TEST_MODEL", DEFAULT_MODEL)""",
                     f"BS=1 tokens: {tokens_bs1} BS=N tokens: {tokens_bsN}"
                 )""",
         "The upstream check is on logprobs, bit for bit, not on text. It stops at the first "
-        "mismatch; the lab reports the largest float32 ULP distance over every comparable step.",
-    ),
+        "mismatch; the lab reports the largest float32 ULP distance over every comparable step."),
     Excerpt(
         "vllm", "the performance harness",
         "benchmarks/benchmark_batch_invariance.py, lines 147-150 and 189-190, " + VLLM_REV,
@@ -5892,8 +5646,7 @@ TEST_MODEL = os.getenv("VLLM_TEST_MODEL", DEFAULT_MODEL)""",
         "This is a timing harness, not a determinism test. baseline_text is printed but never "
         "compared with anything, and the assertion compares the prompt sent with the prompt "
         "echoed back, which holds by construction. Its green output and its `Overhead: +X%` line "
-        "say nothing about invariance. It also needs an SM90+ GPU.",
-    ),
+        "say nothing about invariance. It also needs an SM90+ GPU."),
     Excerpt(
         "sglang", "the driver's single mode",
         "python/sglang/test/test_deterministic.py, lines 460-471, " + SGLANG_REV,
@@ -5915,8 +5668,7 @@ TEST_MODEL = os.getenv("VLLM_TEST_MODEL", DEFAULT_MODEL)""",
         "181-182) and single mode compares text only: no logprobs, and it returns the count "
         "without failing. Completions 2..n of every batch are never looked at. Drivers newer "
         "than 0.5.23 may compare more; read your checkout's single mode. The lab compares every "
-        "completion, and the logprobs too.",
-    ),
+        "completion, and the logprobs too."),
     Excerpt(
         "sglang", "the in-tree test's model and server arguments",
         "python/sglang/test/test_deterministic_utils.py, lines 12-18, " + SGLANG_REV,
@@ -5934,8 +5686,7 @@ COMMON_SERVER_ARGS = [
         "srt/arg_groups/fields/exec_.py L629-631 and srt/arg_groups/cuda_graph_hook.py L72-73. "
         "(Line numbers L1906-L1910 / L4561-L4562, quoted elsewhere, match none of the releases "
         "checked.) Older versions of this test class used --cuda-graph-max-bs 32; from 0.5.20 on "
-        "that spelling is rejected as ambiguous.",
-    ),
+        "that spelling is rejected as ambiguous."),
     Excerpt(
         "sglang", "the deterministic attention-backend fallback",
         "python/sglang/srt/arg_groups/overrides.py, lines 1112-1123, SGLang 0.5.23 (the function "
@@ -5959,9 +5710,7 @@ COMMON_SERVER_ARGS = [
         "SGLang picks one for you (fa3 before Blackwell, flashinfer or triton on it), and your "
         "flag-off arm may be running another. Then the difference you measure is not the one you "
         "meant. Pin --attention-backend in BOTH arms; the lab's cost mode refuses mismatched "
-        "arms.",
-    ),
-]
+        "arms.")]
 VLLM_COMMANDS = """\
 From the root of a vLLM checkout (the autouse fixture turns the flag on; the
 should-fail test turns it off itself):
@@ -6048,15 +5797,12 @@ def harness_text(engine: Optional[str], out: Out) -> List[str]:
     lines = [
         "Upstream batch-invariance harnesses, quoted verbatim (Apache-2.0; see README), with "
         "what each one does not tell you. The lab itself was run against vLLM 0.26.0 and "
-        "0.33.0 and SGLang 0.5.17 and 0.5.23 on one H200 on 2026-12-01 (examples/real/).", ""
-    ]
-    for name, label, commands in (("vllm", "vLLM", VLLM_COMMANDS), ("sglang", "SGLang",
-                                                                    SGLANG_COMMANDS)):
+        "0.33.0 and SGLang 0.5.17 and 0.5.23 on one H200 on 2026-12-01 (examples/real/).", ""]
+    parts = (("vllm", "vLLM", VLLM_COMMANDS), ("sglang", "SGLang", SGLANG_COMMANDS))
+    for name, label, commands in parts:
         if engine not in (None, name):
             continue
-        lines.append(out.style("=" * 78, "1"))
-        lines.append(out.style("%s" % label, "1"))
-        lines.append(out.style("=" * 78, "1"))
+        lines += [out.style(text, "1") for text in ("=" * 78, label, "=" * 78)]
         for ex in (e for e in HARNESS_EXCERPTS if e.engine == name):
             lines += ["", out.style("--- %s: %s" % (label, ex.title), "1;36"),
                       "Quoted from %s %s" % (label, ex.source), ""]
@@ -6207,12 +5953,8 @@ def run_help(cfg: Config, out: Out) -> int:
 # ----------------------------------------------------------------------------
 # main
 
-RUNNERS: Dict[str, Callable[[Config, Out], int]] = {
-    "harness": run_harness,
-    "help": run_help,
-    "sweep": run_sweep,
-    "cost": run_cost,
-}
+RUNNERS: Dict[str, Callable[[Config, Out], int]] = {  # --mode NAME: the runner of that mode
+    "harness": run_harness, "help": run_help, "sweep": run_sweep, "cost": run_cost}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -116,7 +116,7 @@ def sse_server(payload):
 class EventStreams(unittest.TestCase):
     def events(self, payload):
         client = run.HttpClient(sse_server(payload), None, 10, 1 << 20)
-        post = client.prepare_post("/v1/completions", {"stream": True})
+        post = run.Exchange(client, "POST", "/v1/completions", {"stream": True})
         post.connect()
         post.send()
         return list(post.events())

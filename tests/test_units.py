@@ -299,7 +299,7 @@ class Workloads(unittest.TestCase):
     def test_the_seed_is_sent_only_when_sampling(self):
         self.assertIsNone(run.Sampling.of(0.0, 8, 5, 42).seed)
         self.assertEqual(run.Sampling.of(0.6, 8, 5, 42).seed, 42)
-        self.assertEqual(run.Sampling.of(0.6, 8, 5, 42).params(),
+        self.assertEqual(run.as_record(run.Sampling.of(0.6, 8, 5, 42, ignore_eos=True)),
                          {"temperature": 0.6, "top_p": 1.0, "max_tokens": 8, "logprobs": 5, "seed": 42})
 
     def test_request_bodies_carry_what_the_engines_need(self):
