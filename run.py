@@ -279,13 +279,9 @@ def _ordered(bits: int, sign_mask: int) -> int:
 
 def ulp_distance(a: float, b: float, width: int = 32) -> int:
     """Units in the last place between two finite floats, counted at float32 (or float64)."""
-    if width == 32:
-        ia = _I32.unpack(_F32.pack(a))[0]
-        ib = _I32.unpack(_F32.pack(b))[0]
-        return abs(_ordered(ia, 1 << 31) - _ordered(ib, 1 << 31))
-    ia = _I64.unpack(_F64.pack(a))[0]
-    ib = _I64.unpack(_F64.pack(b))[0]
-    return abs(_ordered(ia, 1 << 63) - _ordered(ib, 1 << 63))
+    floats, ints, sign = (_F32, _I32, 1 << 31) if width == 32 else (_F64, _I64, 1 << 63)
+    ia, ib = (ints.unpack(floats.pack(x))[0] for x in (a, b))
+    return abs(_ordered(ia, sign) - _ordered(ib, sign))
 
 
 def logprob_distance(a: float, b: float,
@@ -316,7 +312,7 @@ class Completion:
     logprobs: List[float]  # the chosen token's logprob at each step
     top_logprobs: List[Dict[str, float]]  # token -> logprob at each step
     finish_reason: Optional[str] = None
-    # What the comparisons work out once per completion (has_nan), not compared
+    # What the comparisons work out once per completion (has_nan, flat_view), not compared
     memo: Dict[str, Any] = field(default_factory=dict, compare=False, repr=False,
                                  metadata=NOT_SAVED)
 
@@ -355,7 +351,7 @@ def negative_float32_bits(values: List[float], clamps: Sequence[float]) -> Optio
     at millions of values."""
     if not values or max(values) > 0.0 or any(c in values for c in clamps) or -math.inf in values:
         return None
-    f32 = array.array("f", [v or -0.0 for v in values])
+    f32 = array.array("f", [v or -0.0 for v in values] if 0.0 in values else values)
     if f32.tolist() != values:  # not float32 values (a zero compares equal to -0.0), or NaN
         return None
     return array.array("i", f32.tobytes())
@@ -413,6 +409,7 @@ class ComparablePairs:
     chosen: int
     ends: List[int]
     topk_changed: Optional[int] = None  # first step whose top-k token set differs
+    bits: Optional[Tuple[List[int], List[int]]] = None  # xs's and ys's, when float32 (flat_view)
 
     def step_of(self, i: int) -> int:
         return i if i < self.chosen else bisect.bisect_right(self.ends, i)
@@ -432,7 +429,14 @@ def comparable_pairs(base: Completion, other: Completion,
     last = steps - 1 if diverged is None else min(diverged, steps - 1)
     chosen = last + 1 if diverged is None else diverged
     xs, ys = base.logprobs[:chosen], other.logprobs[:chosen]
-    ends: List[int] = []
+    if diverged is None:
+        base_keys, base_ends, base_values, base_bits = flat_view(base, clamps)
+        keys, ends, values, bits = flat_view(other, clamps)
+        if keys == base_keys and ends == base_ends:
+            # The common case, in C: nothing diverged, every step lists the same tokens in order
+            both = (base_bits, bits) if base_bits is not None and bits is not None else None
+            return ComparablePairs(None, base_values, values, chosen, ends, None, both)
+    ends = []
     topk_changed = None
     for t in range(last + 1):
         bt, ot = base.top_logprobs[t], other.top_logprobs[t]
@@ -446,6 +450,22 @@ def comparable_pairs(base: Completion, other: Completion,
         ys.extend(map(ot.__getitem__, keys))
         ends.append(len(xs))
     return ComparablePairs(diverged, xs, ys, chosen, ends, topk_changed)
+
+
+def flat_view(c: Completion, clamps: Sequence[float]) -> Tuple[List[str], List[int], List[float],
+                                                               Optional[List[int]]]:
+    """(top-k tokens, where each step ends, values, float32 bits) of c's logprobs laid out as
+    comparable_pairs lays them out when nothing diverged: the chosen tokens', then each step's
+    top-k. Worked out once per completion: the baseline is compared with every other."""
+    key = ("flat", tuple(clamps))
+    if key not in c.memo:
+        top = c.top_logprobs
+        values = c.logprobs + list(itertools.chain.from_iterable(map(dict.values, top)))
+        ends = list(itertools.accumulate(map(len, top), initial=len(c.logprobs)))[1:]
+        bits = negative_float32_bits(values, clamps)
+        c.memo[key] = (list(itertools.chain.from_iterable(top)), ends, values,
+                       None if bits is None else bits.tolist())
+    return c.memo[key]
 
 
 def pair_ulps(xs: List[float], ys: List[float],
@@ -489,7 +509,10 @@ def compare_completions(base: Completion, other: Completion,
     if same_completion(base, other):
         return IDENTICAL
     pairs = comparable_pairs(base, other, clamps)
-    ulps, notes = pair_ulps(pairs.xs, pairs.ys, clamps)
+    if pairs.bits is not None:  # the common case, in C
+        ulps, notes = list(map(abs, map(operator.sub, *pairs.bits))), set()
+    else:
+        ulps, notes = pair_ulps(pairs.xs, pairs.ys, clamps)
     worst = max(filter(None, ulps), default=0)
     # None (moved, but no distance) counts as moved; the common all-int case is mapped in C
     moved_at = [u != 0 for u in ulps] if None in ulps else list(map(operator.truth, ulps))
@@ -883,9 +906,7 @@ class HttpClient:
 
     def __init__(self, base_url: str, api_key: Optional[str], timeout: float, max_bytes: int):
         self.base_url = base_url.rstrip("/")
-        self.api_key = api_key
-        self.timeout = timeout
-        self.max_bytes = max_bytes
+        self.api_key, self.timeout, self.max_bytes = api_key, timeout, max_bytes
         self.route = Route.to(self.base_url)
 
     def request(self, path: str, body: Optional[Dict[str, Any]] = None,
@@ -1793,13 +1814,12 @@ class SglangAdapter:
         states = states if isinstance(states, list) else []
         limits = [dig(s, "effective_max_running_requests_per_dp") for s in states]
         limits = [x for x in limits if isinstance(x, int) and not isinstance(x, bool)]
+        limit, limit_source = info.get("max_running_requests"), "max_running_requests"
         if limits:
-            limit, limit_source = (min(limits),
-                                   "internal_states[].effective_max_running_requests_per_dp")
-        elif info.get("max_running_requests") is not None:
-            limit, limit_source = info["max_running_requests"], "max_running_requests"
-        else:
-            limit, limit_source = None, None
+            limit = min(limits)
+            limit_source = "internal_states[].effective_max_running_requests_per_dp"
+        elif limit is None:
+            limit_source = None
         data = dig(models, "data")
         context = dig(data[0], "max_model_len") if isinstance(data, list) and data else None
         if isinstance(context, int) and not isinstance(context, bool):
@@ -2298,8 +2318,7 @@ class ThrottledSave:
     neither run loses what it measured."""
 
     def __init__(self, path: Optional[str], exclusive: bool = False):
-        self.path = path
-        self.exclusive = exclusive
+        self.path, self.exclusive = path, exclusive
         self.next_due = 0.0
         self.failure: Optional[SaveError] = None
         self.moved_to: Optional[str] = None  # where the results went, when another run wrote
@@ -2724,7 +2743,6 @@ def options_from(kind: Type[OptionsT], args: argparse.Namespace, **given: Any) -
 
 
 class _Parser(argparse.ArgumentParser):
-
     def error(self, message):
         raise UsageError(message)
 
@@ -3872,8 +3890,7 @@ def built_prompt(client: HttpClient, adapter: EngineAdapter, facts: ServerFacts,
             "prompt of about %d tokens can be built of words" % (tokens, words, n),
             kind=ServerError.ANSWER)
     budget = facts.settings.get(adapter.PREFILL_BUDGET)
-    if not (isinstance(budget, int) and not isinstance(budget, bool) and budget > 0):
-        budget = None
+    budget = budget if is_count(budget) else None
     chunks = -(-tokens // budget) if budget else None
     return LongPrompt(filler_words(words), n, tokens, budget, chunks)
 
@@ -4074,6 +4091,8 @@ class SizeResult:
         ulp_steps = [r.first_ulp_step for r in runs if r.first_ulp_step is not None]
         cached = [r.cached_tokens for r in runs if r.cached_tokens is not None]
         checked = [r.prefill for r in runs if r.prefill is not None]
+        # scheduled passes: True where any overlapped, False where none did
+        scheduled = [r.overlapped for r in runs if r.overlapped is not None]
         return cls(batch_size=batch_size, bucket=bucket,
                    completions=sum(r.completions for r in runs), distinct_in_batch=len(texts),
                    same_as_baseline=sum(r.same_as_baseline for r in runs),
@@ -4087,13 +4106,7 @@ class SizeResult:
                    runs_matched=sum(1 for r in runs if r.matched),
                    cached_tokens=sum(cached) if cached else None,
                    prefill=PrefillSummary.of(checked) if checked else None, distinct_texts=texts,
-                   runs=runs, overlapped=overlapped_any([r.overlapped for r in runs]))
-
-
-def overlapped_any(flags: Sequence[Optional[bool]]) -> Optional[bool]:
-    """True where any pass overlapped, False where none did, None where none was scheduled."""
-    known = [f for f in flags if f is not None]
-    return any(known) if known else None
+                   runs=runs, overlapped=any(scheduled) if scheduled else None)
 
 
 @dataclass(frozen=True)
@@ -4653,12 +4666,12 @@ def run_sweep(cfg: Config, out: Out) -> int:
             if options.baseline:
                 sweep.set_baseline(*options.baseline.batch1(prompt))
             for pass_no in range(1, options.repeat + 1):
-                where = (" (prompt %d)" % pi if prompts > 1 else "") + (", pass %d" % pass_no if
-                                                                        options.repeat > 1 else "")
+                where = " (prompt %d)" % pi if prompts > 1 else ""
+                where += ", pass %d" % pass_no if options.repeat > 1 else ""
                 for n in sizes:
                     interrupt.check()
-                    step = "prompt %d/%d, pass %d/%d, batch %d" % (pi, prompts, pass_no,
-                                                                   options.repeat, n)
+                    step = ("prompt %d/%d, pass %d/%d, batch %d"
+                            % (pi, prompts, pass_no, options.repeat, n))
                     progress.running(step)
                     count = len(one_batch(sweep, where, n, pass_no))
                     progress.finished(step, count)
@@ -4696,17 +4709,13 @@ class BatchTrials:
     """--batch: a trial is one request of --batch prompts, timed from its sending to its last
     byte (the default)."""
 
-    batch: int  # prompts in one request
+    prompts: int  # --batch: prompts in one request
     load = False  # no per-request timings
 
     @staticmethod
     def add_arguments(group: argparse._ArgumentGroup) -> None:
         group.add_argument("--batch", type=whole_number(1, MAX_BATCH_SIZE), default=DEFAULT_BATCH,
                            help="prompts per timed request (default %d)" % DEFAULT_BATCH)
-
-    @property
-    def prompts(self) -> int:
-        return self.batch
 
     def run(self, arm: "Arm", prompts: List[str], adapter: EngineAdapter,
             sampling: Sampling) -> Tuple[float, int, None]:
@@ -4718,7 +4727,7 @@ class BatchTrials:
 
     def labels(self) -> Json:
         """What the cell's labels say of its trials."""
-        return {"batch": self.batch, "concurrency": None, "requests": None, "arrivals": None}
+        return {"batch": self.prompts, "concurrency": None, "requests": None, "arrivals": None}
 
 
 @dataclass(frozen=True)
@@ -4794,7 +4803,7 @@ class LoadTrials:
     arm's LoadStats and an overhead for throughput and each figure."""
 
     concurrency: int  # requests in flight at once
-    requests: int  # requests per trial
+    prompts: int  # --requests: requests a trial, one prompt each
     arrivals: Arrivals  # when each request goes out (--request-rate)
     load = True
 
@@ -4823,10 +4832,6 @@ class LoadTrials:
         needs = None if concurrency else "--concurrency (one streamed request a prompt)"
         arrivals = Arrivals.configure(rate, needs)
         return cls(concurrency, requests, arrivals) if concurrency else None
-
-    @property
-    def prompts(self) -> int:
-        return self.requests
 
     def run(self, arm: "Arm", prompts: List[str], adapter: EngineAdapter,
             sampling: Sampling) -> Tuple[float, int, List[RequestTiming]]:
@@ -4898,7 +4903,7 @@ class LoadTrials:
 
     def labels(self) -> Json:
         """What the cell's labels say of its trials."""
-        return {"batch": None, "concurrency": self.concurrency, "requests": self.requests,
+        return {"batch": None, "concurrency": self.concurrency, "requests": self.prompts,
                 "arrivals": self.arrivals.describe()}
 
     @staticmethod

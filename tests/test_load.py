@@ -6,7 +6,7 @@ import unittest
 from unittest import mock
 
 from stub_server import VirtualClock
-from support import StubConfig, StubServer, TempDirTest, run, run_lab
+from support import Result, StubConfig, StubServer, TempDirTest, finish, run, run_lab, start_lab
 
 STEP = 0.08   # seconds per streamed token: long enough that the engines' own arithmetic hides in it
 
@@ -14,9 +14,9 @@ STEP = 0.08   # seconds per streamed token: long enough that the engines' own ar
 TOKENS = 10   # per request: a trial's fixed costs (threads, connections) shrink beside its length
 
 
-def load(off, on, *extra):
-    return run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--concurrency", 8, "--requests", 8,
-                   "--trials", 6, "--warmup", 0, "--max-tokens", TOKENS, "--quiet", "--json", *extra)
+def load_argv(off, on):
+    return ("--mode", "cost", "--url", off.url, "--invariant", on.url, "--concurrency", 8, "--requests", 8,
+            "--trials", 6, "--warmup", 0, "--max-tokens", TOKENS, "--quiet", "--json")
 
 
 def arms(slowdown, jitter=0.2, **extra):
@@ -30,35 +30,39 @@ def arms(slowdown, jitter=0.2, **extra):
 
 
 class UnderLoad(TempDirTest):
-    def test_a_known_slowdown_shows_in_throughput_and_tpot(self):
-        off, on = arms(1.3)
-        with off, on:
-            r = load(off, on)
-            bodies = [json.loads(b) for b in off.generation_bodies()]
-        self.assertEqual(r.code, 0, r)
-        cell = r.json()
-        self.assertEqual((cell["concurrency"], cell["requests"], cell["primary"]), (8, 8, "throughput"))
-        for name in ("throughput", "tpot"):
-            lo, hi = cell["overheads"][name]["ci95_pct"]
-            self.assertTrue(lo <= 30.0 <= hi, (name, lo, hi))
-        self.assertEqual(cell["ci95_pct"], cell["overheads"]["throughput"]["ci95_pct"])
-        for arm in ("off", "on"):
-            s = cell["load"][arm]
-            self.assertGreater(s["ttft"]["median_s"], 0)
-            self.assertLess(s["ttft"]["median_s"], s["latency"]["median_s"])
-            self.assertEqual(len(s["requests"]), 6)
-            self.assertEqual({r["tokens"] for trial in s["requests"] for r in trial}, {TOKENS})
-        self.assertTrue(all(b["stream"] and len(b["prompt"]) == 1 and b["ignore_eos"] for b in bodies))
-        self.assertEqual(len(bodies), 6 * 8)
-
-    def test_equal_arms_show_no_significant_overhead(self):
-        off, on = arms(1.0)
-        with off, on:
-            r = load(off, on)
-        self.assertEqual(r.code, 0, r)
-        cell = r.json()
-        self.assertEqual({name: o["significant"] for name, o in cell["overheads"].items()},
-                         {"throughput": False, "latency": False, "ttft": False, "tpot": False})
+    def test_a_known_slowdown_shows_and_equal_arms_show_none(self):
+        """Two cost runs at once, each against its own pair of practice arms (they mostly
+        wait on the arms' clocks): a known 30 % slowdown shows in throughput and TPOT, and
+        equal arms show no significant overhead in any figure."""
+        slow, equal = arms(1.3), arms(1.0)
+        with slow[0], slow[1], equal[0], equal[1]:
+            labs = {name: start_lab(*load_argv(off, on)) for name, (off, on) in
+                    (("slow", slow), ("equal", equal))}
+            outputs = {name: finish(p, timeout=120) for name, p in labs.items()}
+            results = {name: Result(labs[name].returncode, *out) for name, out in outputs.items()}
+            bodies = [json.loads(b) for b in slow[0].generation_bodies()]
+        with self.subTest("a known slowdown"):
+            r = results["slow"]
+            self.assertEqual(r.code, 0, r)
+            cell = r.json()
+            self.assertEqual((cell["concurrency"], cell["requests"], cell["primary"]), (8, 8, "throughput"))
+            for name in ("throughput", "tpot"):
+                lo, hi = cell["overheads"][name]["ci95_pct"]
+                self.assertTrue(lo <= 30.0 <= hi, (name, lo, hi))
+            self.assertEqual(cell["ci95_pct"], cell["overheads"]["throughput"]["ci95_pct"])
+            for arm in ("off", "on"):
+                s = cell["load"][arm]
+                self.assertGreater(s["ttft"]["median_s"], 0)
+                self.assertLess(s["ttft"]["median_s"], s["latency"]["median_s"])
+                self.assertEqual(len(s["requests"]), 6)
+                self.assertEqual({r["tokens"] for trial in s["requests"] for r in trial}, {TOKENS})
+            self.assertTrue(all(b["stream"] and len(b["prompt"]) == 1 and b["ignore_eos"] for b in bodies))
+            self.assertEqual(len(bodies), 6 * 8)
+        with self.subTest("equal arms"):
+            r = results["equal"]
+            self.assertEqual(r.code, 0, r)
+            self.assertEqual({name: o["significant"] for name, o in r.json()["overheads"].items()},
+                             {"throughput": False, "latency": False, "ttft": False, "tpot": False})
 
     def test_sglang_streams_too(self):
         off, on = arms(1.0, engine="sglang")
