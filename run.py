@@ -1328,6 +1328,13 @@ class ServerFacts:
         assumed = self.graph_source == "assumed"
         return "?" if assumed else graph_bucket(batch_size, self.graph_sizes)
 
+    def differing(self, other: "ServerFacts") -> List[Tuple[str, Any, Any]]:
+        """(label, this server's value, the other's) of every setting both report, and report
+        otherwise; a setting only one reports is unknown on the other, never a difference."""
+        labels = sorted(self.settings.keys() & other.settings.keys())
+        return [(label, self.settings[label], other.settings[label]) for label in labels
+                if self.settings[label] != other.settings[label]]
+
     def checked(self) -> "ServerFacts":
         """These facts with every value a server sent made safe to use: a server may send any
         JSON at any key. What is not of its kind becomes unknown; nothing raises later."""
@@ -3702,11 +3709,7 @@ def server_differences(theirs: ServerFacts, ours: ServerFacts) -> List[BaselineD
     found = []
     if None not in (theirs.flag, ours.flag) and theirs.flag != ours.flag:
         found.append(BaselineDifference("flag", theirs.flag, ours.flag))
-    for label in sorted(theirs.settings.keys() & ours.settings.keys()):  # known on both sides
-        a, b = theirs.settings[label], ours.settings[label]
-        if a != b:
-            found.append(BaselineDifference(label, a, b))
-    return found
+    return found + [BaselineDifference(*d) for d in theirs.differing(ours)]
 
 
 # ----------------------------------------------------------------------------
@@ -5203,15 +5206,10 @@ class ArmDifference:
 
 
 def arm_differences(off: ServerFacts, on: ServerFacts) -> List[ArmDifference]:
-    """Settings that differ between the arms, other than the flag and what the flag itself
-    sets. A setting only one arm reports is unknown on the other, never a difference."""
-    differences = []
-    for label in sorted(off.settings.keys() & on.settings.keys()):
-        a, b = off.settings[label], on.settings[label]
-        set_by_flag = label in on.flag_sets and b == on.flag_sets[label]
-        if a != b and not set_by_flag:
-            differences.append(ArmDifference(label, a, b))
-    return differences
+    """Settings that differ between the arms (ServerFacts.differing), other than the flag and
+    what the flag itself sets."""
+    return [ArmDifference(label, a, b) for label, a, b in off.differing(on)
+            if not (label in on.flag_sets and b == on.flag_sets[label])]
 
 
 def cell_key(record: Json) -> Tuple:
