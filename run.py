@@ -1340,9 +1340,8 @@ class ServerFacts:
         JSON at any key. What is not of its kind becomes unknown; nothing raises later."""
         if not isinstance(self.model, str) or not self.model:
             raise shape_error("the server names no model")
-        flags = {"flag": self.flag, "seed_honoured": self.seed_honoured}
-        for name, value in flags.items():
-            setattr(self, name, value if isinstance(value, bool) else None)
+        self.flag = self.flag if isinstance(self.flag, bool) else None
+        self.seed_honoured = self.seed_honoured if isinstance(self.seed_honoured, bool) else None
         for name in ("version", "max_model_len", "attention_backend", "tp", "load_format"):
             setattr(self, name, plain_scalar(getattr(self, name)))
         if not is_count(self.max_num_seqs):
@@ -1538,8 +1537,11 @@ def choice_order(choices: List[Any]) -> List[Any]:
 
 
 class VllmAdapter:
-    name, label, default_port = "vllm", "vLLM", 8000
-    generate_path, health_path = "/v1/completions", "/health"  # /health: 200 once loaded
+    name = "vllm"
+    label = "vLLM"
+    default_port = 8000
+    generate_path = "/v1/completions"
+    health_path = "/health"  # 200 once the model is loaded
     flag_name = "VLLM_BATCH_INVARIANT"
     logprob_clamps = (-9999.0,)  # vLLM writes -inf logprobs as -9999.0
     DEFAULT_MAX_NUM_SEQS = 32  # assumed when the server does not say (upstream's test value)
@@ -1754,8 +1756,11 @@ class VllmAdapter:
 
 
 class SglangAdapter:
-    name, label, default_port = "sglang", "SGLang", 30000
-    generate_path, health_path = "/generate", "/health"  # /health: 200 once the engine has loaded
+    name = "sglang"
+    label = "SGLang"
+    default_port = 30000
+    generate_path = "/generate"
+    health_path = "/health"  # 200 once the engine has loaded
     flag_name = "--enable-deterministic-inference"
     # -inf logprobs become float32's lowest value (python/sglang/srt/layers/logprob_processor.py,
     # 0.5.23 line 926, 0.5.18 line 795: clamp_(min=torch.finfo(logprobs.dtype).min)).
@@ -2500,12 +2505,8 @@ class DeferredInterrupt:
         self.signum: Optional[int] = None
         self._previous: Dict[int, Any] = {}
 
-    @property
-    def requested(self) -> bool:
-        return self.signum is not None
-
     def _handler(self, signum, frame):
-        if self.requested:
+        if self.signum is not None:  # the second: stop at once
             raise Stopped(signum)
         self.signum = signum
         STOP.ask(signum)
@@ -2531,7 +2532,7 @@ class DeferredInterrupt:
 
     def check(self) -> None:
         """Between requests: stop here if a stop was asked for."""
-        if self.requested:
+        if self.signum is not None:
             raise Stopped(self.signum)
 
 
@@ -2581,7 +2582,7 @@ def resolve_engine(cfg: Config, servers: Sequence[Tuple[str, str]]) -> Config:
     return dataclasses.replace(cfg, engine=found[0].name, engine_detected=True)
 
 
-def read_facts(cfg: Config, url: str, arm: str = "the server") -> ServerFacts:
+def server_facts(cfg: Config, url: str, arm: str = "the server") -> ServerFacts:
     """The server's facts through the configured engine's adapter; when that fails and another
     engine's adapter recognises the server, the error says so."""
     client = cfg.client(url)
@@ -3665,7 +3666,7 @@ class BaselineServer:
     def open(self, cfg: "Config", facts: ServerFacts, isolate: bool) -> None:
         """Once the server under test is known: the same model, and what the two report
         differently."""
-        theirs = read_facts(cfg, self.url, "the baseline server (--baseline)")
+        theirs = server_facts(cfg, self.url, "the baseline server (--baseline)")
         if theirs.model != facts.model:
             raise UsageError("--baseline: %s serves %s, the server under test %s" %
                              (self.url, theirs.model, facts.model))
@@ -4340,13 +4341,13 @@ def sweep_document(cfg: Config, facts: ServerFacts, prompts: List[Json], sizes: 
         "lab": dict(cfg.provenance, ended=None if summary.state == "running" else now_stamp())}
 
 
-def unseeded(sampling: Sampling, facts: ServerFacts) -> bool:
+def samples_unseeded(sampling: Sampling, facts: ServerFacts) -> bool:
     """Sampling that the server does not seed: its differences may be plain sampling noise."""
     return sampling.temperature > 0 and facts.seed_honoured is False
 
 
 def sweep_warnings(facts: ServerFacts, sizes: List[int], sampling: Sampling, out: Out) -> None:
-    if unseeded(sampling, facts):
+    if samples_unseeded(sampling, facts):
         out.warn("the server does not honour the seed (%s): at temperature %g every request "
                  "samples unseeded, so differences include plain sampling noise, and the verdict "
                  "will not put them down to batching" % (facts.seed_note, sampling.temperature))
@@ -4607,7 +4608,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
     if isinstance(options.baseline, BaselineFile):
         options.baseline.check_engine(cfg.engine)
     client, adapter = cfg.client(cfg.url), cfg.adapter
-    facts = read_facts(cfg, cfg.url)
+    facts = server_facts(cfg, cfg.url)
     if options.prompt_tokens:
         built = built_prompt(client, adapter, facts, options.prompt_tokens)
         options = dataclasses.replace(options, prompts=[built.text], long_prompt=built)
@@ -4663,7 +4664,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
     def measure(interrupt: DeferredInterrupt) -> None:
         prompts = len(options.prompts)
         for pi, prompt in enumerate(options.prompts, 1):
-            sweep = PromptSweep(prompt, unseeded=unseeded(cfg.sampling, facts),
+            sweep = PromptSweep(prompt, unseeded=samples_unseeded(cfg.sampling, facts),
                                 prefix_cache=options.prefix_cache)
             sweeps.append(sweep)
             if options.baseline:
@@ -4713,7 +4714,7 @@ class BatchTrials:
     byte (the default)."""
 
     prompts: int  # --batch: prompts in one request
-    load = False  # no per-request timings
+    streamed = False  # one request a trial, no per-request timings
 
     @staticmethod
     def add_arguments(group: argparse._ArgumentGroup) -> None:
@@ -4808,7 +4809,7 @@ class LoadTrials:
     concurrency: int  # requests in flight at once
     prompts: int  # --requests: requests a trial, one prompt each
     arrivals: Arrivals  # when each request goes out (--request-rate)
-    load = True
+    streamed = True  # one streamed request a prompt, each timed
 
     @staticmethod
     def add_arguments(group: argparse._ArgumentGroup) -> None:
@@ -4917,14 +4918,14 @@ class LoadTrials:
         costs 30 % more time per token, i.e. throughput falls to 1/1.3) and in each figure
         (paired per-trial medians)."""
         off, on = arms
-        load = {arm.name: LoadStats.of(arm.requests, arm.samples, arm.tokens) for arm in arms}
+        load = {arm.name: LoadStats.of(arm.timings, arm.samples, arm.tokens) for arm in arms}
         overheads = {"throughput": primary}
         for figure in LOAD_FIGURES:
             a, b = per_trial_medians(off, figure)[:pairs], per_trial_medians(on, figure)[:pairs]
             if all(map(math.isfinite, a + b)):
                 overheads[figure] = Overhead.of(a, b)
                 continue
-            one_token = all(r.tokens < 2 for arm in arms for t in arm.requests for r in t)
+            one_token = all(r.tokens < 2 for arm in arms for t in arm.timings for r in t)
             if figure == "latency":
                 why = "a trial had no latency"
             elif figure == "tpot" and one_token:
@@ -4963,7 +4964,7 @@ class LoadTrials:
 def per_trial_medians(arm: "Arm", figure: str) -> List[float]:
     """Each trial's median of a figure ("latency", "ttft" or "tpot"); NaN where none has it."""
     medians = []
-    for trial in arm.requests:
+    for trial in arm.timings:
         values = [getattr(r, figure + "_s") for r in trial]
         medians.append(statistics.median([v for v in values if v is not None] or [math.nan]))
     return medians
@@ -5024,10 +5025,10 @@ class CostOptions:
         if server_address(invariant) == server_address(url):
             raise UsageError("--url and --invariant are the same server; cost compares two")
         max_tokens = DEFAULT_COST_TOKENS if args.max_tokens is None else args.max_tokens
-        load = LoadTrials.configure(args.concurrency, args.requests, args.request_rate)
+        trial = LoadTrials.configure(args.concurrency, args.requests, args.request_rate)
         return options_from(
             cls, args, sampling=Sampling.of(0.0, max_tokens, None, DEFAULT_SEED, ignore_eos=True),
-            invariant=invariant, trial=load or BatchTrials(args.batch))
+            invariant=invariant, trial=trial or BatchTrials(args.batch))
 
 
 @dataclass(frozen=True)
@@ -5184,11 +5185,11 @@ class Arm:
     facts: ServerFacts
     samples: List[float] = field(default_factory=list)  # seconds of each timed trial
     tokens: List[int] = field(default_factory=list)  # output tokens of each timed trial
-    requests: List[List[RequestTiming]] = field(default_factory=list)  # load trials, by trial
+    timings: List[List[RequestTiming]] = field(default_factory=list)  # load trials, by trial
 
     @classmethod
     def open(cls, cfg: Config, name: str, option: str, url: str) -> "Arm":
-        facts = read_facts(cfg, url, "the flag-%s arm (%s)" % (name, option))
+        facts = server_facts(cfg, url, "the flag-%s arm (%s)" % (name, option))
         return cls(name, option, url, cfg.client(url), facts)
 
     def run(self, cfg: Config, prompts: List[str]) -> Tuple[float, int, Optional[List[Any]]]:
@@ -5348,7 +5349,7 @@ def cost_cell(cfg: Config, arms: Tuple[Arm, Arm], differences: List[ArmDifferenc
     pairs = min(len(off.samples), len(on.samples))
     primary, compared_on = primary_overhead(off, on)
     load = overheads = primary_name = None
-    if options.trial.load:
+    if options.trial.streamed:
         load, overheads = options.trial.cell_parts(arms, pairs, primary)
         primary_name = "throughput"
     labels = options.trial.labels()
@@ -5508,7 +5509,7 @@ def run_cost(cfg: Config, out: Out) -> int:
                 arm.samples.append(seconds)
                 arm.tokens.append(count)
                 if timings is not None:
-                    arm.requests.append(timings)
+                    arm.timings.append(timings)
             saves.offer(lambda path: save_cell(
                 path, as_record(cost_cell(cfg, (off, on), differences, "running"))))
             progress.finished("trial %d/%d" % (trial + 1, cfg.cost.trials), 2 * per_trial)
