@@ -738,6 +738,7 @@ class Secrets:
 
     def __init__(self):
         self.pattern: Optional["re.Pattern[str]"] = None
+        self.rests: Dict[str, str] = {}
 
     def keep(self, *secrets: Optional[str]) -> None:
         """Hide these from now on: a key in any case, and any start of it of SHORT_SECRET
@@ -745,15 +746,27 @@ class Secrets:
         placeholder such as EMPTY) is hidden only as a word written as given, so that the
         word "empty" in a prompt or a message stays what it was."""
         words = sorted({w for w in secrets if w}, key=len, reverse=True)
-        long_keys = [w for w in words if len(w) >= SHORT_SECRET]
-        alternatives = [  # the first SHORT_SECRET characters, then as much more as matches
-            "(?i:%s)" % (re.escape(w[:SHORT_SECRET]) + nested_optional(w[SHORT_SECRET:]))
-            for w in long_keys
-        ] + [r"\b%s\b" % re.escape(w) for w in words if len(w) < SHORT_SECRET]
+        self.rests = {}  # a long key's first SHORT_SECRET characters -> the rest, lower case
+        for w in words:
+            if len(w) >= SHORT_SECRET:
+                self.rests.setdefault(w[:SHORT_SECRET].lower(), w[SHORT_SECRET:].lower())
+        alternatives = (["(?i:%s)" % re.escape(start) for start in self.rests]
+                        + [r"\b%s\b" % re.escape(w) for w in words if len(w) < SHORT_SECRET])
         self.pattern = re.compile("|".join(alternatives)) if words else None
 
     def hide(self, text: str) -> str:
-        return self.pattern.sub("[api key]", text) if self.pattern else text
+        """text with each key's start, and as much more of that key as follows, hidden (a
+        loop, not a pattern: a key of a thousand characters nests no thousand groups)."""
+        if self.pattern is None:
+            return text
+        parts, end = [], 0
+        for found in self.pattern.finditer(text):
+            if found.start() >= end:  # not inside a key already hidden
+                rest = self.rests.get(found.group().lower(), "")
+                more = text[found.end():found.end() + len(rest)].lower()
+                parts += [text[end:found.start()], "[api key]"]
+                end = found.end() + len(os.path.commonprefix([more, rest]))
+        return "".join(parts) + text[end:]
 
     def hidden(self, value: Any) -> Any:
         """A JSON value with the key hidden in every string of it, keys of objects too: done
@@ -768,13 +781,6 @@ class Secrets:
         if isinstance(value, (list, tuple)):
             return [self.hidden(v) for v in value]
         return value
-
-
-def nested_optional(rest: str) -> str:
-    """A pattern matching any start of rest, the empty one included (for keys cut short)."""
-    if not rest:
-        return ""
-    return "(?:%s%s)?" % (re.escape(rest[0]), nested_optional(rest[1:]))
 
 
 def check_api_key(key: Optional[str]) -> Optional[str]:
