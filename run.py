@@ -53,13 +53,11 @@ Sections, in the order they appear:
                        name, the parser, URL and file checks, configure(argv)
   Slices               one section each, holding its options and their checks, what it adds
                        to a request, its step, its records, its report lines and its --expect
-                       rule: Arrivals (--request-rate), Prefix-cache bypass (--prefix-cache),
-                       Cache check (--cache-check), Prefill check (--prefill-check), Server
-                       baseline (--baseline)
+                       rule: Arrivals and trials (--request-rate; --batch, --concurrency),
+                       Prefix-cache bypass (--prefix-cache), Cache check (--cache-check),
+                       Prefill check (--prefill-check), Server baseline (--baseline)
   --mode sweep         SweepOptions, traffic shapes (Sender), the rows, sizes and summary
                        records, the table, the advice, SWEEP_EXPECTATIONS, run_sweep
-  Batch and load       the two kinds of cost trial: BatchTrials (--batch) and LoadTrials
-    trials             (--concurrency, --requests: streams, TTFT, TPOT, LoadStats)
   --mode cost          CostOptions, Overhead, ArmStats, CostCell, the arms and their settings
                        check, warm-up, the cost file, the 2x2 table, run_cost
   --mode harness       the quoted upstream excerpts, their provenance, the commands
@@ -529,8 +527,7 @@ def compare_completions(base: Completion, other: Completion,
                  min(moved) if moved else None, tuple(sorted(notes)), margin)
 
 
-Bucket = Union[int, str,
-               None]  # a graph size; None above the largest (no graph); "?" sizes unknown
+Bucket = Union[int, str, None]  # a graph size; None above the largest (no graph); "?" unknown
 
 
 def graph_bucket(batch_size: int, graph_sizes: Sequence[int]) -> Optional[int]:
@@ -2801,10 +2798,6 @@ def real_number(low: float, above: bool = False) -> Callable[[str], float]:
     return parse
 
 
-def limits_text(indent: str = "  ") -> str:
-    return "\n".join("%s%-50s at most %d" % (indent, what, most) for what, most in LIMITS)
-
-
 def exit_codes_text(indent: str = "  ") -> str:
     return "\n".join("%s%-4d %s" % (indent, code, meaning) for code, meaning in EXIT_CODES)
 
@@ -2827,11 +2820,15 @@ def provenance(argv: Sequence[str]) -> Dict[str, Any]:
         "started": now_stamp()}
 
 
+# Options of both modes that a slice owns: the slice adds its own here, as it adds its limits
+SHARED_OPTIONS: List[Callable[[argparse._ArgumentGroup], None]] = []
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="run.py", formatter_class=argparse.RawDescriptionHelpFormatter,
                 description="Batch-invariance lab for vLLM and SGLang servers, over plain HTTP.",
                 epilog="exit codes:\n" + exit_codes_text() + "\n\nlimits (larger is refused):\n"
-                + limits_text())
+                + "\n".join("  %-50s at most %d" % limit for limit in LIMITS))
     p.add_argument("--version", action="version",
                    version="run.py (batch-invariance lab) " + LAB_VERSION)
     p.add_argument(
@@ -2865,7 +2862,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--wait-ready", type=real_number(0.0, above=True), metavar="SECONDS",
         help="first wait up to this long for the server(s) to answer their health "
         "check (a server just started takes minutes to load)")
-    Arrivals.add_arguments(sweep_cost)
+    for add_arguments in SHARED_OPTIONS:  # the slices' own, in both modes
+        add_arguments(sweep_cost)
     sweep_cost.add_argument(
         "--quiet", action="store_true", help="no progress lines on stderr (warnings "
         "and errors still appear)")
@@ -3033,7 +3031,8 @@ def configure(argv: Optional[Sequence[str]]) -> Config:
 
 
 # ----------------------------------------------------------------------------
-# Arrivals (--request-rate): when concurrent and load requests go out
+# Arrivals and trials (--request-rate; --batch, --concurrency): when concurrent requests go
+# out, and what one timed trial of cost mode is
 
 MAX_REQUEST_RATE = 100000.0  # --request-rate above this is a burst in all but name
 MIN_REQUEST_RATE = 0.001  # --request-rate below this waits longer than any --timeout between sends
@@ -3088,6 +3087,309 @@ class Arrivals:
 
     def describe(self) -> str:
         return "burst" if not self.rate else "poisson at %g/s" % self.rate
+
+
+SHARED_OPTIONS.append(Arrivals.add_arguments)
+
+
+@dataclass(frozen=True)
+class BatchTrials:
+    """--batch: a trial is one request of --batch prompts, timed from its sending to its last
+    byte (the default)."""
+
+    prompts: int  # --batch: prompts in one request
+
+    @staticmethod
+    def add_arguments(group: argparse._ArgumentGroup) -> None:
+        group.add_argument("--batch", type=whole_number(1, MAX_BATCH_SIZE), default=DEFAULT_BATCH,
+                           help="prompts per timed request (default %d)" % DEFAULT_BATCH)
+
+    def run(self, arm: "Arm", prompts: List[str], adapter: EngineAdapter,
+            sampling: Sampling) -> Tuple[float, int, None]:
+        """One timed request: (seconds, output tokens, None). The answer's shape must hold even
+        when timing."""
+        answer, seconds = generate(arm.client, adapter, arm.facts.model, prompts, sampling)
+        parsed("the answer", adapter.completions, answer, len(prompts), False)
+        return seconds, parsed("the answer", adapter.output_tokens, answer), None
+
+    def cell_parts(self, arms: Sequence["Arm"], pairs: int,
+                   primary: "Overhead") -> Tuple[int, None]:
+        """What the cell holds of its trials: their batch size, and nothing under load."""
+        return self.prompts, None
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """One streamed request of a load trial."""
+
+    ttft_s: Optional[float]  # time to first token; None where the stream does not show it
+    latency_s: float  # from sending to the last token
+    tokens: int  # output tokens
+    tpot_s: Optional[float]  # time per output token after the first
+    progress_events: int  # stream events that reported more tokens
+
+
+LOAD_FIGURES = ("latency", "ttft", "tpot")  # what each request of a load trial is timed on
+UNMEASURED_STREAM = (
+    "the stream does not report its progress token by token (its first event carries several "
+    "tokens, or most tokens arrive together), so neither the first token's arrival nor the time "
+    "between tokens can be seen: latency and throughput stand")
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A figure over every request of an arm: its median and 99th percentile."""
+
+    median_s: float
+    p99_s: float
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """One cost arm under load: medians and p99 of every request's latency, TTFT and TPOT,
+    the medians of the trials' throughputs, and every request's timing."""
+
+    latency: Optional[Spread]
+    ttft: Optional[Spread]
+    tpot: Optional[Spread]
+    unmeasured: Optional[str] = field(metadata=saved(omit_none=True))  # why there is no TTFT
+    median_tokens_per_s: Optional[float]
+    median_requests_per_s: Optional[float]
+    requests: List[List[RequestTiming]]  # trial by trial
+
+    @classmethod
+    def of(cls, requests: List[List[RequestTiming]], samples_s: List[float],
+           output_tokens: List[int]) -> "LoadStats":
+        spreads = {}
+        for figure in LOAD_FIGURES:
+            found = (getattr(r, figure + "_s") for trial in requests for r in trial)
+            values = [v for v in found if v is not None]
+            spreads[figure] = (Spread(statistics.median(values), percentile(values, 0.99))
+                               if values else None)
+        # A trial shorter than the clock's resolution has no rate: it is left out.
+        timed = [t for t in zip(requests, output_tokens, samples_s) if t[2] > 0]
+        tokens_per_s = statistics.median(n / s for _, n, s in timed) if timed else None
+        requests_per_s = statistics.median(len(r) / s for r, _, s in timed) if timed else None
+        return cls(unmeasured=None if spreads["ttft"] else UNMEASURED_STREAM,
+                   median_tokens_per_s=tokens_per_s, median_requests_per_s=requests_per_s,
+                   requests=requests, **spreads)
+
+
+def token_by_token(first_count: int, events: int, count: int) -> bool:
+    """Does a stream report its progress token by token, so that its first token's arrival
+    and the time between tokens mean something? Its first progress event must report one
+    token, and at least half its tokens must arrive in events of their own (an engine may
+    coalesce a few under load); a stream that reports its count only at the end does not."""
+    return first_count == 1 and 2 * events >= count
+
+
+@dataclass(frozen=True)
+class LoadTrials:
+    """--concurrency: a trial is --requests one-prompt streamed requests, at most
+    --concurrency in flight (a closed loop: a request leaves, the next goes), each timed on
+    its latency, time to first token and time per output token; the cell then holds each
+    arm's LoadStats and an overhead for throughput and each figure."""
+
+    concurrency: int  # requests in flight at once
+    prompts: int  # --requests: requests a trial, one prompt each
+    arrivals: Arrivals  # when each request goes out (--request-rate)
+
+    @staticmethod
+    def add_arguments(group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--concurrency", type=whole_number(1, MAX_BATCH_SIZE), metavar="C",
+            help="time a server under load instead of one batch request: each trial is "
+            "--requests one-prompt streamed requests, at most C in flight (throughput, TTFT, "
+            "TPOT and latency of both arms)")
+        group.add_argument("--requests", type=whole_number(1, MAX_REQUESTS), metavar="R",
+                           help="requests per load trial (default 4 x --concurrency; at least C)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Optional["LoadTrials"]:
+        """--concurrency, --requests and --request-rate, checked (None: batch trials)."""
+        concurrency, requests = args.concurrency, args.requests
+        if requests is not None and concurrency is None:
+            raise UsageError("--requests goes with --concurrency")
+        if concurrency:
+            requests = 4 * concurrency if requests is None else requests
+            if requests < concurrency:
+                raise UsageError(
+                    "--requests: give at least --concurrency (%d), or some slots stay empty"
+                    % concurrency)
+        needs = None if concurrency else "--concurrency (one streamed request a prompt)"
+        arrivals = Arrivals.configure(args.request_rate, needs)
+        return cls(concurrency, requests, arrivals) if concurrency else None
+
+    def run(self, arm: "Arm", prompts: List[str], adapter: EngineAdapter,
+            sampling: Sampling) -> Tuple[float, int, List[RequestTiming]]:
+        """A closed-loop load run: every prompt its own streamed request, at most concurrency
+        in flight. Per request: time to first token, time per output token after it,
+        end-to-end latency. Returns (seconds, output tokens, timings)."""
+        pending = list(enumerate(prompts))[::-1]  # popped from the end
+        timings: List[Any] = [None] * len(prompts)
+        lock = threading.Lock()
+
+        def stream_one(prompt: str) -> RequestTiming:
+            body = adapter.stream_body(arm.facts.model, prompt, sampling)
+            post = Exchange(arm.client, "POST", adapter.generate_path, body)
+            start = CLOCK()
+            first = last = None
+            count = first_count = events = 0
+            try:
+                post.connect()
+                post.send()
+                for event in post.events():
+                    seen = parsed("a stream event", adapter.streamed_tokens, event)
+                    if seen is not None and seen > count:
+                        count, last, events = seen, CLOCK(), events + 1
+                        if first is None:
+                            first, first_count = last, seen
+            finally:
+                post.close()  # whatever ended the stream, its connection goes with it
+            if first is None:
+                raise shape_error("the stream held no token")
+            if count > sampling.max_tokens:
+                raise shape_error(
+                    "the stream reported %d output tokens, more than --max-tokens %d "
+                    "allows" % (count, sampling.max_tokens))
+            ttft = tpot = None
+            if token_by_token(first_count, events, count):
+                ttft = first - start
+                tpot = (last - first) / (count - 1) if count > 1 else None
+            return RequestTiming(ttft, last - start, count, tpot, events)
+
+        # Each trial's arrivals drawn from a seed of its own, the same on both arms
+        arrivals = self.arrivals
+        schedule = arrivals.schedule(len(prompts), DEFAULT_SEED + len(arm.samples))
+        failed: List[BaseException] = []  # once a request fails, no worker starts another
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    if not pending or failed:
+                        return
+                    i, prompt = pending.pop()
+                try:
+                    arrivals.wait_until(start + schedule[i])
+                    timings[i] = stream_one(prompt)
+                except BaseException as err:  # raised in the main thread, by failed_outcome
+                    timings[i] = err
+                    failed.append(err)
+
+        allow_open_files(self.concurrency)
+        workers = min(self.concurrency, len(prompts))
+        threads = [threading.Thread(target=worker, daemon=True) for _ in range(workers)]
+        start = CLOCK()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = CLOCK() - start
+        failed_outcome(timings, "streamed requests")
+        return seconds, sum(t.tokens for t in timings), timings
+
+    def cell_parts(self, arms: Sequence["Arm"], pairs: int,
+                   primary: "Overhead") -> Tuple[None, "LoadCell"]:
+        """What the cell holds of its trials: no batch size, and a LoadCell of each arm's
+        LoadStats and what the flag costs in throughput (the primary figure: the on/off ratio of
+        the time each trial took for the same tokens; +30 %: throughput falls to 1/1.3) and in
+        each figure (paired per-trial medians)."""
+        off, on = arms
+        load = {arm.name: LoadStats.of(arm.timings, arm.samples, arm.tokens) for arm in arms}
+        overheads = {"throughput": primary}
+        for figure in LOAD_FIGURES:
+            a, b = per_trial_medians(off, figure)[:pairs], per_trial_medians(on, figure)[:pairs]
+            if all(map(math.isfinite, a + b)):
+                overheads[figure] = Overhead.of(a, b)
+                continue
+            one_token = all(r.tokens < 2 for arm in arms for t in arm.timings for r in t)
+            if figure == "latency":
+                why = "a trial had no latency"
+            elif figure == "tpot" and one_token:
+                why = "time per output token needs at least two tokens a request"
+            else:
+                why = UNMEASURED_STREAM
+            overheads[figure] = Overhead(None, None, False, unmeasured=why)
+        return None, LoadCell(self.concurrency, self.prompts, "throughput",
+                              self.arrivals.describe(), load, overheads)
+
+
+@dataclass(frozen=True)
+class LoadCell:
+    """What a cost cell of load trials holds beyond a batch cell's fields (saved among them)."""
+
+    concurrency: int
+    requests: int  # a trial
+    primary: str  # the overhead the cell reports first: throughput
+    arrivals: str  # Arrivals.describe()
+    load: Dict[str, LoadStats]  # each arm's
+    overheads: Dict[str, "Overhead"]  # throughput, then LOAD_FIGURES
+
+    def report(self, compared_on: str, out: Out) -> None:
+        """Each arm's throughput and latencies, and what the flag costs in each."""
+
+        def ms(spread: Optional[Spread]) -> str:
+            if spread is None:
+                return "unmeasured"
+            return "%.1f/%.1f ms" % (1000 * spread.median_s, 1000 * spread.p99_s)
+
+        for name, stats in self.load.items():
+            out.line("  flag %-3s %s tokens/s, %s requests/s; median/p99: latency %s, TTFT %s, "
+                     "TPOT %s" % (name, fmt_opt(stats.median_tokens_per_s, "?", "%.1f"),
+                                  fmt_opt(stats.median_requests_per_s, "?", "%.2f"),
+                                  ms(stats.latency), ms(stats.ttft), ms(stats.tpot)))
+        for figure in LOAD_FIGURES:
+            overhead = self.overheads[figure]
+            label = figure.upper() if figure != "latency" else "latency"
+            if overhead.unmeasured:
+                out.line("  %-8s unmeasured: %s" % (label, overhead.unmeasured))
+                continue
+            shown = overhead.text("%+.1f%% [%+.1f%%, %+.1f%%]%s", "%+.1f%% (no interval)", " n.s.")
+            out.line("  %-8s overhead %s" % (label, shown))
+        if compared_on != "time per trial":
+            out.line("  compared on %s" % compared_on)
+
+
+def per_trial_medians(arm: "Arm", figure: str) -> List[float]:
+    """Each trial's median of a figure ("latency", "ttft" or "tpot"); NaN where none has it."""
+    medians = []
+    for trial in arm.timings:
+        values = [getattr(r, figure + "_s") for r in trial]
+        medians.append(statistics.median([v for v in values if v is not None] or [math.nan]))
+    return medians
+
+
+@dataclass(frozen=True)
+class TrialLabels:
+    """What a cost cell's labels say of its trials, read from a saved cell (CellLabels)."""
+
+    batch: Optional[int]  # batch trials: prompts a request
+    concurrency: Optional[int]  # load trials: requests in flight
+    requests: Optional[int]  # load trials: requests a trial
+    arrivals: Optional[str]  # load trials; None in files saved before --request-rate
+
+    @classmethod
+    def from_record(cls, cell: Json) -> "TrialLabels":
+        return cls(*map(cell.get, ("batch", "concurrency", "requests", "arrivals")))
+
+    def key(self) -> Tuple:
+        """What makes two cells' trials the same: a file that does not say was a burst."""
+        return (self.batch, self.concurrency,
+                (self.arrivals or "burst") if self.concurrency else None)
+
+    def shape(self) -> str:
+        if self.concurrency:
+            return "concurrency %d, %d requests a trial" % (self.concurrency, self.requests)
+        return "batch %d" % self.batch
+
+    @staticmethod
+    def checks(cell: Json) -> List[Tuple[str, bool]]:
+        """Each label, and whether a saved cell holds it well formed (cell_fault)."""
+        load = cell.get("concurrency")
+        return [("batch", is_count(cell.get("batch")) or (load and cell.get("batch") is None)),
+                ("concurrency", load is None or is_count(load)),
+                ("requests", not load or is_count(cell.get("requests"))),
+                ("arrivals", cell.get("arrivals") is None or isinstance(cell["arrivals"], str))]
 
 
 # ----------------------------------------------------------------------------
@@ -4711,272 +5013,6 @@ def run_sweep(cfg: Config, out: Out) -> int:
 
 
 # ----------------------------------------------------------------------------
-# Batch and load trials (--batch, --concurrency): what one timed trial of cost mode is
-
-
-@dataclass(frozen=True)
-class BatchTrials:
-    """--batch: a trial is one request of --batch prompts, timed from its sending to its last
-    byte (the default)."""
-
-    prompts: int  # --batch: prompts in one request
-    streamed = False  # one request a trial, no per-request timings
-
-    @staticmethod
-    def add_arguments(group: argparse._ArgumentGroup) -> None:
-        group.add_argument("--batch", type=whole_number(1, MAX_BATCH_SIZE), default=DEFAULT_BATCH,
-                           help="prompts per timed request (default %d)" % DEFAULT_BATCH)
-
-    def run(self, arm: "Arm", prompts: List[str], adapter: EngineAdapter,
-            sampling: Sampling) -> Tuple[float, int, None]:
-        """One timed request: (seconds, output tokens, None). The answer's shape must hold even
-        when timing."""
-        answer, seconds = generate(arm.client, adapter, arm.facts.model, prompts, sampling)
-        parsed("the answer", adapter.completions, answer, len(prompts), False)
-        return seconds, parsed("the answer", adapter.output_tokens, answer), None
-
-    def labels(self) -> Json:
-        """What the cell's labels say of its trials."""
-        return {"batch": self.prompts, "concurrency": None, "requests": None, "arrivals": None}
-
-
-@dataclass(frozen=True)
-class RequestTiming:
-    """One streamed request of a load trial."""
-
-    ttft_s: Optional[float]  # time to first token; None where the stream does not show it
-    latency_s: float  # from sending to the last token
-    tokens: int  # output tokens
-    tpot_s: Optional[float]  # time per output token after the first
-    progress_events: int  # stream events that reported more tokens
-
-
-LOAD_FIGURES = ("latency", "ttft", "tpot")  # what each request of a load trial is timed on
-UNMEASURED_STREAM = (
-    "the stream does not report its progress token by token (its first event carries several "
-    "tokens, or most tokens arrive together), so neither the first token's arrival nor the time "
-    "between tokens can be seen: latency and throughput stand")
-
-
-@dataclass(frozen=True)
-class Spread:
-    """A figure over every request of an arm: its median and 99th percentile."""
-
-    median_s: float
-    p99_s: float
-
-
-@dataclass(frozen=True)
-class LoadStats:
-    """One cost arm under load: medians and p99 of every request's latency, TTFT and TPOT,
-    the medians of the trials' throughputs, and every request's timing."""
-
-    latency: Optional[Spread]
-    ttft: Optional[Spread]
-    tpot: Optional[Spread]
-    unmeasured: Optional[str] = field(metadata=saved(omit_none=True))  # why there is no TTFT
-    median_tokens_per_s: Optional[float]
-    median_requests_per_s: Optional[float]
-    requests: List[List[RequestTiming]]  # trial by trial
-
-    @classmethod
-    def of(cls, requests: List[List[RequestTiming]], samples_s: List[float],
-           output_tokens: List[int]) -> "LoadStats":
-        spreads = {}
-        for figure in LOAD_FIGURES:
-            found = (getattr(r, figure + "_s") for trial in requests for r in trial)
-            values = [v for v in found if v is not None]
-            spreads[figure] = (Spread(statistics.median(values), percentile(values, 0.99))
-                               if values else None)
-        # A trial shorter than the clock's resolution has no rate: it is left out.
-        timed = [t for t in zip(requests, output_tokens, samples_s) if t[2] > 0]
-        tokens_per_s = statistics.median(n / s for _, n, s in timed) if timed else None
-        requests_per_s = statistics.median(len(r) / s for r, _, s in timed) if timed else None
-        return cls(unmeasured=None if spreads["ttft"] else UNMEASURED_STREAM,
-                   median_tokens_per_s=tokens_per_s, median_requests_per_s=requests_per_s,
-                   requests=requests, **spreads)
-
-
-def token_by_token(first_count: int, events: int, count: int) -> bool:
-    """Does a stream report its progress token by token, so that its first token's arrival
-    and the time between tokens mean something? Its first progress event must report one
-    token, and at least half its tokens must arrive in events of their own (an engine may
-    coalesce a few under load); a stream that reports its count only at the end does not."""
-    return first_count == 1 and 2 * events >= count
-
-
-@dataclass(frozen=True)
-class LoadTrials:
-    """--concurrency: a trial is --requests one-prompt streamed requests, at most
-    --concurrency in flight (a closed loop: a request leaves, the next goes), each timed on
-    its latency, time to first token and time per output token; the cell then holds each
-    arm's LoadStats and an overhead for throughput and each figure."""
-
-    concurrency: int  # requests in flight at once
-    prompts: int  # --requests: requests a trial, one prompt each
-    arrivals: Arrivals  # when each request goes out (--request-rate)
-    streamed = True  # one streamed request a prompt, each timed
-
-    @staticmethod
-    def add_arguments(group: argparse._ArgumentGroup) -> None:
-        group.add_argument(
-            "--concurrency", type=whole_number(1, MAX_BATCH_SIZE), metavar="C",
-            help="time a server under load instead of one batch request: each trial is "
-            "--requests one-prompt streamed requests, at most C in flight (throughput, TTFT, "
-            "TPOT and latency of both arms)")
-        group.add_argument("--requests", type=whole_number(1, MAX_REQUESTS), metavar="R",
-                           help="requests per load trial (default 4 x --concurrency; at least C)")
-
-    @classmethod
-    def configure(cls, concurrency: Optional[int], requests: Optional[int],
-                  rate: Optional[float]) -> Optional["LoadTrials"]:
-        """--concurrency, --requests and --request-rate, checked (None: batch trials)."""
-        if requests is not None and concurrency is None:
-            raise UsageError("--requests goes with --concurrency")
-        if concurrency:
-            requests = 4 * concurrency if requests is None else requests
-            if requests < concurrency:
-                raise UsageError(
-                    "--requests: give at least --concurrency (%d), or some slots stay empty"
-                    % concurrency)
-        needs = None if concurrency else "--concurrency (one streamed request a prompt)"
-        arrivals = Arrivals.configure(rate, needs)
-        return cls(concurrency, requests, arrivals) if concurrency else None
-
-    def run(self, arm: "Arm", prompts: List[str], adapter: EngineAdapter,
-            sampling: Sampling) -> Tuple[float, int, List[RequestTiming]]:
-        """A closed-loop load run: every prompt its own streamed request, at most concurrency
-        in flight. Per request: time to first token, time per output token after it,
-        end-to-end latency. Returns (seconds, output tokens, timings)."""
-        pending = list(enumerate(prompts))[::-1]  # popped from the end
-        timings: List[Any] = [None] * len(prompts)
-        lock = threading.Lock()
-
-        def stream_one(prompt: str) -> RequestTiming:
-            body = adapter.stream_body(arm.facts.model, prompt, sampling)
-            post = Exchange(arm.client, "POST", adapter.generate_path, body)
-            start = CLOCK()
-            first = last = None
-            count = first_count = events = 0
-            try:
-                post.connect()
-                post.send()
-                for event in post.events():
-                    seen = parsed("a stream event", adapter.streamed_tokens, event)
-                    if seen is not None and seen > count:
-                        count, last, events = seen, CLOCK(), events + 1
-                        if first is None:
-                            first, first_count = last, seen
-            finally:
-                post.close()  # whatever ended the stream, its connection goes with it
-            if first is None:
-                raise shape_error("the stream held no token")
-            if count > sampling.max_tokens:
-                raise shape_error(
-                    "the stream reported %d output tokens, more than --max-tokens %d "
-                    "allows" % (count, sampling.max_tokens))
-            ttft = tpot = None
-            if token_by_token(first_count, events, count):
-                ttft = first - start
-                tpot = (last - first) / (count - 1) if count > 1 else None
-            return RequestTiming(ttft, last - start, count, tpot, events)
-
-        # Each trial's arrivals drawn from a seed of its own, the same on both arms
-        arrivals = self.arrivals
-        schedule = arrivals.schedule(len(prompts), DEFAULT_SEED + len(arm.samples))
-        failed: List[BaseException] = []  # once a request fails, no worker starts another
-
-        def worker() -> None:
-            while True:
-                with lock:
-                    if not pending or failed:
-                        return
-                    i, prompt = pending.pop()
-                try:
-                    arrivals.wait_until(start + schedule[i])
-                    timings[i] = stream_one(prompt)
-                except BaseException as err:  # raised in the main thread, by failed_outcome
-                    timings[i] = err
-                    failed.append(err)
-
-        allow_open_files(self.concurrency)
-        workers = min(self.concurrency, len(prompts))
-        threads = [threading.Thread(target=worker, daemon=True) for _ in range(workers)]
-        start = CLOCK()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        seconds = CLOCK() - start
-        failed_outcome(timings, "streamed requests")
-        return seconds, sum(t.tokens for t in timings), timings
-
-    def labels(self) -> Json:
-        """What the cell's labels say of its trials."""
-        return {"batch": None, "concurrency": self.concurrency, "requests": self.prompts,
-                "arrivals": self.arrivals.describe()}
-
-    @staticmethod
-    def cell_parts(arms: Sequence["Arm"], pairs: int,
-                   primary: "Overhead") -> Tuple[Dict[str, LoadStats], Dict[str, "Overhead"]]:
-        """Each arm's LoadStats, and what the flag costs in throughput (the primary figure:
-        the on/off ratio of the time each trial took for the same tokens; +30 %: the flag
-        costs 30 % more time per token, i.e. throughput falls to 1/1.3) and in each figure
-        (paired per-trial medians)."""
-        off, on = arms
-        load = {arm.name: LoadStats.of(arm.timings, arm.samples, arm.tokens) for arm in arms}
-        overheads = {"throughput": primary}
-        for figure in LOAD_FIGURES:
-            a, b = per_trial_medians(off, figure)[:pairs], per_trial_medians(on, figure)[:pairs]
-            if all(map(math.isfinite, a + b)):
-                overheads[figure] = Overhead.of(a, b)
-                continue
-            one_token = all(r.tokens < 2 for arm in arms for t in arm.timings for r in t)
-            if figure == "latency":
-                why = "a trial had no latency"
-            elif figure == "tpot" and one_token:
-                why = "time per output token needs at least two tokens a request"
-            else:
-                why = UNMEASURED_STREAM
-            overheads[figure] = Overhead(None, None, False, unmeasured=why)
-        return load, overheads
-
-    @staticmethod
-    def report(cell: "CostCell", out: Out) -> None:
-        """Each arm's throughput and latencies, and what the flag costs in each."""
-
-        def ms(spread: Optional[Spread]) -> str:
-            if spread is None:
-                return "unmeasured"
-            return "%.1f/%.1f ms" % (1000 * spread.median_s, 1000 * spread.p99_s)
-
-        for name, stats in (cell.load or {}).items():
-            out.line("  flag %-3s %s tokens/s, %s requests/s; median/p99: latency %s, TTFT %s, "
-                     "TPOT %s" % (name, fmt_opt(stats.median_tokens_per_s, "?", "%.1f"),
-                                  fmt_opt(stats.median_requests_per_s, "?", "%.2f"),
-                                  ms(stats.latency), ms(stats.ttft), ms(stats.tpot)))
-        for figure in LOAD_FIGURES:
-            overhead = (cell.overheads or {})[figure]
-            label = figure.upper() if figure != "latency" else "latency"
-            if overhead.unmeasured:
-                out.line("  %-8s unmeasured: %s" % (label, overhead.unmeasured))
-                continue
-            shown = overhead.text("%+.1f%% [%+.1f%%, %+.1f%%]%s", "%+.1f%% (no interval)", " n.s.")
-            out.line("  %-8s overhead %s" % (label, shown))
-        if cell.compared_on != "time per trial":
-            out.line("  compared on %s" % cell.compared_on)
-
-
-def per_trial_medians(arm: "Arm", figure: str) -> List[float]:
-    """Each trial's median of a figure ("latency", "ttft" or "tpot"); NaN where none has it."""
-    medians = []
-    for trial in arm.timings:
-        values = [getattr(r, figure + "_s") for r in trial]
-        medians.append(statistics.median([v for v in values if v is not None] or [math.nan]))
-    return medians
-
-
-# ----------------------------------------------------------------------------
 # --mode cost: what the flag costs, for one cell of the 2x2 table
 
 
@@ -5031,10 +5067,9 @@ class CostOptions:
         if server_address(invariant) == server_address(url):
             raise UsageError("--url and --invariant are the same server; cost compares two")
         max_tokens = DEFAULT_COST_TOKENS if args.max_tokens is None else args.max_tokens
-        trial = LoadTrials.configure(args.concurrency, args.requests, args.request_rate)
         return options_from(
             cls, args, sampling=Sampling.of(0.0, max_tokens, None, DEFAULT_SEED, ignore_eos=True),
-            invariant=invariant, trial=trial or BatchTrials(args.batch))
+            invariant=invariant, trial=LoadTrials.from_args(args) or BatchTrials(args.batch))
 
 
 @dataclass(frozen=True)
@@ -5113,10 +5148,7 @@ class CellLabels:
 
     tp: Optional[int]
     workload: str
-    batch: Optional[int]  # None for load trials
-    concurrency: Optional[int]  # load trials only
-    requests: Optional[int]  # load trials only
-    arrivals: Optional[str]  # load trials only
+    trial: TrialLabels
     max_tokens: int
     model: str
     state: Optional[str]  # None in files of labs that did not save it
@@ -5124,20 +5156,13 @@ class CellLabels:
 
     @classmethod
     def from_record(cls, record: Json) -> "CellLabels":
-        return cls(record["tp"], record["workload"], record["batch"], record.get("concurrency"),
-                   record.get("requests"), record.get("arrivals"), record["max_tokens"],
-                   record["model"], record.get("state"), Overhead.from_record(record))
+        return cls(record.get("tp"), record["workload"], TrialLabels.from_record(record),
+                   record["max_tokens"], record["model"], record.get("state"),
+                   Overhead.from_record(record))
 
     def key(self) -> Tuple:
         """What makes two cells the same measurement: a newer one replaces the older."""
-        arrivals = (self.arrivals or "burst") if self.concurrency else None
-        return (self.tp, self.workload, self.batch, self.concurrency, arrivals, self.max_tokens,
-                self.model)
-
-    def shape(self) -> str:
-        if self.concurrency:
-            return "concurrency %d, %d requests a trial" % (self.concurrency, self.requests)
-        return "batch %d" % self.batch
+        return (self.tp, self.workload, *self.trial.key(), self.max_tokens, self.model)
 
 
 @dataclass(frozen=True)
@@ -5164,20 +5189,9 @@ class CostCell:
     overhead: Overhead = field(metadata=saved(flat=""))  # the primary one
     ratios: List[float]  # the primary overhead's, on/off pair by pair
     compared_on: str  # what the primary overhead's ratio is of
-    concurrency: Optional[int] = field(default=None, metadata=saved(omit_none=True))  # load
-    requests: Optional[int] = field(default=None, metadata=saved(omit_none=True))  # load
-    primary: Optional[str] = field(default=None, metadata=saved(omit_none=True))  # load
-    arrivals: Optional[str] = field(default=None, metadata=saved(omit_none=True))  # load
-    load: Optional[Dict[str, LoadStats]] = field(default=None, metadata=saved(omit_none=True))
-    # load trials: throughput, then LOAD_FIGURES
-    overheads: Optional[Dict[str, Overhead]] = field(default=None, metadata=saved(omit_none=True))
+    under_load: Optional[LoadCell] = field(default=None, metadata=saved(flat=""))  # load trials
     # --precision: "precision", "trials", or the stop
     stopped_by: Optional[str] = field(default=None, metadata=saved(omit_none=True))
-
-    @property
-    def labels(self) -> CellLabels:
-        return CellLabels(self.tp, self.workload, self.batch, self.concurrency, self.requests,
-                          self.arrivals, self.max_tokens, self.model, self.state, self.overhead)
 
 
 @dataclass
@@ -5273,14 +5287,14 @@ def print_cost_servers(off: ServerFacts, on: ServerFacts, differences: List[ArmD
 
 def cost_table_lines(cells: List[CellLabels], current: CellLabels) -> List[str]:
     """The 2x2 table TP=1 / TP=k x cold / shared-prefix for the current model, batch and length."""
-    shape = lambda c: (c.model, c.batch, c.concurrency, c.max_tokens)
+    shape = lambda c: (c.model, c.trial.batch, c.trial.concurrency, c.max_tokens)
     same = [c for c in cells if shape(c) == shape(current)]
     # TP=k until a degree above 1 is measured; TP=? for cells measured without a known degree
     tps: List[Any] = sorted({c.tp for c in same if c.tp not in (1, None)}) or ["k"]
     if any(c.tp is None for c in same):
         tps.append(None)
     lines = ["cost cells for %s, %s, %d tokens (from the saved file):"
-             % (current.model, current.shape(), current.max_tokens),
+             % (current.model, current.trial.shape(), current.max_tokens),
              "  %-8s %-28s %-28s" % ("", *WORKLOADS)]
     filled = 0
     for tp in [1] + tps:
@@ -5354,13 +5368,9 @@ def cost_cell(cfg: Config, arms: Tuple[Arm, Arm], differences: List[ArmDifferenc
     options, (off, on) = cfg.cost, arms
     pairs = min(len(off.samples), len(on.samples))
     primary, compared_on = primary_overhead(off, on)
-    load = overheads = primary_name = None
-    if options.trial.streamed:
-        load, overheads = options.trial.cell_parts(arms, pairs, primary)
-        primary_name = "throughput"
-    labels = options.trial.labels()
+    batch, under_load = options.trial.cell_parts(arms, pairs, primary)
     return CostCell(
-        tp=off.facts.tp or options.tp, workload=options.workload, batch=labels["batch"],
+        tp=off.facts.tp or options.tp, workload=options.workload, batch=batch,
         max_tokens=cfg.sampling.max_tokens, trials=pairs, warmup=options.warmup,
         model=off.facts.model, engine=cfg.engine,
         prefix_tokens=options.prefix_tokens if options.workload == "shared-prefix" else None,
@@ -5368,9 +5378,7 @@ def cost_cell(cfg: Config, arms: Tuple[Arm, Arm], differences: List[ArmDifferenc
         servers={arm.name: dict(as_record(arm.facts), url=arm.url) for arm in arms},
         differences=differences, state=state, created=now_stamp(),
         lab=dict(cfg.provenance, ended=None if state == "running" else now_stamp()),
-        overhead=primary, ratios=primary.ratios, compared_on=compared_on,
-        concurrency=labels["concurrency"], requests=labels["requests"], primary=primary_name,
-        arrivals=labels["arrivals"], load=load, overheads=overheads)
+        overhead=primary, ratios=primary.ratios, compared_on=compared_on, under_load=under_load)
 
 
 def cost_file_fault(doc: Dict[str, Any]) -> Optional[str]:
@@ -5390,18 +5398,13 @@ def cost_file_fault(doc: Dict[str, Any]) -> Optional[str]:
 def cell_fault(cell: Any) -> Optional[str]:
     if not isinstance(cell, dict):
         return "not an object"
-    whole = lambda x, low: isinstance(x, int) and not isinstance(x, bool) and x >= low
     ci = cell.get("ci95_pct")
     checks = [
         ("model", isinstance(cell.get("model"), str)),
         ("workload", cell.get("workload") in WORKLOADS),
-        ("tp", cell.get("tp") is None or whole(cell.get("tp"), 1)),
-        ("batch",
-         whole(cell.get("batch"), 1) or (cell.get("concurrency") and cell["batch"] is None)),
-        ("max_tokens", whole(cell.get("max_tokens"), 1)),
-        ("concurrency", cell.get("concurrency") is None or whole(cell.get("concurrency"), 1)),
-        ("requests", not cell.get("concurrency") or whole(cell.get("requests"), 1)),
-        ("arrivals", cell.get("arrivals") is None or isinstance(cell.get("arrivals"), str)),
+        ("tp", cell.get("tp") is None or is_count(cell.get("tp"))),
+        *TrialLabels.checks(cell),
+        ("max_tokens", is_count(cell.get("max_tokens"))),
         ("state", isinstance(cell.get("state"), str)),
         ("overhead_pct", cell.get("overhead_pct") is None or is_number(cell["overhead_pct"])),
         ("ci95_pct", ci is None or (isinstance(ci, list) and len(ci) == 2
@@ -5442,12 +5445,11 @@ STOPPED_BY = {  # what ended a --precision run, as the report says it
     "trials": "ran every trial (--trials) before the interval was within --precision"}
 
 
-def print_cost_report(cell: CostCell, out: Out) -> None:
-    labels = cell.labels
+def print_cost_report(cell: CostCell, labels: CellLabels, out: Out) -> None:
     out.line("")
     state = "" if labels.state == "complete" else " (%s)" % labels.state
     out.line("cell: TP=%s, workload %s, %s, %d tokens, model %s, %d trial pairs%s"
-             % (fmt_opt(labels.tp, "?"), labels.workload, labels.shape(), labels.max_tokens,
+             % (fmt_opt(labels.tp, "?"), labels.workload, labels.trial.shape(), labels.max_tokens,
                 labels.model, cell.trials, state))
     for name, arm in (("off", cell.off), ("on", cell.on)):
         out.line("  flag %-3s median %.4fs  MAD %.4fs  min-max %.4f-%.4fs  %s tokens/s%s" %
@@ -5459,8 +5461,8 @@ def print_cost_report(cell: CostCell, out: Out) -> None:
     out.bold("  overhead " + cell.overhead.text("%+.1f%%, 95%% interval [%+.1f%%, %+.1f%%]%s",
                                                 without,
                                                 ": not significant (the interval contains 0)"))
-    if cell.load:
-        LoadTrials.report(cell, out)
+    if cell.under_load:
+        cell.under_load.report(cell.compared_on, out)
     if cell.stopped_by:
         out.line("  " + STOPPED_BY.get(cell.stopped_by, "stopped: %s" % cell.stopped_by))
     if cell.differences:
@@ -5537,14 +5539,15 @@ def run_cost(cfg: Config, out: Out) -> int:
         cell = dataclasses.replace(cell, stopped_by=why)
     record = as_record(cell)
     doc = saves.write(lambda path: save_cell(path, record)) or add_cell(doc, record)
+    labels = CellLabels.from_record(record)  # read as any cell of the file is
     if cfg.json_out:
         out.line(json_text(record, indent=1))
     else:
-        print_cost_report(cell, out)
+        print_cost_report(cell, labels, out)
         if cfg.save:
             out.line("")
             cells = [CellLabels.from_record(c) for c in doc["cells"]]
-            for line in cost_table_lines(cells, cell.labels):
+            for line in cost_table_lines(cells, labels):
                 out.line(line)
     return report_save(cfg, saves, code, out)
 
@@ -5803,14 +5806,15 @@ The same experiment with the lab (the sizes straddle the 16, 24 and 32 buckets):
 """
 
 
-def harness_text(engine: Optional[str], out: Out) -> List[str]:
+def run_harness(cfg: Config, out: Out) -> int:
+    """--mode harness: the upstream harnesses quoted, with the commands (--engine: its own)."""
     lines = [
         "Upstream batch-invariance harnesses, quoted verbatim (Apache-2.0; see README), with "
         "what each one does not tell you. The lab itself was run against vLLM 0.26.0 and "
         "0.33.0 and SGLang 0.5.17 and 0.5.23 on one H200 on 2026-12-01 (examples/real/).", ""]
     parts = (("vllm", "vLLM", VLLM_COMMANDS), ("sglang", "SGLang", SGLANG_COMMANDS))
     for name, label, commands in parts:
-        if engine not in (None, name):
+        if cfg.engine not in (None, name):
             continue
         lines += [out.style(text, "1") for text in ("=" * 78, label, "=" * 78)]
         for ex in (e for e in HARNESS_EXCERPTS if e.engine == name):
@@ -5819,11 +5823,7 @@ def harness_text(engine: Optional[str], out: Out) -> List[str]:
             lines += ["    > " + row if row else "    >" for row in ex.text.splitlines()]
             lines += ["", "Note: " + ex.note]
         lines += ["", out.style("--- %s: commands" % label, "1;36"), "", commands]
-    return lines
-
-
-def run_harness(cfg: Config, out: Out) -> int:
-    for line in harness_text(cfg.engine, out):
+    for line in lines:
         out.line(line)
     return EXIT_OK
 

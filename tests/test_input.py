@@ -9,7 +9,8 @@ import sys
 import unittest
 from unittest import mock
 
-from support import RUN_PY, StubConfig, StubServer, TempDirTest, error_lines, one_error_line, run, run_lab
+from support import (RUN_PY, StubConfig, StubServer, TempDirTest, error_lines, fixture, one_error_line, run,
+                     run_lab)
 
 
 class NumbersThatAreNotNumbers(TempDirTest):
@@ -189,6 +190,19 @@ class InputBoundedBeforeAnyRequest(TempDirTest):
             self.assertEqual(r.code, 0, r)
         with open(save) as f:
             self.assertEqual([c["workload"] for c in json.load(f)["cells"]], ["cold", "shared-prefix"])
+
+    def test_labels_that_may_be_null_may_be_missing_from_a_cost_file(self):
+        # A file's cell without its TP degree, or a load cell without a batch, is taken: adding
+        # this run's cell to it must then work too (it failed once the run had measured).
+        cells = []
+        for label in ("tp", "batch"):
+            cell = fixture("cost-load.json", "saved")["cells"][0]
+            del cell[label]
+            cells.append(dict(cell, workload="cold" if label == "tp" else "shared-prefix"))
+        doc = {"schema": run.COST_SCHEMA, "cells": cells}
+        self.assertIsNone(run.cost_file_fault(doc))
+        added = run.add_cell(doc, dict(cells[0], tp=None, state="complete"))
+        self.assertEqual([c.get("tp", "missing") for c in added["cells"]], [1, None])
 
     def test_a_cost_file_with_malformed_cells_is_refused_before_any_request(self):
         save = self.path("cost.json")

@@ -152,9 +152,8 @@ class FaultsOfTheLabsOwn(TempDirTest):
         self.assertIsNone(record["median_requests_per_s"])
         out = io.StringIO()
         unmeasured = {name: run.Overhead(None, None, False) for name in run.LOAD_FIGURES}
-        cell = mock.Mock(load={"off": stats, "on": stats}, overheads=unmeasured,
-                         compared_on="time per trial")
-        run.LoadTrials.report(cell, run.Out(out, out))
+        cell = run.LoadCell(1, 1, "throughput", "burst", {"off": stats, "on": stats}, unmeasured)
+        cell.report("time per trial", run.Out(out, out))
         self.assertIn("flag off ? tokens/s, ? requests/s", out.getvalue())
 
 
