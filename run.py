@@ -2820,8 +2820,7 @@ def provenance(argv: Sequence[str]) -> Dict[str, Any]:
         "started": now_stamp()}
 
 
-# Options of both modes that a slice owns: the slice adds its own here, as it adds its limits
-SHARED_OPTIONS: List[Callable[[argparse._ArgumentGroup], None]] = []
+SHARED_OPTIONS: List[Callable[[argparse._ArgumentGroup], None]] = []  # each slice adds its own
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -2862,7 +2861,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--wait-ready", type=real_number(0.0, above=True), metavar="SECONDS",
         help="first wait up to this long for the server(s) to answer their health "
         "check (a server just started takes minutes to load)")
-    for add_arguments in SHARED_OPTIONS:  # the slices' own, in both modes
+    for add_arguments in SHARED_OPTIONS:  # the options of both modes a slice owns
         add_arguments(sweep_cost)
     sweep_cost.add_argument(
         "--quiet", action="store_true", help="no progress lines on stderr (warnings "
@@ -3374,13 +3373,14 @@ class TrialLabels:
 
     def key(self) -> Tuple:
         """What makes two cells' trials the same: a file that does not say was a burst."""
-        return (self.batch, self.concurrency,
-                (self.arrivals or "burst") if self.concurrency else None)
+        arrivals = (self.arrivals or "burst") if self.concurrency else None
+        return self.batch, self.concurrency, arrivals
 
     def shape(self) -> str:
-        if self.concurrency:
-            return "concurrency %d, %d requests a trial" % (self.concurrency, self.requests)
-        return "batch %d" % self.batch
+        if not self.concurrency:
+            return "batch %d" % self.batch
+        rate = "" if self.arrivals in (None, "burst") else ", " + self.arrivals
+        return "concurrency %d, %d requests a trial%s" % (self.concurrency, self.requests, rate)
 
     @staticmethod
     def checks(cell: Json) -> List[Tuple[str, bool]]:
@@ -5287,7 +5287,7 @@ def print_cost_servers(off: ServerFacts, on: ServerFacts, differences: List[ArmD
 
 def cost_table_lines(cells: List[CellLabels], current: CellLabels) -> List[str]:
     """The 2x2 table TP=1 / TP=k x cold / shared-prefix for the current model, batch and length."""
-    shape = lambda c: (c.model, c.trial.batch, c.trial.concurrency, c.max_tokens)
+    shape = lambda c: (c.model, c.trial.key(), c.max_tokens)  # a cell key, less TP and workload
     same = [c for c in cells if shape(c) == shape(current)]
     # TP=k until a degree above 1 is measured; TP=? for cells measured without a known degree
     tps: List[Any] = sorted({c.tp for c in same if c.tp not in (1, None)}) or ["k"]

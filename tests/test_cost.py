@@ -236,6 +236,20 @@ class CostAgainstStubs(TempDirTest):
         self.assertNotIn("missing", tp1)
         self.assertIn("TP=k", table)
 
+    def test_the_table_shows_the_cells_of_this_cells_arrivals_only(self):
+        # A burst cell and a Poisson cell of one shape are two measurements (two cell keys):
+        # the table printed after the burst run must show the burst cell's overhead.
+        cell = fixture("cost-load.json", "saved")["cells"][0]
+        poisson = dict(cell, arrivals="poisson at 100/s", overhead_pct=55.5)
+        burst = dict(cell, arrivals="burst", overhead_pct=-4.4)
+        cells = [run.CellLabels.from_record(c) for c in (poisson, burst)]
+        table = "\n".join(run.cost_table_lines(cells, cells[1]))
+        self.assertIn("-4.4%", table)
+        self.assertNotIn("+55.5%", table)
+        table = "\n".join(run.cost_table_lines(cells, cells[0]))
+        self.assertIn("+55.5%", table)
+        self.assertIn("poisson at 100/s", table)
+
 
 class TokenCounts(TempDirTest):
     def cost(self, off, on, *extra):
