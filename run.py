@@ -1539,6 +1539,11 @@ def choice_order(choices: List[Any]) -> List[Any]:
     return [c for _, c in sorted(zip(indexes, choices), key=lambda pair: pair[0])]
 
 
+def fresh_cache_key() -> str:
+    """A prefix-cache key no earlier request used (the bypass's; a cache check's cold batch)."""
+    return "lab-" + os.urandom(12).hex()
+
+
 class VllmAdapter:
     name = "vllm"
     label = "vLLM"
@@ -3543,11 +3548,6 @@ class CacheSummary:
         steps = [c.first_step for c in checked if c.first_step is not None]
         return cls(verdict, len(checked), max((c.max_ulp for c in checked), default=None),
                    min(steps) if steps else None, len(verified))
-
-
-def fresh_cache_key() -> str:
-    """A prefix-cache key no earlier request used."""
-    return "lab-" + os.urandom(12).hex()
 
 
 @dataclass(frozen=True)
