@@ -842,17 +842,24 @@ def cost_text(cell: Optional[dict]) -> str:
     return text
 
 
+def cell_shape(cell: dict) -> Tuple[str, ...]:
+    """What the table groups cells by: the cell's key but its TP and workload (model, batch,
+    concurrency, length and, for load cells, arrivals: a burst cell and a Poisson cell are two
+    measurements, as run.py's cell key says)."""
+    arrivals = (cell.get("arrivals") or "burst") if cell.get("concurrency") else None
+    named = ("model", "batch", "concurrency", "max_tokens")
+    return tuple(fmt(cell.get(key)) for key in named) + (fmt(arrivals),)
+
+
 def cost_table(cells: List[dict], degrees: List[int]) -> List[str]:
     """The 2x2 table TP=1 and each real degree, cold and shared-prefix, every cell with its
     interval and the missing ones said missing, per trial shape and model."""
-    shapes = sorted({(fmt(c.get("model")), fmt(c.get("batch")), fmt(c.get("concurrency")),
-                      fmt(c.get("max_tokens"))) for c in cells})
     lines = []
-    for model, batch, concurrency, tokens in shapes or [("-", "-", "-", "-")]:
-        same = [c for c in cells if (fmt(c.get("model")), fmt(c.get("batch")),
-                                     fmt(c.get("concurrency")), fmt(c.get("max_tokens")))
-                == (model, batch, concurrency, tokens)]
+    for shape in sorted({cell_shape(c) for c in cells}) or [("-",) * 5]:
+        model, batch, concurrency, tokens, arrivals = shape
+        same = [c for c in cells if cell_shape(c) == shape]
         trial = ("load, %s streams" % concurrency if concurrency != "-" else "batch %s" % batch)
+        trial += "" if arrivals in ("-", "burst") else ", " + arrivals
         lines += ["%s, %s, %s tokens:" % (model, trial, tokens), ""]
         rows = []
         for tp in sorted(set([1] + degrees + [c.get("tp") for c in same if isinstance(c.get("tp"), int)])):

@@ -227,6 +227,24 @@ class Compare(unittest.TestCase):
         return json.loads(read(name))
 
 
+class ExperimentReport(unittest.TestCase):
+    def test_the_report_keeps_a_burst_and_a_poisson_cell_of_one_shape_apart(self):
+        # A folder reused by a run with --request-rate and one without holds both cells: the
+        # report's table must show each under its own arrivals, as run.py's cell key does.
+        sys.path.insert(0, EXAMPLES)
+        import experiment
+        cell = json.loads(read(os.path.join("..", "tests", "fixtures", "saved", "cost-load.json")))
+        cell = cell["cells"][0]
+        poisson = dict(cell, arrivals="poisson at 100/s", overhead_pct=55.5)
+        burst = dict(cell, arrivals="burst", overhead_pct=-4.4)
+        table = "\n".join(experiment.cost_table([poisson, burst], [1]))
+        shape = (cell["concurrency"], cell["max_tokens"])
+        self.assertIn("load, %d streams, %d tokens:" % shape, table)
+        self.assertIn("load, %d streams, poisson at 100/s, %d tokens:" % shape, table)
+        self.assertIn("-4.4 %", table)
+        self.assertIn("+55.5 %", table)
+
+
 class PlotScripts(unittest.TestCase):
     def plot(self, script, *args, env=None):
         return subprocess.run([sys.executable, os.path.join(EXAMPLES, script)] + list(args),
