@@ -48,18 +48,27 @@ Sections, in the order they appear:
                        SglangAdapter, the known-hazards table, engine detection: all that is
                        known of each engine lives here
   Shared by the modes  output, progress, atomic saves, signals, the one map of exceptions to
-                       exit codes (ending), waiting for servers, table headers
+                       exit codes (ending), waiting for servers, table headers, the settings
+                       two servers report otherwise (SettingDifference)
   Configuration        Config (what every mode shares), options taken from argparse by field
                        name, the parser, URL and file checks, configure(argv)
-  Slices               one section each, holding its options and their checks, what it adds
-                       to a request, its step, its records, its report lines and its --expect
-                       rule: Arrivals and trials (--request-rate; --batch, --concurrency),
+  Arrivals and trials  when concurrent requests go out (--request-rate), and what one timed
+                       cost trial is (--batch, --concurrency): each owns its options, step,
+                       records and report lines
+  The sweep's core     Evidence (what each completion showed, and what it can show), the
+                       Sender of every traffic shape, BatchRow, SizeResult, SweepSummary,
+                       PromptSweep (the verdict read request by request), and SweepCheck, the
+                       interface every sweep check shares; it names no check
+  Sweep checks         one section each, holding its options, what it adds to a request, its
+                       part of each batch, size and summary, its lines and its --expect rule:
                        Prefix-cache bypass (--prefix-cache), Cache check (--cache-check),
                        Prefill check (--prefill-check), Server baseline (--baseline)
-  --mode sweep         SweepOptions, traffic shapes (Sender), the rows, sizes and summary
-                       records, the table, the advice, SWEEP_EXPECTATIONS, run_sweep
-  --mode cost          CostOptions, Overhead, ArmStats, CostCell, the arms and their settings
-                       check, warm-up, the cost file, the 2x2 table, run_cost
+  --mode sweep         SWEEP_CHECKS (the table of checks), SweepOptions, the ladder, the
+                       summary and saved document, the table, the advice, the --expect rules,
+                       run_sweep: the core and the checks composed
+  --mode cost          CostOptions, ArmStats, CellIdentity (everything a cell was measured
+                       under), CostCell, the arms and their settings check, warm-up, the cost
+                       file, the 2x2 table, run_cost
   --mode harness       the quoted upstream excerpts, their provenance, the commands
   --mode help          the guide
   main                 main(argv) -> exit code
@@ -98,8 +107,8 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from http.client import HTTPException
-from typing import (Any, Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Set, Tuple,
-                    Type, TypeVar, Union)
+from typing import (Any, Callable, ClassVar, Dict, Iterator, List, Optional, Protocol, Sequence,
+                    Set, Tuple, Type, TypeVar, Union)
 
 # ----------------------------------------------------------------------------
 # Constants
@@ -188,7 +197,7 @@ DEFAULT_MAX_RESPONSE_MB = 512  # a larger answer is refused rather than held in 
 MAX_EVENT_LINE = 1 << 20  # a streamed event line longer than this is no engine's event
 MAX_REDIRECTS = 5  # a GET redirected within the server more often than this is answered as is
 REDIRECTS = (301, 302, 303, 307, 308)  # the statuses that send the lab elsewhere
-SHORT_SECRET = 8  # an API key shorter than this is hidden only where it stands as a word
+SHORT_SECRET = 8  # a shorter API key is not looked for in what servers send: too like data
 CLOCK = time.perf_counter  # what requests are timed with (the tests swap in a virtual clock)
 PROGRESS_INTERVAL_S = 10.0  # off a terminal, at most one progress line this often (short logs)
 SAVE_INTERVAL_S = 1.0  # during a run --save is rewritten at most this often (and at every stop)
@@ -200,46 +209,34 @@ SAVE_SHARE = 0.05  # ... and never so often that writing it takes more than this
 Json = Dict[str, Any]  # a JSON object as saved or read: made by as_record, read by from_record
 
 
-def saved(name: Optional[str] = None, omit_none: bool = False,
-          flat: Optional[str] = None) -> Dict[str, Any]:
+def saved(name: Optional[str] = None, omit_none: bool = False, flat: Optional[str] = None,
+          parts: bool = False) -> Dict[str, Any]:
     """A record field's metadata, for as_record: saved under name (default: the field's own),
     left out when None (omit_none), or its own record's fields saved in its place, each name
-    behind the prefix flat."""
-    return {"saved": name, "omit_none": omit_none or flat is not None, "flat": flat}
+    behind the prefix flat; parts: the field holds a dict of records, each saved in the
+    field's place as its own class's SAVED_AS (a saved() of its own) says."""
+    return {"saved": name, "omit_none": omit_none or flat is not None, "flat": flat,
+            "parts": parts}
 
 
 NOT_SAVED: Dict[str, Any] = {"not_saved": True}  # the metadata of a field as_record leaves out
 
 
 @functools.lru_cache(maxsize=None)
-def saved_fields(kind: type) -> Tuple[Tuple[str, Optional[str], bool, Optional[str]], ...]:
-    """(field, saved name, omit when None, flat prefix) of a record type, in saved order."""
+def saved_fields(kind: type) -> Tuple[Tuple[str, Optional[str], bool, Optional[str], bool], ...]:
+    """(field, saved name, omit when None, flat prefix, parts) of a record type, in saved
+    order."""
     return tuple((f.name, f.metadata.get("saved") or f.name, f.metadata.get("omit_none", False),
-                  f.metadata.get("flat"))
+                  f.metadata.get("flat"), f.metadata.get("parts", False))
                  for f in dataclasses.fields(kind) if not f.metadata.get("not_saved"))
 
 
-def as_record(value: Any) -> Any:
-    """A record as it is saved: a dataclass becomes an object of its fields in their order
-    (as saved() says: renamed, left out when None, or flattened in), and lists and dicts of
-    records are written record by record; every other value is saved as it is (json writes a
-    tuple as a list)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        record: Json = {}
-        for name, key, omit_none, flat in saved_fields(type(value)):
-            part = getattr(value, name)
-            if part is None and omit_none:
-                continue
-            if flat is not None:
-                record.update((flat + k, v) for k, v in as_record(part).items())
-            else:
-                record[key] = as_record(part)
-        return record
-    if isinstance(value, (list, tuple)) and value and holds_records(value[0]):
-        return [as_record(v) for v in value]
-    if isinstance(value, dict) and value and holds_records(next(iter(value.values()))):
-        return {k: as_record(v) for k, v in value.items()}
-    return value
+def save_into(record: Json, key: str, flat: Optional[str], value: Any) -> None:
+    """One field of a record, saved under key or flattened in behind the prefix flat."""
+    if flat is not None:
+        record.update((flat + k, v) for k, v in as_record(value).items())
+    else:
+        record[key] = as_record(value)
 
 
 def holds_records(value: Any) -> bool:
@@ -250,6 +247,31 @@ def holds_records(value: Any) -> bool:
     if isinstance(value, dict):
         return bool(value) and holds_records(next(iter(value.values())))
     return dataclasses.is_dataclass(value)
+
+
+def as_record(value: Any) -> Any:
+    """A record as it is saved: a dataclass becomes an object of its fields in their order
+    (as saved() says: renamed, left out when None, or flattened in), and lists and dicts of
+    records are written record by record; every other value is saved as it is (json writes a
+    tuple as a list)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        record: Json = {}
+        for name, key, omit_none, flat, parts in saved_fields(type(value)):
+            part = getattr(value, name)
+            if part is None and omit_none:
+                continue
+            if not parts:
+                save_into(record, key, flat, part)
+                continue
+            for each in part.values():
+                how = type(each).SAVED_AS
+                save_into(record, how["saved"], how["flat"], each)
+        return record
+    if isinstance(value, (list, tuple)) and value and holds_records(value[0]):
+        return [as_record(v) for v in value]
+    if isinstance(value, dict) and value and holds_records(next(iter(value.values()))):
+        return {k: as_record(v) for k, v in value.items()}
+    return value
 
 
 # ----------------------------------------------------------------------------
@@ -323,6 +345,14 @@ class Completion:
                    [{k: float(v) for k, v in d.items()} for d in top], rec.get("finish_reason"))
 
 
+def has_nan(c: Completion) -> bool:
+    """Any NaN among c's logprobs (looked for once per completion, in C)."""
+    if "nan" not in c.memo:
+        values = itertools.chain(c.logprobs, *map(dict.values, c.top_logprobs))
+        c.memo["nan"] = any(map(math.isnan, values))
+    return c.memo["nan"]
+
+
 def same_completion(a: Completion, b: Completion) -> bool:
     """Equal tokens, logprobs and top-k lists: nothing a comparison could tell apart. A NaN is
     never equal to anything, itself included (list equality would take one for itself: json
@@ -331,14 +361,6 @@ def same_completion(a: Completion, b: Completion) -> bool:
     return (  # logprobs first: where anything moved, they tell the two apart soonest
         a.logprobs == b.logprobs and a.tokens == b.tokens and a.top_logprobs == b.top_logprobs
         and not has_nan(b))
-
-
-def has_nan(c: Completion) -> bool:
-    """Any NaN among c's logprobs (looked for once per completion, in C)."""
-    if "nan" not in c.memo:
-        values = itertools.chain(c.logprobs, *map(dict.values, c.top_logprobs))
-        c.memo["nan"] = any(map(math.isnan, values))
-    return c.memo["nan"]
 
 
 def negative_float32_bits(values: List[float], clamps: Sequence[float]) -> Optional[array.array]:
@@ -413,6 +435,22 @@ class ComparablePairs:
         return i if i < self.chosen else bisect.bisect_right(self.ends, i)
 
 
+def flat_view(c: Completion, clamps: Sequence[float]) -> Tuple[List[str], List[int], List[float],
+                                                               Optional[List[int]]]:
+    """(top-k tokens, where each step ends, values, float32 bits) of c's logprobs laid out as
+    comparable_pairs lays them out when nothing diverged: the chosen tokens', then each step's
+    top-k. Worked out once per completion: the baseline is compared with every other."""
+    key = ("flat", tuple(clamps))
+    if key not in c.memo:
+        top = c.top_logprobs
+        values = c.logprobs + list(itertools.chain.from_iterable(map(dict.values, top)))
+        ends = list(itertools.accumulate(map(len, top), initial=len(c.logprobs)))[1:]
+        bits = negative_float32_bits(values, clamps)
+        c.memo[key] = (list(itertools.chain.from_iterable(top)), ends, values,
+                       None if bits is None else bits.tolist())
+    return c.memo[key]
+
+
 def comparable_pairs(base: Completion, other: Completion,
                      clamps: Sequence[float] = ()) -> ComparablePairs:
     """Before the first token divergence: the chosen token's logprob and every token in both
@@ -450,20 +488,13 @@ def comparable_pairs(base: Completion, other: Completion,
     return ComparablePairs(diverged, xs, ys, chosen, ends, topk_changed)
 
 
-def flat_view(c: Completion, clamps: Sequence[float]) -> Tuple[List[str], List[int], List[float],
-                                                               Optional[List[int]]]:
-    """(top-k tokens, where each step ends, values, float32 bits) of c's logprobs laid out as
-    comparable_pairs lays them out when nothing diverged: the chosen tokens', then each step's
-    top-k. Worked out once per completion: the baseline is compared with every other."""
-    key = ("flat", tuple(clamps))
-    if key not in c.memo:
-        top = c.top_logprobs
-        values = c.logprobs + list(itertools.chain.from_iterable(map(dict.values, top)))
-        ends = list(itertools.accumulate(map(len, top), initial=len(c.logprobs)))[1:]
-        bits = negative_float32_bits(values, clamps)
-        c.memo[key] = (list(itertools.chain.from_iterable(top)), ends, values,
-                       None if bits is None else bits.tolist())
-    return c.memo[key]
+def _negative_float32_ulps(xs: List[float], ys: List[float],
+                           clamps: Sequence[float]) -> Optional[List[int]]:
+    """ULPs of each pair, computed in C, when both sides are negative_float32_bits' case."""
+    bx, by = negative_float32_bits(xs, clamps), negative_float32_bits(ys, clamps)
+    if bx is None or by is None:
+        return None
+    return list(map(abs, map(operator.sub, bx, by)))
 
 
 def pair_ulps(xs: List[float], ys: List[float],
@@ -481,15 +512,6 @@ def pair_ulps(xs: List[float], ys: List[float],
         if unit != "float32":
             notes.add(unit)
     return ulps, notes
-
-
-def _negative_float32_ulps(xs: List[float], ys: List[float],
-                           clamps: Sequence[float]) -> Optional[List[int]]:
-    """ULPs of each pair, computed in C, when both sides are negative_float32_bits' case."""
-    bx, by = negative_float32_bits(xs, clamps), negative_float32_bits(ys, clamps)
-    if bx is None or by is None:
-        return None
-    return list(map(abs, map(operator.sub, bx, by)))
 
 
 def first_true(flags: List[bool], start: int, stop: int) -> Optional[int]:
@@ -545,39 +567,44 @@ def straddling_ladder(max_batch: int, graph_sizes: Sequence[int]) -> List[int]:
 
 @dataclass
 class Measured:
-    """What a sweep measured, as far as its verdict depends on it: for one prompt, or for all."""
+    """What a sweep measured, as far as its verdict depends on it: for one prompt, or for all.
+    The verdict's evidence is per request (PromptSweep.measured): a completion counts where
+    it was computed, not served from the prefix cache, beside other requests of its batch."""
 
     total: int = 0  # completions that came back, the baseline's included
     unique: int = 0  # distinct completion texts, the baseline's included
     max_ulp: int = 0  # over every comparable logprob
-    tokens_diverged: bool = False  # some completion chose another token than the baseline
-    text_only: bool = False  # some text differed while every token was the baseline's
-    unmeasured: bool = False  # something moved with no distance (see MOVED_NOTES)
-    compared: bool = False  # a size above batch 1, or a stored baseline, was compared
+    tokens_diverged: bool = False  # a computed completion chose another token than the baseline
+    text_only: bool = False  # a computed completion's text differed while its tokens held
+    moved: bool = False  # a computed completion differed from the baseline in any way
+    compared: bool = False  # a computed completion above batch 1, or against a stored baseline
     batch1_repeatable: Optional[bool] = None  # batch 1's passes against each other
     unseeded: bool = False  # sampling that the server does not seed
-    # what moved, moved only at sizes the prefix cache served despite the bypass: the cache,
-    # not the batch alone, may explain it
-    confounded: bool = False
+    served_moved: bool = False  # a completion the prefix cache served differed from the baseline
+    served_sizes: List[int] = field(default_factory=list)  # sizes where the cache served one
+    alone_sizes: List[int] = field(default_factory=list)  # sizes where a request was alone
     unoverlapped: bool = False  # some size's scheduled requests were never in flight together
+    first_moved: Optional[Any] = None  # the FirstMoved of the computed evidence
 
     @classmethod
     def combined(cls, parts: Sequence["Measured"]) -> "Measured":
         """All prompts together: the verdict of a sweep is that of its least invariant prompt."""
         repeatable = [m.batch1_repeatable for m in parts]
+        firsts = [m.first_moved for m in parts if m.first_moved is not None]
         return cls(
             total=sum(m.total for m in parts), unique=max((m.unique for m in parts), default=0),
             max_ulp=max((m.max_ulp for m in parts), default=0),
             tokens_diverged=any(m.tokens_diverged for m in parts),
-            text_only=any(m.text_only for m in parts),
-            unmeasured=any(m.unmeasured for m in parts), compared=any(m.compared for m in parts),
+            text_only=any(m.text_only for m in parts), moved=any(m.moved for m in parts),
+            compared=any(m.compared for m in parts),
             batch1_repeatable=(False if False in repeatable else
                                True if repeatable and None not in repeatable else None),
             unseeded=any(m.unseeded for m in parts),
-            # batching is shown by any prompt that moved at a size the cache did not serve
-            confounded=any(m.confounded for m in parts)
-            and all(m.confounded for m in parts if verdict(m) != INVARIANT),
-            unoverlapped=any(m.unoverlapped for m in parts))
+            served_moved=any(m.served_moved for m in parts),
+            served_sizes=sorted({n for m in parts for n in m.served_sizes}),
+            alone_sizes=sorted({n for m in parts for n in m.alone_sizes}),
+            unoverlapped=any(m.unoverlapped for m in parts),
+            first_moved=min(firsts, key=lambda f: f.batch) if firsts else None)
 
 
 INVARIANT = "invariant"
@@ -590,10 +617,12 @@ NOISE_NOT_RULED_OUT = "sampling noise not ruled out"
 NO_DATA = "no data"  # the verdict when no completion came back (the run stopped first)
 # batch 1 alone came back: it is the baseline, not a comparison
 NOTHING_COMPARED = "nothing compared"
-# what moved, moved only where the prefix cache served the prompt despite the bypass
+# what moved, moved only in requests the prefix cache served
 CACHE_CONFOUNDED = "moved only where the cache served (bypass did not hold)"
+# every request above batch 1 was served from the prefix cache, and none moved
+SERVED_ONLY = "nothing compared: the cache served every request above batch 1"
 BATCH_EFFECTS = (TOKENS_DIVERGED, LOGPROBS_MOVED)  # verdicts batching explains
-UNMEASURED_VERDICTS = (NO_DATA, NOTHING_COMPARED)  # verdicts that claim nothing either way
+UNMEASURED_VERDICTS = (NO_DATA, NOTHING_COMPARED, SERVED_ONLY)  # they claim nothing either way
 MOVED_NOTES = ("clamped", "non-finite", "top-k changed")  # notes that count as moved, ULPs or not
 
 ULP_NOTE_TEXT = {
@@ -608,27 +637,26 @@ ULP_NOTE_TEXT = {
 
 def verdict(m: Measured) -> str:
     """The one place a sweep's verdict is decided (printed, saved and read by --expect): what
-    the measurements show, claiming nothing that was not compared and never blaming batching
-    for what something else explains (sampling the server does not seed, a batch 1 that does
-    not repeat itself, a prefix cache that served every size that moved)."""
+    the computed requests show, claiming nothing that was not compared and never blaming
+    batching for what something else explains (sampling the server does not seed, a batch 1
+    that does not repeat itself, a prefix cache that served what moved)."""
     if not m.total:
         return NO_DATA
     if not m.compared:
-        return NOTHING_COMPARED
-    moved = (m.tokens_diverged or m.text_only or m.unique > 1 or m.max_ulp > 0 or m.unmeasured
-             or m.batch1_repeatable is False)
-    if m.unseeded and moved:
+        if m.served_moved:
+            return CACHE_CONFOUNDED
+        return SERVED_ONLY if m.served_sizes else NOTHING_COMPARED
+    moved = m.moved or m.batch1_repeatable is False
+    if m.unseeded and (moved or m.served_moved):
         return NOISE_NOT_RULED_OUT
     if m.batch1_repeatable is False:
         return NOT_REPEATABLE
-    if moved and m.confounded:
+    if not moved and m.served_moved:
         return CACHE_CONFOUNDED
     if m.tokens_diverged:
         return TOKENS_DIVERGED
     if m.text_only:
         return TEXT_ONLY
-    if m.unique > 1:
-        return TOKENS_DIVERGED
     if moved:
         return LOGPROBS_MOVED
     return INVARIANT
@@ -658,6 +686,15 @@ def bootstrap_median_ci(values: Sequence[float], resamples: int = BOOTSTRAP_RESA
     return meds[int(tail * (resamples - 1))], meds[int(math.ceil((1.0 - tail) * (resamples - 1)))]
 
 
+_FILLER = ("the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak "
+           "tree near the river bank and count every star in the clear night sky").split()
+
+
+def filler_words(count: int, offset: int = 0) -> str:
+    """About `count` tokens of plain English (common words are about one token each)."""
+    return " ".join(_FILLER[(offset + i) % len(_FILLER)] for i in range(count))
+
+
 def mixed_batch(prompt: str, n: int, seed: int) -> Tuple[List[str], int]:
     """One batch of mixed traffic: the measured prompt once, at a position that varies with n,
     among n-1 filler prompts of varied lengths; the same n and seed always give the same batch."""
@@ -670,15 +707,6 @@ def mixed_batch(prompt: str, n: int, seed: int) -> Tuple[List[str], int]:
         if text != prompt:
             fillers.append(text)
     return fillers[:position] + [prompt] + fillers[position:], position
-
-
-_FILLER = ("the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak "
-           "tree near the river bank and count every star in the clear night sky").split()
-
-
-def filler_words(count: int, offset: int = 0) -> str:
-    """About `count` tokens of plain English (common words are about one token each)."""
-    return " ".join(_FILLER[(offset + i) % len(_FILLER)] for i in range(count))
 
 
 def workload_prompts(workload: str, batch: int, trial: int, run_id: str,
@@ -730,30 +758,35 @@ def is_loopback(host: str) -> bool:
 
 
 class Secrets:
-    """What the lab must never print or save (the API key): hidden in any case, wherever it
-    turns up, in what a server echoes or reports about itself as much as in the lab's own text."""
+    """The API key, kept out of what the lab prints and saves by where it stands, never by
+    rewriting the lab's own values: the recorded command line has the key option's value
+    replaced where it stands (key_free_command); and text a server sends back (its error
+    bodies, what its info endpoints answer) is searched for the key, in any case and cut
+    short from SHORT_SECRET characters on, only when the key is long enough to be told from
+    data. A shorter key is said once on stderr: the lab never writes it, and cannot look for
+    it in a server's answers."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.pattern: Optional["re.Pattern[str]"] = None
         self.rests: Dict[str, str] = {}
+        self.short = False  # a key was given that is too short to search for
 
     def keep(self, *secrets: Optional[str]) -> None:
-        """Hide these from now on: a key in any case, and any start of it of SHORT_SECRET
-        characters or more (a server may echo a key cut short). A key shorter than that (a
-        placeholder such as EMPTY) is hidden only as a word written as given, so that the
-        word "empty" in a prompt or a message stays what it was."""
+        """Hide these from now on in what servers send: a key in any case, and any start of
+        it of SHORT_SECRET characters or more (a server may echo a key cut short), whatever
+        stands at its edges."""
         words = sorted({w for w in secrets if w}, key=len, reverse=True)
+        self.short = any(len(w) < SHORT_SECRET for w in words)
         self.rests = {}  # a long key's first SHORT_SECRET characters -> the rest, lower case
         for w in words:
             if len(w) >= SHORT_SECRET:
                 self.rests.setdefault(w[:SHORT_SECRET].lower(), w[SHORT_SECRET:].lower())
-        alternatives = (["(?i:%s)" % re.escape(start) for start in self.rests]
-                        + [r"\b%s\b" % re.escape(w) for w in words if len(w) < SHORT_SECRET])
-        self.pattern = re.compile("|".join(alternatives)) if words else None
+        alternatives = ["(?i:%s)" % re.escape(start) for start in self.rests]
+        self.pattern = re.compile("|".join(alternatives)) if alternatives else None
 
     def hide(self, text: str) -> str:
-        """text with each key's start, and as much more of that key as follows, hidden (a
-        loop, not a pattern: a key of a thousand characters nests no thousand groups)."""
+        """Server text with each key's start, and as much more of that key as follows, hidden
+        (a loop, not a pattern: a key of a thousand characters nests no thousand groups)."""
         if self.pattern is None:
             return text
         parts, end = [], 0
@@ -766,9 +799,8 @@ class Secrets:
         return "".join(parts) + text[end:]
 
     def hidden(self, value: Any) -> Any:
-        """A JSON value with the key hidden in every string of it, keys of objects too: done
-        before encoding, never by rewriting encoded text (where a key such as "null" or "1"
-        would break the JSON)."""
+        """A decoded JSON answer of a server with the key hidden in every string of it, keys
+        of objects too: done once decoded, never by rewriting encoded text."""
         if self.pattern is None:
             return value
         if isinstance(value, str):
@@ -778,6 +810,39 @@ class Secrets:
         if isinstance(value, (list, tuple)):
             return [self.hidden(v) for v in value]
         return value
+
+
+KEY_OPTION = "--api-key"  # the one option whose value is a secret
+
+
+def key_free_command(argv: Sequence[str], options: Sequence[str]) -> List[str]:
+    """A command line as it may be recorded: the key option's value replaced where it stands,
+    in every spelling argparse takes (--api-key K, --api-key=K, and any abbreviation of it
+    that no other of options begins: --api K). One rule, for run.py's own record and the
+    experiment's."""
+    def is_key_option(word: str) -> bool:
+        name = word.split("=", 1)[0]
+        if len(name) < 3 or not KEY_OPTION.startswith(name):
+            return False
+        return name == KEY_OPTION or not any(o.startswith(name) for o in options
+                                             if o != KEY_OPTION)
+
+    command, expects_value = [], False
+    for i, word in enumerate(argv):
+        if expects_value:
+            command.append("[api key]")
+            expects_value = False
+        elif word == "--":
+            return command + list(argv[i:])
+        elif word.startswith("--") and is_key_option(word):
+            if "=" in word:
+                command.append(word.split("=", 1)[0] + "=[api key]")
+            else:
+                command.append(word)
+                expects_value = True
+        else:
+            command.append(word)
+    return command
 
 
 def check_api_key(key: Optional[str]) -> Optional[str]:
@@ -791,6 +856,14 @@ def check_api_key(key: Optional[str]) -> Optional[str]:
 
 
 SECRETS = Secrets()
+
+
+def printable(text: str) -> str:
+    """A server's text as one printable line: line breaks, escape sequences and every other
+    character a terminal would act on written as escapes (a server cannot forge a line)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def server_message(body: bytes) -> str:
@@ -899,155 +972,6 @@ class Watchdog:
 
 
 WATCHDOG = Watchdog()
-
-
-class HttpClient:
-    """Every request the lab sends to one server: JSON in and out, under one deadline an
-    answer (connecting, the status line, the headers, every byte of the body: the watchdog
-    keeps it), a stop signal honoured within STOP_GRACE_S, redirects followed only within
-    the server, every failure a one-line ServerError."""
-
-    def __init__(self, base_url: str, api_key: Optional[str], timeout: float, max_bytes: int):
-        self.base_url = base_url.rstrip("/")
-        self.api_key, self.timeout, self.max_bytes = api_key, timeout, max_bytes
-        self.route = Route.to(self.base_url)
-
-    def request(self, path: str, body: Optional[Dict[str, Any]] = None,
-                as_text: bool = False) -> Any:
-        """GET (body None) or POST JSON; returns the decoded JSON answer (with as_text, the
-        answer's text) or raises ServerError.
-        A GET redirected within the server follows the redirect (at most MAX_REDIRECTS
-        times); a POST never does."""
-        target = path
-        for _ in range(MAX_REDIRECTS + 1):
-            exchange = Exchange(self, "GET" if body is None else "POST", target, body)
-            exchange.connect()
-            exchange.send()
-            status, location, raw = exchange.whole_answer()
-            if status not in REDIRECTS or location is None:
-                break
-            target = self.redirected(status, location, target)
-            if body is not None:
-                break  # a POST's redirect is answered as the error it is
-        if status >= 300:
-            raise self.http_error(status, path, raw)
-        return self.decode(raw, path, as_text)
-
-    def redirected(self, status: int, location: str, target: str) -> str:
-        """The path a redirect sends the lab to, refused when it leaves the server."""
-        here = urllib.parse.urlsplit(self.base_url + target)
-        there = urllib.parse.urlsplit(urllib.parse.urljoin(self.base_url + target, location))
-        if (there.scheme, there.netloc) != (here.scheme, here.netloc):
-            shown = urllib.parse.urlunsplit((there.scheme, there.netloc, there.path, "", ""))
-            raise ServerError(
-                "%s://%s answered HTTP %d, redirecting to %s, another server: the lab follows no "
-                "redirect away from the server it was given (give that URL instead, if it is "
-                "the one)" % (here.scheme, here.netloc, status, shown[:200]))
-        base_path = urllib.parse.urlsplit(self.base_url).path
-        path = there.path[len(base_path):] if there.path.startswith(base_path) else there.path
-        return path + ("?" + there.query if there.query else "")
-
-    def deadline(self) -> Deadline:
-        """The deadline of one answer, starting now."""
-        late = "no complete answer from %s within %gs (--timeout)" % (self.base_url, self.timeout)
-        return Deadline(self.timeout, lambda: ServerError(late))
-
-    def http_error(self, status: int, path: str, body: bytes) -> ServerError:
-        message = server_message(body)[:300]
-        return ServerError("HTTP %d from %s: %s" % (status, path, message), status)
-
-    def transport_error(self, reason: Any, url: str) -> ServerError:
-        """What went wrong on the way to the server, said as what it is."""
-        if isinstance(reason, OSError) and reason.errno in (errno.EMFILE, errno.ENFILE):
-            return ServerError(
-                "this machine ran out of open files (%s), not the server: raise the limit "
-                "(ulimit -n) or send fewer requests at once" % os.strerror(reason.errno))
-        if isinstance(reason, ssl.SSLCertVerificationError):
-            return ServerError("the TLS certificate of %s is not trusted here (%s)" %
-                               (self.base_url, reason.verify_message or reason.reason))
-        if isinstance(reason, ssl.SSLError):
-            return ServerError("TLS with %s failed (%s)" %
-                               (self.base_url, reason.reason or reason))
-        if isinstance(reason, (OSError, HTTPException)) and not isinstance(
-                reason, TIMEOUTS + (ConnectionRefusedError, socket.gaierror)):
-            return ServerError("connection to %s dropped (%s)" % (url, type(reason).__name__))
-        if isinstance(reason, ConnectionRefusedError):
-            return ServerError("connection refused by %s: is the server running?" % self.base_url)
-        if isinstance(reason, socket.gaierror):
-            return ServerError("cannot resolve the host of %s" % self.base_url)
-        if isinstance(reason, TIMEOUTS):
-            return ServerError("no answer from %s within %gs (--timeout)" %
-                               (self.base_url, self.timeout))
-        return ServerError("cannot reach %s: %s" % (self.base_url, reason))
-
-    @staticmethod
-    def decode(raw: bytes, path: str, as_text: bool = False) -> Any:
-        if as_text:
-            return raw.decode("utf-8", "replace")
-        try:
-            return json.loads(raw)
-        except (ValueError, RecursionError):  # RecursionError: nested deeper than Python parses
-            raise ServerError("invalid JSON from %s (%d bytes)" % (path, len(raw)),
-                              kind=ServerError.ANSWER) from None
-
-    def _read_capped(self, resp) -> bytes:
-        """The body, no larger than --max-response-mb (its deadline is the caller's)."""
-        chunks, total = [], 0
-        while True:
-            chunk = resp.read1(1 << 16)
-            if not chunk:
-                break
-            total += len(chunk)
-            if total > self.max_bytes:
-                raise ServerError("answer larger than %d MB refused (--max-response-mb)" %
-                                  (self.max_bytes >> 20))
-            chunks.append(chunk)
-        if getattr(resp, "length", None):  # the server hung up before the length it announced
-            raise ServerError("connection to %s dropped in the middle of an answer"
-                              % self.base_url)
-        return b"".join(chunks)
-
-
-def sliced_connection(deadline: Deadline) -> Callable[..., socket.socket]:
-    """What http.client calls to open its socket (socket.create_connection's part): the
-    connect waited for in slices of the deadline, so that an unreachable server neither
-    outlasts it nor holds a stop signal; the socket then blocks, handed to the watchdog at
-    once, so that a TLS handshake or a proxy's tunnel that follows is under the deadline too."""
-
-    def create(address: Tuple[str, int], *unused: Any) -> socket.socket:
-        failure: Optional[OSError] = None
-        for family, kind, proto, _, addr in socket.getaddrinfo(*address, 0, socket.SOCK_STREAM):
-            sock = socket.socket(family, kind, proto)
-            try:
-                sock.setblocking(False)
-                code = sock.connect_ex(addr)
-                while code in (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EALREADY, errno.EINTR):
-                    if writable(sock, deadline.left()):
-                        code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-                if code:
-                    raise OSError(code, os.strerror(code))  # e.g. ConnectionRefusedError
-                sock.setblocking(True)
-                WATCHDOG.watch(deadline, sock)
-                return sock
-            except OSError as err:
-                sock.close()
-                failure = err
-            except BaseException:
-                sock.close()
-                raise
-        raise failure or OSError("no address for %s" % address[0])
-
-    return create
-
-
-def writable(sock: socket.socket, seconds: float) -> bool:
-    """Wait at most seconds for sock to be writable (poll takes any number of descriptors;
-    select only those below 1024, fewer than a thousand concurrent requests open)."""
-    if hasattr(select, "poll"):
-        poller = select.poll()
-        poller.register(sock, select.POLLOUT)
-        return bool(poller.poll(seconds * 1000))
-    return bool(select.select([], [sock], [], seconds)[1])
 
 
 @dataclass(frozen=True)
@@ -1224,6 +1148,159 @@ class Exchange:
             self.close()
 
 
+# What a timeout raises: socket.timeout became an alias of TimeoutError only in Python 3.10.
+TIMEOUTS = (TimeoutError, socket.timeout)
+
+
+class HttpClient:
+    """Every request the lab sends to one server: JSON in and out, under one deadline an
+    answer (connecting, the status line, the headers, every byte of the body: the watchdog
+    keeps it), a stop signal honoured within STOP_GRACE_S, redirects followed only within
+    the server, every failure a one-line ServerError."""
+
+    def __init__(self, base_url: str, api_key: Optional[str], timeout: float, max_bytes: int):
+        self.base_url = base_url.rstrip("/")
+        self.api_key, self.timeout, self.max_bytes = api_key, timeout, max_bytes
+        self.route = Route.to(self.base_url)
+
+    def request(self, path: str, body: Optional[Dict[str, Any]] = None,
+                as_text: bool = False) -> Any:
+        """GET (body None) or POST JSON; returns the decoded JSON answer (with as_text, the
+        answer's text) or raises ServerError.
+        A GET redirected within the server follows the redirect (at most MAX_REDIRECTS
+        times); a POST never does."""
+        target = path
+        for _ in range(MAX_REDIRECTS + 1):
+            exchange = Exchange(self, "GET" if body is None else "POST", target, body)
+            exchange.connect()
+            exchange.send()
+            status, location, raw = exchange.whole_answer()
+            if status not in REDIRECTS or location is None:
+                break
+            target = self.redirected(status, location, target)
+            if body is not None:
+                break  # a POST's redirect is answered as the error it is
+        if status >= 300:
+            raise self.http_error(status, path, raw)
+        return self.decode(raw, path, as_text)
+
+    def redirected(self, status: int, location: str, target: str) -> str:
+        """The path a redirect sends the lab to, refused when it leaves the server."""
+        here = urllib.parse.urlsplit(self.base_url + target)
+        there = urllib.parse.urlsplit(urllib.parse.urljoin(self.base_url + target, location))
+        if (there.scheme, there.netloc) != (here.scheme, here.netloc):
+            shown = urllib.parse.urlunsplit((there.scheme, there.netloc, there.path, "", ""))
+            raise ServerError(
+                "%s://%s answered HTTP %d, redirecting to %s, another server: the lab follows no "
+                "redirect away from the server it was given (give that URL instead, if it is "
+                "the one)" % (here.scheme, here.netloc, status, shown[:200]))
+        base_path = urllib.parse.urlsplit(self.base_url).path
+        path = there.path[len(base_path):] if there.path.startswith(base_path) else there.path
+        return path + ("?" + there.query if there.query else "")
+
+    def deadline(self) -> Deadline:
+        """The deadline of one answer, starting now."""
+        late = "no complete answer from %s within %gs (--timeout)" % (self.base_url, self.timeout)
+        return Deadline(self.timeout, lambda: ServerError(late))
+
+    def http_error(self, status: int, path: str, body: bytes) -> ServerError:
+        message = server_message(body)[:300]
+        return ServerError("HTTP %d from %s: %s" % (status, path, message), status)
+
+    def transport_error(self, reason: Any, url: str) -> ServerError:
+        """What went wrong on the way to the server, said as what it is."""
+        if isinstance(reason, OSError) and reason.errno in (errno.EMFILE, errno.ENFILE):
+            return ServerError(
+                "this machine ran out of open files (%s), not the server: raise the limit "
+                "(ulimit -n) or send fewer requests at once" % os.strerror(reason.errno))
+        if isinstance(reason, ssl.SSLCertVerificationError):
+            return ServerError("the TLS certificate of %s is not trusted here (%s)" %
+                               (self.base_url, reason.verify_message or reason.reason))
+        if isinstance(reason, ssl.SSLError):
+            return ServerError("TLS with %s failed (%s)" %
+                               (self.base_url, reason.reason or reason))
+        if isinstance(reason, (OSError, HTTPException)) and not isinstance(
+                reason, TIMEOUTS + (ConnectionRefusedError, socket.gaierror)):
+            return ServerError("connection to %s dropped (%s)" % (url, type(reason).__name__))
+        if isinstance(reason, ConnectionRefusedError):
+            return ServerError("connection refused by %s: is the server running?" % self.base_url)
+        if isinstance(reason, socket.gaierror):
+            return ServerError("cannot resolve the host of %s" % self.base_url)
+        if isinstance(reason, TIMEOUTS):
+            return ServerError("no answer from %s within %gs (--timeout)" %
+                               (self.base_url, self.timeout))
+        return ServerError("cannot reach %s: %s" % (self.base_url, reason))
+
+    @staticmethod
+    def decode(raw: bytes, path: str, as_text: bool = False) -> Any:
+        if as_text:
+            return raw.decode("utf-8", "replace")
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than Python parses
+            raise ServerError("invalid JSON from %s (%d bytes)" % (path, len(raw)),
+                              kind=ServerError.ANSWER) from None
+
+    def _read_capped(self, resp) -> bytes:
+        """The body, no larger than --max-response-mb (its deadline is the caller's)."""
+        chunks, total = [], 0
+        while True:
+            chunk = resp.read1(1 << 16)
+            if not chunk:
+                break
+            total += len(chunk)
+            if total > self.max_bytes:
+                raise ServerError("answer larger than %d MB refused (--max-response-mb)" %
+                                  (self.max_bytes >> 20))
+            chunks.append(chunk)
+        if getattr(resp, "length", None):  # the server hung up before the length it announced
+            raise ServerError("connection to %s dropped in the middle of an answer"
+                              % self.base_url)
+        return b"".join(chunks)
+
+
+def writable(sock: socket.socket, seconds: float) -> bool:
+    """Wait at most seconds for sock to be writable (poll takes any number of descriptors;
+    select only those below 1024, fewer than a thousand concurrent requests open)."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(sock, select.POLLOUT)
+        return bool(poller.poll(seconds * 1000))
+    return bool(select.select([], [sock], [], seconds)[1])
+
+
+def sliced_connection(deadline: Deadline) -> Callable[..., socket.socket]:
+    """What http.client calls to open its socket (socket.create_connection's part): the
+    connect waited for in slices of the deadline, so that an unreachable server neither
+    outlasts it nor holds a stop signal; the socket then blocks, handed to the watchdog at
+    once, so that a TLS handshake or a proxy's tunnel that follows is under the deadline too."""
+
+    def create(address: Tuple[str, int], *unused: Any) -> socket.socket:
+        failure: Optional[OSError] = None
+        for family, kind, proto, _, addr in socket.getaddrinfo(*address, 0, socket.SOCK_STREAM):
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.setblocking(False)
+                code = sock.connect_ex(addr)
+                while code in (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EALREADY, errno.EINTR):
+                    if writable(sock, deadline.left()):
+                        code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if code:
+                    raise OSError(code, os.strerror(code))  # e.g. ConnectionRefusedError
+                sock.setblocking(True)
+                WATCHDOG.watch(deadline, sock)
+                return sock
+            except OSError as err:
+                sock.close()
+                failure = err
+            except BaseException:
+                sock.close()
+                raise
+        raise failure or OSError("no address for %s" % address[0])
+
+    return create
+
+
 def allow_open_files(connections: int) -> None:
     """Raise this process's open-file limit so that many connections can be open at once
     (a common soft limit is 1024); where it cannot be raised, the connects fail one by one."""
@@ -1238,10 +1315,6 @@ def allow_open_files(connections: int) -> None:
                 (wanted if hard == resource.RLIM_INFINITY else min(wanted, hard), hard))
     except (ImportError, ValueError, OSError):
         pass
-
-
-# What a timeout raises: socket.timeout became an alias of TimeoutError only in Python 3.10.
-TIMEOUTS = (TimeoutError, socket.timeout)
 
 
 class Stopped(KeyboardInterrupt):
@@ -1298,6 +1371,33 @@ class Sampling:
                    seed if temperature > 0 else None, ignore_eos)
 
 
+def is_count(x: Any) -> bool:
+    """A whole number from 1 to MAX_SERVER_COUNT (true is not a count)."""
+    return isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= MAX_SERVER_COUNT
+
+
+def plain_scalar(value: Any) -> Any:
+    """A value to print as it is: a string (cut to 120 characters, printable on one line),
+    number, boolean or null; anything else a server sent in its place becomes null."""
+    if isinstance(value, str):
+        return printable(value[:120])
+    return value if value is None or isinstance(value, (bool, int, float)) else None
+
+
+def plain_value(value: Any) -> Any:
+    """A setting's value, as the server sent it when it is small and shallow; otherwise its
+    JSON text, cut to 200 characters (so it still compares, prints and saves)."""
+    try:
+        text = json.dumps(value)
+    except (ValueError, TypeError, RecursionError):
+        return repr(type(value))
+    return value if len(text) <= 200 else text[:200]
+
+
+def shape_error(what: str) -> ServerError:
+    return ServerError("answer of the wrong shape: " + what, kind=ServerError.ANSWER)
+
+
 @dataclass
 class ServerFacts:
     """What the lab knows of one server, in one shape whichever engine runs it."""
@@ -1326,6 +1426,9 @@ class ServerFacts:
     flag_sets: Dict[str, Any] = field(default_factory=dict)
     # known hazards this server's settings meet; None: hidden
     hazards: Optional[List[Dict[str, Any]]] = None
+    # the model's id as the server gave it, which requests name it by; model is what the lab
+    # prints and saves (the same, but where the server's text held the API key: without_key)
+    model_id: str = field(default="", metadata=NOT_SAVED)
 
     def bucket(self, batch_size: int) -> Bucket:
         assumed = self.graph_source == "assumed"
@@ -1337,6 +1440,14 @@ class ServerFacts:
         labels = sorted(self.settings.keys() & other.settings.keys())
         return [(label, self.settings[label], other.settings[label]) for label in labels
                 if self.settings[label] != other.settings[label]]
+
+    def without_key(self) -> "ServerFacts":
+        """These facts as the lab may print and save them: the API key hidden in every value
+        the server sent (what a server says of itself may hold it: SGLang's /server_info
+        lists its api_key), the id requests name the model by kept as the server gave it."""
+        values = {f.name: SECRETS.hidden(getattr(self, f.name)) for f in dataclasses.fields(self)
+                  if f.name != "model_id"}
+        return dataclasses.replace(self, **values, model_id=self.model_id or self.model)
 
     def checked(self) -> "ServerFacts":
         """These facts with every value a server sent made safe to use: a server may send any
@@ -1410,11 +1521,6 @@ class EngineAdapter(Protocol):
 MAX_SERVER_COUNT = 10**12  # a token count above this is no server's: arithmetic never sees it
 
 
-def is_count(x: Any) -> bool:
-    """A whole number from 1 to MAX_SERVER_COUNT (true is not a count)."""
-    return isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= MAX_SERVER_COUNT
-
-
 def server_count(value: Any, what: str, absent: Optional[int] = None) -> Optional[int]:
     """A count a server reports (tokens, cached tokens): a whole number from 0 to
     MAX_SERVER_COUNT, checked before any arithmetic; absent when the server sent none."""
@@ -1436,41 +1542,11 @@ def token_id(token: str) -> Optional[int]:
     return int(found.group(1)) if found else None
 
 
-def printable(text: str) -> str:
-    """A server's text as one printable line: line breaks, escape sequences and every other
-    character a terminal would act on written as escapes (a server cannot forge a line)."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
-
-
-def plain_scalar(value: Any) -> Any:
-    """A value to print as it is: a string (cut to 120 characters, printable on one line),
-    number, boolean or null; anything else a server sent in its place becomes null."""
-    if isinstance(value, str):
-        return printable(value[:120])
-    return value if value is None or isinstance(value, (bool, int, float)) else None
-
-
-def plain_value(value: Any) -> Any:
-    """A setting's value, as the server sent it when it is small and shallow; otherwise its
-    JSON text, cut to 200 characters (so it still compares, prints and saves)."""
-    try:
-        text = json.dumps(value)
-    except (ValueError, TypeError, RecursionError):
-        return repr(type(value))
-    return value if len(text) <= 200 else text[:200]
-
-
 def dig(data: Any, *keys: str) -> Any:
     """data[k1][k2]... through nested objects, or None when any step is missing."""
     for key in keys:
         data = data.get(key) if isinstance(data, dict) else None
     return data
-
-
-def shape_error(what: str) -> ServerError:
-    return ServerError("answer of the wrong shape: " + what, kind=ServerError.ANSWER)
 
 
 def is_number(x: Any) -> bool:
@@ -1542,6 +1618,17 @@ def choice_order(choices: List[Any]) -> List[Any]:
 def fresh_cache_key() -> str:
     """A prefix-cache key no earlier request used (the bypass's; a cache check's cold batch)."""
     return "lab-" + os.urandom(12).hex()
+
+
+def answer_or_none(client: HttpClient, path: str) -> Any:
+    """The answer to a GET, or None when the server answers with an HTTP error or invalid JSON;
+    a server that cannot be reached still raises."""
+    try:
+        return client.request(path)
+    except ServerError as err:
+        if err.kind == ServerError.NETWORK:
+            raise
+        return None
 
 
 class VllmAdapter:
@@ -2100,6 +2187,11 @@ HAZARDS = [
         "sgl-project/sglang#34683", "the issue's cold/warm reproduction")]
 
 
+# What reading a server's answer can raise when the answer is not what the engine sends.
+SHAPE_FAULTS = (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError,
+                OverflowError)
+
+
 def hazards_in(engine: str, info: Any, version: Any) -> List[Dict[str, Any]]:
     """The known hazards an engine's /server_info answer meets, at the release the server
     reports (a hazard fixed in an earlier release is not raised; one whose fix the server's
@@ -2118,9 +2210,6 @@ def hazards_in(engine: str, info: Any, version: Any) -> List[Dict[str, Any]]:
 
 
 ADAPTERS: Dict[str, EngineAdapter] = {a.name: a for a in (VllmAdapter(), SglangAdapter())}
-# What reading a server's answer can raise when the answer is not what the engine sends.
-SHAPE_FAULTS = (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError,
-                OverflowError)
 
 
 def parsed(what: str, parse: Callable[..., Any], *args: Any) -> Any:
@@ -2130,17 +2219,6 @@ def parsed(what: str, parse: Callable[..., Any], *args: Any) -> Any:
         return parse(*args)
     except SHAPE_FAULTS as err:
         raise shape_error("%s could not be read (%s)" % (what, type(err).__name__)) from None
-
-
-def answer_or_none(client: HttpClient, path: str) -> Any:
-    """The answer to a GET, or None when the server answers with an HTTP error or invalid JSON;
-    a server that cannot be reached still raises."""
-    try:
-        return client.request(path)
-    except ServerError as err:
-        if err.kind == ServerError.NETWORK:
-            raise
-        return None
 
 
 def answers_like(adapter: EngineAdapter, client: HttpClient) -> bool:
@@ -2219,10 +2297,15 @@ class ClosedStream:
         raise ValueError("closed before the start")
 
 
+class Bold(str):
+    """A line that states a verdict: Out.bold prints it where a report has several lines."""
+
+
 class Out:
     """Plain text to stdout; colour on a terminal unless NO_COLOR is set (non-empty) or --color
-    says otherwise; progress on a stderr terminal. Every line passes SECRETS.hide. A stream
-    that cannot be written raises OutputFailed once; after that nothing more is written to it."""
+    says otherwise; progress on a stderr terminal. A stream that cannot be written raises
+    OutputFailed once; after that nothing more is written to it. No line is rewritten: the
+    key never enters the lab's own text (Secrets)."""
 
     def __init__(self, stdout=None, stderr=None):
         # A stream closed before the lab started is None in sys: writing to it fails as a
@@ -2244,7 +2327,7 @@ class Out:
             return
         stream = self.stdout if which == "stdout" else self.stderr
         try:
-            stream.write(SECRETS.hide(text))
+            stream.write(text)
             stream.flush()
         except (OSError, ValueError) as err:  # ValueError: the stream was closed
             self.failure = OutputFailed(which, err)
@@ -2325,6 +2408,16 @@ class SaveError(Exception):
     results are still printed and the file keeps its last good contents."""
 
 
+def file_identity(path: str) -> Optional[Tuple[int, int, int, int]]:
+    """What tells one version of a file from another: (device, inode, size, modified ns) of
+    the file a path leads to; None where there is none."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
+
+
 class ThrottledSave:
     """Rewrites --save during a run at most once every SAVE_INTERVAL_S, and less often when the
     file is large enough that writing it would take more than SAVE_SHARE of the run: a run's
@@ -2374,32 +2467,8 @@ def read_only(path: str) -> bool:
     return not (os.stat(path).st_mode & 0o222) or not os.access(path, os.W_OK)
 
 
-def file_identity(path: str) -> Optional[Tuple[int, int, int, int]]:
-    """What tells one version of a file from another: (device, inode, size, modified ns) of
-    the file a path leads to; None where there is none."""
-    try:
-        info = os.stat(path)
-    except OSError:
-        return None
-    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
-
-
 def now_stamp() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def json_text(doc: Dict[str, Any], indent: Optional[int] = None) -> str:
-    """Standard JSON (no NaN or Infinity, which a server may have sent): such values are
-    written as the strings "NaN", "Infinity" and "-Infinity". Compact unless indented."""
-    separators = (",", ":") if indent is None else (",", ": ")
-    doc = SECRETS.hidden(doc)  # the key, wherever a server echoed it, is never saved
-    try:
-        return json.dumps(doc, indent=indent, separators=separators, allow_nan=False)
-    except ValueError:
-        return json.dumps(_finite(doc), indent=indent, separators=separators, allow_nan=False)
-
-
-_LIST_MARK = "\0lab-%s\0" % os.urandom(8).hex()  # in no text a server sends
 
 
 def _finite(value: Any) -> Any:
@@ -2410,6 +2479,19 @@ def _finite(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
+
+
+def json_text(doc: Dict[str, Any], indent: Optional[int] = None) -> str:
+    """Standard JSON (no NaN or Infinity, which a server may have sent): such values are
+    written as the strings "NaN", "Infinity" and "-Infinity". Compact unless indented."""
+    separators = (",", ":") if indent is None else (",", ": ")
+    try:
+        return json.dumps(doc, indent=indent, separators=separators, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(doc), indent=indent, separators=separators, allow_nan=False)
+
+
+_LIST_MARK = "\0lab-%s\0" % os.urandom(8).hex()  # in no text a server sends
 
 
 def report_save(cfg: Config, saves: ThrottledSave, code: int, out: Out) -> int:
@@ -2438,6 +2520,16 @@ def json_chunks(doc: Dict[str, Any], listed: str,
     for i, text in enumerate(texts if texts is not None else map(json_text, doc[listed])):
         yield ("," if i else "") + text
     yield "]" + tail
+
+
+def _file_mode(path: str) -> int:
+    """The mode the file would have had if written in place: its own, or 0666 less the umask."""
+    try:
+        return os.stat(path).st_mode & 0o777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def write_json_atomic(path: str, doc: Dict[str, Any], listed: Optional[str] = None,
@@ -2492,16 +2584,6 @@ class FolderLock:
     def __exit__(self, *exc) -> None:
         if self.fd is not None:
             os.close(self.fd)  # closing releases the lock
-
-
-def _file_mode(path: str) -> int:
-    """The mode the file would have had if written in place: its own, or 0666 less the umask."""
-    try:
-        return os.stat(path).st_mode & 0o777
-    except OSError:
-        umask = os.umask(0)
-        os.umask(umask)
-        return 0o666 & ~umask
 
 
 class DeferredInterrupt:
@@ -2595,7 +2677,8 @@ def server_facts(cfg: Config, url: str, arm: str = "the server") -> ServerFacts:
     engine's adapter recognises the server, the error says so."""
     client = cfg.client(url)
     try:
-        return parsed("the server's facts", cfg.adapter.read_facts, client, cfg.model).checked()
+        facts = parsed("the server's facts", cfg.adapter.read_facts, client, cfg.model)
+        return facts.checked().without_key()
     except ServerError as err:
         others = [a for a in ADAPTERS.values() if a is not cfg.adapter]
         try:
@@ -2606,6 +2689,18 @@ def server_facts(cfg: Config, url: str, arm: str = "the server") -> ServerFacts:
                 (other.label, other.name) if other else "")
         raise ServerError("cannot read the facts of %s at %s: %s%s" %
                           (arm, url, err, hint)) from None
+
+
+def internal_error(err: BaseException) -> str:
+    """One line for a fault of the lab's own, with where it happened, to report."""
+    line, tb = None, err.__traceback__
+    while tb is not None:  # the innermost frame of this file, not of a library it called
+        if tb.tb_frame.f_code.co_filename == __file__:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    where = " at run.py line %d" % line if line is not None else ""
+    return "internal error (%s%s: %s); please report it" % (type(err).__name__, where,
+                                                            str(err)[:200])
 
 
 def ending(err: BaseException) -> Tuple[int, str, str]:
@@ -2621,18 +2716,6 @@ def ending(err: BaseException) -> Tuple[int, str, str]:
     if isinstance(err, OutputFailed):
         return err.code, "stopped: output failed", str(err)
     return EXIT_INTERNAL, "stopped: internal error", internal_error(err)
-
-
-def internal_error(err: BaseException) -> str:
-    """One line for a fault of the lab's own, with where it happened, to report."""
-    line, tb = None, err.__traceback__
-    while tb is not None:  # the innermost frame of this file, not of a library it called
-        if tb.tb_frame.f_code.co_filename == __file__:
-            line = tb.tb_lineno
-        tb = tb.tb_next
-    where = " at run.py line %d" % line if line is not None else ""
-    return "internal error (%s%s: %s); please report it" % (type(err).__name__, where,
-                                                            str(err)[:200])
 
 
 def measure_until_stopped(out: Out, what: str,
@@ -2680,6 +2763,17 @@ def describe_flag(flag: Optional[bool], adapter: EngineAdapter) -> str:
     return "flag %s (%s=%s)" % ("on" if flag else "off", adapter.flag_name, str(flag).lower())
 
 
+def hazard_lines(facts: Dict[str, Any], whose: str = "") -> List[str]:
+    """The known hazards a server's settings meet (see --mode help for what this can know)."""
+    hazards = facts.get("hazards")
+    if hazards is None:
+        return ["        %sknown hazards: unknown (the server hides its settings)" % whose]
+    if not hazards:
+        return ["        %sknown hazards: none known" % whose]
+    return ["        %sHAZARD: %s: %s (%s; %s)" % (whose, h["setting"], h["why"], h["refs"],
+                                                     h["versions"]) for h in hazards]
+
+
 def server_lines(facts: Dict[str, Any], adapter: EngineAdapter,
                  detected: bool = False) -> List[str]:
     """The header of a table, from a saved facts record."""
@@ -2693,20 +2787,37 @@ def server_lines(facts: Dict[str, Any], adapter: EngineAdapter,
     ] + hazard_lines(facts)
 
 
-def hazard_lines(facts: Dict[str, Any], whose: str = "") -> List[str]:
-    """The known hazards a server's settings meet (see --mode help for what this can know)."""
-    hazards = facts.get("hazards")
-    if hazards is None:
-        return ["        %sknown hazards: unknown (the server hides its settings)" % whose]
-    if not hazards:
-        return ["        %sknown hazards: none known" % whose]
-    return ["        %sHAZARD: %s: %s (%s; %s)" % (whose, h["setting"], h["why"], h["refs"],
-                                                     h["versions"]) for h in hazards]
-
-
 def fmt_setting(value: Any) -> str:
     text = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
     return text if len(text) <= 26 else text[:23] + "..."
+
+
+@dataclass(frozen=True)
+class SettingDifference:
+    """A setting two servers report otherwise (ServerFacts.differing): the baseline server
+    against the server under test, or the flag-off arm against the flag-on arm. Saved as
+    {"setting": ..., then each side under its own name}, the names the file gives them."""
+
+    setting: str
+    values: Dict[str, Any] = field(metadata=saved(flat=""))  # side's name -> its value
+
+    @classmethod
+    def between(cls, first: ServerFacts, second: ServerFacts, names: Tuple[str, str],
+                flag: bool = False, flag_own: bool = False) -> List["SettingDifference"]:
+        """Every setting the two report otherwise: the flag among them when asked (only where
+        both say it), and with flag_own, leaving out what the second server's flag itself
+        sets to what it reports (the arms of a cost run: the flag's own settings)."""
+        found = []
+        if flag and None not in (first.flag, second.flag) and first.flag != second.flag:
+            found.append(cls("flag", dict(zip(names, (first.flag, second.flag)))))
+        for label, a, b in first.differing(second):
+            if flag_own and label in second.flag_sets and b == second.flag_sets[label]:
+                continue
+            found.append(cls(label, dict(zip(names, (a, b)))))
+        return found
+
+    def side(self, name: str) -> Any:
+        return self.values[name]
 
 
 # ----------------------------------------------------------------------------
@@ -2747,6 +2858,7 @@ class Config:
 
 
 OptionsT = TypeVar("OptionsT")
+SweepCheckT = TypeVar("SweepCheckT")
 
 
 def options_from(kind: Type[OptionsT], args: argparse.Namespace, **given: Any) -> OptionsT:
@@ -2807,19 +2919,13 @@ def exit_codes_text(indent: str = "  ") -> str:
     return "\n".join("%s%-4d %s" % (indent, code, meaning) for code, meaning in EXIT_CODES)
 
 
-def provenance(argv: Sequence[str]) -> Dict[str, Any]:
+def provenance(argv: Sequence[str], options: Sequence[str]) -> Dict[str, Any]:
     """What a saved result records of how it was made: the lab's version, the command line
-    with any key removed, the client's host and when the run started."""
-    command = []
-    for i, word in enumerate(argv):
-        if i and argv[i - 1] == "--api-key":
-            word = "[api key]"
-        elif word.startswith("--api-key="):
-            word = "--api-key=[api key]"
-        command.append(word)
+    with any key replaced where it stands (options: every option string the parser takes),
+    the client's host and when the run started."""
     return {
         "version": LAB_VERSION,
-        "command": ["run.py"] + command,
+        "command": ["run.py"] + key_free_command(argv, options),
         "host": socket.gethostname(),
         "python": "%d.%d.%d" % sys.version_info[:3],
         "started": now_stamp()}
@@ -2881,7 +2987,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep_cost.add_argument("--max-response-mb", type=whole_number(1),
                             default=DEFAULT_MAX_RESPONSE_MB,
                             help="refuse a larger answer (default %d)" % DEFAULT_MAX_RESPONSE_MB)
-    SweepOptions.add_arguments(p.add_argument_group("sweep"))
+    SweepOptions.add_arguments(p.add_argument_group("sweep"), p.add_argument_group(
+        "sweep checks", "what a sweep can check beside batch 1 against every other batch"))
     CostOptions.add_arguments(p.add_argument_group("cost"))
     return p
 
@@ -3004,11 +3111,46 @@ def check_save_target(path: str, schemas: Sequence[str]) -> Optional[Dict[str, A
     return data
 
 
+def cell_fault(cell: Any) -> Optional[str]:
+    if not isinstance(cell, dict):
+        return "not an object"
+    ci = cell.get("ci95_pct")
+    checks = [
+        ("model", isinstance(cell.get("model"), str)),
+        ("workload", cell.get("workload") in WORKLOADS),
+        ("tp", cell.get("tp") is None or is_count(cell.get("tp"))),
+        *TrialLabels.checks(cell),
+        ("max_tokens", is_count(cell.get("max_tokens"))),
+        ("state", isinstance(cell.get("state"), str)),
+        ("overhead_pct", cell.get("overhead_pct") is None or is_number(cell["overhead_pct"])),
+        ("ci95_pct", ci is None or (isinstance(ci, list) and len(ci) == 2
+                                    and all(map(is_number, ci))
+                                    and isinstance(cell.get("significant"), bool)))]
+    bad = next((name for name, good in checks if not good), None)
+    return None if bad is None else "its %s is missing or malformed" % bad
+
+
+def cost_file_fault(doc: Dict[str, Any]) -> Optional[str]:
+    """What is wrong with a cost file's cells, as the cost table and the cell keys read them,
+    or None: checked before the first request, so that no run measures and then cannot save."""
+    for section in ("cells", "incomplete_cells"):
+        cells = doc.get(section, [])
+        if not isinstance(cells, list):
+            return "%s is not a list" % section
+        for i, cell in enumerate(cells, 1):
+            fault = cell_fault(cell)
+            if fault:
+                return "%s %d: %s" % (section.replace("_", " ")[:-1], i, fault)
+    return None
+
+
 def configure(argv: Optional[Sequence[str]]) -> Config:
     """Every check that needs no server, done before any request is sent."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     engine = None if args.engine == "auto" else args.engine
-    made = provenance(sys.argv[1:] if argv is None else list(argv))
+    made = provenance(sys.argv[1:] if argv is None else list(argv),
+                      list(parser._option_string_actions))
     if args.mode in ("harness", "help"):
         return Config(mode=args.mode, engine=engine, provenance=made)
     default_port = ADAPTERS[engine or "vllm"].default_port  # vLLM's when it is to be found
@@ -3090,7 +3232,12 @@ class Arrivals:
             raise Stopped(STOP.signum)  # no request starts after a stop signal
 
     def describe(self) -> str:
-        return "burst" if not self.rate else "poisson at %g/s" % self.rate
+        """As saved and shown: the rate exact (shortest round-trip form), so that two rates
+        are never one label: 1.0000001 and 1.0000004 a second are two measurements."""
+        if not self.rate:
+            return "burst"
+        rate = repr(self.rate)
+        return "poisson at %s/s" % (rate[:-2] if rate.endswith(".0") else rate)
 
 
 SHARED_OPTIONS.append(Arrivals.add_arguments)
@@ -3112,7 +3259,7 @@ class BatchTrials:
             sampling: Sampling) -> Tuple[float, int, None]:
         """One timed request: (seconds, output tokens, None). The answer's shape must hold even
         when timing."""
-        answer, seconds = generate(arm.client, adapter, arm.facts.model, prompts, sampling)
+        answer, seconds = generate(arm.client, adapter, arm.facts.model_id, prompts, sampling)
         parsed("the answer", adapter.completions, answer, len(prompts), False)
         return seconds, parsed("the answer", adapter.output_tokens, answer), None
 
@@ -3188,6 +3335,95 @@ def token_by_token(first_count: int, events: int, count: int) -> bool:
 
 
 @dataclass(frozen=True)
+class LoadCell:
+    """What a cost cell of load trials holds beyond a batch cell's fields (saved among them)."""
+
+    concurrency: int
+    requests: int  # a trial
+    primary: str  # the overhead the cell reports first: throughput
+    arrivals: str  # Arrivals.describe()
+    load: Dict[str, LoadStats]  # each arm's
+    overheads: Dict[str, "Overhead"]  # throughput, then LOAD_FIGURES
+
+    def report(self, compared_on: str, out: Out) -> None:
+        """Each arm's throughput and latencies, and what the flag costs in each."""
+
+        def ms(spread: Optional[Spread]) -> str:
+            if spread is None:
+                return "unmeasured"
+            return "%.1f/%.1f ms" % (1000 * spread.median_s, 1000 * spread.p99_s)
+
+        for name, stats in self.load.items():
+            out.line("  flag %-3s %s tokens/s, %s requests/s; median/p99: latency %s, TTFT %s, "
+                     "TPOT %s" % (name, fmt_opt(stats.median_tokens_per_s, "?", "%.1f"),
+                                  fmt_opt(stats.median_requests_per_s, "?", "%.2f"),
+                                  ms(stats.latency), ms(stats.ttft), ms(stats.tpot)))
+        for figure in LOAD_FIGURES:
+            overhead = self.overheads[figure]
+            label = figure.upper() if figure != "latency" else "latency"
+            if overhead.unmeasured:
+                out.line("  %-8s unmeasured: %s" % (label, overhead.unmeasured))
+                continue
+            shown = overhead.text("%+.1f%% [%+.1f%%, %+.1f%%]%s", "%+.1f%% (no interval)", " n.s.")
+            out.line("  %-8s overhead %s" % (label, shown))
+        if compared_on != "time per trial":
+            out.line("  compared on %s" % compared_on)
+
+
+def per_trial_medians(arm: "Arm", figure: str) -> List[float]:
+    """Each trial's median of a figure ("latency", "ttft" or "tpot"); NaN where none has it."""
+    medians = []
+    for trial in arm.timings:
+        values = [getattr(r, figure + "_s") for r in trial]
+        medians.append(statistics.median([v for v in values if v is not None] or [math.nan]))
+    return medians
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """What the flag costs by one measure, from paired trials: the median on/off ratio - 1 in
+    per cent, with its 95% interval (none, and never significant, below
+    MIN_PAIRS_FOR_INTERVAL pairs), or why it could not be measured."""
+
+    pct: Optional[float] = field(metadata=saved("overhead_pct"))
+    ci95_pct: Optional[List[float]]
+    significant: bool
+    ratios: List[float] = field(default_factory=list, metadata=NOT_SAVED)  # on/off, by pair
+    unmeasured: Optional[str] = field(default=None, metadata=saved(omit_none=True))
+
+    @classmethod
+    def of(cls, off_s: Sequence[float], on_s: Sequence[float]) -> "Overhead":
+        ratios = [b / a if a > 0 else math.inf for a, b in zip(off_s, on_s)]
+        rounded = [round(r, 6) for r in ratios]
+        if len(ratios) < MIN_PAIRS_FOR_INTERVAL or not all(map(math.isfinite, ratios)):
+            median = statistics.median(ratios) if ratios else math.nan
+            pct = round((median - 1.0) * 100.0, 3) if math.isfinite(median) else None
+            why = None
+            if pct is None and ratios:  # pairs there are, but no ratio of them means anything
+                why = "a flag-off trial took no time the clock could measure"
+            return cls(pct, None, False, rounded, why)
+        lo, hi = bootstrap_median_ci(ratios)
+        ci = [round((lo - 1.0) * 100.0, 3), round((hi - 1.0) * 100.0, 3)]
+        pct = round((statistics.median(ratios) - 1.0) * 100.0, 3)
+        return cls(pct, ci, not (ci[0] <= 0.0 <= ci[1]), rounded)
+
+    @classmethod
+    def from_record(cls, record: Json) -> "Overhead":
+        return cls(record.get("overhead_pct"), record.get("ci95_pct"),
+                   bool(record.get("significant")), unmeasured=record.get("unmeasured"))
+
+    def text(self, with_interval: str, without: str, not_significant: str) -> str:
+        """with_interval % (value, low, high, mark), mark being not_significant when the
+        interval contains 0; without % value when there are too few pairs for one."""
+        if self.pct is None:
+            return "no overhead (%s)" % (self.unmeasured or "no complete trial pair")
+        if self.ci95_pct is None:
+            return without % self.pct
+        lo, hi = self.ci95_pct
+        return with_interval % (self.pct, lo, hi, "" if self.significant else not_significant)
+
+
+@dataclass(frozen=True)
 class LoadTrials:
     """--concurrency: a trial is --requests one-prompt streamed requests, at most
     --concurrency in flight (a closed loop: a request leaves, the next goes), each timed on
@@ -3234,7 +3470,7 @@ class LoadTrials:
         lock = threading.Lock()
 
         def stream_one(prompt: str) -> RequestTiming:
-            body = adapter.stream_body(arm.facts.model, prompt, sampling)
+            body = adapter.stream_body(arm.facts.model_id, prompt, sampling)
             post = Exchange(arm.client, "POST", adapter.generate_path, body)
             start = CLOCK()
             first = last = None
@@ -3319,51 +3555,6 @@ class LoadTrials:
 
 
 @dataclass(frozen=True)
-class LoadCell:
-    """What a cost cell of load trials holds beyond a batch cell's fields (saved among them)."""
-
-    concurrency: int
-    requests: int  # a trial
-    primary: str  # the overhead the cell reports first: throughput
-    arrivals: str  # Arrivals.describe()
-    load: Dict[str, LoadStats]  # each arm's
-    overheads: Dict[str, "Overhead"]  # throughput, then LOAD_FIGURES
-
-    def report(self, compared_on: str, out: Out) -> None:
-        """Each arm's throughput and latencies, and what the flag costs in each."""
-
-        def ms(spread: Optional[Spread]) -> str:
-            if spread is None:
-                return "unmeasured"
-            return "%.1f/%.1f ms" % (1000 * spread.median_s, 1000 * spread.p99_s)
-
-        for name, stats in self.load.items():
-            out.line("  flag %-3s %s tokens/s, %s requests/s; median/p99: latency %s, TTFT %s, "
-                     "TPOT %s" % (name, fmt_opt(stats.median_tokens_per_s, "?", "%.1f"),
-                                  fmt_opt(stats.median_requests_per_s, "?", "%.2f"),
-                                  ms(stats.latency), ms(stats.ttft), ms(stats.tpot)))
-        for figure in LOAD_FIGURES:
-            overhead = self.overheads[figure]
-            label = figure.upper() if figure != "latency" else "latency"
-            if overhead.unmeasured:
-                out.line("  %-8s unmeasured: %s" % (label, overhead.unmeasured))
-                continue
-            shown = overhead.text("%+.1f%% [%+.1f%%, %+.1f%%]%s", "%+.1f%% (no interval)", " n.s.")
-            out.line("  %-8s overhead %s" % (label, shown))
-        if compared_on != "time per trial":
-            out.line("  compared on %s" % compared_on)
-
-
-def per_trial_medians(arm: "Arm", figure: str) -> List[float]:
-    """Each trial's median of a figure ("latency", "ttft" or "tpot"); NaN where none has it."""
-    medians = []
-    for trial in arm.timings:
-        values = [getattr(r, figure + "_s") for r in trial]
-        medians.append(statistics.median([v for v in values if v is not None] or [math.nan]))
-    return medians
-
-
-@dataclass(frozen=True)
 class TrialLabels:
     """What a cost cell's labels say of its trials, read from a saved cell (CellLabels)."""
 
@@ -3375,11 +3566,6 @@ class TrialLabels:
     @classmethod
     def from_record(cls, cell: Json) -> "TrialLabels":
         return cls(*map(cell.get, ("batch", "concurrency", "requests", "arrivals")))
-
-    def key(self) -> Tuple:
-        """What makes two cells' trials the same: a file that does not say was a burst."""
-        arrivals = (self.arrivals or "burst") if self.concurrency else None
-        return self.batch, self.concurrency, arrivals
 
     def shape(self) -> str:
         if not self.concurrency:
@@ -3398,840 +3584,82 @@ class TrialLabels:
 
 
 # ----------------------------------------------------------------------------
-# Prefix-cache bypass (--prefix-cache): no sweep request served from another's cache
-
-PREFIX_CACHE_CHOICES = ("bypass", "keep")  # bypass: no request served from an earlier's cache
-DEFAULT_PREFIX_CACHE = "bypass"  # a cache hit would compare the cache, not the batch
-BYPASS_HELD, BYPASS_FAILED, BYPASS_UNVERIFIED = "held", "did not hold", "unverified"
+# The sweep's core: one batch sent and compared, request by request; its records; the
+# interface every sweep check shares (the checks follow, each in a section of its own, and
+# --mode sweep lists them in SWEEP_CHECKS)
 
 
 @dataclass(frozen=True)
-class BypassCheck:
-    """Did --prefix-cache bypass hold? Proven by the cached-token counts the server reports:
-    any count above 0 is a prefill served from the cache; no counts at all prove nothing."""
+class Evidence:
+    """What one completion of a batch showed against the baseline, and what it can show: a
+    request the prefix cache served compares the cache, not the batch, in either direction;
+    a request that was alone at the server compares nothing about batching. Verdicts read
+    these, request by request and pass by pass, never a sum over a size."""
 
-    status: str  # BYPASS_HELD, BYPASS_FAILED or BYPASS_UNVERIFIED
-    hit_sizes: List[int]  # batch sizes with a cache hit
-
-    @classmethod
-    def of(cls, cached: Sequence[Tuple[int, Optional[int]]]) -> "BypassCheck":
-        """cached: (batch size, its cached-token count or None) of every pass."""
-        hits = sorted({n for n, count in cached if (count or 0) > 0})
-        if all(count is None for _, count in cached):
-            return cls(BYPASS_UNVERIFIED, hits)
-        return cls(BYPASS_FAILED if hits else BYPASS_HELD, hits)
-
-
-@dataclass(frozen=True)
-class PrefixCache:
-    """--prefix-cache: bypass (the default) gives every request a cache key of its own, and
-    empties the cache before every batch where the engine has no such key, so that no prefill
-    is served from an earlier request's cache; whether that held, the cached-token counts
-    the server reports say (BypassCheck). keep leaves the cache alone."""
-
-    choice: str  # one of PREFIX_CACHE_CHOICES
-
-    @staticmethod
-    def add_arguments(group: argparse._ArgumentGroup) -> None:
-        group.add_argument(
-            "--prefix-cache", choices=PREFIX_CACHE_CHOICES, default=DEFAULT_PREFIX_CACHE,
-            help="bypass: no request may be served from an earlier one's prefix cache; keep: "
-            "leave the cache alone and save the cached-token counts (default %s)"
-            % DEFAULT_PREFIX_CACHE)
+    delta: Delta  # against the baseline
+    text_moved: bool  # its text is not the baseline's
+    tokens: int  # generated tokens compared
+    served: Optional[bool]  # the cache served its request (None: the server does not say)
+    beside: Optional[int]  # other requests of its batch at the server with it (None: unknown)
 
     @property
-    def bypass(self) -> bool:
-        return self.choice == "bypass"
-
-    def check(self, cached: Sequence[Tuple[int, Optional[int]]]) -> Optional[BypassCheck]:
-        """The bypass's proof over every pass so far (None when the cache was kept)."""
-        return BypassCheck.of(cached) if self.bypass else None
-
-    def size_note(self, cached_tokens: Optional[int]) -> Optional[str]:
-        """A size's note in the table where its requests hit the cache despite the bypass."""
-        if self.bypass and (cached_tokens or 0) > 0:
-            return "cache hit: bypass did not hold (%s cached tokens)" % cached_tokens
-        return None
-
-    def confounded(self, moved: Set[int], cached: Set[int]) -> bool:
-        """Did everything that moved move only at sizes the cache served despite the bypass?
-        Then the cache, not the batch alone, may explain it (moved, cached: batch sizes)."""
-        return self.bypass and bool(moved) and moved <= cached
-
-    @staticmethod
-    def summary_reason(check: Optional[BypassCheck]) -> Optional[str]:
-        """What the summary line adds when the bypass did not hold."""
-        if check is None or check.status != BYPASS_FAILED:
-            return None
-        sizes = check.hit_sizes
-        return "cache hit: bypass did not hold at batch size%s %s" % (
-            "" if len(sizes) == 1 else "s", ",".join(map(str, sizes)))
-
-    @staticmethod
-    def unverified_line(check: Optional[BypassCheck], hint: str) -> Optional[str]:
-        if check is None or check.status != BYPASS_UNVERIFIED:
-            return None
-        return ("prefix cache bypass unverified: the server reports no cached-token counts (%s)"
-                % hint)
-
-
-# ----------------------------------------------------------------------------
-# Cache check (--cache-check): a cache hit against the cold prefill
-
-CACHE_EQUAL = "cache hit equals cold prefill bitwise"  # the cache check's verdicts, kept apart
-CACHE_DIFFER = "cache hit differs from cold prefill"
-CACHE_UNVERIFIED = "equal, but the hit is unverified (the server reports no cached-token counts)"
-CACHE_MISSED = "equal, but the repeat was not served from the cache (cached-token count 0)"
-CACHE_COLD_HIT = "not compared: every cold request was itself served from the cache"
-
-
-@dataclass(frozen=True)
-class CacheComparison:
-    """One batch sent cold, then at once again with the same cache key: served from the
-    prefix cache, it must equal the cold answer bit for bit."""
-
-    max_ulp: int
-    first_step: Optional[int]  # first step whose token or logprob differs
-    tokens_diverged: bool
-    notes: Tuple[str, ...]
-    margin: Optional[Margin]  # at the first token divergence
-    cached_tokens: Optional[int]  # of the repeat, as the server reports them
-    cold_cached_tokens: Optional[int]
-
-    @classmethod
-    def of(cls, cold: "SentBatch", warm: "SentBatch",
-           clamps: Sequence[float]) -> "CacheComparison":
-        pairs = list(zip(cold.completions, warm.completions))
-        deltas = [compare_completions(c, w, clamps) for c, w in pairs]
-        steps = [s for d in deltas for s in (d.first_token_divergence, d.first_ulp_step)
-                 if s is not None]
-        diverged = [d for d in deltas if d.first_token_divergence is not None]
-        first = min(diverged, key=lambda d: d.first_token_divergence) if diverged else None
-        notes = {u for d in deltas for u in d.ulp_notes}
-        if any(c.text != w.text for c, w in pairs):
-            notes.add("text differs")
-        return cls(max((d.max_ulp for d in deltas), default=0),
-                   min(steps) if steps else None, bool(diverged), tuple(sorted(notes)),
-                   first.margin if first else None, warm.cached_tokens, cold.cached_tokens)
-
-
-@dataclass(frozen=True)
-class CacheSummary:
-    """The cache check over every batch: its verdict, proven by the repeats' cached-token
-    counts (saved flat in the sweep's summary, each field behind "cache_")."""
-
-    verdict: str
-    batches: int
-    max_ulp: Optional[int]
-    first_step: Optional[int]
-    # batches whose cold request the cache did not serve and whose repeat it did: the only
-    # ones that compare a cache hit with a cold prefill (copies of one vLLM request share the
-    # cache, so a cold batch of several copies is partly served from it)
-    verified: int = field(default=0, metadata=NOT_SAVED)
-
-    @classmethod
-    def of(cls, checked: Sequence[CacheComparison]) -> "CacheSummary":
-        counts = [c.cached_tokens for c in checked if c.cached_tokens is not None]
-        verified = [c for c in checked if c.cold_cached_tokens == 0 and (c.cached_tokens or 0) > 0]
-        if not checked:
-            verdict = NO_DATA
-        elif any(c.max_ulp or c.tokens_diverged or c.notes for c in checked):
-            verdict = CACHE_DIFFER
-        elif not counts:
-            verdict = CACHE_UNVERIFIED
-        elif len(counts) < len(checked) or 0 in counts:
-            verdict = CACHE_MISSED
-        elif verified:
-            verdict = CACHE_EQUAL
-        else:
-            verdict = CACHE_COLD_HIT
-        steps = [c.first_step for c in checked if c.first_step is not None]
-        return cls(verdict, len(checked), max((c.max_ulp for c in checked), default=None),
-                   min(steps) if steps else None, len(verified))
-
-
-@dataclass(frozen=True)
-class CacheCheck:
-    """--cache-check: every batch is sent cold with a cache key of its own, then at once again
-    with the same key, so that the prefix cache serves the repeat; the two must agree bit for
-    bit (CacheComparison), and the repeat's cached-token count proves the hit. It needs copies
-    traffic and the bypass: its cold request must be cold."""
-
-    EXPECT = "cache-equal"  # the --expect it answers
-
-    @staticmethod
-    def add_arguments(group: argparse._ArgumentGroup) -> None:
-        group.add_argument(
-            "--cache-check", action="store_true",
-            help="also send every batch again at once, with the cold request's cache key, so "
-            "that the prefix cache serves it, and compare it with the cold one bitwise; the "
-            "cached-token counts prove the hit (copies traffic, bypass)")
-
-    @classmethod
-    def configure(cls, asked: bool, expect: Optional[str], traffic: str,
-                  bypass: bool) -> Optional["CacheCheck"]:
-        if expect == cls.EXPECT and not asked:
-            raise UsageError("--expect cache-equal needs --cache-check")
-        if not asked:
-            return None
-        if traffic != "copies" or not bypass:
-            raise UsageError("--cache-check goes with --traffic copies and --prefix-cache bypass "
-                             "(its cold request must be cold)")
-        return cls()
-
-    def cold(self, sender: "Sender", prompt: str, n: int, seed: int) -> Tuple["SentBatch", str]:
-        """The batch, sent cold under a fresh cache key; (batch, key)."""
-        key = fresh_cache_key()
-        return sender.copies(prompt, n, seed, key), key
-
-    def compare(self, sender: "Sender", prompt: str, cold: "SentBatch", key: str,
-                seed: int) -> CacheComparison:
-        """The same batch again under the cold one's key, against the cold one."""
-        n = len(cold.completions)
-        try:
-            warm = sender.copies(prompt, n, seed, key)
-        except ServerError as err:
-            raise ServerError("cache check at batch size %d: %s" % (n, err)) from None
-        return CacheComparison.of(cold, warm, sender.adapter.logprob_clamps)
-
-    @staticmethod
-    def report(summary: CacheSummary, out: "Out") -> None:
-        out.bold("cache check, over %d batches each sent again from the cache (%d with a cold "
-                 "request the cache did not serve): max ULP %s, first differing step %s: %s"
-                 % (summary.batches, summary.verified, fmt_opt(summary.max_ulp, "?"),
-                    fmt_opt(summary.first_step), summary.verdict))
-
-    @staticmethod
-    def expectation(summary: CacheSummary) -> Tuple[bool, str]:
-        """--expect cache-equal: (held, the line that says so)."""
-        if summary.verdict != CACHE_EQUAL:
-            return False, ("expectation failed: --expect cache-equal, but the cache check "
-                           "found: %s" % summary.verdict)
-        return (True, "expect cache-equal: held (max ULP 0 over %d batches with a cold request)"
-                % summary.verified)
-
-
-# ----------------------------------------------------------------------------
-# Prefill check (--prefill-check): decode against prefill, with KL
-
-PREFILL_AGREE = "decode and prefill agree bitwise"  # the prefill check's verdict, kept apart
-PREFILL_DIFFER = "decode and prefill differ"
-
-
-@dataclass(frozen=True)
-class PrefillRow:
-    """The prefill check of one batch: each distinct completion's decoded logprobs against
-    the ones the server computes prefilling the same tokens at once (saved flat in the
-    batch's row, each field behind "prefill_")."""
-
-    max_ulp: int
-    first_step: Optional[int]  # the first generated step whose two logprobs differ
-    notes: List[str]  # ULP notes of the comparison
-    margin: Optional[Margin]  # the decode's runner-up at that step
-    tokens: int  # generated tokens compared
-    divergent: int  # of them, those whose two logprobs differ
-    kl_sum: float  # K3 terms of the divergent tokens, summed (KlEstimate)
-    kl_max: Optional[float]  # the largest of them; None with none divergent
-
-
-@dataclass(frozen=True)
-class PrefillSummary:
-    """The prefill check over many batches (a size's passes, or a whole sweep), and its
-    verdict: nothing is claimed where no token was compared (saved flat, behind "prefill_")."""
-
-    checked: int = field(metadata=NOT_SAVED)  # batches the check ran on
-    max_ulp: Optional[int]
-    first_step: Optional[int]
-    margin: Optional[Margin]  # at the first differing step
-    tokens: int
-    divergent: int
-    kl_sum: float
-    kl_mean: Optional[float]  # over the divergent tokens
-    kl_max: Optional[float]
-    notes: List[str]
-
-    @classmethod
-    def of(cls, rows: Sequence[PrefillRow]) -> "PrefillSummary":
-        moved = [r for r in rows if r.first_step is not None]
-        first = min(moved, key=lambda r: r.first_step) if moved else None
-        largest = [r.kl_max for r in rows if r.kl_max is not None]
-        divergent = sum(r.divergent for r in rows)
-        kl_sum = sum(r.kl_sum for r in rows)
-        return cls(checked=len(rows), max_ulp=max((r.max_ulp for r in rows), default=None),
-                   first_step=first.first_step if first else None,
-                   margin=first.margin if first else None, tokens=sum(r.tokens for r in rows),
-                   divergent=divergent, kl_sum=kl_sum,
-                   kl_mean=kl_sum / divergent if divergent else None,
-                   kl_max=max(largest) if largest else None,
-                   notes=sorted({n for r in rows for n in r.notes}))
-
-    def verdict(self, failure: Optional[str] = None) -> str:
-        """failure: why the server could not serve the check, if it could not."""
-        if failure and not self.tokens:
-            return "not measured: the server could not serve it (%s)" % failure
-        if not self.checked:
-            return NO_DATA
-        if not self.tokens:
-            return NOTHING_COMPARED
-        return PREFILL_DIFFER if self.max_ulp or self.notes else PREFILL_AGREE
-
-
-@dataclass
-class KlEstimate:
-    """KL(decode || prefill) over the tokens whose two logprobs differ, by the K3 estimator
-    SGLang's p_vs_d mode reports: with log r = prefill - decode at a decoded token,
-    (exp(log r) - 1) - log r, never negative, 0 where the two agree. Clamped and non-finite
-    values give no estimate (their ULP notes say so)."""
-
-    divergent: int = 0  # tokens whose decode and prefill logprobs differ
-    total: float = 0.0  # their K3 terms, summed
-    largest: float = 0.0
-
-    def add(self, decode: Sequence[float], prefill: Sequence[float],
-            clamps: Sequence[float]) -> None:
-        for d, p in zip(decode, prefill):
-            if d == p or not (math.isfinite(d) and math.isfinite(p)) or d in clamps or p in clamps:
-                continue
-            log_r = p - d
-            # a prefill logprob far above the decode's: a term beyond any float is infinite
-            term = math.expm1(log_r) - log_r if log_r < 709.0 else math.inf
-            self.divergent += 1
-            self.total += term
-            self.largest = max(self.largest, term)
-
-
-def runner_up_margin(c: Completion, step: int, clamps: Sequence[float] = ()) -> Margin:
-    """How near the decode's choice at step was to flipping: its chosen token against the best
-    other candidate of its own top-k list there."""
-    top = c.top_logprobs[step] if step < len(c.top_logprobs) else {}
-    chosen = c.tokens[step]
-    others = [v for k, v in top.items() if k != chosen]
-    if chosen not in top or not others:
-        return Margin(note=NOT_IN_TOP_K)
-    best = max(others)
-    ulp, _ = logprob_distance(top[chosen], best, clamps)
-    return Margin(logprob=top[chosen] - best, ulp=ulp)
-
-
-class PrefillCheck:
-    """--prefill-check, decode versus prefill: each distinct completion is sent back as one
-    token-id prompt (the prompt's ids, then the generated ids: never re-tokenised text), and
-    each generated token's logprob as the server decoded it is compared with the one it
-    computes reading the whole sequence at once. Prefills are cached by token sequence, so the
-    cost is one request per distinct sequence (plus one per prompt to learn its ids), not one
-    per completion."""
-
-    EXPECT = "prefill-equal"  # the --expect it answers
-
-    def __init__(self) -> None:
-        self.prompt_ids: Dict[str, List[int]] = {}
-        self.prefills: Dict[Tuple[str, Tuple[str, ...]], List[float]] = {}
-        # why the server could not serve the check (a gateway without /tokenize, say): the
-        # check stops there, the sweep goes on
-        self.failure: Optional[str] = None
-
-    @staticmethod
-    def add_arguments(group: argparse._ArgumentGroup) -> None:
-        group.add_argument(
-            "--prefill-check", action="store_true",
-            help="also read every distinct completion back as one token-id prompt and compare "
-            "each token's decode-time logprob with its prefill-time one (what RL training "
-            "on-policy needs; see --mode help)")
-
-    @classmethod
-    def configure(cls, asked: bool, expect: Optional[str]) -> Optional["PrefillCheck"]:
-        if expect == cls.EXPECT and not asked:
-            raise UsageError("--expect prefill-equal needs --prefill-check")
-        return cls() if asked else None
-
-    def prefill(self, sender: "Sender", prompt: str, tokens: List[str]) -> List[float]:
-        key = (prompt, tuple(tokens))
-        if key not in self.prefills:
-            s = sender
-            if prompt not in self.prompt_ids:
-                self.prompt_ids[prompt] = parsed("the prompt's token ids",
-                                                 s.adapter.prompt_token_ids, s.client, s.model,
-                                                 prompt)
-            head = self.prompt_ids[prompt]
-            generated = [token_id(t) for t in tokens]
-            if not head or None in generated:
-                raise ServerError(
-                    "the prefill check needs token ids, and %s" %
-                    ("the prompt has none" if not head else "the server's tokens are not ids"),
-                    kind=ServerError.ANSWER)
-            ids = head + generated
-            self.prefills[key] = parsed("the prefill answer", s.adapter.prefill_logprobs, s.client,
-                                        s.model, ids, len(head), s.isolate)
-        return self.prefills[key]
-
-    def compare(self, sender: "Sender", prompt: str, n: int, completions: List[Completion],
-                out: "Out") -> Optional[PrefillRow]:
-        """Each distinct completion of one batch (of size n) against its prefill; None once
-        the server has shown it cannot serve the check (it answered the check's requests with
-        an error, or without the prompt logprobs it needs)."""
-        if self.failure is not None:
-            return None
-        clamps = sender.adapter.logprob_clamps
-        worst, first, notes, margin, compared = 0, None, set(), None, 0
-        kl = KlEstimate()
-        seen: List[Completion] = []
-        try:
-            for c in completions:
-                if any(same_completion(c, s) for s in seen):
-                    continue
-                seen.append(c)
-                prefill = self.prefill(sender, prompt, c.tokens)
-                ulps, units = pair_ulps(list(c.logprobs), prefill, clamps)
-                kl.add(c.logprobs, prefill, clamps)
-                compared += len(ulps)
-                notes |= units
-                worst = max([worst] + [u for u in ulps if u])
-                moved = next((i for i, u in enumerate(ulps) if u != 0), None)
-                if moved is not None and (first is None or moved < first):
-                    first, margin = moved, runner_up_margin(c, moved, clamps)
-        except ServerError as err:
-            if err.kind == ServerError.NETWORK:  # the server itself is gone: the sweep stops
-                raise ServerError("prefill check at batch size %d: %s" % (n, err)) from None
-            self.failure = str(err)
-            out.warn("the prefill check stops at batch size %d, the sweep goes on: %s" % (n, err))
-            return None
-        return PrefillRow(max_ulp=worst, first_step=first, notes=sorted(notes), margin=margin,
-                          tokens=compared, divergent=kl.divergent, kl_sum=kl.total,
-                          kl_max=kl.largest if kl.divergent else None)
-
-    @staticmethod
-    def report(summary: PrefillSummary, verdict: str, sizes: Sequence["SizeResult"],
-               out: "Out") -> None:
-        per_size = ", ".join(
-            "%d: %s" % (size.batch_size, fmt_opt(size.prefill and size.prefill.max_ulp, "?"))
-            for size in sizes)
-        out.line("prefill check, max ULP per batch size: %s" % per_size)
-        margin = ""
-        if summary.margin:
-            margin = " (there, the decode's runner-up was %s behind)" % margin_text(summary.margin)
-        out.bold("prefill check: max ULP %s, first differing step %s%s: %s"
-                 % (fmt_opt(summary.max_ulp, "?") + ("*" if summary.notes else ""),
-                    fmt_opt(summary.first_step), margin, verdict))
-        if summary.notes:
-            out.line("  * %s" % "; ".join(ULP_NOTE_TEXT.get(n, n) for n in summary.notes))
-        if summary.divergent:
-            out.line("prefill check, KL(decode || prefill), K3 estimate over the %d divergent of "
-                     "%d tokens: mean %.3g, max %.3g" %
-                     (summary.divergent, summary.tokens, summary.kl_mean, summary.kl_max))
-
-    @staticmethod
-    def expectation(summary: Optional[PrefillSummary], found: Optional[str]) -> Tuple[bool, str]:
-        """--expect prefill-equal (found: the sweep's prefill verdict): (held, the line)."""
-        if found != PREFILL_AGREE:
-            return False, ("expectation failed: --expect prefill-equal, but the prefill check "
-                           "found: %s" % found)
-        return True, "expect prefill-equal: held (max ULP 0 over %d tokens)" % summary.tokens
-
-
-# ----------------------------------------------------------------------------
-# Server baseline (--baseline PATH|URL): batch 1 from a file or another server
-
-
-def add_baseline_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument(
-        "--baseline", metavar="PATH|URL",
-        help="compare with the batch-1 completions of an earlier sweep's --save file (same "
-        "model and prompts), or of another server, measured first with the same prompts and "
-        "sampling: restart to restart, TP to TP, version to version")
-
-
-def configure_baseline(text: Optional[str], url: str, engine: Optional[str], model: Optional[str],
-                       sampling: Sampling,
-                       prompts: List[str]) -> Optional[Union["BaselineFile", "BaselineServer"]]:
-    """--baseline, checked before any request: a server's URL (never the server under test),
-    or a saved sweep recorded for this engine, model, sampling and every prompt."""
-    if not text:
-        return None
-    if urllib.parse.urlsplit(text).scheme in ("http", "https"):
-        baseline_url = check_url(text, "--baseline")
-        if server_address(baseline_url) == server_address(url):
-            raise UsageError("--baseline names the server under test (--url); give another server")
-        return BaselineServer(baseline_url)
-    baseline = BaselineFile(text, read_json_file(text, "--baseline"))
-    baseline.check(engine, model, sampling, prompts)
-    return baseline
-
-
-@dataclass
-class BaselineFile:
-    """--baseline PATH: the batch-1 completions an earlier sweep saved."""
-
-    path: str
-    doc: Json
-
-    def check(self, engine: Optional[str], model: Optional[str], sampling: Sampling,
-              prompts: List[str]) -> None:
-        """Refuse a baseline recorded for another engine, model, prompt or sampling."""
-        doc, path = self.doc, self.path
-        if doc.get("schema") not in SWEEP_SCHEMAS_READ or not isinstance(doc.get("prompts"), list):
-            raise UsageError("--baseline: %s is not a sweep result" % path)
-        if engine is not None:
-            self.check_engine(engine)
-        if model is not None and doc.get("model") != model:
-            raise UsageError("--baseline: %s was recorded for model %s, not %s" %
-                             (path, doc.get("model"), model))
-        mine, theirs = as_record(sampling), doc.get("params") or {}
-        # every request setting that changes what is compared (logprobs: the top-k lists)
-        for key in ("temperature", "top_p", "max_tokens", "seed", "logprobs"):
-            if theirs.get(key) != mine[key]:
-                raise UsageError("--baseline: %s was recorded with %s=%s, this sweep uses %s" %
-                                 (path, key, theirs.get(key), mine[key]))
-        for i, entry in enumerate(doc["prompts"], 1):
-            if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str):
-                raise UsageError("--baseline: %s: prompts[%d] is not a prompt record" % (path, i))
-        if prompts:  # --prompt-tokens: the prompt is built first, and checked then (open)
-            self.check_prompts(prompts)
-
-    def check_prompts(self, prompts: List[str]) -> None:
-        path = self.path
-        recorded = {p["prompt"]: p for p in self.doc["prompts"]}
-        for prompt in prompts:
-            entry = recorded.get(prompt)
-            if entry is None:
-                raise UsageError("--baseline: %s has no baseline for the prompt %r" %
-                                 (path, prompt[:60]))
-            fault = baseline_fault(entry.get("baseline"))
-            if fault:
-                raise UsageError("--baseline: %s: the baseline of %r: %s" %
-                                 (path, prompt[:60], fault))
-
-    def check_engine(self, engine: str) -> None:
-        recorded = self.doc.get("engine")
-        if recorded != engine:
-            raise UsageError("--baseline: %s was recorded on %s, this sweep is on %s" %
-                             (self.path, recorded, engine))
-
-    def open(self, cfg: "Config", facts: ServerFacts, isolate: bool) -> None:
-        """Once the server under test is known: the file must be of its engine and model, and
-        hold the prompt --prompt-tokens built."""
-        if cfg.sweep.long_prompt is not None:
-            self.check_prompts(cfg.sweep.prompts)
-        self.check_engine(cfg.engine)
-        if self.doc.get("model") != facts.model:
-            raise UsageError("--baseline: %s was recorded for model %s, this server serves %s" %
-                             (self.path, self.doc.get("model"), facts.model))
-
-    def batch1(self, prompt: str) -> Tuple[Completion, str]:
-        """The prompt's baseline and where it came from."""
-        entry = next(p for p in self.doc["prompts"] if p.get("prompt") == prompt)
-        return Completion.from_record(entry["baseline"]), self.path
-
-    def params(self) -> Json:
-        return {"baseline_file": self.path}
-
-    def header_line(self) -> Optional[str]:
-        return None
-
-    def summary_line(self) -> Optional[str]:
-        return None
-
-
-def saved_number(x: Any) -> bool:
-    """A number as a save writes it: a JSON number, or a word for a value JSON has none for."""
-    return is_number(x) or x in ("NaN", "Infinity", "-Infinity")
-
-
-def baseline_fault(rec: Any) -> Optional[str]:
-    """What is wrong with a stored baseline completion, naming the field; None if nothing."""
-    if not isinstance(rec, dict):
-        return "baseline is not a record"
-    if not isinstance(rec.get("text"), str):
-        return "baseline.text is not a string"
-    tokens, logprobs, top = rec.get("tokens"), rec.get("logprobs"), rec.get("top_logprobs")
-    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
-        return "baseline.tokens is not a list of strings"
-    if not isinstance(logprobs, list) or not all(map(saved_number, logprobs)):
-        return "baseline.logprobs is not a list of numbers"
-    if len(logprobs) != len(tokens):
-        return "baseline.logprobs has %d entries for %d tokens" % (len(logprobs), len(tokens))
-    if top is None:
-        return None
-    if not isinstance(top, list) or len(top) != len(tokens):
-        return "baseline.top_logprobs is not a list of one entry per token"
-    for t, step in enumerate(top):
-        if not isinstance(step, dict) or not all(
-                isinstance(k, str) and saved_number(v) for k, v in step.items()):
-            return "baseline.top_logprobs[%d] is not a map of token to logprob" % t
-    if rec.get("finish_reason") is not None and not isinstance(rec["finish_reason"], str):
-        return "baseline.finish_reason is not a string"
-    return None
-
-
-@dataclass
-class BaselineServer:
-    """--baseline URL: another server whose batch 1 is the baseline (another restart, TP degree
-    or version of the same model), asked with the same prompts and sampling before the sweep."""
-
-    url: str
-    sender: Optional["Sender"] = None  # once open
-    differences: List["BaselineDifference"] = field(default_factory=list)  # theirs and ours
-
-    def open(self, cfg: "Config", facts: ServerFacts, isolate: bool) -> None:
-        """Once the server under test is known: the same model, and what the two report
-        differently."""
-        theirs = server_facts(cfg, self.url, "the baseline server (--baseline)")
-        if theirs.model != facts.model:
-            raise UsageError("--baseline: %s serves %s, the server under test %s" %
-                             (self.url, theirs.model, facts.model))
-        self.sender = Sender(cfg.client(self.url), cfg.adapter, theirs.model, cfg.sampling,
-                             isolate)
-        self.differences = server_differences(theirs, facts)
-
-    def batch1(self, prompt: str) -> Tuple[Completion, str]:
-        sender = self.sender
-        try:
-            sender.adapter.before_batch(sender.client, sender.isolate)
-            return sender.copies(prompt, 1, 0).completions[0], "batch 1 of %s" % self.url
-        except ServerError as err:
-            raise ServerError("the baseline server, batch 1: %s" % err) from None
-
-    def params(self) -> Json:
-        return {"baseline_server": self.url, "baseline_differences": as_record(self.differences)}
-
-    def header_line(self) -> Optional[str]:
-        differences = "; ".join("%s %s there, %s here"
-                                % (d.setting, fmt_setting(d.baseline), fmt_setting(d.here))
-                                for d in self.differences)
-        shown = differences or "reporting the same settings"
-        return "        baseline: batch 1 of %s, %s" % (self.url, shown)
-
-    def summary_line(self) -> Optional[str]:
-        return "  against batch 1 of %s" % self.url
-
-
-@dataclass(frozen=True)
-class BaselineDifference:
-    """A setting the baseline server reports otherwise than the server under test."""
-
-    setting: str
-    baseline: Any
-    here: Any
-
-
-def server_differences(theirs: ServerFacts, ours: ServerFacts) -> List[BaselineDifference]:
-    """Every setting the baseline server reports otherwise than ours, the flag among them."""
-    found = []
-    if None not in (theirs.flag, ours.flag) and theirs.flag != ours.flag:
-        found.append(BaselineDifference("flag", theirs.flag, ours.flag))
-    return found + [BaselineDifference(*d) for d in theirs.differing(ours)]
-
-
-# ----------------------------------------------------------------------------
-# --mode sweep: unique completions and logprob ULPs across batch sizes
-
-
-@dataclass
-class SweepOptions:
-    """--mode sweep's own options, checked before any request (each field named as its
-    option's argparse dest), and the slices it runs: the prefix-cache bypass, the cache
-    check, the prefill check and the baseline."""
-
-    sampling: Sampling
-    sizes: Optional[List[int]]  # None: a ladder to max_batch straddling the graph sizes
-    max_batch: int
-    prompts: List[str]
-    traffic: str  # one of TRAFFIC_SHAPES
-    arrivals: Arrivals  # when concurrent traffic's requests go out (--request-rate)
-    repeat: int  # passes through the ladder
-    seed: int  # the sampling seed; it also places mixed traffic's fillers
-    expect: Optional[str]  # a key of SWEEP_EXPECTATIONS
-    prompt_tokens: Optional[int]  # build a prompt of about this many tokens
-    prefix_cache: PrefixCache
-    cache_check: Optional[CacheCheck]
-    prefill_check: Optional[PrefillCheck]
-    baseline: Optional[Union[BaselineFile, BaselineServer]]
-    long_prompt: Optional["LongPrompt"] = None  # the prompt so built, as the server counted it
-
-    @staticmethod
-    def add_arguments(group: argparse._ArgumentGroup) -> None:
-        group.add_argument(
-            "--sizes", help="batch sizes, e.g. 1,15,16,17 (default: a ladder to --max-batch that "
-            "straddles every CUDA-graph size)")
-        group.add_argument(
-            "--max-batch", type=whole_number(1, MAX_BATCH_SIZE), default=DEFAULT_MAX_BATCH,
-            help="largest batch of the default ladder (default %d)" % DEFAULT_MAX_BATCH)
-        group.add_argument("--prompt", action="append", default=[], metavar="TEXT",
-                           help="a prompt; repeat for more (each gets its own sweep)")
-        group.add_argument("--prompt-file", metavar="PATH", help="prompts, one per line")
-        group.add_argument(
-            "--temperature", type=real_number(0.0), default=DEFAULT_TEMPERATURE,
-            help="default %g (greedy); above 0 a --seed is always sent" % DEFAULT_TEMPERATURE)
-        group.add_argument("--seed", type=whole_number(0), default=DEFAULT_SEED,
-                           help="sampling seed when temperature > 0 (default %d)" % DEFAULT_SEED)
-        group.add_argument(
-            "--logprobs", type=whole_number(0, MAX_LOGPROBS), default=DEFAULT_LOGPROBS,
-            help="top-k logprobs per step, 0..%d (default %d)" % (MAX_LOGPROBS, DEFAULT_LOGPROBS))
-        group.add_argument(
-            "--traffic", choices=TRAFFIC_SHAPES, default=DEFAULT_TRAFFIC,
-            help="copies: one request of n copies of the prompt; concurrent: n one-prompt "
-            "requests in flight at once; mixed: the prompt once among n-1 other prompts "
-            "(default %s; see --mode help)" % DEFAULT_TRAFFIC)
-        group.add_argument(
-            "--repeat", type=whole_number(1, MAX_REPEAT), default=DEFAULT_REPEAT,
-            help="passes through the whole ladder, batch 1 included; batch 1's passes are the "
-            "run-to-run control (default %d)" % DEFAULT_REPEAT)
-        PrefixCache.add_arguments(group)
-        add_baseline_arguments(group)
-        group.add_argument(
-            "--prompt-tokens", type=whole_number(1, MAX_PROMPT_TOKENS), metavar="N",
-            help="measure a prompt of about N tokens, built of plain words until the server's "
-            "own tokenizer counts N within a few, instead of --prompt (to cross the "
-            "chunked-prefill budget)")
-        PrefillCheck.add_arguments(group)
-        group.add_argument(
-            "--expect", choices=tuple(SWEEP_EXPECTATIONS),
-            help="exit 1 unless the result is invariant (flag on), shows a difference (flag "
-            "off, the negative control), (with --prefill-check) decode and prefill agree "
-            "bitwise, or (with --cache-check) a verified cache hit equals the cold prefill "
-            "bitwise")
-        CacheCheck.add_arguments(group)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, url: str,
-                  engine: Optional[str]) -> "SweepOptions":
-        max_tokens = DEFAULT_SWEEP_TOKENS if args.max_tokens is None else args.max_tokens
-        sampling = Sampling.of(args.temperature, max_tokens, args.logprobs, args.seed)
-        sizes = parse_sizes(args.sizes) if args.sizes is not None else None
-        read = read_prompt_file(args.prompt_file) if args.prompt_file else []
-        prompts = list(args.prompt) + read
-        if any(not p.strip() for p in prompts):
-            raise UsageError("--prompt: a prompt is empty")
-        if not all(p.encode("utf-8", "surrogatepass").decode("utf-8", "replace") == p
-                   for p in prompts):
-            raise UsageError("--prompt: a prompt is not UTF-8 text (as --prompt-file requires)")
-        prompts = check_prompts(prompts or [DEFAULT_PROMPT], "--prompt")
-        if len(set(prompts)) != len(prompts):
-            raise UsageError("--prompt: the same prompt is given twice")
-        if args.prompt_tokens and (args.prompt or args.prompt_file):
-            raise UsageError(
-                "--prompt-tokens builds the prompt itself: leave out --prompt and --prompt-file")
-        prefill_check = PrefillCheck.configure(args.prefill_check, args.expect)
-        prefix_cache = PrefixCache(args.prefix_cache)
-        cache_check = CacheCheck.configure(args.cache_check, args.expect, args.traffic,
-                                           prefix_cache.bypass)
-        if args.traffic == "mixed" and (max(sizes) if sizes else args.max_batch) == 1:
-            raise UsageError(
-                "--traffic mixed: batch 1 has no room for other prompts; give sizes above 1")
-        built = [] if args.prompt_tokens else prompts  # a built prompt is checked once built
-        baseline = configure_baseline(args.baseline, url, engine, args.model, sampling, built)
-        concurrent = args.traffic == "concurrent"
-        needs = None if concurrent else "--traffic concurrent (one request a prompt)"
-        arrivals = Arrivals.configure(args.request_rate, needs)
-        return options_from(cls, args, sampling=sampling, sizes=sizes, prompts=prompts,
-                            arrivals=arrivals, prefix_cache=prefix_cache, cache_check=cache_check,
-                            prefill_check=prefill_check, baseline=baseline)
-
-
-def parse_sizes(text: str) -> List[int]:
-    parts = [p.strip() for p in text.split(",")]
-    if not text.strip() or any(not p for p in parts):
-        raise UsageError("--sizes: give comma-separated batch sizes, e.g. 1,15,16,17")
-    bad = next((p for p in parts if parse_whole(p) is None), None)
-    if bad is not None:
-        raise UsageError("--sizes: %r is not a whole number" % bad)
-    sizes = [int(p) for p in parts]
-    if any(s < 1 for s in sizes):
-        raise UsageError("--sizes: batch sizes start at 1 (got %d)" % min(sizes))
-    if max(sizes) > MAX_BATCH_SIZE:
-        raise UsageError("--sizes: batch sizes go up to %d (got %d)" %
-                         (MAX_BATCH_SIZE, max(sizes)))
-    if len(set(sizes)) != len(sizes):
-        raise UsageError("--sizes: %d is listed twice"
-                         % next(s for s in sizes if sizes.count(s) > 1))
-    return sizes
-
-
-def read_prompt_file(path: str) -> List[str]:
-    lines = read_input_file(path, "--prompt-file").split("\n")
-    prompts = [line.rstrip("\r") for line in lines if line.strip()]
-    if not prompts:
-        raise UsageError("--prompt-file: %s holds no prompt" % path)
-    return check_prompts(prompts, "--prompt-file")
-
-
-def check_prompts(prompts: List[str], option: str) -> List[str]:
-    if len(prompts) > MAX_PROMPTS:
-        raise UsageError("%s: at most %d prompts (got %d)" % (option, MAX_PROMPTS, len(prompts)))
-    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
-    if len(prompts[longest]) > MAX_PROMPT_CHARS:
-        raise UsageError("%s: prompt %d has %d characters; at most %d" %
-                         (option, longest + 1, len(prompts[longest]), MAX_PROMPT_CHARS))
-    return prompts
-
-
-@dataclass(frozen=True)
-class LongPrompt:
-    """--prompt-tokens: a prompt built to about a number of tokens, as the server counts them."""
-
-    text: str = field(metadata=NOT_SAVED)
-    asked: int  # --prompt-tokens
-    tokens: int  # what the server's tokenizer made of it
-    budget: Optional[int] = field(metadata=saved("prefill_budget"))  # where the server says
-    chunks: Optional[int] = field(metadata=saved("prefill_chunks"))  # of the budget it takes
-
-
-PROMPT_FIT_TRIES = 6  # rounds of counting and resizing a built prompt
-MAX_WORDS_A_TOKEN = 8  # a built prompt's words per token at most (a common word is one token)
-
-
-def built_prompt(client: HttpClient, adapter: EngineAdapter, facts: ServerFacts,
-                 n: int) -> LongPrompt:
-    """Plain words, resized until the server's own tokenizer counts n within max(2, n/100)."""
-
-    def count(text: str) -> int:
-        ids = parsed("the prompt's token ids", adapter.prompt_token_ids, client, facts.model, text)
-        return len(ids)
-
-    words = n
-    tokens = count(filler_words(words))
-    for _ in range(PROMPT_FIT_TRIES):
-        if abs(tokens - n) <= max(2, n // 100):
-            break
-        # Never more than MAX_WORDS_A_TOKEN words a token: a tokenizer that counts far fewer
-        # tokens than words is not one the lab can build a prompt for
-        words = min(MAX_WORDS_A_TOKEN * n, max(1, round(words * n / max(tokens, 1))))
-        tokens = count(filler_words(words))
-    if abs(tokens - n) > max(2, n // 100) and words == MAX_WORDS_A_TOKEN * n:
-        raise ServerError(
-            "--prompt-tokens: the server's tokenizer counts %d tokens for %d words, so no "
-            "prompt of about %d tokens can be built of words" % (tokens, words, n),
-            kind=ServerError.ANSWER)
-    budget = facts.settings.get(adapter.PREFILL_BUDGET)
-    budget = budget if is_count(budget) else None
-    chunks = -(-tokens // budget) if budget else None
-    return LongPrompt(filler_words(words), n, tokens, budget, chunks)
-
-
-def sweep_ladder(options: SweepOptions, facts: ServerFacts) -> List[int]:
-    """The batch sizes to run: --sizes, else a ladder straddling the server's graph sizes
-    (the engine's own when the server runs none)."""
-    if options.sizes is not None:
-        sizes = list(options.sizes)
-    else:
-        sizes = straddling_ladder(options.max_batch, facts.graph_sizes
-                                  or facts.default_graph_sizes)
-    if 1 not in sizes:
-        sizes.insert(0, 1)  # batch 1 is the baseline, and the stored baseline's peer
-    return sizes
+    def moved(self) -> bool:
+        d = self.delta
+        return bool(d.max_ulp or d.first_token_divergence is not None
+                    or d.first_ulp_step is not None or self.text_moved
+                    or any(u in MOVED_NOTES for u in d.ulp_notes))
+
+    def what_moved(self) -> Optional[str]:
+        """The first kind of move, in the verdict's order: tokens, then text, then logprobs
+        (a top-k change among them)."""
+        if self.delta.first_token_divergence is not None:
+            return "tokens"
+        if self.text_moved:
+            return "text"
+        if "top-k changed" in self.delta.ulp_notes and not self.delta.max_ulp:
+            return "top-k"
+        return "logprobs" if self.moved else None
 
 
 @dataclass
 class SentBatch:
     """What one batch size's traffic brought back: the completions to compare (the measured
-    prompt's only) and what the server said about them."""
+    prompt's only), what the server said about each one's request, and when they ran."""
 
     completions: List[Completion]
     seconds: float  # from the first send to the last answer
     cached_tokens: Optional[int]  # prompt tokens served from the prefix cache, if the server says
+    # per completion: the cached-token count of its own request (None: the server does not say)
+    cached: List[Optional[int]] = field(default_factory=list)
+    # per completion: how many other requests of the batch were at the server with it
+    beside: List[Optional[int]] = field(default_factory=list)
     send_spread: Optional[float] = None  # concurrent: first to last request's send time
     # scheduled concurrent requests: were any two ever in flight together (None: a burst,
     # all in flight by construction, or one request)
     overlapped: Optional[bool] = None
+    in_flight: Optional[int] = None  # scheduled: the most requests at the server at once
+
+    def evidence(self, deltas: List[Delta], baseline: Completion) -> List[Evidence]:
+        n = len(self.completions)
+        cached = self.cached or [self.cached_tokens] * n
+        beside = self.beside or [n - 1] * n  # one request: its prompts are together
+        return [Evidence(d, c.text != baseline.text, len(c.tokens),
+                         None if k is None else k > 0, b)
+                for c, d, k, b in zip(self.completions, deltas, cached, beside)]
+
+
+def most_in_flight(sent: Sequence[float], answered: Sequence[float]) -> Tuple[int, List[int]]:
+    """From each request's send and answer times: the most requests at the server at once,
+    and how many others each one had beside it."""
+    events = sorted([(t, 1) for t in sent] + [(t, -1) for t in answered],
+                    key=lambda e: (e[0], e[1]))
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    beside = [sum(1 for j in range(len(sent)) if j != i and sent[j] < answered[i]
+                  and sent[i] < answered[j]) for i in range(len(sent))]
+    return most, beside
 
 
 @dataclass
@@ -4257,14 +3685,16 @@ class Sender:
                          parsed("the answer", self.adapter.cached_tokens, answer))
 
     def copies(self, prompt: str, n: int, seed: int, cache_key: Optional[str] = None) -> SentBatch:
-        """n copies of the prompt in one request (cache_key: see EngineAdapter.body)."""
+        """n copies of the prompt in one request (cache_key: see EngineAdapter.body). The
+        request's cached-token count covers every copy: the server does not say which."""
         return self.one_request([prompt] * n, cache_key)
 
     def mixed(self, prompt: str, n: int, seed: int) -> SentBatch:
         """The prompt once among n-1 fillers in one request; only its own completion counts."""
         prompts, position = mixed_batch(prompt, n, seed)
         batch = self.one_request(prompts)
-        return dataclasses.replace(batch, completions=[batch.completions[position]])
+        return dataclasses.replace(batch, completions=[batch.completions[position]],
+                                   beside=[n - 1])
 
     def concurrent(self, prompt: str, n: int, seed: int) -> SentBatch:
         """n one-prompt requests in flight at once, as independent clients send them. A thread
@@ -4273,8 +3703,9 @@ class Sender:
         written in one loop, each a single prebuilt write, so they reach the server within
         milliseconds; then each thread reads its own answer. With a --request-rate the
         requests go out one by one on their schedule, each thread reading its answer as soon
-        as its request is out, so that the batch shows whether any two were ever in flight
-        together (SentBatch.overlapped)."""
+        as its request is out, so that the batch shows which requests were at the server
+        together (SentBatch.beside, in_flight). Each request keeps its own cached-token
+        count."""
         if n == 1:
             return self.copies(prompt, 1, seed)
         allow_open_files(n)
@@ -4332,19 +3763,20 @@ class Sender:
             t.join()
         seconds = CLOCK() - start
         failed_outcome(outcomes, "concurrent requests")
-        cached = [o[1] for o in outcomes if o[1] is not None]
-        overlapped = None  # a burst: every request was out before any answer was read
-        if self.arrivals.rate:  # was any request sent before an earlier one was answered?
-            overlapped = any(sent_at[k] < max(answered_at[:k]) for k in range(1, n))
-        return SentBatch([o[0] for o in outcomes], seconds,
-                         sum(cached) if cached else None, round(sent_at[-1] - sent_at[0], 6),
-                         overlapped)
+        cached = [o[1] for o in outcomes]
+        counted = [c for c in cached if c is not None]
+        batch = SentBatch([o[0] for o in outcomes], seconds, sum(counted) if counted else None,
+                          cached, send_spread=round(sent_at[-1] - sent_at[0], 6))
+        if self.arrivals.rate:  # which requests were at the server together?
+            batch.in_flight, batch.beside = most_in_flight(sent_at, answered_at)
+            batch.overlapped = batch.in_flight > 1
+        return batch
 
 
 @dataclass(frozen=True)
 class BatchRow:
     """One pass of one batch size against the baseline: what its completions showed, what the
-    server said of them, and the checks' rows."""
+    server said of them, and the checks' parts."""
 
     completions: int
     distinct_in_batch: int  # distinct texts
@@ -4360,14 +3792,57 @@ class BatchRow:
     pass_no: int = field(default=0, metadata=saved("pass"))  # which pass through the ladder
     seconds: float = 0.0  # from the first send to the last answer
     cached_tokens: Optional[int] = None  # prompt tokens served from the prefix cache
+    # completions whose request the cache served, where any was: they compare nothing
+    served: Optional[int] = field(default=None, metadata=saved(omit_none=True))
     # concurrent traffic: SEND_SPREAD_MEANS
     send_spread_s: Optional[float] = field(default=None, metadata=saved(omit_none=True))
     # scheduled concurrent traffic: were any two requests in flight together? A pass whose
     # requests never overlapped formed no batch: it compares nothing (SentBatch.overlapped)
     overlapped: Optional[bool] = field(default=None, metadata=saved(omit_none=True))
-    cache_check: Optional[CacheComparison] = field(default=None, metadata=saved(omit_none=True))
-    prefill: Optional[PrefillRow] = field(default=None, metadata=saved(flat="prefill_"))
-    tokens: int = field(default=0, metadata=NOT_SAVED)  # generated tokens compared
+    # scheduled concurrent traffic: the most of its requests at the server at once
+    in_flight: Optional[int] = field(default=None, metadata=saved(omit_none=True))
+    # each check's part of this pass (SweepCheck.batch_part), saved as the part says
+    checks: Dict[str, Any] = field(default_factory=dict, metadata=saved(parts=True))
+    # what each completion showed, for the verdict (Evidence)
+    evidence: List[Evidence] = field(default_factory=list, metadata=NOT_SAVED)
+
+    @property
+    def tokens(self) -> int:
+        return sum(e.tokens for e in self.evidence)
+
+
+def compare_batch(batch: SentBatch, baseline: Completion, clamps: Sequence[float]) -> BatchRow:
+    """What one batch's completions show against the baseline, each with its evidence (the
+    row's other fields are the sender's and the checks' to fill in)."""
+    completions = batch.completions
+    deltas, previous, last = [], None, IDENTICAL
+    for c in completions:
+        # Copies of one completion are common; compare each distinct one once.
+        if previous is None or not same_completion(c, previous):
+            last = compare_completions(baseline, c, clamps)
+            previous = c
+        deltas.append(last)
+    diverged = [d for d in deltas if d.first_token_divergence is not None]
+    first = min(diverged, key=lambda d: d.first_token_divergence) if diverged else None
+    ulp_steps = [d.first_ulp_step for d in deltas if d.first_ulp_step is not None]
+    texts = [c.text for c in completions]
+    held = [c.text == baseline.text for c, d in zip(completions, deltas)
+            if d.first_token_divergence is None]
+    identical = all(d is IDENTICAL or d == IDENTICAL for d in deltas)
+    evidence = batch.evidence(deltas, baseline)
+    served = sum(1 for e in evidence if e.served)
+    return BatchRow(
+        completions=len(completions), distinct_in_batch=len(set(texts)),
+        same_as_baseline=sum(held), text_only=held.count(False),
+        first_token_divergence=first.first_token_divergence if first else None,
+        divergence_margin=first.margin if first else None,
+        first_ulp_step=min(ulp_steps) if ulp_steps else None,
+        max_ulp=max(d.max_ulp for d in deltas),
+        ulp_notes=sorted({u for d in deltas for u in d.ulp_notes}),
+        matched=sum(held) == len(completions) and identical, distinct_texts=sorted(set(texts)),
+        seconds=round(batch.seconds, 4), cached_tokens=batch.cached_tokens,
+        served=served or None, send_spread_s=batch.send_spread, overlapped=batch.overlapped,
+        in_flight=batch.in_flight, evidence=evidence)
 
 
 @dataclass(frozen=True)
@@ -4389,22 +3864,29 @@ class SizeResult:
     seconds: float
     runs_matched: int
     cached_tokens: Optional[int]  # over every pass, where the server says
-    prefill: Optional[PrefillSummary] = field(metadata=saved(flat="prefill_"))  # where it ran
+    checks: Dict[str, Any] = field(metadata=saved(parts=True))  # SweepCheck.size_part
     distinct_texts: List[str]
     runs: List[BatchRow]
     # scheduled concurrent traffic: False when no pass's requests were ever in flight together
     overlapped: Optional[bool] = field(default=None, metadata=saved(omit_none=True))
+    in_flight: Optional[int] = field(default=None, metadata=saved(omit_none=True))
 
     @classmethod
-    def of(cls, batch_size: int, bucket: Bucket, runs: List[BatchRow]) -> "SizeResult":
+    def of(cls, batch_size: int, bucket: Bucket, runs: List[BatchRow],
+           checks: Sequence["SweepCheck"]) -> "SizeResult":
         texts = sorted({t for r in runs for t in r.distinct_texts})
         diverged = [r for r in runs if r.first_token_divergence is not None]
         first = min(diverged, key=lambda r: r.first_token_divergence) if diverged else None
         ulp_steps = [r.first_ulp_step for r in runs if r.first_ulp_step is not None]
         cached = [r.cached_tokens for r in runs if r.cached_tokens is not None]
-        checked = [r.prefill for r in runs if r.prefill is not None]
         # scheduled passes: True where any overlapped, False where none did
         scheduled = [r.overlapped for r in runs if r.overlapped is not None]
+        reached = [r.in_flight for r in runs if r.in_flight is not None]
+        parts = {}
+        for check in checks:
+            part = check.size_part([r.checks[check.NAME] for r in runs if check.NAME in r.checks])
+            if part is not None:
+                parts[check.NAME] = part
         return cls(batch_size=batch_size, bucket=bucket,
                    completions=sum(r.completions for r in runs), distinct_in_batch=len(texts),
                    same_as_baseline=sum(r.same_as_baseline for r in runs),
@@ -4416,9 +3898,15 @@ class SizeResult:
                    ulp_notes=sorted({u for r in runs for u in r.ulp_notes}),
                    seconds=round(sum(r.seconds for r in runs), 4),
                    runs_matched=sum(1 for r in runs if r.matched),
-                   cached_tokens=sum(cached) if cached else None,
-                   prefill=PrefillSummary.of(checked) if checked else None, distinct_texts=texts,
-                   runs=runs, overlapped=any(scheduled) if scheduled else None)
+                   cached_tokens=sum(cached) if cached else None, checks=parts,
+                   distinct_texts=texts, runs=runs,
+                   overlapped=any(scheduled) if scheduled else None,
+                   in_flight=max(reached) if reached else None)
+
+    @property
+    def served(self) -> int:
+        """Completions whose request the cache served, over every pass."""
+        return sum(r.served or 0 for r in self.runs)
 
 
 @dataclass(frozen=True)
@@ -4437,9 +3925,23 @@ class PromptRecord:
 
 
 @dataclass(frozen=True)
+class FirstMoved:
+    """Where the evidence the verdict reads first moved: the smallest batch size, the kind of
+    move (tokens, text, top-k or logprobs) and its step."""
+
+    batch: int
+    what: str
+    step: Optional[int]
+
+    def text(self) -> str:
+        step = "" if self.step is None else ", step %d" % self.step
+        return "%s at batch %d%s" % (self.what, self.batch, step)
+
+
+@dataclass(frozen=True)
 class SweepSummary:
     """A whole sweep: what it measured, its verdict (decided by verdict() alone) and how far
-    it got, with the bypass's proof and the checks' summaries where they ran."""
+    it got, with each check's summary where it ran."""
 
     unique_completions: int
     total_completions: int
@@ -4448,12 +3950,13 @@ class SweepSummary:
     traffic: str
     repeat: int
     verdict: str
-    bypass: Optional[BypassCheck] = field(metadata=saved("prefix_cache_bypass"))
+    first_moved: Optional[FirstMoved]  # what the verdict read first moved (None: nothing did)
+    # batch sizes where the cache served a request, which compares nothing: the verdict holds
+    # only where the requests were computed
+    served_sizes: List[int] = field(metadata=saved(omit_none=True))
     ulp_notes: List[str]
     state: str  # "complete", "running", or what stopped it
-    cache: Optional[CacheSummary] = field(metadata=saved(flat="cache_"))  # --cache-check
-    prefill: Optional[PrefillSummary] = field(metadata=saved(flat="prefill_"))  # --prefill-check
-    prefill_verdict: Optional[str] = field(metadata=saved(omit_none=True))
+    checks: Dict[str, Any] = field(metadata=saved(parts=True))  # SweepCheck.summary_part
     measured: Measured = field(metadata=NOT_SAVED)
 
 
@@ -4468,7 +3971,7 @@ class PromptSweep:
     buckets: Dict[int, Bucket] = field(default_factory=dict)
     batch1: List[Completion] = field(default_factory=list)  # batch 1's completion in every pass
     unseeded: bool = False  # sampled at temperature > 0 by a server that ignores the seed
-    prefix_cache: PrefixCache = PrefixCache(DEFAULT_PREFIX_CACHE)  # as the sweep asked
+    checks: Sequence["SweepCheck"] = ()  # the sweep's checks, for each size's parts
     finished: bool = False  # every pass is in: nothing it holds changes any more
     # What a finished prompt's saves and summaries would work out again and again (a sweep
     # of 1000 prompts saves many times): kept once the prompt is finished
@@ -4491,7 +3994,7 @@ class PromptSweep:
 
     def size(self, n: int) -> SizeResult:
         """Batch size n over every pass so far."""
-        return SizeResult.of(n, self.buckets[n], self.runs[n])
+        return SizeResult.of(n, self.buckets[n], self.runs[n], self.checks)
 
     def sizes(self) -> List[SizeResult]:
         return [self.size(n) for n in self.runs]
@@ -4509,6 +4012,9 @@ class PromptSweep:
                    for c in self.batch1[1:])
 
     def measured(self) -> Measured:
+        """What the verdict reads, request by request: a completion counts for batching only
+        where it was computed (not served from the cache) beside other requests of its batch;
+        a stored baseline makes batch 1 a comparison too."""
         if self.kept_measured is not None:
             return self.kept_measured
         # A pass whose scheduled requests were never in flight together formed no batch:
@@ -4519,19 +4025,31 @@ class PromptSweep:
         if self.baseline is not None:
             texts.add(self.baseline.text)
         other = self.baseline_source != "batch 1"  # a stored baseline: batch 1 is compared too
-        compared = [(n, r) for n, r in included if (n > 1 or other) and r.tokens]
-        moved = {n for n, r in compared if moved_row(r, self.baseline)}
-        cached = {n for n, r in compared if (r.cached_tokens or 0) > 0}
+        candidates = [(n, e) for n, r in included if n > 1 or other for e in r.evidence
+                      if e.tokens and (n == 1 or e.beside != 0)]
+        computed = [(n, e) for n, e in candidates if not e.served]
+        served = [(n, e) for n, e in candidates if e.served]
+        moved = [(n, e) for n, e in computed if e.moved]
+        first = None
+        if moved:
+            n, e = min(moved, key=lambda m: (m[0], m[1].delta.first_ulp_step or 0))
+            step = e.delta.first_token_divergence
+            step = e.delta.first_ulp_step if step is None else step
+            first = FirstMoved(n, e.what_moved(), step)
         measured = Measured(
             total=sum(r.completions for r in rows),
             unique=len(texts) if rows else 0,  # no count of completions where none came back
             max_ulp=max((r.max_ulp for r in rows), default=0),
-            tokens_diverged=any(r.first_token_divergence is not None for r in rows),
-            text_only=any(r.text_only for r in rows),
-            unmeasured=any(u in MOVED_NOTES for r in rows for u in r.ulp_notes),
-            compared=bool(compared), batch1_repeatable=self.batch1_repeatable(),
-            unseeded=self.unseeded, confounded=self.prefix_cache.confounded(moved, cached),
-            unoverlapped=len(included) < len(self.rows()))
+            tokens_diverged=any(e.delta.first_token_divergence is not None for _, e in computed),
+            text_only=any(e.text_moved and e.delta.first_token_divergence is None
+                          for _, e in computed),
+            moved=bool(moved), compared=bool(computed),
+            batch1_repeatable=self.batch1_repeatable(), unseeded=self.unseeded,
+            served_moved=any(e.moved for _, e in served),
+            served_sizes=sorted({n for n, _ in served}),
+            alone_sizes=sorted({n for n, r in included if n > 1
+                                and any(e.beside == 0 for e in r.evidence)}),
+            unoverlapped=len(included) < len(self.rows()), first_moved=first)
         if self.finished:
             self.kept_measured = measured
         return measured
@@ -4554,62 +4072,1063 @@ class PromptSweep:
         return text
 
 
-def moved_row(row: "BatchRow", baseline: Optional[Completion]) -> bool:
-    """Did anything in this pass differ from the baseline?"""
-    return bool(row.max_ulp or row.first_token_divergence is not None or row.text_only
-                or any(u in MOVED_NOTES for u in row.ulp_notes)
-                or (baseline is not None and row.distinct_texts != [baseline.text]))
+@dataclass
+class SweepRun:
+    """What a sweep's checks may use once the server under test is known."""
+
+    cfg: Config
+    facts: ServerFacts
+    sender: Sender  # to the server under test
+    out: Out
 
 
-def compare_batch(completions: List[Completion], baseline: Completion,
-                  clamps: Sequence[float]) -> BatchRow:
-    """What one batch's completions show against the baseline (the row's other fields are
-    the sender's and the checks' to fill in)."""
-    deltas, previous, last = [], None, IDENTICAL
-    for c in completions:
-        # Copies of one completion are common; compare each distinct one once.
-        if previous is None or not same_completion(c, previous):
-            last = compare_completions(baseline, c, clamps)
-            previous = c
-        deltas.append(last)
-    diverged = [d for d in deltas if d.first_token_divergence is not None]
-    first = min(diverged, key=lambda d: d.first_token_divergence) if diverged else None
-    ulp_steps = [d.first_ulp_step for d in deltas if d.first_ulp_step is not None]
-    texts = [c.text for c in completions]
-    held = [c.text == baseline.text for c, d in zip(completions, deltas)
-            if d.first_token_divergence is None]
-    identical = all(d is IDENTICAL or d == IDENTICAL for d in deltas)
-    return BatchRow(
-        completions=len(completions), distinct_in_batch=len(set(texts)),
-        same_as_baseline=sum(held), text_only=held.count(False),
-        first_token_divergence=first.first_token_divergence if first else None,
-        divergence_margin=first.margin if first else None,
-        first_ulp_step=min(ulp_steps) if ulp_steps else None,
-        max_ulp=max(d.max_ulp for d in deltas),
-        ulp_notes=sorted({u for d in deltas for u in d.ulp_notes}),
-        matched=sum(held) == len(completions) and identical, distinct_texts=sorted(set(texts)),
-        tokens=sum(len(c.tokens) for c in completions))
+class SweepCheck:
+    """One check a sweep runs beside its comparison of every batch with batch 1. Each check
+    is one section below, and one entry of SWEEP_CHECKS; the sweep calls these hooks in
+    order and names no check. Every hook has a default that does nothing, so a check defines
+    what it uses; its state while it runs is kept in the check, never in the options.
+
+    Its records (a batch's part, a size's part, the summary's part) are saved where the core
+    saves its parts, each as its own class's SAVED_AS says (saved(): under a name, or flat
+    behind a prefix)."""
+
+    NAME = ""  # the key its parts are kept under in rows, sizes and the summary
+    EXPECT: Tuple[str, ...] = ()  # the --expect values it answers
+    EXPECT_HELP = ""  # what --help says of them
+
+    @classmethod
+    def add_arguments(cls, group: argparse._ArgumentGroup) -> None:
+        """Its options, under the sweep checks' heading of --help."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, asked: "SweepAsked") -> "SweepCheck":
+        """Its options, checked before any request (UsageError on a bad one)."""
+        return cls()
+
+    def isolates(self) -> bool:
+        """Does it ask every request to bypass the prefix cache?"""
+        return False
+
+    def servers(self) -> List[Tuple[str, str]]:
+        """Other servers it needs ready, (url, what it is), before the sweep starts."""
+        return []
+
+    def open(self, run: SweepRun) -> None:
+        """Once the server under test is known, before the first batch."""
+
+    def batch1(self, prompt: str) -> Optional[Tuple[Completion, str]]:
+        """The prompt's baseline and where it came from, if this check supplies it."""
+        return None
+
+    def params(self) -> Json:
+        """What the saved params hold of it."""
+        return {}
+
+    def header_lines(self, run: SweepRun) -> List[str]:
+        return []
+
+    def send(self, run: SweepRun, prompt: str, n: int) -> Optional[SentBatch]:
+        """Batch size n sent its way, taking over the traffic shape's send; None: not."""
+        return None
+
+    def batch_part(self, run: SweepRun, prompt: str, n: int, batch: SentBatch) -> Any:
+        """Its record of one pass of one batch size (None: nothing)."""
+        return None
+
+    def size_part(self, parts: List[Any]) -> Any:
+        """Its record of a batch size over every pass, from the passes' parts."""
+        return None
+
+    def size_notes(self, size: SizeResult) -> List[str]:
+        """Its notes in the size's row of the table."""
+        return []
+
+    def summary_part(self, parts: List[Any], sizes: List[SizeResult]) -> Any:
+        """Its record of the whole sweep, from every pass's part."""
+        return None
+
+    def summary_reasons(self, summary: SweepSummary) -> List[str]:
+        """What the summary line adds in brackets after the verdict."""
+        return []
+
+    def summary_notes(self, summary: SweepSummary) -> List[str]:
+        """Its notes just above the summary line."""
+        return []
+
+    def summary_lines(self, summary: SweepSummary, sizes: List[SizeResult]) -> List[str]:
+        """Its lines after the summary line (a Bold one states its verdict)."""
+        return []
+
+    def expectation(self, expect: str, summary: SweepSummary) -> Tuple[bool, str]:
+        """--expect of one of its EXPECT: (held, the line that says so)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class SweepAsked:
+    """What a check's options are checked against: the rest of what the sweep was asked."""
+
+    url: str
+    engine: Optional[str]
+    model: Optional[str]
+    sampling: Sampling
+    prompts: List[str]  # [] where --prompt-tokens builds the prompt once the server is known
+    traffic: str
+    expect: Optional[str]
+
+
+class SwitchedCheck(SweepCheck):
+    """A check that one switch turns on (OPTION, a store_true option whose dest is the
+    option's name), which its own --expect values need."""
+
+    OPTION = ""  # e.g. "--cache-check"
+    HELP = ""  # what --help says of it
+
+    def __init__(self, asked: bool = False):
+        self.asked = asked
+
+    @classmethod
+    def dest(cls) -> str:
+        return cls.OPTION.lstrip("-").replace("-", "_")
+
+    @classmethod
+    def add_arguments(cls, group: argparse._ArgumentGroup) -> None:
+        group.add_argument(cls.OPTION, action="store_true", help=cls.HELP)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, asked: SweepAsked) -> "SweepCheck":
+        on = getattr(args, cls.dest())
+        if asked.expect in cls.EXPECT and not on:
+            raise UsageError("--expect %s needs %s" % (asked.expect, cls.OPTION))
+        if on:
+            cls.refuse(args, asked)
+        return cls(on)
+
+    @classmethod
+    def refuse(cls, args: argparse.Namespace, asked: SweepAsked) -> None:
+        """What it cannot run with, refused (UsageError) when it is asked for."""
+
+    def params(self) -> Json:
+        return {self.dest(): self.asked}
+
+
+# ----------------------------------------------------------------------------
+# Prefix-cache bypass (--prefix-cache): no sweep request served from another's cache
+
+PREFIX_CACHE_CHOICES = ("bypass", "keep")  # bypass: no request served from an earlier's cache
+DEFAULT_PREFIX_CACHE = "bypass"  # a cache hit would compare the cache, not the batch
+BYPASS_HELD, BYPASS_FAILED, BYPASS_UNVERIFIED = "held", "did not hold", "unverified"
+
+
+@dataclass(frozen=True)
+class BypassCheck:
+    """Did --prefix-cache bypass hold? Proven by the cached-token counts the server reports:
+    any count above 0 is a prefill served from the cache; no counts at all prove nothing."""
+
+    SAVED_AS: ClassVar[Dict[str, Any]] = saved("prefix_cache_bypass")
+
+    status: str  # BYPASS_HELD, BYPASS_FAILED or BYPASS_UNVERIFIED
+    hit_sizes: List[int]  # batch sizes with a cache hit
+
+    @classmethod
+    def of(cls, cached: Sequence[Tuple[int, Optional[int]]]) -> "BypassCheck":
+        """cached: (batch size, its cached-token count or None) of every pass."""
+        hits = sorted({n for n, count in cached if (count or 0) > 0})
+        if all(count is None for _, count in cached):
+            return cls(BYPASS_UNVERIFIED, hits)
+        return cls(BYPASS_FAILED if hits else BYPASS_HELD, hits)
+
+
+class PrefixCache(SweepCheck):
+    """--prefix-cache: bypass (the default) gives every request a cache key of its own, and
+    empties the cache before every batch where the engine has no such key, so that no prefill
+    is served from an earlier request's cache; whether that held, the cached-token counts
+    the server reports say (BypassCheck). keep leaves the cache alone. Either way a request
+    the cache served compares nothing (PromptSweep.measured)."""
+
+    NAME = "prefix_cache"
+
+    def __init__(self, choice: str = DEFAULT_PREFIX_CACHE):
+        self.choice = choice  # one of PREFIX_CACHE_CHOICES
+        self.hint = ""  # how the engine reports cached tokens, once the server is known
+
+    @classmethod
+    def add_arguments(cls, group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--prefix-cache", choices=PREFIX_CACHE_CHOICES, default=DEFAULT_PREFIX_CACHE,
+            help="bypass: no request may be served from an earlier one's prefix cache; keep: "
+            "leave the cache alone and save the cached-token counts (default %s)"
+            % DEFAULT_PREFIX_CACHE)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, asked: SweepAsked) -> "PrefixCache":
+        return cls(args.prefix_cache)
+
+    @property
+    def bypass(self) -> bool:
+        return self.choice == "bypass"
+
+    def isolates(self) -> bool:
+        return self.bypass
+
+    def open(self, run: SweepRun) -> None:
+        self.hint = run.cfg.adapter.CACHE_COUNTS_HINT
+
+    def params(self) -> Json:
+        return {"prefix_cache": self.choice}
+
+    def size_notes(self, size: SizeResult) -> List[str]:
+        """Where a size's requests hit the cache: despite the bypass, or as kept."""
+        if not (size.cached_tokens or 0) > 0:
+            return []
+        served = " (%d of %d requests served, not compared)" % (size.served, size.completions)
+        if self.bypass:
+            return ["cache hit: bypass did not hold (%s cached tokens)%s"
+                    % (size.cached_tokens, served)]
+        return ["cache hit (%s cached tokens)%s" % (size.cached_tokens, served)]
+
+    def summary_part(self, parts: List[Any], sizes: List[SizeResult]) -> Optional[BypassCheck]:
+        """The bypass's proof over every pass so far (None when the cache was kept)."""
+        if not self.bypass:
+            return None
+        return BypassCheck.of([(s.batch_size, r.cached_tokens) for s in sizes for r in s.runs])
+
+    def summary_reasons(self, summary: SweepSummary) -> List[str]:
+        check = summary.checks.get(self.NAME)
+        if check is None or check.status != BYPASS_FAILED:
+            return []
+        sizes = check.hit_sizes
+        return ["cache hit: bypass did not hold at batch size%s %s" % (
+            "" if len(sizes) == 1 else "s", ",".join(map(str, sizes)))]
+
+    def summary_notes(self, summary: SweepSummary) -> List[str]:
+        check = summary.checks.get(self.NAME)
+        if check is None or check.status != BYPASS_UNVERIFIED:
+            return []
+        return ["prefix cache bypass unverified: the server reports no cached-token counts (%s)"
+                % self.hint]
+
+
+# ----------------------------------------------------------------------------
+# Cache check (--cache-check): a cache hit against the cold prefill
+
+CACHE_EQUAL = "cache hit equals cold prefill bitwise"  # the cache check's verdicts, kept apart
+CACHE_DIFFER = "cache hit differs from cold prefill"
+CACHE_UNVERIFIED = "equal, but the hit is unverified (the server reports no cached-token counts)"
+CACHE_MISSED = "equal, but the repeat was not served from the cache (cached-token count 0)"
+CACHE_COLD_HIT = "not compared: every cold request was itself served from the cache"
+
+
+@dataclass(frozen=True)
+class CacheComparison:
+    """One batch sent cold, then at once again with the same cache key: served from the
+    prefix cache, it must equal the cold answer bit for bit."""
+
+    SAVED_AS: ClassVar[Dict[str, Any]] = saved("cache_check")
+
+    max_ulp: int
+    first_step: Optional[int]  # first step whose token or logprob differs
+    tokens_diverged: bool
+    notes: Tuple[str, ...]
+    margin: Optional[Margin]  # at the first token divergence
+    cached_tokens: Optional[int]  # of the repeat, as the server reports them
+    cold_cached_tokens: Optional[int]
+
+    @classmethod
+    def of(cls, cold: SentBatch, warm: SentBatch, clamps: Sequence[float]) -> "CacheComparison":
+        pairs = list(zip(cold.completions, warm.completions))
+        deltas = [compare_completions(c, w, clamps) for c, w in pairs]
+        steps = [s for d in deltas for s in (d.first_token_divergence, d.first_ulp_step)
+                 if s is not None]
+        diverged = [d for d in deltas if d.first_token_divergence is not None]
+        first = min(diverged, key=lambda d: d.first_token_divergence) if diverged else None
+        notes = {u for d in deltas for u in d.ulp_notes}
+        if any(c.text != w.text for c, w in pairs):
+            notes.add("text differs")
+        return cls(max((d.max_ulp for d in deltas), default=0),
+                   min(steps) if steps else None, bool(diverged), tuple(sorted(notes)),
+                   first.margin if first else None, warm.cached_tokens, cold.cached_tokens)
+
+
+@dataclass(frozen=True)
+class CacheSummary:
+    """The cache check over every batch: its verdict, proven by the repeats' cached-token
+    counts (saved flat in the sweep's summary, each field behind "cache_")."""
+
+    SAVED_AS: ClassVar[Dict[str, Any]] = saved(flat="cache_")
+
+    verdict: str
+    batches: int
+    max_ulp: Optional[int]
+    first_step: Optional[int]
+    # batches whose cold request the cache did not serve and whose repeat it did: the only
+    # ones that compare a cache hit with a cold prefill (copies of one vLLM request share the
+    # cache, so a cold batch of several copies is partly served from it)
+    verified: int = field(default=0, metadata=NOT_SAVED)
+
+    @classmethod
+    def of(cls, checked: Sequence[CacheComparison]) -> "CacheSummary":
+        counts = [c.cached_tokens for c in checked if c.cached_tokens is not None]
+        verified = [c for c in checked if c.cold_cached_tokens == 0 and (c.cached_tokens or 0) > 0]
+        if not checked:
+            verdict = NO_DATA
+        elif any(c.max_ulp or c.tokens_diverged or c.notes for c in checked):
+            verdict = CACHE_DIFFER
+        elif not counts:
+            verdict = CACHE_UNVERIFIED
+        elif len(counts) < len(checked) or 0 in counts:
+            verdict = CACHE_MISSED
+        elif verified:
+            verdict = CACHE_EQUAL
+        else:
+            verdict = CACHE_COLD_HIT
+        steps = [c.first_step for c in checked if c.first_step is not None]
+        return cls(verdict, len(checked), max((c.max_ulp for c in checked), default=None),
+                   min(steps) if steps else None, len(verified))
+
+
+class CacheCheck(SwitchedCheck):
+    """--cache-check: every batch is sent cold with a cache key of its own, then at once again
+    with the same key, so that the prefix cache serves the repeat; the two must agree bit for
+    bit (CacheComparison), and the repeat's cached-token count proves the hit. It needs copies
+    traffic and the bypass: its cold request must be cold."""
+
+    NAME = "cache_check"
+    OPTION = "--cache-check"
+    HELP = ("also send every batch again at once, with the cold request's cache key, so that "
+            "the prefix cache serves it, and compare it with the cold one bitwise; the "
+            "cached-token counts prove the hit (copies traffic, bypass)")
+    EXPECT = ("cache-equal",)
+    EXPECT_HELP = "(with --cache-check) a verified cache hit equals the cold prefill bitwise"
+
+    def __init__(self, asked: bool = False):
+        super().__init__(asked)
+        self.keys: Dict[int, str] = {}  # batch size -> the cache key its cold request took
+
+    @classmethod
+    def refuse(cls, args: argparse.Namespace, asked: SweepAsked) -> None:
+        if asked.traffic != "copies" or args.prefix_cache != "bypass":
+            raise UsageError("--cache-check goes with --traffic copies and --prefix-cache bypass "
+                             "(its cold request must be cold)")
+
+    def send(self, run: SweepRun, prompt: str, n: int) -> Optional[SentBatch]:
+        """The batch, sent cold under a fresh cache key (kept for its repeat)."""
+        if not self.asked:
+            return None
+        self.keys[n] = fresh_cache_key()
+        return run.sender.copies(prompt, n, run.cfg.sweep.seed, self.keys[n])
+
+    def batch_part(self, run: SweepRun, prompt: str, n: int,
+                   batch: SentBatch) -> Optional[CacheComparison]:
+        """The same batch again under the cold one's key, against the cold one."""
+        if not self.asked:
+            return None
+        try:
+            warm = run.sender.copies(prompt, n, run.cfg.sweep.seed, self.keys.pop(n))
+        except ServerError as err:
+            raise ServerError("cache check at batch size %d: %s" % (n, err)) from None
+        return CacheComparison.of(batch, warm, run.sender.adapter.logprob_clamps)
+
+    def summary_part(self, parts: List[Any], sizes: List[SizeResult]) -> Optional[CacheSummary]:
+        return CacheSummary.of(parts) if self.asked else None
+
+    def summary_lines(self, summary: SweepSummary, sizes: List[SizeResult]) -> List[str]:
+        part = summary.checks.get(self.NAME)
+        if part is None:
+            return []
+        return [Bold("cache check, over %d batches each sent again from the cache (%d with a "
+                     "cold request the cache did not serve): max ULP %s, first differing step "
+                     "%s: %s" % (part.batches, part.verified, fmt_opt(part.max_ulp, "?"),
+                                 fmt_opt(part.first_step), part.verdict))]
+
+    def expectation(self, expect: str, summary: SweepSummary) -> Tuple[bool, str]:
+        """--expect cache-equal: (held, the line that says so)."""
+        part = summary.checks[self.NAME]
+        if part.verdict != CACHE_EQUAL:
+            return False, ("expectation failed: --expect cache-equal, but the cache check "
+                           "found: %s" % part.verdict)
+        return (True, "expect cache-equal: held (max ULP 0 over %d batches with a cold request)"
+                % part.verified)
+
+
+# ----------------------------------------------------------------------------
+# Prefill check (--prefill-check): decode against prefill, with KL
+
+PREFILL_AGREE = "decode and prefill agree bitwise"  # the prefill check's verdict, kept apart
+PREFILL_DIFFER = "decode and prefill differ"
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    """The prefill check of one batch: each distinct completion's decoded logprobs against
+    the ones the server computes prefilling the same tokens at once (saved flat in the
+    batch's row, each field behind "prefill_")."""
+
+    SAVED_AS: ClassVar[Dict[str, Any]] = saved(flat="prefill_")
+
+    max_ulp: int
+    first_step: Optional[int]  # the first generated step whose two logprobs differ
+    notes: List[str]  # ULP notes of the comparison
+    margin: Optional[Margin]  # the decode's runner-up at that step
+    tokens: int  # generated tokens compared
+    divergent: int  # of them, those whose two logprobs differ
+    kl_sum: float  # K3 terms of the divergent tokens, summed (KlEstimate)
+    kl_max: Optional[float]  # the largest of them; None with none divergent
+
+
+@dataclass(frozen=True)
+class PrefillSummary:
+    """The prefill check over many batches (a size's passes, or a whole sweep), and, for the
+    whole sweep, its verdict: nothing is claimed where no token was compared (saved flat,
+    behind "prefill_")."""
+
+    SAVED_AS: ClassVar[Dict[str, Any]] = saved(flat="prefill_")
+
+    checked: int = field(metadata=NOT_SAVED)  # batches the check ran on
+    max_ulp: Optional[int]
+    first_step: Optional[int]
+    margin: Optional[Margin]  # at the first differing step
+    tokens: int
+    divergent: int
+    kl_sum: float
+    kl_mean: Optional[float]  # over the divergent tokens
+    kl_max: Optional[float]
+    notes: List[str]
+    verdict: Optional[str] = field(default=None, metadata=saved(omit_none=True))  # a sweep's
+
+    @classmethod
+    def of(cls, rows: Sequence[PrefillRow]) -> "PrefillSummary":
+        moved = [r for r in rows if r.first_step is not None]
+        first = min(moved, key=lambda r: r.first_step) if moved else None
+        largest = [r.kl_max for r in rows if r.kl_max is not None]
+        divergent = sum(r.divergent for r in rows)
+        kl_sum = sum(r.kl_sum for r in rows)
+        return cls(checked=len(rows), max_ulp=max((r.max_ulp for r in rows), default=None),
+                   first_step=first.first_step if first else None,
+                   margin=first.margin if first else None, tokens=sum(r.tokens for r in rows),
+                   divergent=divergent, kl_sum=kl_sum,
+                   kl_mean=kl_sum / divergent if divergent else None,
+                   kl_max=max(largest) if largest else None,
+                   notes=sorted({n for r in rows for n in r.notes}))
+
+    def judged(self, failure: Optional[str] = None) -> "PrefillSummary":
+        """This summary with its verdict (failure: why the server could not serve the
+        check, if it could not)."""
+        if failure and not self.tokens:
+            found = "not measured: the server could not serve it (%s)" % failure
+        elif not self.checked:
+            found = NO_DATA
+        elif not self.tokens:
+            found = NOTHING_COMPARED
+        else:
+            found = PREFILL_DIFFER if self.max_ulp or self.notes else PREFILL_AGREE
+        return dataclasses.replace(self, verdict=found)
+
+
+@dataclass
+class KlEstimate:
+    """KL(decode || prefill) over the tokens whose two logprobs differ, by the K3 estimator
+    SGLang's p_vs_d mode reports: with log r = prefill - decode at a decoded token,
+    (exp(log r) - 1) - log r, never negative, 0 where the two agree. Clamped and non-finite
+    values give no estimate (their ULP notes say so)."""
+
+    divergent: int = 0  # tokens whose decode and prefill logprobs differ
+    total: float = 0.0  # their K3 terms, summed
+    largest: float = 0.0
+
+    def add(self, decode: Sequence[float], prefill: Sequence[float],
+            clamps: Sequence[float]) -> None:
+        for d, p in zip(decode, prefill):
+            if d == p or not (math.isfinite(d) and math.isfinite(p)) or d in clamps or p in clamps:
+                continue
+            log_r = p - d
+            # a prefill logprob far above the decode's: a term beyond any float is infinite
+            term = math.expm1(log_r) - log_r if log_r < 709.0 else math.inf
+            self.divergent += 1
+            self.total += term
+            self.largest = max(self.largest, term)
+
+
+def runner_up_margin(c: Completion, step: int, clamps: Sequence[float] = ()) -> Margin:
+    """How near the decode's choice at step was to flipping: its chosen token against the best
+    other candidate of its own top-k list there."""
+    top = c.top_logprobs[step] if step < len(c.top_logprobs) else {}
+    chosen = c.tokens[step]
+    others = [v for k, v in top.items() if k != chosen]
+    if chosen not in top or not others:
+        return Margin(note=NOT_IN_TOP_K)
+    best = max(others)
+    ulp, _ = logprob_distance(top[chosen], best, clamps)
+    return Margin(logprob=top[chosen] - best, ulp=ulp)
+
+
+def margin_text(margin: Optional[Margin]) -> str:
+    """A near-tie margin as the table shows it."""
+    if not margin:
+        return "-"
+    if margin.note:
+        return margin.note
+    return "%s ULP" % fmt_opt(margin.ulp, "?")
+
+
+class PrefillCheck(SwitchedCheck):
+    """--prefill-check, decode versus prefill: each distinct completion is sent back as one
+    token-id prompt (the prompt's ids, then the generated ids: never re-tokenised text), and
+    each generated token's logprob as the server decoded it is compared with the one it
+    computes reading the whole sequence at once. Prefills are cached by token sequence, so the
+    cost is one request per distinct sequence (plus one per prompt to learn its ids), not one
+    per completion."""
+
+    NAME = "prefill"
+    OPTION = "--prefill-check"
+    HELP = ("also read every distinct completion back as one token-id prompt and compare each "
+            "token's decode-time logprob with its prefill-time one (what RL training on-policy "
+            "needs; see --mode help)")
+    EXPECT = ("prefill-equal",)
+    EXPECT_HELP = "(with --prefill-check) decode and prefill agree bitwise"
+
+    def __init__(self, asked: bool = False) -> None:
+        super().__init__(asked)
+        self.prompt_ids: Dict[str, List[int]] = {}
+        self.prefills: Dict[Tuple[str, Tuple[str, ...]], List[float]] = {}
+        # why the server could not serve the check (a gateway without /tokenize, say): the
+        # check stops there, the sweep goes on
+        self.failure: Optional[str] = None
+
+    def prefill(self, sender: Sender, prompt: str, tokens: List[str]) -> List[float]:
+        key = (prompt, tuple(tokens))
+        if key not in self.prefills:
+            s = sender
+            if prompt not in self.prompt_ids:
+                self.prompt_ids[prompt] = parsed("the prompt's token ids",
+                                                 s.adapter.prompt_token_ids, s.client, s.model,
+                                                 prompt)
+            head = self.prompt_ids[prompt]
+            generated = [token_id(t) for t in tokens]
+            if not head or None in generated:
+                raise ServerError(
+                    "the prefill check needs token ids, and %s" %
+                    ("the prompt has none" if not head else "the server's tokens are not ids"),
+                    kind=ServerError.ANSWER)
+            ids = head + generated
+            self.prefills[key] = parsed("the prefill answer", s.adapter.prefill_logprobs, s.client,
+                                        s.model, ids, len(head), s.isolate)
+        return self.prefills[key]
+
+    def batch_part(self, run: SweepRun, prompt: str, n: int,
+                   batch: SentBatch) -> Optional[PrefillRow]:
+        """Each distinct completion of one batch (of size n) against its prefill; None once
+        the server has shown it cannot serve the check (it answered the check's requests with
+        an error, or without the prompt logprobs it needs)."""
+        if not self.asked or self.failure is not None:
+            return None
+        sender = run.sender
+        clamps = sender.adapter.logprob_clamps
+        worst, first, notes, margin, compared = 0, None, set(), None, 0
+        kl = KlEstimate()
+        seen: List[Completion] = []
+        try:
+            for c in batch.completions:
+                if any(same_completion(c, s) for s in seen):
+                    continue
+                seen.append(c)
+                prefill = self.prefill(sender, prompt, c.tokens)
+                ulps, units = pair_ulps(list(c.logprobs), prefill, clamps)
+                kl.add(c.logprobs, prefill, clamps)
+                compared += len(ulps)
+                notes |= units
+                worst = max([worst] + [u for u in ulps if u])
+                moved = next((i for i, u in enumerate(ulps) if u != 0), None)
+                if moved is not None and (first is None or moved < first):
+                    first, margin = moved, runner_up_margin(c, moved, clamps)
+        except ServerError as err:
+            if err.kind == ServerError.NETWORK:  # the server itself is gone: the sweep stops
+                raise ServerError("prefill check at batch size %d: %s" % (n, err)) from None
+            self.failure = str(err)
+            run.out.warn("the prefill check stops at batch size %d, the sweep goes on: %s"
+                         % (n, err))
+            return None
+        return PrefillRow(max_ulp=worst, first_step=first, notes=sorted(notes), margin=margin,
+                          tokens=compared, divergent=kl.divergent, kl_sum=kl.total,
+                          kl_max=kl.largest if kl.divergent else None)
+
+    def size_part(self, parts: List[Any]) -> Optional[PrefillSummary]:
+        return PrefillSummary.of(parts) if parts else None
+
+    def summary_part(self, parts: List[Any],
+                     sizes: List[SizeResult]) -> Optional[PrefillSummary]:
+        return PrefillSummary.of(parts).judged(self.failure) if self.asked else None
+
+    def summary_lines(self, summary: SweepSummary, sizes: List[SizeResult]) -> List[str]:
+        part = summary.checks.get(self.NAME)
+        if part is None:
+            return []
+        per_size = ", ".join(
+            "%d: %s" % (size.batch_size, fmt_opt(size.checks.get(self.NAME)
+                                                 and size.checks[self.NAME].max_ulp, "?"))
+            for size in sizes)
+        lines = ["prefill check, max ULP per batch size: %s" % per_size]
+        margin = ""
+        if part.margin:
+            margin = " (there, the decode's runner-up was %s behind)" % margin_text(part.margin)
+        lines.append(Bold("prefill check: max ULP %s, first differing step %s%s: %s"
+                          % (fmt_opt(part.max_ulp, "?") + ("*" if part.notes else ""),
+                             fmt_opt(part.first_step), margin, part.verdict)))
+        if part.notes:
+            lines.append("  * %s" % "; ".join(ULP_NOTE_TEXT.get(n, n) for n in part.notes))
+        if part.divergent:
+            lines.append("prefill check, KL(decode || prefill), K3 estimate over the %d divergent "
+                         "of %d tokens: mean %.3g, max %.3g" %
+                         (part.divergent, part.tokens, part.kl_mean, part.kl_max))
+        return lines
+
+    def expectation(self, expect: str, summary: SweepSummary) -> Tuple[bool, str]:
+        """--expect prefill-equal: (held, the line)."""
+        part = summary.checks[self.NAME]
+        if part.verdict != PREFILL_AGREE:
+            return False, ("expectation failed: --expect prefill-equal, but the prefill check "
+                           "found: %s" % part.verdict)
+        return True, "expect prefill-equal: held (max ULP 0 over %d tokens)" % part.tokens
+
+
+# ----------------------------------------------------------------------------
+# Server baseline (--baseline PATH|URL): batch 1 from a file or another server
+
+
+def baseline_fault(rec: Any) -> Optional[str]:
+    """What is wrong with a stored baseline completion, naming the field; None if nothing."""
+    if not isinstance(rec, dict):
+        return "baseline is not a record"
+    if not isinstance(rec.get("text"), str):
+        return "baseline.text is not a string"
+    tokens, logprobs, top = rec.get("tokens"), rec.get("logprobs"), rec.get("top_logprobs")
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        return "baseline.tokens is not a list of strings"
+    if not isinstance(logprobs, list) or not all(map(saved_number, logprobs)):
+        return "baseline.logprobs is not a list of numbers"
+    if len(logprobs) != len(tokens):
+        return "baseline.logprobs has %d entries for %d tokens" % (len(logprobs), len(tokens))
+    if top is None:
+        return None
+    if not isinstance(top, list) or len(top) != len(tokens):
+        return "baseline.top_logprobs is not a list of one entry per token"
+    for t, step in enumerate(top):
+        if not isinstance(step, dict) or not all(
+                isinstance(k, str) and saved_number(v) for k, v in step.items()):
+            return "baseline.top_logprobs[%d] is not a map of token to logprob" % t
+    if rec.get("finish_reason") is not None and not isinstance(rec["finish_reason"], str):
+        return "baseline.finish_reason is not a string"
+    return None
+
+
+@dataclass
+class BaselineFile:
+    """--baseline PATH: the batch-1 completions an earlier sweep saved."""
+
+    path: str
+    doc: Json
+
+    def check(self, engine: Optional[str], model: Optional[str], sampling: Sampling,
+              prompts: List[str]) -> None:
+        """Refuse a baseline recorded for another engine, model, prompt or sampling."""
+        doc, path = self.doc, self.path
+        if doc.get("schema") not in SWEEP_SCHEMAS_READ or not isinstance(doc.get("prompts"), list):
+            raise UsageError("--baseline: %s is not a sweep result" % path)
+        if engine is not None:
+            self.check_engine(engine)
+        if model is not None and doc.get("model") != model:
+            raise UsageError("--baseline: %s was recorded for model %s, not %s" %
+                             (path, doc.get("model"), model))
+        mine, theirs = as_record(sampling), doc.get("params") or {}
+        # every request setting that changes what is compared (logprobs: the top-k lists)
+        for key in ("temperature", "top_p", "max_tokens", "seed", "logprobs"):
+            if theirs.get(key) != mine[key]:
+                raise UsageError("--baseline: %s was recorded with %s=%s, this sweep uses %s" %
+                                 (path, key, theirs.get(key), mine[key]))
+        for i, entry in enumerate(doc["prompts"], 1):
+            if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str):
+                raise UsageError("--baseline: %s: prompts[%d] is not a prompt record" % (path, i))
+        if prompts:  # --prompt-tokens: the prompt is built first, and checked then (open)
+            self.check_prompts(prompts)
+
+    def check_prompts(self, prompts: List[str]) -> None:
+        path = self.path
+        recorded = {p["prompt"]: p for p in self.doc["prompts"]}
+        for prompt in prompts:
+            entry = recorded.get(prompt)
+            if entry is None:
+                raise UsageError("--baseline: %s has no baseline for the prompt %r" %
+                                 (path, prompt[:60]))
+            fault = baseline_fault(entry.get("baseline"))
+            if fault:
+                raise UsageError("--baseline: %s: the baseline of %r: %s" %
+                                 (path, prompt[:60], fault))
+
+    def check_engine(self, engine: str) -> None:
+        recorded = self.doc.get("engine")
+        if recorded != engine:
+            raise UsageError("--baseline: %s was recorded on %s, this sweep is on %s" %
+                             (self.path, recorded, engine))
+
+    def open(self, run: SweepRun) -> None:
+        """Once the server under test is known: the file must be of its engine and model, and
+        hold the prompt --prompt-tokens built."""
+        cfg = run.cfg
+        if cfg.sweep.long_prompt is not None:
+            self.check_prompts(cfg.sweep.prompts)
+        self.check_engine(cfg.engine)
+        if self.doc.get("model") != run.facts.model:
+            raise UsageError("--baseline: %s was recorded for model %s, this server serves %s" %
+                             (self.path, self.doc.get("model"), run.facts.model))
+
+    def batch1(self, prompt: str) -> Tuple[Completion, str]:
+        """The prompt's baseline and where it came from."""
+        entry = next(p for p in self.doc["prompts"] if p.get("prompt") == prompt)
+        return Completion.from_record(entry["baseline"]), self.path
+
+    def params(self) -> Json:
+        return {"baseline_file": self.path}
+
+    def header_lines(self) -> List[str]:
+        return []
+
+    def summary_lines(self) -> List[str]:
+        return []
+
+
+def saved_number(x: Any) -> bool:
+    """A number as a save writes it: a JSON number, or a word for a value JSON has none for."""
+    return is_number(x) or x in ("NaN", "Infinity", "-Infinity")
+
+
+@dataclass
+class BaselineServer:
+    """--baseline URL: another server whose batch 1 is the baseline (another restart, TP degree
+    or version of the same model), asked with the same prompts and sampling before the sweep."""
+
+    url: str
+    sender: Optional[Sender] = None  # once open
+    differences: List[SettingDifference] = field(default_factory=list)  # theirs and ours
+
+    def open(self, run: SweepRun) -> None:
+        """Once the server under test is known: the same model, and what the two report
+        differently."""
+        cfg, facts = run.cfg, run.facts
+        theirs = server_facts(cfg, self.url, "the baseline server (--baseline)")
+        if theirs.model != facts.model:
+            raise UsageError("--baseline: %s serves %s, the server under test %s" %
+                             (self.url, theirs.model, facts.model))
+        self.sender = Sender(cfg.client(self.url), cfg.adapter, theirs.model_id, cfg.sampling,
+                             run.sender.isolate)
+        self.differences = SettingDifference.between(theirs, facts, ("baseline", "here"),
+                                                     flag=True)
+
+    def batch1(self, prompt: str) -> Tuple[Completion, str]:
+        sender = self.sender
+        try:
+            sender.adapter.before_batch(sender.client, sender.isolate)
+            return sender.copies(prompt, 1, 0).completions[0], "batch 1 of %s" % self.url
+        except ServerError as err:
+            raise ServerError("the baseline server, batch 1: %s" % err) from None
+
+    def params(self) -> Json:
+        return {"baseline_server": self.url, "baseline_differences": as_record(self.differences)}
+
+    def header_lines(self) -> List[str]:
+        differences = "; ".join(
+            "%s %s there, %s here"
+            % (d.setting, fmt_setting(d.side("baseline")), fmt_setting(d.side("here")))
+            for d in self.differences)
+        shown = differences or "reporting the same settings"
+        return ["        baseline: batch 1 of %s, %s" % (self.url, shown)]
+
+    def summary_lines(self) -> List[str]:
+        return ["  against batch 1 of %s" % self.url]
+
+
+class Baseline(SweepCheck):
+    """--baseline PATH|URL: batch 1 of an earlier sweep's file or of another server stands in
+    for the server's own batch 1, so that batch 1 is compared too (restart to restart, TP to
+    TP, version to version)."""
+
+    NAME = "baseline"
+
+    def __init__(self, source: Optional[Union[BaselineFile, BaselineServer]] = None):
+        self.source = source
+
+    @classmethod
+    def add_arguments(cls, group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--baseline", metavar="PATH|URL",
+            help="compare with the batch-1 completions of an earlier sweep's --save file "
+            "(same model and prompts), or of another server, measured first with the same "
+            "prompts and sampling: restart to restart, TP to TP, version to version")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, asked: SweepAsked) -> "Baseline":
+        """A server's URL (never the server under test), or a saved sweep recorded for this
+        engine, model, sampling and every prompt, checked before any request."""
+        text = args.baseline
+        if not text:
+            return cls()
+        if urllib.parse.urlsplit(text).scheme in ("http", "https"):
+            url = check_url(text, "--baseline")
+            if server_address(url) == server_address(asked.url):
+                raise UsageError(
+                    "--baseline names the server under test (--url); give another server")
+            return cls(BaselineServer(url))
+        source = BaselineFile(text, read_json_file(text, "--baseline"))
+        source.check(asked.engine, asked.model, asked.sampling, asked.prompts)
+        return cls(source)
+
+    def servers(self) -> List[Tuple[str, str]]:
+        if isinstance(self.source, BaselineServer):
+            return [(self.source.url, "the baseline server (--baseline)")]
+        return []
+
+    def open(self, run: SweepRun) -> None:
+        if self.source:
+            self.source.open(run)
+
+    def batch1(self, prompt: str) -> Optional[Tuple[Completion, str]]:
+        return self.source.batch1(prompt) if self.source else None
+
+    def params(self) -> Json:
+        return self.source.params() if self.source else {}
+
+    def header_lines(self, run: SweepRun) -> List[str]:
+        return self.source.header_lines() if self.source else []
+
+    def summary_lines(self, summary: SweepSummary, sizes: List[SizeResult]) -> List[str]:
+        return self.source.summary_lines() if self.source else []
+
+
+# ----------------------------------------------------------------------------
+# --mode sweep: unique completions and logprob ULPs across batch sizes
+
+# The checks a sweep can run, in the order they run, print and are saved: each is one
+# section above, and its own options, request changes, records, lines and --expect rules
+SWEEP_CHECKS: Tuple[Type[SweepCheck], ...] = (PrefixCache, Baseline, CacheCheck, PrefillCheck)
+
+
+def check_prompts(prompts: List[str], option: str) -> List[str]:
+    if len(prompts) > MAX_PROMPTS:
+        raise UsageError("%s: at most %d prompts (got %d)" % (option, MAX_PROMPTS, len(prompts)))
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    if len(prompts[longest]) > MAX_PROMPT_CHARS:
+        raise UsageError("%s: prompt %d has %d characters; at most %d" %
+                         (option, longest + 1, len(prompts[longest]), MAX_PROMPT_CHARS))
+    return prompts
+
+
+def parse_sizes(text: str) -> List[int]:
+    parts = [p.strip() for p in text.split(",")]
+    if not text.strip():
+        raise UsageError("--sizes: give comma-separated batch sizes, e.g. 1,15,16,17")
+    if any(not p for p in parts):
+        raise UsageError("--sizes: entry %d of %r is empty; give comma-separated batch sizes, "
+                         "e.g. 1,15,16,17" % (parts.index("") + 1, text))
+    bad = next((p for p in parts if parse_whole(p) is None), None)
+    if bad is not None:
+        raise UsageError("--sizes: %r is not a whole number" % bad)
+    sizes = [int(p) for p in parts]
+    if any(s < 1 for s in sizes):
+        raise UsageError("--sizes: batch sizes start at 1 (got %d)" % min(sizes))
+    if max(sizes) > MAX_BATCH_SIZE:
+        raise UsageError("--sizes: batch sizes go up to %d (got %d)" %
+                         (MAX_BATCH_SIZE, max(sizes)))
+    if len(set(sizes)) != len(sizes):
+        raise UsageError("--sizes: %d is listed twice"
+                         % next(s for s in sizes if sizes.count(s) > 1))
+    return sizes
+
+
+def read_prompt_file(path: str) -> List[str]:
+    lines = read_input_file(path, "--prompt-file").split("\n")
+    prompts = [line.rstrip("\r") for line in lines if line.strip()]
+    if not prompts:
+        raise UsageError("--prompt-file: %s holds no prompt" % path)
+    return check_prompts(prompts, "--prompt-file")
+
+
+@dataclass(frozen=True)
+class LongPrompt:
+    """--prompt-tokens: a prompt built to about a number of tokens, as the server counts them."""
+
+    text: str = field(metadata=NOT_SAVED)
+    asked: int  # --prompt-tokens
+    tokens: int  # what the server's tokenizer made of it
+    budget: Optional[int] = field(metadata=saved("prefill_budget"))  # where the server says
+    chunks: Optional[int] = field(metadata=saved("prefill_chunks"))  # of the budget it takes
+
+
+# --expect NAME of the sweep's own verdict, and what --help says of it
+SWEEP_EXPECT_HELP = {
+    "invariant": "the result is invariant (flag on)",
+    "variant": "it shows a difference (flag off, the negative control)"}
+
+
+@dataclass
+class SweepOptions:
+    """--mode sweep's own options, checked before any request (each field named as its
+    option's argparse dest), and the checks it runs (SWEEP_CHECKS, configured)."""
+
+    sampling: Sampling
+    sizes: Optional[List[int]]  # None: a ladder to max_batch straddling the graph sizes
+    max_batch: int
+    prompts: List[str]
+    traffic: str  # one of TRAFFIC_SHAPES
+    arrivals: Arrivals  # when concurrent traffic's requests go out (--request-rate)
+    repeat: int  # passes through the ladder
+    seed: int  # the sampling seed; it also places mixed traffic's fillers
+    expect: Optional[str]  # a key of SWEEP_EXPECT_HELP or a check's EXPECT
+    prompt_tokens: Optional[int]  # build a prompt of about this many tokens
+    checks: List[SweepCheck]  # one of each of SWEEP_CHECKS, in its order
+    long_prompt: Optional[LongPrompt] = None  # the prompt so built, as the server counted it
+
+    @staticmethod
+    def add_arguments(group: argparse._ArgumentGroup,
+                      checks: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--sizes", help="batch sizes, e.g. 1,15,16,17 (default: a ladder to --max-batch that "
+            "straddles every CUDA-graph size)")
+        group.add_argument(
+            "--max-batch", type=whole_number(1, MAX_BATCH_SIZE), default=DEFAULT_MAX_BATCH,
+            help="largest batch of the default ladder (default %d)" % DEFAULT_MAX_BATCH)
+        group.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                           help="a prompt; repeat for more (each gets its own sweep)")
+        group.add_argument("--prompt-file", metavar="PATH", help="prompts, one per line")
+        group.add_argument(
+            "--temperature", type=real_number(0.0), default=DEFAULT_TEMPERATURE,
+            help="default %g (greedy); above 0 a --seed is always sent" % DEFAULT_TEMPERATURE)
+        group.add_argument("--seed", type=whole_number(0), default=DEFAULT_SEED,
+                           help="sampling seed when temperature > 0 (default %d)" % DEFAULT_SEED)
+        group.add_argument(
+            "--logprobs", type=whole_number(0, MAX_LOGPROBS), default=DEFAULT_LOGPROBS,
+            help="top-k logprobs per step, 0..%d (default %d)" % (MAX_LOGPROBS, DEFAULT_LOGPROBS))
+        group.add_argument(
+            "--traffic", choices=TRAFFIC_SHAPES, default=DEFAULT_TRAFFIC,
+            help="copies: one request of n copies of the prompt; concurrent: n one-prompt "
+            "requests in flight at once; mixed: the prompt once among n-1 other prompts "
+            "(default %s; see --mode help)" % DEFAULT_TRAFFIC)
+        group.add_argument(
+            "--repeat", type=whole_number(1, MAX_REPEAT), default=DEFAULT_REPEAT,
+            help="passes through the whole ladder, batch 1 included; batch 1's passes are the "
+            "run-to-run control (default %d)" % DEFAULT_REPEAT)
+        group.add_argument(
+            "--prompt-tokens", type=whole_number(1, MAX_PROMPT_TOKENS), metavar="N",
+            help="measure a prompt of about N tokens, built of plain words until the server's "
+            "own tokenizer counts N within a few, instead of --prompt (to cross the "
+            "chunked-prefill budget)")
+        expects = dict(SWEEP_EXPECT_HELP)
+        expects.update((e, kind.EXPECT_HELP) for kind in SWEEP_CHECKS for e in kind.EXPECT)
+        group.add_argument(
+            "--expect", choices=tuple(expects),
+            help="exit 1 unless " + "; ".join("%s: %s" % item for item in expects.items()))
+        for kind in SWEEP_CHECKS:
+            kind.add_arguments(checks)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, url: str,
+                  engine: Optional[str]) -> "SweepOptions":
+        max_tokens = DEFAULT_SWEEP_TOKENS if args.max_tokens is None else args.max_tokens
+        sampling = Sampling.of(args.temperature, max_tokens, args.logprobs, args.seed)
+        sizes = parse_sizes(args.sizes) if args.sizes is not None else None
+        read = read_prompt_file(args.prompt_file) if args.prompt_file else []
+        prompts = list(args.prompt) + read
+        if any(not p.strip() for p in prompts):
+            raise UsageError("--prompt: a prompt is empty")
+        if not all(p.encode("utf-8", "surrogatepass").decode("utf-8", "replace") == p
+                   for p in prompts):
+            raise UsageError("--prompt: a prompt is not UTF-8 text (as --prompt-file requires)")
+        prompts = check_prompts(prompts or [DEFAULT_PROMPT], "--prompt")
+        if len(set(prompts)) != len(prompts):
+            raise UsageError("--prompt: the same prompt is given twice")
+        if args.prompt_tokens and (args.prompt or args.prompt_file):
+            raise UsageError(
+                "--prompt-tokens builds the prompt itself: leave out --prompt and --prompt-file")
+        if args.traffic == "mixed" and (max(sizes) if sizes else args.max_batch) == 1:
+            raise UsageError(
+                "--traffic mixed: batch 1 has no room for other prompts; give sizes above 1")
+        built = [] if args.prompt_tokens else prompts  # a built prompt is checked once built
+        asked = SweepAsked(url, engine, args.model, sampling, built, args.traffic, args.expect)
+        checks = [kind.from_args(args, asked) for kind in SWEEP_CHECKS]
+        concurrent = args.traffic == "concurrent"
+        needs = None if concurrent else "--traffic concurrent (one request a prompt)"
+        arrivals = Arrivals.configure(args.request_rate, needs)
+        return options_from(cls, args, sampling=sampling, sizes=sizes, prompts=prompts,
+                            arrivals=arrivals, checks=checks)
+
+    def check(self, kind: Type[SweepCheckT]) -> SweepCheckT:
+        """The configured check of one kind of SWEEP_CHECKS."""
+        return next(c for c in self.checks if isinstance(c, kind))
+
+
+PROMPT_FIT_TRIES = 6  # rounds of counting and resizing a built prompt
+MAX_WORDS_A_TOKEN = 8  # a built prompt's words per token at most (a common word is one token)
+
+
+def built_prompt(client: HttpClient, adapter: EngineAdapter, facts: ServerFacts,
+                 n: int) -> LongPrompt:
+    """Plain words, resized until the server's own tokenizer counts n within max(2, n/100)."""
+
+    def count(text: str) -> int:
+        ids = parsed("the prompt's token ids", adapter.prompt_token_ids, client, facts.model_id,
+                     text)
+        return len(ids)
+
+    words = n
+    tokens = count(filler_words(words))
+    for _ in range(PROMPT_FIT_TRIES):
+        if abs(tokens - n) <= max(2, n // 100):
+            break
+        # Never more than MAX_WORDS_A_TOKEN words a token: a tokenizer that counts far fewer
+        # tokens than words is not one the lab can build a prompt for
+        words = min(MAX_WORDS_A_TOKEN * n, max(1, round(words * n / max(tokens, 1))))
+        tokens = count(filler_words(words))
+    if abs(tokens - n) > max(2, n // 100) and words == MAX_WORDS_A_TOKEN * n:
+        raise ServerError(
+            "--prompt-tokens: the server's tokenizer counts %d tokens for %d words, so no "
+            "prompt of about %d tokens can be built of words" % (tokens, words, n),
+            kind=ServerError.ANSWER)
+    budget = facts.settings.get(adapter.PREFILL_BUDGET)
+    budget = budget if is_count(budget) else None
+    chunks = -(-tokens // budget) if budget else None
+    return LongPrompt(filler_words(words), n, tokens, budget, chunks)
+
+
+def sweep_ladder(options: SweepOptions, facts: ServerFacts) -> List[int]:
+    """The batch sizes to run: --sizes, else a ladder straddling the server's graph sizes
+    (the engine's own when the server runs none)."""
+    if options.sizes is not None:
+        sizes = list(options.sizes)
+    else:
+        sizes = straddling_ladder(options.max_batch, facts.graph_sizes
+                                  or facts.default_graph_sizes)
+    if 1 not in sizes:
+        sizes.insert(0, 1)  # batch 1 is the baseline, and the stored baseline's peer
+    return sizes
 
 
 def sweep_summary(options: SweepOptions, sweeps: List[PromptSweep], state: str) -> SweepSummary:
     """The whole sweep so far, its verdict decided by verdict() from what every prompt
-    measured, with the bypass's proof and each check's summary where it ran."""
+    measured, with each check's summary where it ran."""
     rows = [row for sweep in sweeps for row in sweep.rows()]
+    sizes = [size for sweep in sweeps for size in sweep.sizes()]
     measured = Measured.combined([s.measured() for s in sweeps])
-    cache = prefill = None
-    if options.cache_check:
-        cache = CacheSummary.of([r.cache_check for _, r in rows if r.cache_check is not None])
-    if options.prefill_check:
-        prefill = PrefillSummary.of([r.prefill for _, r in rows if r.prefill is not None])
+    parts = {}
+    for check in options.checks:
+        part = check.summary_part([r.checks[check.NAME] for _, r in rows
+                                   if check.NAME in r.checks], sizes)
+        if part is not None:
+            parts[check.NAME] = part
     return SweepSummary(
         unique_completions=measured.unique, total_completions=measured.total,
         max_ulp=measured.max_ulp, batch1_repeatable=measured.batch1_repeatable,
         traffic=options.traffic, repeat=options.repeat, verdict=verdict(measured),
-        bypass=options.prefix_cache.check([(n, r.cached_tokens) for n, r in rows]),
-        ulp_notes=sorted({u for _, r in rows for u in r.ulp_notes}), state=state, cache=cache,
-        prefill=prefill,
-        prefill_verdict=prefill.verdict(options.prefill_check.failure) if prefill else None,
-        measured=measured)
+        first_moved=measured.first_moved, served_sizes=measured.served_sizes or None,
+        ulp_notes=sorted({u for _, r in rows for u in r.ulp_notes}), state=state,
+        checks=parts, measured=measured)
 
 
 def sweep_params(cfg: Config, facts: ServerFacts, sizes: List[int]) -> Json:
@@ -4618,15 +5137,13 @@ def sweep_params(cfg: Config, facts: ServerFacts, sizes: List[int]) -> Json:
     params = dict(as_record(cfg.sampling), sizes=sizes, prompts=len(options.prompts),
                   prompt_tokens=as_record(options.long_prompt), traffic=options.traffic,
                   arrivals=options.arrivals.describe(), repeat=options.repeat,
-                  prefix_cache=options.prefix_cache.choice, seed_honoured=facts.seed_honoured,
-                  prefill_check=options.prefill_check is not None, cache_check=options.cache_check
-                  is not None)
+                  seed_honoured=facts.seed_honoured)
+    for check in options.checks:
+        params.update(check.params())
     if options.traffic == "mixed":
         params["mixed_seed"] = options.seed
     if options.traffic == "concurrent":
         params["send_spread_s"] = SEND_SPREAD_MEANS
-    if options.baseline:
-        params.update(options.baseline.params())
     return params
 
 
@@ -4675,6 +5192,63 @@ SWEEP_COLUMNS = ("  batch  bucket  distinct  same/all  runs matched  first token
                  "ULP  first ULP step  seconds  notes")
 
 
+def control_text(repeatable: Optional[bool], repeat: int, sweeps: List[PromptSweep]) -> str:
+    """The run-to-run control as the table's last line says it, and why there is none."""
+    if repeatable is not None:
+        return ("batch 1 repeatable over %d passes"
+                % repeat if repeatable else "batch 1 NOT repeatable")
+    if repeat == 1:
+        return "no run-to-run control (one pass)"
+    if any(len(s.batch1) < 2 for s in sweeps):
+        return "no run-to-run control (stopped before a second pass)"
+    return "no run-to-run control (batch 1's logprobs hold NaN, which compares to nothing)"
+
+
+def size_notes(size: SizeResult, checks: Sequence[SweepCheck]) -> str:
+    notes = []
+    if size.overlapped is False:
+        notes.append("requests never in flight together: not compared")
+    elif size.in_flight is not None and size.in_flight < size.batch_size:
+        notes.append("at most %d of %d requests in flight together" %
+                     (size.in_flight, size.batch_size))
+    if size.text_only:
+        notes.append("text differs, tokens equal (%d)" % size.text_only)
+    if "top-k changed" in size.ulp_notes:
+        notes.append("top-k changed")
+    for check in checks:
+        notes.extend(check.size_notes(size))
+    return "; ".join(notes)
+
+
+def size_row(s: SizeResult, checks: Sequence[SweepCheck]) -> str:
+    """One batch size's row of the table."""
+    ulp = str(s.max_ulp) + ("*" if s.ulp_notes else "")
+    row = "  %5d  %6s  %8d  %8s  %12s  %11s  %10s  %7s  %14s  %7.2f  %s" % (
+        s.batch_size, fmt_opt(s.bucket, "none"), s.distinct_in_batch,
+        "%d/%d" % (s.same_as_baseline, s.completions), "%d/%d" % (s.runs_matched, len(s.runs)),
+        fmt_opt(s.first_token_divergence), margin_text(s.divergence_margin), ulp,
+        fmt_opt(s.first_ulp_step), s.seconds, size_notes(s, checks))
+    return row.rstrip()
+
+
+def sizes_text(sizes: Sequence[int]) -> str:
+    return "size%s %s" % ("" if len(sizes) == 1 else "s", ",".join(map(str, sizes)))
+
+
+def verdict_reasons(summary: SweepSummary) -> List[str]:
+    """What the verdict holds only so far as: the sizes the cache served or a request was
+    alone at compared nothing, and the verdict does not cover them."""
+    m, reasons = summary.measured, []
+    if m.served_sizes and summary.verdict not in (CACHE_CONFOUNDED, SERVED_ONLY):
+        where = "invariant where computed" if summary.verdict == INVARIANT else "where computed"
+        reasons.append("%s; %s served from the cache, not compared"
+                       % (where, sizes_text(m.served_sizes)))
+    if m.alone_sizes and summary.verdict not in UNMEASURED_VERDICTS:
+        reasons.append("some requests at %s were alone at the server, not compared"
+                       % sizes_text(m.alone_sizes))
+    return reasons
+
+
 class SweepTable:
     """The sweep's table, printed as it is measured: the header before the first request,
     each size's row once its last pass is in, each prompt's closing line once its sizes are,
@@ -4686,8 +5260,8 @@ class SweepTable:
         self.rows: Dict[int, Set[int]] = {}  # prompt number -> batch sizes whose rows are out
         self.closed: Set[int] = set()  # prompt numbers whose closing line is out
 
-    def header(self, facts: ServerFacts, sizes: List[int]) -> None:
-        cfg, options, out = self.cfg, self.options, self.out
+    def header(self, run: SweepRun, sizes: List[int]) -> None:
+        cfg, options, out, facts = self.cfg, self.options, self.out, run.facts
         for line in server_lines(as_record(facts), cfg.adapter, cfg.engine_detected):
             out.line(line)
         sampling = cfg.sampling
@@ -4701,10 +5275,10 @@ class SweepTable:
                  (sampling.max_tokens, how, sampling.logprobs, ",".join(str(s) for s in sizes)))
         out.line("        traffic %s, %d pass%s through the ladder, prefix cache %s" %
                  (options.traffic, options.repeat, "" if options.repeat == 1 else "es",
-                  options.prefix_cache.choice))
-        baseline_line = options.baseline and options.baseline.header_line()
-        if baseline_line:
-            out.line(baseline_line)
+                  options.check(PrefixCache).choice))
+        for check in options.checks:
+            for line in check.header_lines(run):
+                out.line(line)
         long_prompt = options.long_prompt
         if long_prompt:
             budget, chunks = long_prompt.budget, long_prompt.chunks
@@ -4727,7 +5301,7 @@ class SweepTable:
                           % (number, total, shown, sweep.baseline_source))
             self.out.line(SWEEP_COLUMNS)
         self.rows[number].add(n)
-        self.out.line(size_row(sweep.size(n), self.options.prefix_cache))
+        self.out.line(size_row(sweep.size(n), self.options.checks))
 
     def prompt_done(self, number: int, sweep: PromptSweep) -> None:
         self.closed.add(number)
@@ -4746,82 +5320,39 @@ class SweepTable:
         out.line("")
         if summary.ulp_notes:
             out.line("* %s" % "; ".join(ULP_NOTE_TEXT[n] for n in summary.ulp_notes))
-        unverified = PrefixCache.unverified_line(summary.bypass,
-                                                 self.cfg.adapter.CACHE_COUNTS_HINT)
-        if unverified:
-            out.line(unverified)
+        sizes = [size for sweep in sweeps for size in sweep.sizes()]
         control = control_text(m.batch1_repeatable, options.repeat, sweeps)
         reasons = [] if summary.state == "complete" else [summary.state]
-        bypass_reason = PrefixCache.summary_reason(summary.bypass)
-        if bypass_reason:
-            reasons.append(bypass_reason)
+        reasons += verdict_reasons(summary)
+        for check in options.checks:
+            reasons += check.summary_reasons(summary)
+        for check in options.checks:
+            for line in check.summary_notes(summary):
+                out.line(line)
         out.bold("summary: unique completions %d, total %d, max ULP %d, %s: %s%s"
                  % (m.unique, m.total, m.max_ulp, control, summary.verdict,
                     " (%s)" % "; ".join(reasons) if reasons else ""))
-        baseline_line = options.baseline and options.baseline.summary_line()
-        if baseline_line:
-            out.line(baseline_line)
-        if summary.cache is not None:
-            CacheCheck.report(summary.cache, out)
-        if summary.prefill is not None:
-            sizes = [size for sweep in sweeps for size in sweep.sizes()]
-            PrefillCheck.report(summary.prefill, summary.prefill_verdict, sizes, out)
-
-
-def control_text(repeatable: Optional[bool], repeat: int, sweeps: List[PromptSweep]) -> str:
-    """The run-to-run control as the table's last line says it, and why there is none."""
-    if repeatable is not None:
-        return ("batch 1 repeatable over %d passes"
-                % repeat if repeatable else "batch 1 NOT repeatable")
-    if repeat == 1:
-        return "no run-to-run control (one pass)"
-    if any(len(s.batch1) < 2 for s in sweeps):
-        return "no run-to-run control (stopped before a second pass)"
-    return "no run-to-run control (batch 1's logprobs hold NaN, which compares to nothing)"
-
-
-def size_row(s: SizeResult, prefix_cache: PrefixCache) -> str:
-    """One batch size's row of the table."""
-    ulp = str(s.max_ulp) + ("*" if s.ulp_notes else "")
-    row = "  %5d  %6s  %8d  %8s  %12s  %11s  %10s  %7s  %14s  %7.2f  %s" % (
-        s.batch_size, fmt_opt(s.bucket, "none"), s.distinct_in_batch,
-        "%d/%d" % (s.same_as_baseline, s.completions), "%d/%d" % (s.runs_matched, len(s.runs)),
-        fmt_opt(s.first_token_divergence), margin_text(s.divergence_margin), ulp,
-        fmt_opt(s.first_ulp_step), s.seconds, size_notes(s, prefix_cache))
-    return row.rstrip()
-
-
-def margin_text(margin: Optional[Margin]) -> str:
-    """A near-tie margin as the table shows it."""
-    if not margin:
-        return "-"
-    if margin.note:
-        return margin.note
-    return "%s ULP" % fmt_opt(margin.ulp, "?")
-
-
-def size_notes(size: SizeResult, prefix_cache: PrefixCache) -> str:
-    notes = []
-    if size.overlapped is False:
-        notes.append("requests never in flight together: not compared")
-    if size.text_only:
-        notes.append("text differs, tokens equal (%d)" % size.text_only)
-    if "top-k changed" in size.ulp_notes:
-        notes.append("top-k changed")
-    cache_hit = prefix_cache.size_note(size.cached_tokens)
-    if cache_hit:
-        notes.append(cache_hit)
-    return "; ".join(notes)
+        for check in options.checks:
+            for line in check.summary_lines(summary, sizes):
+                if isinstance(line, Bold):
+                    out.bold(line)
+                else:
+                    out.line(line)
 
 
 VERDICT_ADVICE = {  # what else explains what moved, by the verdict that says so
     NOISE_NOT_RULED_OUT: "The server ignores the seed, so at this temperature every request "
     "samples on its own: the differences above may be sampling noise alone. Measure batching "
     "greedy (--temperature 0), or with the flag on, where the seed is honoured.",
-    CACHE_CONFOUNDED: "Everything that moved, moved at sizes where the prefix cache served the "
-    "prompt despite the bypass (cache hit in the table): the cache, not the batch alone, may "
-    "explain it. vLLM's copies of one request share its cache whatever the salt: sweep with "
-    "--traffic concurrent, whose requests carry a salt each.",
+    CACHE_CONFOUNDED: "Everything that moved, moved in requests the prefix cache served "
+    "(cache hit in the table): the cache, not the batch, may explain it, and a request the "
+    "cache served compares nothing about batching. vLLM's copies of one request share its "
+    "cache whatever the salt: sweep with --traffic concurrent, whose requests carry a salt "
+    "each.",
+    SERVED_ONLY: "Every request above batch 1 was served from the prefix cache (cache hit in "
+    "the table), so no batched prefill was computed and nothing about batching was compared. "
+    "vLLM's copies of one request share its cache whatever the salt: sweep with --traffic "
+    "concurrent, whose requests carry a salt each.",
     NOT_REPEATABLE: "Batch 1 alone gave different answers on different passes: the server is not "
     "repeatable even without other requests beside it, so differences at other sizes cannot be "
     "put down to batching. Check for unseeded sampling, a server restarted between passes, or "
@@ -4835,11 +5366,14 @@ def sweep_advice(flag: Optional[bool], hazards: Optional[List[Json]], expect: Op
     sweep_verdict = summary.verdict
     unmeasured = sweep_verdict in UNMEASURED_VERDICTS
     moved = sweep_verdict != INVARIANT and not unmeasured
-    if unmeasured:
+    if sweep_verdict in VERDICT_ADVICE:
+        text("")
+        text(VERDICT_ADVICE[sweep_verdict])
+    elif unmeasured:
         text("")
         if sweep_verdict == NO_DATA:
             why = "no completion came back"
-        elif summary.measured.unoverlapped:
+        elif summary.measured.unoverlapped or summary.measured.alone_sizes:
             why = ("at every size above batch 1 the scheduled requests were never in flight "
                    "together (each was answered before the next went out), so no batch was "
                    "formed; raise --request-rate, or leave it out for a burst")
@@ -4849,9 +5383,6 @@ def sweep_advice(flag: Optional[bool], hazards: Optional[List[Json]], expect: Op
         else:
             why = "the run stopped (%s) before any size above batch 1 came back" % summary.state
         text("Nothing was compared: %s. No verdict on invariance can be given." % why)
-    elif sweep_verdict in VERDICT_ADVICE:
-        text("")
-        text(VERDICT_ADVICE[sweep_verdict])
     elif moved and flag:
         text("")
         text("The server reports the flag ON, yet results moved.")
@@ -4873,8 +5404,12 @@ def expect_invariant(summary: SweepSummary) -> Tuple[bool, str]:
     if summary.verdict != INVARIANT:
         return False, ("expectation failed: --expect invariant, but the result is: %s"
                        % summary.verdict)
-    return True, "expect invariant: held (%d unique of %d, max ULP %d)" % (
-        summary.unique_completions, summary.total_completions, summary.max_ulp)
+    where = ""
+    if summary.measured.served_sizes:
+        where = "; %s served from the cache, not compared" % sizes_text(
+            summary.measured.served_sizes)
+    return True, "expect invariant: held (%d unique of %d, max ULP %d%s)" % (
+        summary.unique_completions, summary.total_completions, summary.max_ulp, where)
 
 
 def expect_variant(summary: SweepSummary) -> Tuple[bool, str]:
@@ -4892,29 +5427,33 @@ def expect_variant(summary: SweepSummary) -> Tuple[bool, str]:
     return False, "expectation failed: --expect variant, but %s" % why
 
 
-# --expect NAME: the rule that answers it, each (held, the line that says so)
+# --expect NAME of the sweep's own verdict: the rule that answers it, (held, the line)
 SWEEP_EXPECTATIONS: Dict[str, Callable[[SweepSummary], Tuple[bool, str]]] = {
     "invariant": expect_invariant,
-    "variant": expect_variant,
-    PrefillCheck.EXPECT: lambda s: PrefillCheck.expectation(s.prefill, s.prefill_verdict),
-    CacheCheck.EXPECT: lambda s: CacheCheck.expectation(s.cache)}
+    "variant": expect_variant}
+
+
+def expectation(options: SweepOptions, summary: SweepSummary) -> Tuple[bool, str]:
+    """--expect: the sweep's own rule, or the rule of the check that answers it."""
+    if options.expect in SWEEP_EXPECTATIONS:
+        return SWEEP_EXPECTATIONS[options.expect](summary)
+    check = next(c for c in options.checks if options.expect in c.EXPECT)
+    return check.expectation(options.expect, summary)
 
 
 def run_sweep(cfg: Config, out: Out) -> int:
-    """--mode sweep: learn the server's facts, then for every prompt and pass send each batch
-    size in the traffic shape asked for (Sender.shape), compare it with the baseline
-    (compare_batch) and run the checks asked for (one_batch), printing each size's row and
-    saving as it goes; then the summary (sweep_summary), the saved document (sweep_document),
-    the advice (sweep_advice) and the --expect rule (SWEEP_EXPECTATIONS). Returns the exit
-    code."""
+    """--mode sweep: learn the server's facts, open the checks, then for every prompt and pass
+    send each batch size in the traffic shape asked for (Sender.shape, or a check's own send),
+    compare it with the baseline request by request (compare_batch) and add each check's
+    part, printing each size's row and saving as it goes; then the summary (sweep_summary),
+    the saved document (sweep_document), the advice (sweep_advice) and the --expect rule.
+    Returns the exit code."""
     options = cfg.sweep
     servers = [(cfg.url, "the server")]
-    if isinstance(options.baseline, BaselineServer):
-        servers.append((options.baseline.url, "the baseline server (--baseline)"))
+    for check in options.checks:
+        servers += check.servers()
     wait_until_ready(cfg, servers, out)
     cfg = resolve_engine(cfg, servers[:1])
-    if isinstance(options.baseline, BaselineFile):
-        options.baseline.check_engine(cfg.engine)
     client, adapter = cfg.client(cfg.url), cfg.adapter
     facts = server_facts(cfg, cfg.url)
     if options.prompt_tokens:
@@ -4923,10 +5462,11 @@ def run_sweep(cfg: Config, out: Out) -> int:
         cfg = dataclasses.replace(cfg, sweep=options)
     sizes = sweep_ladder(options, facts)
     sweep_warnings(facts, sizes, cfg.sampling, out)
-    isolate = options.prefix_cache.bypass
-    sender = Sender(client, adapter, facts.model, cfg.sampling, isolate, options.arrivals)
-    if options.baseline:
-        options.baseline.open(cfg, facts, isolate)
+    isolate = any(check.isolates() for check in options.checks)
+    sender = Sender(client, adapter, facts.model_id, cfg.sampling, isolate, options.arrivals)
+    run = SweepRun(cfg, facts, sender, out)
+    for check in options.checks:
+        check.open(run)
     send = sender.shape(options.traffic)
     sweeps: List[PromptSweep] = []
 
@@ -4935,7 +5475,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
                         len(options.prompts) * options.repeat * len(sizes), "batches", cfg.quiet)
     table = None if cfg.json_out else SweepTable(cfg, out)
     if table:
-        table.header(facts, sizes)
+        table.header(run, sizes)
 
     def save(path: str, state: str) -> None:
         summary = sweep_summary(options, sweeps, state)
@@ -4943,29 +5483,26 @@ def run_sweep(cfg: Config, out: Out) -> int:
         write_json_atomic(path, doc, "prompts", [s.record_text() for s in sweeps])
 
     def one_batch(sweep: PromptSweep, where: str, n: int, pass_no: int) -> List[Completion]:
-        """Send batch size n once, compare it with the baseline, run the checks asked for,
-        and add the row to the prompt's sweep."""
-        prompt, seed = sweep.prompt, options.seed
+        """Send batch size n once (a check may take the send over), compare it with the
+        baseline, add each check's part, and add the row to the prompt's sweep."""
+        prompt = sweep.prompt
         try:
             adapter.before_batch(client, isolate)
-            if options.cache_check:
-                batch, cache_key = options.cache_check.cold(sender, prompt, n, seed)
-            else:
-                batch = send(prompt, n, seed)
+            taken = (check.send(run, prompt, n) for check in options.checks)
+            batch = next((b for b in taken if b is not None), None)
+            if batch is None:
+                batch = send(prompt, n, options.seed)
         except ServerError as err:
             raise ServerError("batch size %d%s: %s" % (n, where, err)) from None
         if sweep.baseline is None:
             sweep.set_baseline(batch.completions[0], "batch 1")
-        cache_check = prefill = None
-        if options.cache_check:
-            cache_check = options.cache_check.compare(sender, prompt, batch, cache_key, seed)
-        if options.prefill_check:
-            prefill = options.prefill_check.compare(sender, prompt, n, batch.completions, out)
-        row = dataclasses.replace(
-            compare_batch(batch.completions, sweep.baseline, adapter.logprob_clamps),
-            pass_no=pass_no, seconds=round(batch.seconds, 4), cached_tokens=batch.cached_tokens,
-            send_spread_s=batch.send_spread, overlapped=batch.overlapped, cache_check=cache_check,
-            prefill=prefill)
+        parts = {}
+        for check in options.checks:
+            part = check.batch_part(run, prompt, n, batch)
+            if part is not None:
+                parts[check.NAME] = part
+        row = dataclasses.replace(compare_batch(batch, sweep.baseline, adapter.logprob_clamps),
+                                  pass_no=pass_no, checks=parts)
         sweep.add(n, facts.bucket(n), row, batch.completions)
         return batch.completions
 
@@ -4973,10 +5510,12 @@ def run_sweep(cfg: Config, out: Out) -> int:
         prompts = len(options.prompts)
         for pi, prompt in enumerate(options.prompts, 1):
             sweep = PromptSweep(prompt, unseeded=samples_unseeded(cfg.sampling, facts),
-                                prefix_cache=options.prefix_cache)
+                                checks=options.checks)
             sweeps.append(sweep)
-            if options.baseline:
-                sweep.set_baseline(*options.baseline.batch1(prompt))
+            given = (check.batch1(prompt) for check in options.checks)
+            baseline = next((b for b in given if b is not None), None)
+            if baseline is not None:
+                sweep.set_baseline(*baseline)
             for pass_no in range(1, options.repeat + 1):
                 where = " (prompt %d)" % pi if prompts > 1 else ""
                 where += ", pass %d" % pass_no if options.repeat > 1 else ""
@@ -5006,7 +5545,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
         text = out.line if not cfg.json_out else out.note
         sweep_advice(facts.flag, facts.hazards, options.expect, sizes, summary, text)
         if options.expect:
-            held, line = SWEEP_EXPECTATIONS[options.expect](summary)
+            held, line = expectation(options, summary)
             text(line)
             code = EXIT_OK if held else EXIT_EXPECTATION
     return report_save(cfg, saves, code, out)
@@ -5053,7 +5592,8 @@ class CostOptions:
             help="keep timing trial pairs until the overhead's 95%% interval is at most +-P "
             "points wide, or --trials is reached")
         group.add_argument("--tp", type=whole_number(1),
-                           help="TP degree for the label when the server does not report it")
+                           help="the TP degree the arms run at: it labels the cell, and an arm "
+                           "that reports another degree is refused")
         group.add_argument(
             "--allow-mismatch", action="store_true",
             help="time even when the two servers differ in more than the flag (the result "
@@ -5070,50 +5610,6 @@ class CostOptions:
         return options_from(
             cls, args, sampling=Sampling.of(0.0, max_tokens, None, DEFAULT_SEED, ignore_eos=True),
             invariant=invariant, trial=LoadTrials.from_args(args) or BatchTrials(args.batch))
-
-
-@dataclass(frozen=True)
-class Overhead:
-    """What the flag costs by one measure, from paired trials: the median on/off ratio - 1 in
-    per cent, with its 95% interval (none, and never significant, below
-    MIN_PAIRS_FOR_INTERVAL pairs), or why it could not be measured."""
-
-    pct: Optional[float] = field(metadata=saved("overhead_pct"))
-    ci95_pct: Optional[List[float]]
-    significant: bool
-    ratios: List[float] = field(default_factory=list, metadata=NOT_SAVED)  # on/off, by pair
-    unmeasured: Optional[str] = field(default=None, metadata=saved(omit_none=True))
-
-    @classmethod
-    def of(cls, off_s: Sequence[float], on_s: Sequence[float]) -> "Overhead":
-        ratios = [b / a if a > 0 else math.inf for a, b in zip(off_s, on_s)]
-        rounded = [round(r, 6) for r in ratios]
-        if len(ratios) < MIN_PAIRS_FOR_INTERVAL or not all(map(math.isfinite, ratios)):
-            median = statistics.median(ratios) if ratios else math.nan
-            pct = round((median - 1.0) * 100.0, 3) if math.isfinite(median) else None
-            why = None
-            if pct is None and ratios:  # pairs there are, but no ratio of them means anything
-                why = "a flag-off trial took no time the clock could measure"
-            return cls(pct, None, False, rounded, why)
-        lo, hi = bootstrap_median_ci(ratios)
-        ci = [round((lo - 1.0) * 100.0, 3), round((hi - 1.0) * 100.0, 3)]
-        pct = round((statistics.median(ratios) - 1.0) * 100.0, 3)
-        return cls(pct, ci, not (ci[0] <= 0.0 <= ci[1]), rounded)
-
-    @classmethod
-    def from_record(cls, record: Json) -> "Overhead":
-        return cls(record.get("overhead_pct"), record.get("ci95_pct"),
-                   bool(record.get("significant")), unmeasured=record.get("unmeasured"))
-
-    def text(self, with_interval: str, without: str, not_significant: str) -> str:
-        """with_interval % (value, low, high, mark), mark being not_significant when the
-        interval contains 0; without % value when there are too few pairs for one."""
-        if self.pct is None:
-            return "no overhead (%s)" % (self.unmeasured or "no complete trial pair")
-        if self.ci95_pct is None:
-            return without % self.pct
-        lo, hi = self.ci95_pct
-        return with_interval % (self.pct, lo, hi, "" if self.significant else not_significant)
 
 
 @dataclass(frozen=True)
@@ -5142,6 +5638,77 @@ class ArmStats:
 
 
 @dataclass(frozen=True)
+class CellIdentity:
+    """Everything a cost cell was measured under, read from the cell's own record (this run's
+    or any saved file's): two cells of one identity are one measurement, and the newer
+    replaces the older; cells that differ in anything here are kept side by side. run.py's
+    cost file and table, the experiment's REPORT, compare.py and plot_cost.py all tell cells
+    apart by it (cell_key)."""
+
+    engine: Optional[str]
+    releases: Tuple[Any, Any]  # each arm's release as it reported it (off, on)
+    model: Optional[str]
+    tp: Optional[int]
+    workload: Optional[str]
+    prefix_tokens: Optional[int]  # shared-prefix only
+    batch: Optional[int]  # batch trials
+    concurrency: Optional[int]  # load trials
+    requests: Optional[int]  # load trials: requests a trial
+    arrivals: Optional[str]  # load trials, the rate exact (a file that does not say: a burst)
+    max_tokens: Optional[int]
+    mismatched: bool  # timed despite settings that differ between the arms (--allow-mismatch)
+
+    @classmethod
+    def of(cls, record: Json) -> "CellIdentity":
+        """A saved cell's identity: whatever the record holds, read without raising (a
+        missing or malformed label is None)."""
+        def label(name: str) -> Any:
+            value = record.get(name)
+            return value if value is None or isinstance(value, (str, int, float)) else repr(value)
+
+        servers = record.get("servers") if isinstance(record.get("servers"), dict) else {}
+        releases = tuple(label_of(servers.get(arm), "version") for arm in ("off", "on"))
+        load = label("concurrency")
+        return cls(engine=label("engine"), releases=releases, model=label("model"),
+                   tp=label("tp"), workload=label("workload"),
+                   prefix_tokens=label("prefix_tokens") if record.get("workload") != "cold"
+                   else None,
+                   batch=None if load else label("batch"), concurrency=load,
+                   requests=label("requests") if load else None,
+                   arrivals=(label("arrivals") or "burst") if load else None,
+                   max_tokens=label("max_tokens"), mismatched=bool(record.get("differences")))
+
+    def table_group(self) -> "CellIdentity":
+        """What the 2x2 table's cells share: all but TP and the workload."""
+        return dataclasses.replace(self, tp=None, workload=None, prefix_tokens=None)
+
+    def text(self) -> str:
+        """The identity in words, as a replaced cell or a table heading names it."""
+        off, on = self.releases
+        release = fmt_opt(off, "release ?") if off == on else "%s / %s" % (off, on)
+        parts = ["%s %s" % (self.engine or "engine ?", release), "model %s" % self.model]
+        if self.workload is not None:
+            prefix = (" (%s prefix tokens)" % self.prefix_tokens
+                      if self.prefix_tokens is not None else "")
+            parts.append("TP=%s, %s%s" % (fmt_opt(self.tp, "?"), self.workload, prefix))
+        if self.concurrency:
+            rate = "" if self.arrivals == "burst" else ", " + self.arrivals
+            parts.append("concurrency %s, %s requests a trial%s"
+                         % (self.concurrency, self.requests, rate))
+        else:
+            parts.append("batch %s" % self.batch)
+        parts.append("%s tokens" % self.max_tokens)
+        if self.mismatched:
+            parts.append("arms mismatched (--allow-mismatch)")
+        return ", ".join(parts)
+
+
+def label_of(record: Any, name: str) -> Any:
+    """One label of a saved record that may not be a record at all."""
+    return record.get(name) if isinstance(record, dict) else None
+
+
+@dataclass(frozen=True)
 class CellLabels:
     """What names a cost cell and what the 2x2 table shows of it, read alike from this run's
     cell and from any cell already in the cost file."""
@@ -5158,11 +5725,10 @@ class CellLabels:
     def from_record(cls, record: Json) -> "CellLabels":
         return cls(record.get("tp"), record["workload"], TrialLabels.from_record(record),
                    record["max_tokens"], record["model"], record.get("state"),
-                   Overhead.from_record(record))
+                   Overhead.from_record(record), CellIdentity.of(record))
 
-    def key(self) -> Tuple:
-        """What makes two cells the same measurement: a newer one replaces the older."""
-        return (self.tp, self.workload, *self.trial.key(), self.max_tokens, self.model)
+    identity: "CellIdentity"  # everything it was measured under
+
 
 
 @dataclass(frozen=True)
@@ -5182,7 +5748,7 @@ class CostCell:
     off: ArmStats
     on: ArmStats
     servers: Json  # arm name -> its server facts' record, with its URL
-    differences: List["ArmDifference"]  # between the arms, other than the flag's own
+    differences: List[SettingDifference]  # between the arms, other than the flag's own
     state: str
     created: str  # when the cell was made
     lab: Json  # provenance
@@ -5217,52 +5783,12 @@ class Arm:
         return cfg.cost.trial.run(self, prompts, cfg.adapter, cfg.sampling)
 
 
-@dataclass(frozen=True)
-class ArmDifference:
-    """A setting the two arms report differently, other than the flag and what it sets."""
-
-    setting: str
-    off: Any
-    on: Any
+def cell_key(record: Json) -> "CellIdentity":
+    """What makes two saved cells the same measurement (CellIdentity)."""
+    return CellIdentity.of(record)
 
 
-def arm_differences(off: ServerFacts, on: ServerFacts) -> List[ArmDifference]:
-    """Settings that differ between the arms (ServerFacts.differing), other than the flag and
-    what the flag itself sets."""
-    return [ArmDifference(label, a, b) for label, a, b in off.differing(on)
-            if not (label in on.flag_sets and b == on.flag_sets[label])]
-
-
-def cell_key(record: Json) -> Tuple:
-    """What makes two saved cells the same measurement (CellLabels.key)."""
-    return CellLabels.from_record(record).key()
-
-
-def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[ArmDifference]:
-    """Refuse arms the wrong way round or differing in more than the flag; print their settings."""
-    adapter = cfg.adapter
-    if off.facts.flag is True or on.facts.flag is False:
-        raise UsageError(
-            "the arms are the wrong way round: --url reports the %s and --invariant reports the %s"
-            % (describe_flag(off.facts.flag, adapter), describe_flag(on.facts.flag, adapter)))
-    differences = arm_differences(off.facts, on.facts)
-    for arm in (off, on):
-        if arm.facts.info_source is None:
-            out.warn("the %s arm does not expose its settings, so the lab cannot check that the "
-                     "arms differ in the flag only (%s)" % (arm.name, arm.facts.settings_hint))
-    if not cfg.json_out:
-        print_cost_servers(off.facts, on.facts, differences, adapter, out)
-        for arm in (off, on):
-            for line in hazard_lines(as_record(arm.facts), "flag-%s arm: " % arm.name):
-                out.line(line.strip())
-    if differences and not cfg.cost.allow_mismatch:
-        raise UsageError(
-            "the two servers differ in more than the flag (%s); pin them equal, or pass "
-            "--allow-mismatch to time them anyway" % ", ".join(d.setting for d in differences))
-    return differences
-
-
-def print_cost_servers(off: ServerFacts, on: ServerFacts, differences: List[ArmDifference],
+def print_cost_servers(off: ServerFacts, on: ServerFacts, differences: List[SettingDifference],
                        adapter: EngineAdapter, out: Out) -> None:
     differing = {d.setting for d in differences}
     row = "%-24s %-26s %-26s%s"
@@ -5285,16 +5811,46 @@ def print_cost_servers(off: ServerFacts, on: ServerFacts, differences: List[ArmD
         out.line(row % (label, shown[0], shown[1], mark))
 
 
+def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[SettingDifference]:
+    """Refuse arms the wrong way round or differing in more than the flag; print their settings."""
+    adapter = cfg.adapter
+    if off.facts.flag is True or on.facts.flag is False:
+        raise UsageError(
+            "the arms are the wrong way round: --url reports the %s and --invariant reports the %s"
+            % (describe_flag(off.facts.flag, adapter), describe_flag(on.facts.flag, adapter)))
+    asked = cfg.cost.tp
+    for arm in (off, on):
+        reported = arm.facts.tp
+        if asked is not None and is_count(reported) and reported != asked:
+            raise UsageError("--tp %d, but the flag-%s arm (%s) reports TP %d: the cell would be "
+                             "labelled with a degree it was not measured at"
+                             % (asked, arm.name, arm.option, reported))
+    differences = SettingDifference.between(off.facts, on.facts, ("off", "on"), flag_own=True)
+    for arm in (off, on):
+        if arm.facts.info_source is None:
+            out.warn("the %s arm does not expose its settings, so the lab cannot check that the "
+                     "arms differ in the flag only (%s)" % (arm.name, arm.facts.settings_hint))
+    if not cfg.json_out:
+        print_cost_servers(off.facts, on.facts, differences, adapter, out)
+        for arm in (off, on):
+            for line in hazard_lines(as_record(arm.facts), "flag-%s arm: " % arm.name):
+                out.line(line.strip())
+    if differences and not cfg.cost.allow_mismatch:
+        raise UsageError(
+            "the two servers differ in more than the flag (%s); pin them equal, or pass "
+            "--allow-mismatch to time them anyway" % ", ".join(d.setting for d in differences))
+    return differences
+
+
 def cost_table_lines(cells: List[CellLabels], current: CellLabels) -> List[str]:
     """The 2x2 table TP=1 / TP=k x cold / shared-prefix for the current model, batch and length."""
-    shape = lambda c: (c.model, c.trial.key(), c.max_tokens)  # a cell key, less TP and workload
-    same = [c for c in cells if shape(c) == shape(current)]
+    group = current.identity.table_group()
+    same = [c for c in cells if c.identity.table_group() == group]
     # TP=k until a degree above 1 is measured; TP=? for cells measured without a known degree
     tps: List[Any] = sorted({c.tp for c in same if c.tp not in (1, None)}) or ["k"]
     if any(c.tp is None for c in same):
         tps.append(None)
-    lines = ["cost cells for %s, %s, %d tokens (from the saved file):"
-             % (current.model, current.trial.shape(), current.max_tokens),
+    lines = ["cost cells for %s (from the saved file):" % group.text(),
              "  %-8s %-28s %-28s" % ("", *WORKLOADS)]
     filled = 0
     for tp in [1] + tps:
@@ -5334,6 +5890,11 @@ def warm_up(cfg: Config, arms: Sequence[Arm], prompts: Callable[[int], List[str]
                                       "as only warm-up may" % (arm.name, err))
 
 
+def per_token(arm: Arm, pairs: int) -> List[float]:
+    return [seconds / tokens if tokens > 0 else math.inf
+            for seconds, tokens in zip(arm.samples[:pairs], arm.tokens[:pairs])]
+
+
 def primary_overhead(off: Arm, on: Arm) -> Tuple[Overhead, str]:
     """The overhead a cell reports first, over the complete trial pairs, and what its ratio is
     of: the time per trial, or, where the arms produced different token counts, the time per
@@ -5357,12 +5918,7 @@ def precise_enough(off: Arm, on: Arm, points: float) -> bool:
     return ci is not None and (ci[1] - ci[0]) / 2.0 <= points
 
 
-def per_token(arm: Arm, pairs: int) -> List[float]:
-    return [seconds / tokens if tokens > 0 else math.inf
-            for seconds, tokens in zip(arm.samples[:pairs], arm.tokens[:pairs])]
-
-
-def cost_cell(cfg: Config, arms: Tuple[Arm, Arm], differences: List[ArmDifference],
+def cost_cell(cfg: Config, arms: Tuple[Arm, Arm], differences: List[SettingDifference],
               state: str) -> CostCell:
     """One labelled cell of the 2x2 table, from the trials measured so far."""
     options, (off, on) = cfg.cost, arms
@@ -5370,7 +5926,8 @@ def cost_cell(cfg: Config, arms: Tuple[Arm, Arm], differences: List[ArmDifferenc
     primary, compared_on = primary_overhead(off, on)
     batch, under_load = options.trial.cell_parts(arms, pairs, primary)
     return CostCell(
-        tp=off.facts.tp or options.tp, workload=options.workload, batch=batch,
+        tp=options.tp if options.tp is not None else off.facts.tp, workload=options.workload,
+        batch=batch,
         max_tokens=cfg.sampling.max_tokens, trials=pairs, warmup=options.warmup,
         model=off.facts.model, engine=cfg.engine,
         prefix_tokens=options.prefix_tokens if options.workload == "shared-prefix" else None,
@@ -5381,37 +5938,15 @@ def cost_cell(cfg: Config, arms: Tuple[Arm, Arm], differences: List[ArmDifferenc
         overhead=primary, ratios=primary.ratios, compared_on=compared_on, under_load=under_load)
 
 
-def cost_file_fault(doc: Dict[str, Any]) -> Optional[str]:
-    """What is wrong with a cost file's cells, as the cost table and the cell keys read them,
-    or None: checked before the first request, so that no run measures and then cannot save."""
-    for section in ("cells", "incomplete_cells"):
-        cells = doc.get(section, [])
-        if not isinstance(cells, list):
-            return "%s is not a list" % section
-        for i, cell in enumerate(cells, 1):
-            fault = cell_fault(cell)
-            if fault:
-                return "%s %d: %s" % (section.replace("_", " ")[:-1], i, fault)
-    return None
-
-
-def cell_fault(cell: Any) -> Optional[str]:
-    if not isinstance(cell, dict):
-        return "not an object"
-    ci = cell.get("ci95_pct")
-    checks = [
-        ("model", isinstance(cell.get("model"), str)),
-        ("workload", cell.get("workload") in WORKLOADS),
-        ("tp", cell.get("tp") is None or is_count(cell.get("tp"))),
-        *TrialLabels.checks(cell),
-        ("max_tokens", is_count(cell.get("max_tokens"))),
-        ("state", isinstance(cell.get("state"), str)),
-        ("overhead_pct", cell.get("overhead_pct") is None or is_number(cell["overhead_pct"])),
-        ("ci95_pct", ci is None or (isinstance(ci, list) and len(ci) == 2
-                                    and all(map(is_number, ci))
-                                    and isinstance(cell.get("significant"), bool)))]
-    bad = next((name for name, good in checks if not good), None)
-    return None if bad is None else "its %s is missing or malformed" % bad
+def add_cell(doc: Json, cell: Json) -> Json:
+    """Put a cell's record in the cost file, replacing the one with the same key; an
+    unfinished run never replaces a finished cell (it is kept under "incomplete_cells")."""
+    key = cell_key(cell)
+    doc.setdefault("cells", [])
+    finished = any(cell_key(c) == key and c.get("state") == "complete" for c in doc["cells"])
+    section = "incomplete_cells" if finished and cell["state"] != "complete" else "cells"
+    doc[section] = [c for c in doc.get(section, []) if cell_key(c) != key] + [cell]
+    return doc
 
 
 def save_cell(path: str, cell: Json) -> Json:
@@ -5427,17 +5962,6 @@ def save_cell(path: str, cell: Json) -> Json:
         doc = add_cell(current or {"schema": COST_SCHEMA, "cells": []}, cell)
         write_json_atomic(path, doc)
         return doc
-
-
-def add_cell(doc: Json, cell: Json) -> Json:
-    """Put a cell's record in the cost file, replacing the one with the same key; an
-    unfinished run never replaces a finished cell (it is kept under "incomplete_cells")."""
-    key = cell_key(cell)
-    doc.setdefault("cells", [])
-    finished = any(cell_key(c) == key and c.get("state") == "complete" for c in doc["cells"])
-    section = "incomplete_cells" if finished and cell["state"] != "complete" else "cells"
-    doc[section] = [c for c in doc.get(section, []) if cell_key(c) != key] + [cell]
-    return doc
 
 
 STOPPED_BY = {  # what ended a --precision run, as the report says it
@@ -5467,7 +5991,8 @@ def print_cost_report(cell: CostCell, labels: CellLabels, out: Out) -> None:
         out.line("  " + STOPPED_BY.get(cell.stopped_by, "stopped: %s" % cell.stopped_by))
     if cell.differences:
         out.line("  timed despite differences (--allow-mismatch): "
-                 + ", ".join("%s %s vs %s" % (d.setting, d.off, d.on) for d in cell.differences))
+                 + ", ".join("%s %s vs %s" % (d.setting, d.side("off"), d.side("on"))
+                             for d in cell.differences))
 
 
 def run_cost(cfg: Config, out: Out) -> int:
@@ -5540,6 +6065,15 @@ def run_cost(cfg: Config, out: Out) -> int:
     record = as_record(cell)
     doc = saves.write(lambda path: save_cell(path, record)) or add_cell(doc, record)
     labels = CellLabels.from_record(record)  # read as any cell of the file is
+    if cfg.save and state == "complete":
+        for old in (cfg.prior_save or {}).get("cells") or []:
+            if isinstance(old, dict) and cell_key(old) == labels.identity:
+                out.warn("--save: this cell replaces the one saved %s in %s (%s)"
+                         % (fmt_opt(old.get("created"), "earlier"), cfg.save,
+                            labels.identity.text()))
+    if labels.tp is None and not cfg.json_out:
+        out.warn("the arms do not report their TP degree, so the cell is labelled TP=?: give "
+                 "--tp N to label it")
     if cfg.json_out:
         out.line(json_text(record, indent=1))
     else:
@@ -5972,6 +6506,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = configure(argv)
         SECRETS.keep(cfg.api_key)
+        if SECRETS.short:
+            out.warn("the API key has fewer than %d characters: the lab never prints or saves "
+                     "it, but cannot tell it from other text in what a server sends back, so it "
+                     "does not look for it there" % SHORT_SECRET)
         out.use_colour(cfg.color)
         code = RUNNERS[cfg.mode](cfg, out)
     except (Exception, KeyboardInterrupt) as err:  # one line, never a traceback

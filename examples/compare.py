@@ -13,12 +13,18 @@ of different kinds.
 
 import io
 import json
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import run  # noqa: E402  (run.py: what makes two cost cells the same measurement)
 
 SWEEP_SCHEMAS = ("batch-invariance-lab/sweep/1", "batch-invariance-lab/sweep/2")
 COST_SCHEMAS = ("batch-invariance-lab/cost/1",)
-SUMMARY_FIELDS = ("verdict", "unique_completions", "total_completions", "max_ulp", "batch1_repeatable",
-                  "state", "prefill_verdict", "prefill_max_ulp", "prefill_divergent", "prefill_kl_mean")
+SUMMARY_FIELDS = ("verdict", "unique_completions", "total_completions", "max_ulp",
+                  "batch1_repeatable", "first_moved", "served_sizes", "state",
+                  "prefix_cache_bypass", "prefill_verdict", "prefill_max_ulp", "prefill_divergent",
+                  "prefill_kl_mean")
 SIZE_FIELDS = ("max_ulp", "first_token_divergence", "distinct_in_batch", "same_as_baseline")
 
 
@@ -29,6 +35,8 @@ def read(path):
             doc = json.load(f)
     except (OSError, ValueError) as err:
         raise ValueError("%s: %s" % (path, err)) from None
+    except RecursionError:
+        raise ValueError("%s is nested deeper than any lab result" % path) from None
     if not isinstance(doc, dict):
         raise ValueError("%s is not a lab result" % path)
     if doc.get("schema") in SWEEP_SCHEMAS:
@@ -45,6 +53,12 @@ def show(value):
         return "-"
     if isinstance(value, float):
         return "%.4g" % value
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** 15:
+        if abs(value) < 10 ** 308:
+            return "%.4g" % value
+        return "a %d-digit number" % len(str(abs(value)))
+    if isinstance(value, dict):
+        return ", ".join("%s %s" % (k, show(v)) for k, v in value.items())
     if isinstance(value, list):
         return ",".join(str(v) for v in value) if len(value) <= 12 else "%d values" % len(value)
     return str(value)
@@ -56,7 +70,10 @@ def delta(old, new):
         return "new only" if old is None else "old only"
     numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (old, new))
     if numbers:
-        return "%+g" % (new - old) if new != old else "="
+        if new == old:
+            return "="
+        change = new - old
+        return "%+g" % change if abs(change) < 1e308 else "changed"
     return "=" if old == new else "changed"
 
 
@@ -79,6 +96,7 @@ def compare_sweeps(a, b, out):
                if settings_a.get(k) != settings_b.get(k)]
     facts = [(k, sa.get(k), sb.get(k)) for k in ("engine", "version", "model", "flag", "tp",
                                                   "attention_backend", "graph_sizes")]
+    facts.append(("known hazards", hazard_names(sa), hazard_names(sb)))
     table("server (settings that differ, and the main facts)", facts + changed, out)
     pa, pb = a.get("params") or {}, b.get("params") or {}
     table("parameters", [(k, pa.get(k), pb.get(k)) for k in sorted(set(pa) | set(pb))], out)
@@ -94,6 +112,14 @@ def compare_sweeps(a, b, out):
         out.write("\nbatch sizes in one file only: %s\n" % ",".join(map(str, only)))
 
 
+def hazard_names(server):
+    """The known hazards a server's settings met, by name (None: the server hid its settings)."""
+    hazards = server.get("hazards")
+    if not isinstance(hazards, list):
+        return None
+    return ",".join(str(h.get("name") if isinstance(h, dict) else h) for h in hazards) or "none"
+
+
 def first_prompt(doc):
     """A sweep's first prompt (the one the size table compares), as saved."""
     prompts = doc.get("prompts") or [{}]
@@ -101,15 +127,14 @@ def first_prompt(doc):
 
 
 def cell_name(cell):
-    """What tells two cells apart: the model among them, so that two models' cells stay two."""
-    shape = ("load %s" % cell.get("concurrency")) if cell.get("concurrency") else "batch %s" % cell.get("batch")
-    return "%s TP=%s %s, %s, %s tokens" % (cell.get("model"), cell.get("tp"), cell.get("workload"), shape,
-                                          cell.get("max_tokens"))
+    """What tells two cells apart: everything they were measured under (run.py's own
+    CellIdentity), so that a burst and a Poisson cell, or two engines' cells, stay two."""
+    return run.cell_key(cell).text()
 
 
 def compare_costs(a, b, out):
-    ca = {cell_name(c): c for c in a.get("cells") or []}
-    cb = {cell_name(c): c for c in b.get("cells") or []}
+    ca = {cell_name(c): c for c in a.get("cells") or [] if isinstance(c, dict)}
+    cb = {cell_name(c): c for c in b.get("cells") or [] if isinstance(c, dict)}
     rows = []
     for name in sorted(set(ca) | set(cb)):
         old, new = ca.get(name) or {}, cb.get(name) or {}
@@ -137,11 +162,21 @@ def main(argv=None):
     out.write("old: %s\nnew: %s\n" % (argv[0], argv[1]))
     try:
         (compare_sweeps if kind_a == "sweep" else compare_costs)(a, b, out)
-    except (TypeError, AttributeError, KeyError, ValueError) as err:  # a file of another shape
-        sys.stderr.write("compare.py: %s and %s are not both as the lab writes them (%s: %s)\n"
-                         % (argv[0], argv[1], type(err).__name__, err))
+    except (TypeError, AttributeError, KeyError, ValueError, OverflowError,
+            RecursionError) as err:  # a file of another shape
+        sys.stderr.write("compare.py: %s and %s are not both as the lab writes them (%s)\n"
+                         % (argv[0], argv[1], type(err).__name__))
         return 2
-    sys.stdout.write(out.getvalue())
+    try:
+        sys.stdout.write(out.getvalue())
+        sys.stdout.flush()
+    except OSError as err:  # a full disk, a closed pipe
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # exiting flushes again
+            sys.stderr.write("compare.py: cannot write the comparison: %s\n" % os.strerror(err.errno or 0))
+        except OSError:
+            pass
+        return 74
     return 0
 
 

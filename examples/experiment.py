@@ -105,7 +105,9 @@ SWEEPS = [
     ("sweep_off", "off", "concurrent", "variant", "concurrent requests"),
     ("sweep_on", "on", "concurrent", "invariant", "concurrent requests"),
     ("copies_off", "off", "copies", None, "copies in one request"),
-    ("copies_on", "on", "copies", "invariant", "copies in one request"),
+    # no --expect on either copies sweep: vLLM's copies of one request share its prefix cache,
+    # and a request the cache served compares nothing, so the finding says what was compared
+    ("copies_on", "on", "copies", None, "copies in one request"),
 ]
 
 
@@ -303,10 +305,11 @@ class Arm:
             tail = lines[-LOG_TAIL_LINES:]
         except OSError:
             tail = []
-        return ArmFailed(
-            "%s (%s) %s; the end of %s: %s"
-            % (self.name, self.url, what, self.log_path, " | ".join(tail) or "(empty)")
-        )
+        shown = " | ".join(tail) or "(empty)"
+        if KEYS is not None:  # an engine's log may print its own --api-key
+            shown = KEYS.engine_text(shown)
+        return ArmFailed("%s (%s) %s; the end of %s: %s"
+                         % (self.name, self.url, what, self.log_path, shown))
 
     def check_running(self) -> None:
         status = self.exit_status()
@@ -744,8 +747,14 @@ def subprocess_lines(argv: List[str], env: Dict[str, str]) -> List[str]:
 
 
 class Keys:
-    """The API keys a run was given (OPENAI_API_KEY, and any --api-key in the variables),
-    hidden in every line the report or the experiment prints."""
+    """The API keys a run was given (OPENAI_API_KEY, and any --api-key in the variables), kept
+    out of the report and the lines said by where they stand, with run.py's own rule: a
+    command's key option has its value replaced (lab.key_free_command), and only text an
+    engine wrote (its log) is searched for a key, where the key is long enough to be told
+    from other text (lab.Secrets). The experiment's own values are never rewritten."""
+
+    LAUNCH_OPTIONS: Tuple[str, ...] = ()  # an engine's options are not known here: any
+    # abbreviation of --api-key in a launch command is taken for it
 
     def __init__(self, env: Dict[str, str]):
         words = []
@@ -755,17 +764,32 @@ class Keys:
             except ValueError:
                 continue
         keys = {env.get("OPENAI_API_KEY", "")}
-        for i, word in enumerate(words):
-            if word == "--api-key" and i + 1 < len(words):
-                keys.add(words[i + 1])
-            elif word.startswith("--api-key="):
+        for word, shown in zip(words, lab.key_free_command(words, self.LAUNCH_OPTIONS)):
+            if shown == "[api key]":
+                keys.add(word)
+            elif shown.endswith("=[api key]"):
                 keys.add(word.split("=", 1)[1])
-        self.keys = sorted((k for k in keys if k), key=len, reverse=True)
+        self.secrets = lab.Secrets()
+        self.secrets.keep(*keys)
+        self.lab_options = list(lab.build_parser()._option_string_actions)
 
-    def hide(self, text: str) -> str:
-        for key in self.keys:
-            text = text.replace(key, "[api key]")
-        return text
+    def command(self, words: List[str], launch: bool = False) -> List[str]:
+        """A command as the report may show it: run.py's (launch=False) or an engine's."""
+        return lab.key_free_command(words, self.LAUNCH_OPTIONS if launch else self.lab_options)
+
+    def line(self, text: str, launch: bool = False) -> str:
+        """A shell line (a variable's value, a logged launch command) as the report may show
+        it; one that is not shell words is shown only where it holds no option at all."""
+        try:
+            words = shlex.split(text)
+        except ValueError:
+            return text if "--" not in text else "(not shown: not shell words)"
+        redacted = self.command(words, launch)
+        return text if redacted == words else " ".join(shlex.quote(w) for w in redacted)
+
+    def engine_text(self, text: str) -> str:
+        """Text an engine wrote (a log line): a long enough key is hidden wherever it stands."""
+        return self.secrets.hide(text)
 
 
 SERVER_COLUMNS = ["arm", "engine", "version", "model", "flag", "attention backend", "TP",
@@ -790,8 +814,18 @@ SWEEP_COLUMNS = ["sweep", "verdict", "unique completions", "max ULP", "first mov
 
 
 def first_moved(doc: dict) -> str:
-    """Where a sweep first moved: the smallest batch size whose tokens (else logprobs) left
-    batch 1's, with the step."""
+    """Where a sweep first moved, as its verdict read it: the summary's first_moved (the
+    smallest batch size whose computed requests moved, and how: tokens, text, top-k or
+    logprobs). A file saved before the lab saved it: the smallest batch size whose tokens
+    (else logprobs) left batch 1's, with the step."""
+    sm = doc.get("summary") if isinstance(doc.get("summary"), dict) else {}
+    first = sm.get("first_moved")
+    if isinstance(first, dict) and isinstance(first.get("batch"), int):
+        step = first.get("step")
+        return "%s at batch %d%s" % (fmt(first.get("what")), first["batch"],
+                                     ", step %d" % step if isinstance(step, int) else "")
+    if "first_moved" in sm:  # saved, and nothing the verdict read moved
+        return "nowhere"
     sizes = [s for p in doc.get("prompts") or [] if isinstance(p, dict)
              for s in p.get("sizes") or [] if isinstance(s, dict)]
     diverged = sorted((s["batch_size"], s["first_token_divergence"]) for s in sizes
@@ -803,7 +837,7 @@ def first_moved(doc: dict) -> str:
                    if isinstance(s.get("batch_size"), int) and s.get("max_ulp"))
     if moved:
         return "logprobs at batch %d, step %s" % (moved[0][0], fmt(moved[0][1]))
-    return "nowhere"
+    return "nowhere" if sm.get("verdict") == "invariant" else "not said by this file"
 
 
 def sweep_row(name: str, doc: dict) -> List[str]:
@@ -930,7 +964,8 @@ def report(exp: Experiment) -> str:
     can paste: the status, the findings, the cost table, the environment, the launch commands,
     the parameters, then each degree's servers and sweeps, and every step."""
     keys = Keys(exp.env)
-    settings = ["%s=%s" % (k, exp.env[k]) for k in REPORTED_VARIABLES if exp.env.get(k)]
+    settings = ["%s=%s" % (k, keys.line(exp.env[k])) for k in REPORTED_VARIABLES
+                if exp.env.get(k)]
     lines = [status_line(exp), "",
              "Started %s, ended %s. Output: `%s`." % (stamp(exp.started),
                                                       stamp(exp.ended or time.time()),
@@ -947,12 +982,13 @@ def report(exp: Experiment) -> str:
     lines += ["", "## How the arms were started", ""]
     for key in ("off", "on"):
         for line in exp.launched.get(key) or [" ".join(exp.settings.serve[key])]:
-            lines += ["flag %s:" % key, "", "```", line, "```", ""]
+            lines += ["flag %s:" % key, "", "```", keys.line(line, launch=True), "```", ""]
     lines += ["## Parameters", "", "Variables: %s." % (", ".join(settings) or "the defaults"), ""]
     lab_steps = [step for step in exp.steps if step.lab and step.argv]
     if lab_steps:
         lines += ["Lab commands, as run:", "", "```"]
-        lines += [" ".join(shlex.quote(w) for w in ["run.py"] + step.argv[2:]) for step in lab_steps]
+        lines += [" ".join(shlex.quote(w) for w in ["run.py"] + keys.command(step.argv[2:]))
+                  for step in lab_steps]
         lines += ["```", ""]
     for tp in exp.settings.degrees:
         folder = os.path.join(exp.run_dir, "tp%d" % tp)
@@ -984,19 +1020,17 @@ def report(exp: Experiment) -> str:
          step.note + (": " + step.reason if step.reason else ""),
          ", ".join("`%s`" % os.path.relpath(p, exp.run_dir) for p in step.outputs)]
         for step in exp.steps])
-    return keys.hide("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------
 # main
 
 
-KEYS: Optional["Keys"] = None  # the keys main() was given, hidden in every line said
+KEYS: Optional["Keys"] = None  # the keys main() was given, kept out of an engine's log lines
 
 
 def say(line: str) -> None:
-    if KEYS is not None:
-        line = KEYS.hide(line)
     sys.stderr.write("experiment: %s\n" % line)
     sys.stderr.flush()
 

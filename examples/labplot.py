@@ -9,7 +9,10 @@ import sys
 def read(path):
     """A JSON object from a file: what run.py --save writes or --json prints."""
     with open(path, encoding="utf-8") as f:
-        doc = json.load(f)
+        try:
+            doc = json.load(f)
+        except RecursionError:
+            raise ValueError("%s is nested deeper than any lab file" % path) from None
     if not isinstance(doc, dict):
         raise ValueError("%s is not a lab file (it holds a JSON %s)" % (path, type(doc).__name__))
     return doc
@@ -40,9 +43,32 @@ def run(name, output, draw):
         return 2
     try:
         draw()
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
-        # a file of another shape than the lab writes: one line, never a traceback
-        sys.stderr.write("%s: %s (%s)\n" % (name, err, type(err).__name__))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError,
+            OverflowError) as err:
+        # a file of another shape than the lab writes (a number too large to draw, say): one
+        # line, never a traceback
+        sys.stderr.write("%s: %s (%s)\n" % (name, str(err)[:300], type(err).__name__))
         return 2
-    print("wrote %s" % output)
+    return said("wrote %s" % output)
+
+
+def said(line):
+    """Print the closing line; a full disk or a closed pipe is one line on stderr and exit 74
+    (the picture is written)."""
+    try:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+    except OSError:
+        quiet_stdout()
+        return 74
     return 0
+
+
+def quiet_stdout():
+    """stdout could not be written: point it at /dev/null, so that exiting does not fail again
+    flushing what is left."""
+    import os
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except OSError:
+        pass

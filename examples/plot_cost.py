@@ -6,8 +6,9 @@ table.
     python3 examples/plot_cost.py cost.json -o cost.png
     python3 examples/plot_cost.py tp1.json tp2.json cell.json -o cost.png   # several runs together
 
-Cells are merged by what makes two cells the same measurement (TP, workload, batch or
-concurrency, length, model): a later file's cell replaces an earlier one's, with a line saying so.
+Cells are merged by what makes two cells the same measurement (run.py's CellIdentity: engine,
+release, model, TP, workload, trials, arrivals, length, mismatched arms): a later file's cell
+replaces an earlier one's, with a line saying so.
 
 One group of bars per TP degree (TP=1 and every other degree in the file), one bar per
 workload (cold, shared-prefix): the flag's overhead in percent with its 95% interval.
@@ -31,6 +32,11 @@ COST_SCHEMAS = ("batch-invariance-lab/cost/1",)
 WORKLOADS = ("cold", "shared-prefix")
 
 
+def is_figure(value):
+    """A number a bar can be drawn at (a file may hold null, or a number beyond any float)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < 1e300
+
+
 def is_cell(doc):
     return "workload" in doc and "overhead_pct" in doc and "schema" not in doc
 
@@ -49,8 +55,8 @@ def load(paths, say=lambda line: sys.stderr.write(line + "\n")):
                 raise ValueError("%s holds something that is not a cost cell" % path)
             key = run.cell_key(cell)  # the lab's own rule for one measurement
             if key in merged:
-                say("plot_cost.py: the cell TP=%s %s of %s replaces the one of %s" % (
-                    cell.get("tp"), cell.get("workload"), path, origin[key]))
+                say("plot_cost.py: the cell of %s replaces the one of %s (%s)" % (
+                    path, origin[key], key.text()))
             merged[key], origin[key] = cell, path
     if not merged:
         raise ValueError("%s: no cell yet" % ", ".join(paths))
@@ -58,13 +64,17 @@ def load(paths, say=lambda line: sys.stderr.write(line + "\n")):
 
 
 def select(doc, model=None, batch=None, max_tokens=None):
-    """The cells of one model, shape (batch, or concurrency under load) and length."""
-    newest = max(doc["cells"], key=lambda c: c.get("created", ""))
-    shape = lambda c: (c["model"], c["batch"], c.get("concurrency"), c["max_tokens"])
-    key = (model or newest["model"], batch or newest["batch"], newest.get("concurrency") if not batch else None,
-           max_tokens or newest["max_tokens"])
-    cells = [c for c in doc["cells"] if shape(c) == key]
-    return key, cells
+    """The cells of one 2x2 table: those that share the newest chosen cell's identity but for
+    TP and workload (run.py's CellIdentity: engine, release, model, trials, arrivals, length),
+    the choice narrowed by model, batch and length where given."""
+    chosen = [c for c in doc["cells"]
+              if (model is None or c.get("model") == model) and (batch is None or c.get("batch") == batch)
+              and (max_tokens is None or c.get("max_tokens") == max_tokens)]
+    if not chosen:
+        raise ValueError("no cell of that model, batch and length")
+    newest = max(chosen, key=lambda c: str(c.get("created", "")))
+    group = run.cell_key(newest).table_group()
+    return group, [c for c in doc["cells"] if run.cell_key(c).table_group() == group]
 
 
 def figure(doc, model=None, batch=None, max_tokens=None):
@@ -74,12 +84,13 @@ def figure(doc, model=None, batch=None, max_tokens=None):
     plt = labplot.pyplot()
     from matplotlib.patches import Patch
 
-    (model, batch, concurrency, max_tokens), cells = select(doc, model, batch, max_tokens)
-    others = sorted({c["tp"] for c in cells if c["tp"] != 1}, key=str)
+    group, cells = select(doc, model, batch, max_tokens)
+    others = sorted({c.get("tp") for c in cells if c.get("tp") != 1}, key=str)
     tps = [1] + (others or ["k"])
     fig, ax = plt.subplots(figsize=(8.5, 4.5))
     width = 0.36
-    bounds = [c["ci95_pct"] or [c["overhead_pct"] or 0.0] * 2 for c in cells]  # no interval: the value
+    measured = [c for c in cells if is_figure(c.get("overhead_pct"))]
+    bounds = [c["ci95_pct"] or [c["overhead_pct"]] * 2 for c in measured]  # no interval: the value
     low = min([0.0] + [b[0] for b in bounds])
     high = max([0.0] + [b[1] for b in bounds])
     span = max(high - low, 1.0)
@@ -87,12 +98,14 @@ def figure(doc, model=None, batch=None, max_tokens=None):
     for w, workload in enumerate(WORKLOADS):
         for t, tp in enumerate(tps):
             x = t + (w - 0.5) * width
-            cell = next((c for c in cells if c["tp"] == tp and c["workload"] == workload), None)
-            if cell is None:
+            cell = next((c for c in cells if c.get("tp") == tp and c.get("workload") == workload), None)
+            if cell is None or not is_figure(cell.get("overhead_pct")):
+                # no cell, or a cell without a figure: drawn as missing, never as +0.0 %
                 ax.bar(x, 0, width, color="none", edgecolor="0.6", ls="--")
-                ax.text(x, 0.02 * span, "missing", ha="center", va="bottom", fontsize=8, color="0.4", rotation=90)
+                ax.text(x, 0.02 * span, "missing" if cell is None else "no figure", ha="center",
+                        va="bottom", fontsize=8, color="0.4", rotation=90)
                 continue
-            value = cell["overhead_pct"] or 0.0
+            value = cell["overhead_pct"]
             lo, hi = cell["ci95_pct"] or (value, value)
             ax.bar(x, value, width, color="C%d" % w, alpha=0.85 if cell["significant"] else 0.35)
             ax.errorbar(x, value, yerr=[[value - lo], [hi - value]], color="k", capsize=4, lw=1)
@@ -100,10 +113,9 @@ def figure(doc, model=None, batch=None, max_tokens=None):
                     ha="center", va="bottom", fontsize=8)
     ax.axhline(0, color="0.3", lw=0.8)
     ax.set_xticks(range(len(tps)))
-    ax.set_xticklabels(["TP=%s" % tp for tp in tps])
+    ax.set_xticklabels(["TP=%s" % ("?" if tp is None else tp) for tp in tps])
     ax.set_ylabel("overhead of the flag (%), 95% interval")
-    shape = "concurrency %d (throughput)" % concurrency if concurrency else "batch %d" % batch
-    ax.set_title("Cost of batch invariance: %s, %s, %d tokens" % (model, shape, max_tokens), fontsize=10)
+    ax.set_title("Cost of batch invariance: %s" % group.text(), fontsize=9)
     handles = [Patch(color="C%d" % w, label=workload) for w, workload in enumerate(WORKLOADS)]
     handles.append(Patch(color="0.7", alpha=0.35, label="pale: not significant"))
     ax.legend(handles=handles, fontsize=8, title="workload", title_fontsize=8, loc="upper left",

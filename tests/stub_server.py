@@ -24,7 +24,8 @@ largest step batch formed, the generation requests served and the distinct texts
 
 Fault switches (for the lab's own fault tests) apply to the k-th generation request,
 counting from 1: --fault 3=http500, drop, badjson, nochoices, fewer, nulllogprobs,
-ragged, clamp, redirect, huge, stall, and the hostile ones (slowstatus, trickle, endlessline,
+ragged, clamp, redirect, huge, stall, cachehit (its prompts served from the prefix cache, as
+if an earlier request had cached them), and the hostile ones (slowstatus, trickle, endlessline,
 longline, hugeusage, echokey, keyinbody: see StubHandler). --step-delay S makes each decode step take S
 seconds, --slowdown F multiplies that when --invariant is on, and --jitter J adds
 seeded noise of +-J of it.
@@ -386,7 +387,10 @@ class EngineState:
         if not self.prefix_caching:
             return 0
         with self.lock:
-            hit = (salt, prompt) in self.prefix_cache
+            # the cachehit fault: this request's prompts were cached by an earlier one (one a
+            # salt did not keep apart: a cache shared across salts, as copies of one vLLM
+            # request share it)
+            hit = (salt, prompt) in self.prefix_cache or getattr(self.local, "forced_hit", False)
             self.prefix_cache.add((salt, prompt))
         return prompt_token_count(prompt) - 1 if hit else 0
 
@@ -905,6 +909,7 @@ class StubHandler(BaseHTTPRequestHandler):
         try:
             body = json.loads(raw or b"{}")
             self.server.state.local.stream = bool(isinstance(body, dict) and body.get("stream")) and fault != "nostream"
+            self.server.state.local.forced_hit = fault == "cachehit"
             arrived = time.perf_counter()
             answer = handlers[path](self.config, body, self.server.state)
         except BadRequest as err:
@@ -914,7 +919,7 @@ class StubHandler(BaseHTTPRequestHandler):
         if self.server.state.streaming():
             prompt = body.get("prompt") if self.config.engine == "vllm" else body.get("text")
             return self.stream(answer, arrived, json.dumps(prompt), fault)
-        self.send_json(200, corrupt(answer, fault, self.config.engine) if fault else
+        self.send_json(200, corrupt(answer, fault, self.config.engine) if fault not in (None, "cachehit") else
                        floats_as_sent(answer, self.config))
 
     def stream(self, answer, arrived: float, prompt: str, fault: Optional[str] = None) -> None:

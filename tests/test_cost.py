@@ -10,6 +10,11 @@ from stub_server import VirtualClock, sglang_server_info
 from support import StubConfig, StubServer, TempDirTest, fixture, free_port, run, run_lab
 
 
+def arm_differences(off, on):
+    """What cost mode finds between two arms' settings."""
+    return run.SettingDifference.between(off, on, ("off", "on"), flag_own=True)
+
+
 DELAY = 0.005   # seconds per decode step in the timed stubs
 TOKENS = 16     # tokens per completion in the timed runs
 JITTER = 0.1    # +-10% seeded timing noise, so the interval has a width to contain the truth
@@ -30,7 +35,7 @@ class HazardCheckOnRealServers(unittest.TestCase):
     def test_the_real_pair_passes(self):
         off, on = vllm_facts(self.off_info), vllm_facts(self.on_info)
         self.assertEqual((off.flag, on.flag), (False, True))
-        self.assertEqual(run.arm_differences(off, on), [])
+        self.assertEqual(arm_differences(off, on), [])
         self.assertEqual(off.attention_backend, "FlashAttentionBackend")
         self.assertEqual((off.graph_sizes[-1], off.graph_source), (128, "reported"))
         self.assertEqual(off.load_format, "dummy")
@@ -55,7 +60,7 @@ class HazardCheckOnRealServers(unittest.TestCase):
             with self.subTest(setting=label):
                 on_info = copy.deepcopy(self.on_info)
                 on_info["vllm_config"][section][key] = value
-                hazards = run.arm_differences(vllm_facts(self.off_info), vllm_facts(on_info))
+                hazards = arm_differences(vllm_facts(self.off_info), vllm_facts(on_info))
                 self.assertEqual([h.setting for h in hazards], [label])
 
     def test_the_real_0_33_pair_passes_its_compile_settings_the_flags_own(self):
@@ -66,12 +71,12 @@ class HazardCheckOnRealServers(unittest.TestCase):
         models = fixture("v1_models.json", folder)
         off, on = (run.ADAPTERS["vllm"].facts(version, models, info, None).checked()
                    for info in (off_info, on_info))
-        self.assertEqual(run.arm_differences(off, on), [])
+        self.assertEqual(arm_differences(off, on), [])
         self.assertEqual((off.settings["compilation mode"], on.settings["compilation mode"]), (3, 0))
         # the same two settings on a flag-off arm are a mismatch: only the flag may set them
         on_info["vllm_env"]["VLLM_BATCH_INVARIANT"] = False
         other = run.ADAPTERS["vllm"].facts(version, models, on_info, None).checked()
-        self.assertEqual({d.setting for d in run.arm_differences(off, other)},
+        self.assertEqual({d.setting for d in arm_differences(off, other)},
                          {"compilation mode", "breakable CUDA graph"})
 
     def test_prefix_cache_switched_off_by_the_flag_is_not_a_hazard(self):
@@ -79,16 +84,16 @@ class HazardCheckOnRealServers(unittest.TestCase):
         for info in (off_info, on_info):
             info["vllm_config"]["attention_config"]["backend"] = "vllm.v1.attention.backends.flashinfer.FlashInferBackend"
         on_info["vllm_config"]["cache_config"]["enable_prefix_caching"] = False
-        self.assertEqual(run.arm_differences(vllm_facts(off_info), vllm_facts(on_info)), [])
+        self.assertEqual(arm_differences(vllm_facts(off_info), vllm_facts(on_info)), [])
 
     def test_sglang_flag_consequences_are_not_hazards(self):
         from stub_server import sglang_server_info
         a = run.ADAPTERS["sglang"]
         off = a.facts(sglang_server_info(StubConfig(engine="sglang"), 30000), None)
         on = a.facts(sglang_server_info(StubConfig(engine="sglang", invariant=True), 30001), None)
-        self.assertEqual(run.arm_differences(off, on), [])  # sampling backend: set by the flag
+        self.assertEqual(arm_differences(off, on), [])  # sampling backend: set by the flag
         on_info = sglang_server_info(StubConfig(engine="sglang", invariant=True, attention_backend="fa3"), 30001)
-        self.assertEqual([h.setting for h in run.arm_differences(off, a.facts(on_info, None))],
+        self.assertEqual([h.setting for h in arm_differences(off, a.facts(on_info, None))],
                          ["attention backend"])
 
 

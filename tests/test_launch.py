@@ -134,8 +134,17 @@ class Experiment(TempDirTest):
 
 class ExperimentRuns(Experiment):
     def test_one_device_the_second_arm_starts_once_the_first_is_ready(self):
-        code, out, err = self.finish(self.start(COPIES="on"))
+        # with keys given both ways: a short one (a digit of every date and figure) and a long
+        # one in an abbreviated option; neither rewrites the report, neither is in it
+        long_key = "zq7-secretvalue-991"
+        code, out, err = self.finish(self.start(
+            COPIES="on", OPENAI_API_KEY="2",
+            SWEEP_ARGS="--sizes 1,2,9,17 --max-tokens 12 --repeat 1 --api " + long_key))
         self.assertEqual(code, 0, err)
+        self.assertNotIn(long_key, out + err)
+        self.assertIn("--api '[api key]'", out)
+        self.assertNotIn("[api key]", out.replace("--api '[api key]'", ""))
+        self.assertIn("Started 2", out)  # a date, whole
         off_loading, off_ready = self.times("off")
         on_loading, on_ready = self.times("on")
         self.assertGreaterEqual(on_loading, off_ready)
@@ -164,6 +173,9 @@ class ExperimentRuns(Experiment):
         self.assertIn("| flag off, copies in one request | moved only where the cache served",
                       report)
         self.assertIn("tokens diverged**, 2 unique of 29", report)
+        # ... and with the flag on, no request above batch 1 was computed: nothing certified
+        self.assertIn("| flag on, copies in one request | nothing compared: the cache served "
+                      "every request above batch 1 |", report)
         concurrent = self.load_run("tp1", "sweep_off.json")["summary"]["prefix_cache_bypass"]
         self.assertEqual(concurrent["status"], "held")
         self.assertEqual(self.load_run("tp1", "sweep_on.json")["summary"]["verdict"], "invariant")

@@ -4,6 +4,7 @@ a URL are refused without being repeated; saves are atomic."""
 
 import json
 import os
+import re
 import unittest
 from unittest import mock
 
@@ -30,6 +31,99 @@ class Secrets(TempDirTest):
         one_error_line(self, r, 3, "HTTP 401")
         self.assertIn("[api key]", r.stderr)
         self.assertNotIn("sk-very-secret-77", r.stderr + r.stdout + saved)
+
+
+# Keys that are also the lab's own words and numbers: none may rewrite what the lab saves
+SHORT_KEYS = ("0", "1", "2", "true", "null", "EMPTY", "stub", "tin", "-k3y!")
+VARYING = {"created", "ended", "seconds", "send_spread_s", "url", "lab"}
+
+
+def steady(value):
+    """A saved document without what differs from run to run by nature."""
+    if isinstance(value, dict):
+        return {k: steady(v) for k, v in value.items() if k not in VARYING}
+    if isinstance(value, list):
+        return [steady(v) for v in value]
+    return value
+
+
+def timeless(table):
+    """A printed table without its seconds column, which differs from run to run."""
+    return re.sub(r"\b\d+\.\d\d\b", "S", table)
+
+
+class KeysKeptOutByStructure(TempDirTest):
+    """The key is kept out of what the lab writes by where it stands (the command line's
+    value), never by rewriting the lab's own values: a key that is also a number, a word of
+    the schema, of the prompt or of the model's name changes nothing saved or printed."""
+
+    def sweep(self, stub, name, *key):
+        r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--repeat", 1,
+                    "--max-tokens", 4, "--prompt", "an EMPTY box, true or null: 0 1 2",
+                    "--save", self.path(name), *key)
+        return r, self.load(name)
+
+    def test_short_keys_change_nothing_the_lab_saves_or_prints(self):
+        with StubServer(StubConfig(invariant=True)) as stub:
+            plain, expected = self.sweep(stub, "plain.json")
+            for key in SHORT_KEYS:
+                with self.subTest(key=key):
+                    given = "--api-key=" + key  # a key that starts with "-" needs the "=" form
+                    if os.path.exists(self.path("k.json")):
+                        os.remove(self.path("k.json"))
+                    r, doc = self.sweep(stub, "k.json", given)
+                    self.assertEqual(r.code, 0, r)
+                    self.assertEqual(steady(doc), steady(expected))
+                    self.assertEqual(doc["schema"], "batch-invariance-lab/sweep/2")
+                    self.assertEqual(doc["lab"]["command"][-1], "--api-key=[api key]")
+                    self.assertEqual(timeless(r.stdout), timeless(plain.stdout))
+                    self.assertIn("fewer than 8 characters", r.stderr)
+                    # it reads back as a baseline, and compare.py reads it
+                    back = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2",
+                                   "--repeat", 1, "--max-tokens", 4, "--prompt",
+                                   "an EMPTY box, true or null: 0 1 2", "--baseline",
+                                   self.path("k.json"), given)
+                    self.assertEqual(back.code, 0, back)
+
+    def test_short_keys_change_nothing_a_cost_file_holds(self):
+        with StubServer() as off, StubServer(StubConfig(invariant=True)) as on:
+            for key in ("1", "true", "0"):
+                with self.subTest(key=key):
+                    r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url,
+                                "--batch", 1, "--trials", 1, "--warmup", 0, "--max-tokens", 2,
+                                "--api-key", key, "--save", self.path(key + ".json"))
+                    self.assertEqual(r.code, 0, r)
+                    doc = self.load(key + ".json")
+                    self.assertEqual(doc["schema"], "batch-invariance-lab/cost/1")
+                    self.assertNotIn("[api key]", json.dumps(doc["cells"][0]["off"]))
+                    self.assertNotIn("[api key]", r.stdout)
+
+    def test_every_spelling_of_the_key_option_is_recorded_without_the_key(self):
+        options = list(run.build_parser()._option_string_actions)
+        for argv in (["--api-key", KEY], ["--api-key=" + KEY], ["--api", KEY], ["--api=" + KEY],
+                     ["--api-k", KEY]):
+            with self.subTest(argv=argv):
+                recorded = run.key_free_command(["--mode", "sweep"] + argv, options)
+                self.assertNotIn(KEY, " ".join(recorded))
+                self.assertIn("[api key]", " ".join(recorded))
+        # past "--" nothing is an option
+        self.assertEqual(run.key_free_command(["--", "--api-key", "x"], options),
+                         ["--", "--api-key", "x"])
+
+    def test_an_abbreviated_key_option_is_neither_printed_nor_saved(self):
+        with StubServer() as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--repeat", 1,
+                        "--max-tokens", 2, "--api", KEY, "--save", self.path("s.json"))
+            with open(self.path("s.json")) as f:
+                saved = f.read()
+        self.assertEqual(r.code, 0, r)
+        self.assertNotIn(KEY, r.stdout + r.stderr + saved)
+
+    def test_an_echo_with_non_word_edges_is_hidden_when_the_key_is_long(self):
+        key = "-k3y!-long-enough"
+        secrets = run.Secrets()
+        secrets.keep(key)
+        self.assertEqual(secrets.hide("bad key %s." % key), "bad key [api key].")
 
 
 class KeysHiddenInWhatServersSay(TempDirTest):

@@ -286,7 +286,7 @@ class MangledAnswers(unittest.TestCase):
                         comps = adapter.completions(bad, 2, True)
                     except run.ServerError:
                         continue
-                    run.compare_batch(comps, base, adapter.logprob_clamps)
+                    run.compare_batch(run.SentBatch(comps, 0.0, None), base, adapter.logprob_clamps)
 
 
 class ValuesFromServers(TempDirTest):

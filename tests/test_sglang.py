@@ -9,6 +9,11 @@ import urllib.request
 from support import StubConfig, StubServer, TempDirTest, fixture, post, run, run_lab
 from stub_server import sglang_server_info
 
+
+def arm_differences(off, on):
+    """What cost mode finds between two arms' settings."""
+    return run.SettingDifference.between(off, on, ("off", "on"), flag_own=True)
+
 SGLANG_CLAMP = -3.4028234663852886e38  # torch.finfo(torch.float32).min
 
 
@@ -52,7 +57,7 @@ class UnseededFlagOffArm(TempDirTest):
 
     def test_the_verdict_rule(self):
         m = run.Measured
-        self.assertEqual(run.verdict(m(6, 3, 5, True, compared=True, unseeded=True)), run.NOISE_NOT_RULED_OUT)
+        self.assertEqual(run.verdict(m(6, 3, 5, True, moved=True, compared=True, unseeded=True)), run.NOISE_NOT_RULED_OUT)
         self.assertEqual(run.verdict(m(6, 1, compared=True, batch1_repeatable=False, unseeded=True)),
                          run.NOISE_NOT_RULED_OUT)
         self.assertEqual(run.verdict(m(6, 1, compared=True, unseeded=True)), "invariant")
@@ -219,7 +224,7 @@ class RealAnswers0523(unittest.TestCase):
             self.assertEqual(facts.max_num_seqs_source,
                              "internal_states[].effective_max_running_requests_per_dp")
             self.assertEqual(facts.hazards, [])
-        self.assertEqual(run.arm_differences(off, on), [])
+        self.assertEqual(arm_differences(off, on), [])
 
     def test_a_setting_edited_on_one_arm_is_a_difference(self):
         edits = {
@@ -231,7 +236,7 @@ class RealAnswers0523(unittest.TestCase):
                 on_info = self.info("on")
                 *path, key, value = edit
                 dig_into(on_info, path)[key] = value
-                differences = run.arm_differences(self.facts(self.info("off")), self.facts(on_info))
+                differences = arm_differences(self.facts(self.info("off")), self.facts(on_info))
                 self.assertEqual([d.setting for d in differences], [label])
 
     def test_the_real_generate_answer(self):

@@ -112,7 +112,7 @@ class CompareCompletions(unittest.TestCase):
         d = run.compare_completions(self.base, other, run.VllmAdapter.logprob_clamps)
         self.assertIn("clamped", d.ulp_notes)
         self.assertEqual(d.first_ulp_step, 0)
-        self.assertEqual(run.verdict(run.Measured(2, 1, unmeasured=True, compared=True)),
+        self.assertEqual(run.verdict(run.Measured(2, 1, moved=True, compared=True)),
                          "logprobs moved but tokens held")
 
 
@@ -220,10 +220,16 @@ class LaddersAndBuckets(unittest.TestCase):
     def test_verdict_words(self):
         m = run.Measured
         self.assertEqual(run.verdict(m(2, 1, compared=True)), "invariant")
-        self.assertEqual(run.verdict(m(2, 1, 3, compared=True)), "logprobs moved but tokens held")
-        self.assertEqual(run.verdict(m(2, 2, 3, True, compared=True)), "tokens diverged")
-        self.assertEqual(run.verdict(m(2, 2, text_only=True, compared=True)), "text differs, tokens equal")
-        self.assertEqual(run.verdict(m(2, 2, 3, True, text_only=True, compared=True)), "tokens diverged")
+        self.assertEqual(run.verdict(m(2, 1, 3, moved=True, compared=True)), "logprobs moved but tokens held")
+        self.assertEqual(run.verdict(m(2, 2, 3, True, moved=True, compared=True)), "tokens diverged")
+        self.assertEqual(run.verdict(m(2, 2, text_only=True, moved=True, compared=True)), "text differs, tokens equal")
+        self.assertEqual(run.verdict(m(2, 2, 3, True, text_only=True, moved=True, compared=True)), "tokens diverged")
+        # what the cache served compares nothing, in either direction
+        self.assertEqual(run.verdict(m(3, 1, served_sizes=[2])), "nothing compared: the cache served every request above batch 1")
+        self.assertEqual(run.verdict(m(3, 2, 3, served_moved=True, served_sizes=[2])),
+                         "moved only where the cache served (bypass did not hold)")
+        self.assertEqual(run.verdict(m(3, 2, 3, True, moved=True, compared=True, served_moved=True, served_sizes=[2])),
+                         "tokens diverged")
         self.assertEqual(run.verdict(m(1, 1)), "nothing compared")  # batch 1 alone is no comparison
         self.assertEqual(run.verdict(m(0, 0, compared=True)), "no data")
 

@@ -80,15 +80,94 @@ class EvidenceForABatch(TempDirTest):
         empty = run.Completion("", [], [], [])
         sweep.set_baseline(empty, "batch 1")
         for n in (1, 4):
-            row = run.compare_batch([empty] * n, empty, ())
+            row = run.compare_batch(run.SentBatch([empty] * n, 0.0, None), empty, ())
             sweep.add(n, n, row, [empty] * n)
         self.assertEqual(run.verdict(sweep.measured()), "nothing compared")
         token = run.Completion("a", ["token_id:1"], [-0.5], [{"token_id:1": -0.5}])
         sweep = run.PromptSweep("p")
         sweep.set_baseline(token, "batch 1")
         for n in (1, 4):
-            sweep.add(n, n, run.compare_batch([token] * n, token, ()), [token] * n)
+            sweep.add(n, n, run.compare_batch(run.SentBatch([token] * n, 0.0, None), token, ()), [token] * n)
         self.assertEqual(run.verdict(sweep.measured()), "invariant")
+
+
+class EvidencePerRequest(TempDirTest):
+    """The verdict reads what each request showed, pass by pass: a request the prefix cache
+    served compares nothing about batching, in either direction, and a batch is what was in
+    flight."""
+
+    def test_a_cache_hit_in_one_pass_does_not_discount_another_pass(self):
+        # pass 1: every request above batch 1 served from the cache (cached tokens reported);
+        # pass 2: none, and batching moved just the same
+        with StubServer(StubConfig(prompt_tokens_details=True, scheduler_window=0.05,
+                                   faults={k: "cachehit" for k in range(2, 17)})) as stub:
+            r = short_sweep(stub, "--sizes", "1,2,4,9", "--traffic", "concurrent", "--repeat", 2,
+                            "--expect", "variant", "--json")
+        self.assertEqual(r.code, 0, r)
+        doc = r.json()
+        self.assertIn(doc["summary"]["verdict"], ("tokens diverged", "logprobs moved but tokens held"))
+        runs = sizes_of(doc)[9]["runs"]
+        self.assertEqual([run_.get("served") for run_ in runs], [9, None])
+        self.assertEqual(doc["summary"]["served_sizes"], [2, 4, 9])
+
+    def test_one_cached_request_of_several_leaves_the_others_as_evidence(self):
+        with StubServer(StubConfig(prompt_tokens_details=True, scheduler_window=0.05,
+                                   faults={2: "cachehit"})) as stub:
+            r = short_sweep(stub, "--sizes", "1,9", "--traffic", "concurrent", "--repeat", 1,
+                            "--expect", "variant", "--json")
+        self.assertEqual(r.code, 0, r)
+        self.assertEqual(r.json()["summary"]["verdict"], "tokens diverged")
+        self.assertEqual(sizes_of(r.json())[9]["runs"][0]["served"], 1)
+
+    def test_flag_on_copies_the_cache_served_certify_nothing(self):
+        # copies of one request share the cache: every size above 1 served, the bypass failed
+        with StubServer(StubConfig(invariant=True, prompt_tokens_details=True)) as stub:
+            r = short_sweep(stub, "--sizes", "1,2,8", "--expect", "invariant")
+        self.assertEqual(r.code, 1, r)
+        self.assertIn(": nothing compared: the cache served every request above batch 1", r.stdout)
+        self.assertNotIn(": invariant", r.stdout.split("summary:")[1])
+        self.assertIn("expectation failed: --expect invariant", r.stdout)
+
+    def test_flag_on_where_only_some_sizes_were_served_says_so(self):
+        sweep = run.PromptSweep("p")
+        token = run.Completion("a", ["token_id:1"], [-0.5], [{"token_id:1": -0.5}])
+        sweep.set_baseline(token, "batch 1")
+        for n, cached in ((1, 0), (2, 0), (8, 40)):
+            batch = run.SentBatch([token] * n, 0.0, cached)
+            sweep.add(n, n, run.compare_batch(batch, token, ()), [token] * n)
+        m = sweep.measured()
+        self.assertEqual(run.verdict(m), "invariant")
+        self.assertEqual(m.served_sizes, [8])
+        summary = run.SweepSummary(1, 11, 0, None, "copies", 1, "invariant", None, [8], [],
+                                   "complete", {}, m)
+        self.assertEqual(run.verdict_reasons(summary),
+                         ["invariant where computed; size 8 served from the cache, not compared"])
+
+    def test_a_scheduled_size_says_how_many_were_in_flight(self):
+        # 8 requests at 10 a second against a server answering each in about 0.1 s: a few
+        # at a time at most, never the 8 of the size
+        with StubServer(StubConfig(scheduler_window=0, step_delay=0.02)) as stub:
+            r = short_sweep(stub, "--sizes", "1,8", "--traffic", "concurrent", "--repeat", 1,
+                            "--request-rate", 10, "--max-tokens", 6, "--save", self.path("s.json"))
+        self.assertIn(r.code, (0,), r)
+        size8 = sizes_of(self.load("s.json"))[8]
+        reached = size8["runs"][0].get("in_flight")
+        self.assertIsNotNone(reached)
+        self.assertLess(reached, 8)
+        row8 = next(line for line in r.stdout.splitlines() if line.split()[:1] == ["8"])
+        if reached > 1:
+            self.assertIn("at most %d of 8 requests in flight together" % reached, row8)
+        else:
+            self.assertIn("never in flight together", row8)
+
+    def test_first_moved_is_what_the_verdict_read(self):
+        with StubServer(StubConfig(invariant=True, faults={2: "textonly"})) as stub:
+            doc = short_sweep(stub, "--sizes", "1,2", "--json").json()
+        self.assertEqual(doc["summary"]["verdict"], "text differs, tokens equal")
+        self.assertEqual(doc["summary"]["first_moved"], {"batch": 2, "what": "text", "step": None})
+        with StubServer(StubConfig(invariant=True, topk_edge_swap=True)) as stub:
+            doc = short_sweep(stub, "--sizes", "1,2", "--json").json()
+        self.assertEqual(doc["summary"]["first_moved"]["what"], "top-k")
 
 
 class TopKMembership(unittest.TestCase):

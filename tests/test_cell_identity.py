@@ -1,0 +1,193 @@
+"""A cost cell is identified by everything it was measured under (run.CellIdentity), in
+run.py, compare.py and plot_cost.py alike: two cells that differ in any of it are kept side
+by side, a cell that replaces another says so, and the TP degree asked is the one the cell
+is labelled with."""
+
+import copy
+import io
+import json
+import os
+import sys
+import unittest
+
+from support import HERE, StubConfig, StubServer, TempDirTest, run, run_lab
+
+EXAMPLES = os.path.join(os.path.dirname(HERE), "examples")
+sys.path.insert(0, EXAMPLES)
+import compare  # noqa: E402  (examples/compare.py)
+
+
+def saved_cell():
+    with open(os.path.join(HERE, "fixtures", "saved", "cost.json"), encoding="utf-8") as f:
+        return json.load(f)["cells"][0]
+
+
+def variant(cell, change):
+    other = copy.deepcopy(cell)
+    change(other)
+    return other
+
+
+def set_release(version):
+    def change(cell):
+        for arm in ("off", "on"):
+            cell["servers"][arm]["version"] = version
+    return change
+
+
+def load_cell(rate, requests=8):
+    def change(cell):
+        cell.update(batch=None, concurrency=4, requests=requests,
+                    arrivals=run.Arrivals(rate).describe() if rate else "burst")
+    return change
+
+
+# Each way two cells are two measurements, as one change to a saved cell
+APART = {
+    "engine": lambda c: c.update(engine="sglang"),
+    "release": set_release("0.33.0"),
+    "model": lambda c: c.update(model="other/model"),
+    "tp": lambda c: c.update(tp=2),
+    "workload": lambda c: c.update(workload="shared-prefix", prefix_tokens=1000),
+    "max tokens": lambda c: c.update(max_tokens=c["max_tokens"] + 1),
+    "batch": lambda c: c.update(batch=c["batch"] + 1),
+    "mismatch": lambda c: c.update(differences=[{"setting": "dtype", "off": "a", "on": "b"}]),
+}
+
+
+class CellsKeptApart(unittest.TestCase):
+    def test_each_label_keeps_two_cells_apart(self):
+        base = saved_cell()
+        for name, change in APART.items():
+            with self.subTest(label=name):
+                doc = run.add_cell({"schema": run.COST_SCHEMA, "cells": [base]},
+                                   variant(base, change))
+                self.assertEqual(len(doc["cells"]), 2)
+
+    def test_load_cells_by_requests_and_exact_rate(self):
+        base = variant(saved_cell(), load_cell(1.0000001))
+        cases = {"requests": load_cell(1.0000001, requests=2),
+                 "exact rate": load_cell(1.0000004),
+                 "burst": load_cell(None)}
+        for name, change in cases.items():
+            with self.subTest(label=name):
+                doc = run.add_cell({"cells": [base]}, variant(base, change))
+                self.assertEqual(len(doc["cells"]), 2)
+
+    def test_prefix_length_keeps_shared_prefix_cells_apart(self):
+        base = variant(saved_cell(), APART["workload"])
+        other = variant(base, lambda c: c.update(prefix_tokens=2000))
+        self.assertEqual(len(run.add_cell({"cells": [base]}, other)["cells"]), 2)
+
+    def test_the_same_measurement_replaces_the_older(self):
+        base = saved_cell()
+        newer = variant(base, lambda c: c.update(created="later"))
+        doc = run.add_cell({"cells": [base]}, newer)
+        self.assertEqual([c["created"] for c in doc["cells"]], ["later"])
+
+    def test_the_identity_in_words_names_engine_and_release(self):
+        text = run.cell_key(saved_cell()).text()
+        self.assertIn("vllm 0.26.0", text)
+        self.assertIn("model stub/tiny-f32", text)
+
+
+class ComparePy(unittest.TestCase):
+    def names(self, cells):
+        out = io.StringIO()
+        compare.compare_costs({"cells": cells[:1]}, {"cells": cells[1:]}, out)
+        return out.getvalue()
+
+    def test_burst_and_poisson_and_two_engines_are_rows_of_their_own(self):
+        base = variant(saved_cell(), load_cell(None))
+        for name, change in (("poisson", load_cell(100.0)),
+                             ("engine", APART["engine"])):
+            with self.subTest(kind=name):
+                text = self.names([base, variant(base, change)])
+                rows = [line for line in text.splitlines() if "overhead %" in line]
+                self.assertEqual(len(rows), 2, text)
+
+
+class CostRuns(TempDirTest):
+    def cost(self, off, on, *extra):
+        return run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", 1,
+                       "--trials", 1, "--warmup", 0, "--max-tokens", 2, *extra)
+
+    def test_a_replaced_cell_is_said(self):
+        path = self.path("cost.json")
+        with StubServer() as off, StubServer(StubConfig(invariant=True)) as on:
+            first = self.cost(off, on, "--save", path)
+            second = self.cost(off, on, "--save", path)
+        self.assertEqual((first.code, second.code), (0, 0), second)
+        self.assertNotIn("replaces", first.stderr)
+        self.assertIn("--save: this cell replaces the one saved", second.stderr)
+        self.assertIn("vllm 0.26.0", second.stderr)
+        self.assertEqual(len(self.load("cost.json")["cells"]), 1)
+
+    def test_the_tp_asked_labels_the_cell(self):
+        with StubServer(StubConfig(tp_size=2)) as off, \
+                StubServer(StubConfig(invariant=True, tp_size=2)) as on:
+            r = self.cost(off, on, "--tp", 2, "--json")
+        self.assertEqual(r.code, 0, r)
+        self.assertEqual(r.json()["tp"], 2)
+
+    def test_a_server_reporting_another_degree_is_refused(self):
+        path = self.path("cost.json")
+        with StubServer() as off, StubServer(StubConfig(invariant=True)) as on:
+            self.assertEqual(self.cost(off, on, "--tp", 1, "--save", path).code, 0)
+            r = self.cost(off, on, "--tp", 2, "--save", path)
+        self.assertEqual(r.code, 2, r)
+        self.assertIn("--tp 2, but the flag-off arm (--url) reports TP 1", r.stderr)
+        self.assertEqual([c["tp"] for c in self.load("cost.json")["cells"]], [1])
+
+
+if __name__ == "__main__":
+    unittest.main()
+
+
+class ExampleToolsReadAnyFile(TempDirTest):
+    """compare.py and the plots' reader answer any file with one line, never a traceback."""
+
+    def compare(self, *paths, stdout=None):
+        import subprocess
+        return subprocess.run([sys.executable, os.path.join(EXAMPLES, "compare.py"), *paths],
+                              stdout=stdout or subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, timeout=60)
+
+    def write(self, name, text):
+        with open(self.path(name), "w", encoding="utf-8") as f:
+            f.write(text)
+        return self.path(name)
+
+    def test_a_deeply_nested_file(self):
+        deep = self.write("deep.json", "[" * 100000 + "]" * 100000)
+        r = self.compare(deep, deep)
+        self.assertEqual(r.returncode, 2, r)
+        self.assertEqual(len(r.stderr.splitlines()), 1, r.stderr)
+        sys.path.insert(0, EXAMPLES)
+        import labplot
+        with self.assertRaises(ValueError):
+            labplot.read(deep)
+
+    def test_a_number_beyond_any_float(self):
+        sweep = {"schema": "batch-invariance-lab/sweep/2", "summary": {"max_ulp": 10 ** 400},
+                 "server": {}, "params": {}, "prompts": []}
+        other = dict(sweep, summary={"max_ulp": 1})
+        a = self.write("a.json", json.dumps(sweep))
+        b = self.write("b.json", json.dumps(other))
+        r = self.compare(a, b)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("401-digit number", r.stdout)
+        cell = variant(saved_cell(), lambda c: c.update(overhead_pct=10 ** 400))
+        c = self.write("c.json", json.dumps({"schema": run.COST_SCHEMA, "cells": [cell]}))
+        r = self.compare(c, c)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertNotIn("Traceback", r.stderr)
+
+    @unittest.skipUnless(os.path.exists("/dev/full"), "needs /dev/full")
+    def test_a_full_stdout(self):
+        cell = saved_cell()
+        c = self.write("c.json", json.dumps({"schema": run.COST_SCHEMA, "cells": [cell]}))
+        with open("/dev/full", "w") as full:
+            r = self.compare(c, c, stdout=full)
+        self.assertEqual(r.returncode, 74, r.stderr)
+        self.assertEqual(len(r.stderr.splitlines()), 1, r.stderr)
