@@ -1667,6 +1667,7 @@ class VllmAdapter:
         ("breakable CUDA graph", ("vllm_env", "VLLM_USE_BREAKABLE_CUDAGRAPH")),
         ("FlashInfer sampler", ("vllm_env", "VLLM_USE_FLASHINFER_SAMPLER"))]
     # With the flag on, vLLM turns prefix caching off for these backends itself.
+    FLAG_COMPILES_EAGER_FROM = "0.33.0"  # the first release whose flag sets both (flag_sets)
     FLAG_DISABLES_PREFIX_CACHE = ("FlashInferBackend", "TritonMLABackend")
 
     @staticmethod
@@ -1741,17 +1742,21 @@ class VllmAdapter:
             load_format=settings["load format"], graph_sizes=graph, graph_source=source,
             default_graph_sizes=sizes, info_source="/server_info", settings_hint=None,
             settings=settings, hazards=hazards_in(self.name, info, version),
-            flag_sets=self.flag_sets(flag, backend))
+            flag_sets=self.flag_sets(flag, backend, version))
 
-    def flag_sets(self, flag: Any, backend: Any) -> Dict[str, Any]:
+    def flag_sets(self, flag: Any, backend: Any, version: Any) -> Dict[str, Any]:
         """What the flag itself sets on a flag-on server, by setting label: a difference from
         the flag-off arm there is the flag's, never a mismatch. Prefix caching goes off under
         FlashInfer and Triton-MLA; from vLLM 0.33.0 the flag turns on breakable CUDA graphs
         for the model shapes of its tile table, and they run without torch.compile
-        (compilation mode NONE, 0: vllm/config/vllm.py lines 842-869 of vLLM 0.33.0)."""
+        (compilation mode NONE, 0: vllm/config/vllm.py lines 842-869 of vLLM 0.33.0). A
+        release before 0.33.0, or one the server does not name, is granted neither: there
+        they are settings of the user's that differ between the arms."""
         if flag is not True:
             return {}
-        sets: Dict[str, Any] = {"breakable CUDA graph": True, "compilation mode": 0}
+        sets: Dict[str, Any] = {}
+        if has_release(version, self.FLAG_COMPILES_EAGER_FROM):
+            sets.update({"breakable CUDA graph": True, "compilation mode": 0})
         if backend in self.FLAG_DISABLES_PREFIX_CACHE:
             sets["prefix caching"] = False
         return sets
@@ -2114,13 +2119,46 @@ class Hazard:
     fixed_in: Optional[str] = field(default=None, metadata=NOT_SAVED)
 
 
-def release(version: Any) -> Optional[Tuple[int, ...]]:
-    """A release number as numbers ("0.33.0" -> (0, 33, 0), "0.5.23+cu129" -> (0, 5, 23));
-    None where the server says none the lab can read."""
+# Release identifiers as Python's packaging orders them (PEP 440), enough for engines' versions
+RELEASE_PATTERN = re.compile(
+    r"v?(?P<release>[0-9]+(?:\.[0-9]+)*)"
+    r"(?:[-_.]?(?P<pre>a|alpha|b|beta|c|rc|pre|preview)[-_.]?(?P<pre_n>[0-9]*))?"
+    r"(?:[-_.]?(?P<post>post|rev|r)[-_.]?(?P<post_n>[0-9]*))?"
+    r"(?:[-_.]?(?P<dev>dev)[-_.]?(?P<dev_n>[0-9]*))?"
+    r"(?:\+(?P<local>[a-z0-9]+(?:[-_.][a-z0-9]+)*))?", re.IGNORECASE)
+PRE_RELEASE_RANK = {"a": 0, "alpha": 0, "b": 1, "beta": 1, "c": 2, "rc": 2, "pre": 2, "preview": 2}
+MAX_RELEASE_DIGITS = 30  # a release part longer than this is no engine's
+
+
+def release(version: Any) -> Optional[Tuple[Any, ...]]:
+    """A release as Python's packaging orders it (PEP 440): "0.33" equals "0.33.0"; a
+    pre-release (0.33.0rc1, 0.33.0a1, 0.33.0-rc1) and a dev build (0.33.0.dev12) come before
+    their release, a post-release after it; a local label (0.5.23+cu129, a build of the
+    release) does not move it. None where the server says nothing the lab can read."""
     if not isinstance(version, str):
         return None
-    parts = re.findall(r"[0-9]+", version.split("+")[0])[:3]
-    return tuple(int(p) for p in parts) if parts else None
+    found = RELEASE_PATTERN.fullmatch(version.strip())
+    if found is None or any(len(p) > MAX_RELEASE_DIGITS for p in found["release"].split(".")):
+        return None
+    parts = [int(p) for p in found["release"].split(".")]
+    while len(parts) > 1 and parts[-1] == 0:
+        parts.pop()  # 0.33 is 0.33.0
+    infinity = (math.inf,)
+    if found["pre"]:
+        pre = (PRE_RELEASE_RANK[found["pre"].lower()], int(found["pre_n"] or 0))
+    elif found["dev"] and not found["post"]:
+        pre = (-math.inf,)  # 0.33.0.dev1 comes before 0.33.0a1
+    else:
+        pre = infinity
+    post = (int(found["post_n"] or 0),) if found["post"] else (-math.inf,)
+    dev = (int(found["dev_n"] or 0),) if found["dev"] else infinity
+    return (tuple(parts), pre, post, dev)
+
+
+def has_release(version: Any, first: str) -> bool:
+    """Is the server's release known to be first or later? Unknown is not later."""
+    running = release(version)
+    return running is not None and running >= release(first)
 
 
 def _is_fp8(value: Any) -> bool:
@@ -2197,9 +2235,8 @@ def hazards_in(engine: str, info: Any, version: Any) -> List[Dict[str, Any]]:
     reports (a hazard fixed in an earlier release is not raised; one whose fix the server's
     unknown release may or may not have, is)."""
     found = []
-    running = release(version)
     for h in HAZARDS:
-        fixed = h.fixed_in is not None and running is not None and running >= release(h.fixed_in)
+        fixed = h.fixed_in is not None and has_release(version, h.fixed_in)
         if h.engine == engine and not fixed:
             try:
                 if h.fires(dig(info, *h.path)):
@@ -2626,6 +2663,33 @@ class DeferredInterrupt:
             raise Stopped(self.signum)
 
 
+class StopsAtOnce:
+    """Before the measuring starts (waiting for servers, reading their facts, building a
+    prompt), a stop signal stops the run at once, with its line and its exit code: there is
+    nothing measured to save, and SIGTERM or SIGHUP would otherwise kill the process with
+    no word. DeferredInterrupt takes over while measuring."""
+
+    def __enter__(self) -> "StopsAtOnce":
+        self._previous: Dict[int, Any] = {}
+        for name in STOP_SIGNALS:
+            signum = getattr(signal, name, None)
+            if signum is None:
+                continue
+            try:
+                self._previous[signum] = signal.signal(signum, self._handler)
+            except ValueError:  # not the main thread: signals stay as they were
+                pass
+        return self
+
+    @staticmethod
+    def _handler(signum, frame):
+        raise Stopped(signum)
+
+    def __exit__(self, *exc) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+
+
 WAIT_POLL_S = 0.5  # how often --wait-ready asks again
 
 
@@ -2689,6 +2753,26 @@ def server_facts(cfg: Config, url: str, arm: str = "the server") -> ServerFacts:
                 (other.label, other.name) if other else "")
         raise ServerError("cannot read the facts of %s at %s: %s%s" %
                           (arm, url, err, hint)) from None
+
+
+def refuse_what_cannot_fit(facts: ServerFacts, max_tokens: int, prompt_tokens: Optional[int],
+                           what: str) -> None:
+    """Refuse, before any generation request, a completion the server's maximum model length
+    cannot hold: --max-tokens alone, or with a prompt of a known length (prompt_tokens;
+    what: where that length comes from). A server that does not say its limit is not
+    refused."""
+    limit = facts.max_model_len
+    if not is_count(limit):
+        return
+    source = facts.max_model_len_source or "the server"
+    if max_tokens >= limit:
+        raise UsageError("--max-tokens %d does not fit the server's maximum model length of %d "
+                         "tokens (%s), which the prompt shares: give fewer"
+                         % (max_tokens, limit, source))
+    if prompt_tokens is not None and prompt_tokens + max_tokens > limit:
+        raise UsageError("%s of %d tokens and --max-tokens %d do not fit the server's maximum "
+                         "model length of %d tokens (%s): give a shorter prompt or fewer tokens"
+                         % (what, prompt_tokens, max_tokens, limit, source))
 
 
 def internal_error(err: BaseException) -> str:
@@ -2788,7 +2872,9 @@ def server_lines(facts: Dict[str, Any], adapter: EngineAdapter,
 
 
 def fmt_setting(value: Any) -> str:
-    text = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    """A setting as a table or a header line shows it: as JSON writes it (true, not True)."""
+    text = json.dumps(value) if isinstance(value, (list, dict, bool)) or value is None \
+        else str(value)
     return text if len(text) <= 26 else text[:23] + "..."
 
 
@@ -2932,6 +3018,14 @@ def provenance(argv: Sequence[str], options: Sequence[str]) -> Dict[str, Any]:
 
 
 SHARED_OPTIONS: List[Callable[[argparse._ArgumentGroup], None]] = []  # each slice adds its own
+# The option groups of --help, by title, and the modes their options belong to: an option
+# given to another mode is refused (refuse_foreign_options), never ignored
+MODE_GROUPS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
+    ("every mode", MODES),
+    ("--mode sweep and --mode cost", ("sweep", "cost")),
+    ("--mode sweep", ("sweep",)),
+    ("--mode sweep: the checks", ("sweep",)),
+    ("--mode cost", ("cost",)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -2945,12 +3039,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode", choices=MODES, default="help",
         help="harness: upstream harnesses and commands (offline); sweep: unique completions "
         "and logprob ULPs across batch sizes; cost: the flag's overhead; help: the guide")
-    common = p.add_argument_group("all modes")
+    common = p.add_argument_group(MODE_GROUPS[0][0])
     common.add_argument(
         "--engine", choices=sorted(ADAPTERS) + ["auto"], help="sweep and cost: vllm, sglang "
         "or auto (the default: ask the server which it is); harness: print only this engine's "
         "part")
-    sweep_cost = p.add_argument_group("sweep and cost")
+    sweep_cost = p.add_argument_group(MODE_GROUPS[1][0])
     sweep_cost.add_argument(
         "--url", help="the server (cost: the flag-off arm), as the engine logs it or as "
         "OpenAI clients take it (a trailing /v1 is understood); default http://localhost:8000, "
@@ -2987,9 +3081,9 @@ def build_parser() -> argparse.ArgumentParser:
     sweep_cost.add_argument("--max-response-mb", type=whole_number(1),
                             default=DEFAULT_MAX_RESPONSE_MB,
                             help="refuse a larger answer (default %d)" % DEFAULT_MAX_RESPONSE_MB)
-    SweepOptions.add_arguments(p.add_argument_group("sweep"), p.add_argument_group(
-        "sweep checks", "what a sweep can check beside batch 1 against every other batch"))
-    CostOptions.add_arguments(p.add_argument_group("cost"))
+    SweepOptions.add_arguments(p.add_argument_group(MODE_GROUPS[2][0]), p.add_argument_group(
+        MODE_GROUPS[3][0], "what a sweep can check beside batch 1 against every other batch"))
+    CostOptions.add_arguments(p.add_argument_group(MODE_GROUPS[4][0]))
     return p
 
 
@@ -3144,10 +3238,46 @@ def cost_file_fault(doc: Dict[str, Any]) -> Optional[str]:
     return None
 
 
+def given_options(parser: argparse.ArgumentParser,
+                  argv: Optional[Sequence[str]]) -> List[argparse.Action]:
+    """The options argv gives, in any spelling (abbreviated, with "="), whatever their value:
+    argparse fills in a default only where the namespace it is handed lacks the attribute."""
+    # a mark of its own for each: an appending option copies its list before it appends
+    marks = {a.dest: [] if isinstance(a, argparse._AppendAction) else object()
+             for a in parser._actions}
+    marked = parser.parse_args(argv, argparse.Namespace(**marks))
+    return [a for a in parser._actions if a.option_strings
+            and getattr(marked, a.dest) is not marks[a.dest] and a.dest not in ("help", "version")]
+
+
+def refuse_foreign_options(parser: argparse.ArgumentParser,
+                           argv: Optional[Sequence[str]]) -> None:
+    """An option of another mode is refused, naming the mode it belongs to, and so is any
+    option given with no --mode (which would show the guide and ignore it)."""
+    given = given_options(parser, argv)
+    mode = next((a for a in given if a.dest == "mode"), None)
+    chosen = parser.parse_args(argv).mode
+    belongs = {a.dest: (title, modes) for group in parser._action_groups
+               for title, modes in MODE_GROUPS if group.title == title
+               for a in group._group_actions}
+    for action in given:
+        if action.dest not in belongs:
+            continue
+        title, modes = belongs[action.dest]
+        name = action.option_strings[-1] if action.option_strings[-1].startswith("--") \
+            else action.option_strings[0]
+        if mode is None:
+            raise UsageError("%s needs a --mode (%s): without one run.py shows the guide"
+                             % (name, ", ".join(m for m in modes if m != "help")))
+        if chosen not in modes:
+            raise UsageError("%s belongs to %s, not to --mode %s" % (name, title, chosen))
+
+
 def configure(argv: Optional[Sequence[str]]) -> Config:
     """Every check that needs no server, done before any request is sent."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    refuse_foreign_options(parser, argv)
     engine = None if args.engine == "auto" else args.engine
     made = provenance(sys.argv[1:] if argv is None else list(argv),
                       list(parser._option_string_actions))
@@ -3252,8 +3382,9 @@ class BatchTrials:
 
     @staticmethod
     def add_arguments(group: argparse._ArgumentGroup) -> None:
-        group.add_argument("--batch", type=whole_number(1, MAX_BATCH_SIZE), default=DEFAULT_BATCH,
-                           help="prompts per timed request (default %d)" % DEFAULT_BATCH)
+        group.add_argument("--batch", type=whole_number(1, MAX_BATCH_SIZE),
+                           help="prompts per timed request (default %d; not with --concurrency)"
+                           % DEFAULT_BATCH)
 
     def run(self, arm: "Arm", prompts: List[str], adapter: EngineAdapter,
             sampling: Sampling) -> Tuple[float, int, None]:
@@ -3450,6 +3581,9 @@ class LoadTrials:
         concurrency, requests = args.concurrency, args.requests
         if requests is not None and concurrency is None:
             raise UsageError("--requests goes with --concurrency")
+        if args.batch is not None and concurrency is not None:
+            raise UsageError("--batch times one request of that many prompts; --concurrency "
+                             "times streamed requests under load instead: give one of them")
         if concurrency:
             requests = 4 * concurrency if requests is None else requests
             if requests < concurrency:
@@ -5100,11 +5234,19 @@ def built_prompt(client: HttpClient, adapter: EngineAdapter, facts: ServerFacts,
 def sweep_ladder(options: SweepOptions, facts: ServerFacts) -> List[int]:
     """The batch sizes to run: --sizes, else a ladder straddling the server's graph sizes
     (the engine's own when the server runs none)."""
+    limit = facts.max_num_seqs if is_count(facts.max_num_seqs) else None
     if options.sizes is not None:
         sizes = list(options.sizes)
+        # one request of n prompts above the limit is never one batch; n concurrent requests
+        # above it are what a loaded server meets (they queue), and sweep_warnings says so
+        if limit is not None and max(sizes) > limit and options.traffic != "concurrent":
+            raise UsageError(
+                "--sizes: the server runs at most %d requests at once (%s), so one request of "
+                "%d prompts is never one batch: give sizes up to %d" % (
+                    limit, facts.max_num_seqs_source, max(sizes), limit))
     else:
-        sizes = straddling_ladder(options.max_batch, facts.graph_sizes
-                                  or facts.default_graph_sizes)
+        top = options.max_batch if limit is None else min(options.max_batch, limit)
+        sizes = straddling_ladder(top, facts.graph_sizes or facts.default_graph_sizes)
     if 1 not in sizes:
         sizes.insert(0, 1)  # batch 1 is the baseline, and the stored baseline's peer
     return sizes
@@ -5171,15 +5313,20 @@ def samples_unseeded(sampling: Sampling, facts: ServerFacts) -> bool:
     return sampling.temperature > 0 and facts.seed_honoured is False
 
 
-def sweep_warnings(facts: ServerFacts, sizes: List[int], sampling: Sampling, out: Out) -> None:
+def sweep_warnings(facts: ServerFacts, sizes: List[int], ladder_to: Optional[int],
+                   sampling: Sampling, out: Out) -> None:
+    """ladder_to: the default ladder's --max-batch (None with --sizes)."""
     if samples_unseeded(sampling, facts):
         out.warn("the server does not honour the seed (%s): at temperature %g every request "
                  "samples unseeded, so differences include plain sampling noise, and the verdict "
                  "will not put them down to batching" % (facts.seed_note, sampling.temperature))
     limit = facts.max_num_seqs
-    if isinstance(limit, int) and max(sizes) > limit:
+    if ladder_to is not None and is_count(limit) and ladder_to > limit:
+        out.warn("the ladder stops at batch %d, the most requests the server runs at once (%s), "
+                 "not at --max-batch %d" % (limit, facts.max_num_seqs_source, ladder_to))
+    elif is_count(limit) and max(sizes) > limit:
         out.warn("batch sizes above %d exceed the server's max-num-seqs: those requests are not "
-                 "all scheduled together" % limit)
+                 "all scheduled together (they queue, as on a loaded server)" % limit)
     if facts.load_format == "dummy":
         out.warn("the server runs dummy weights (--load-format dummy): flat logits have no "
                  "near-ties, so a clean flag-off result is expected and means nothing")
@@ -5456,12 +5603,16 @@ def run_sweep(cfg: Config, out: Out) -> int:
     cfg = resolve_engine(cfg, servers[:1])
     client, adapter = cfg.client(cfg.url), cfg.adapter
     facts = server_facts(cfg, cfg.url)
+    refuse_what_cannot_fit(facts, cfg.sampling.max_tokens, options.prompt_tokens,
+                           "--prompt-tokens")
     if options.prompt_tokens:
         built = built_prompt(client, adapter, facts, options.prompt_tokens)
+        refuse_what_cannot_fit(facts, cfg.sampling.max_tokens, built.tokens,
+                               "the built prompt (--prompt-tokens)")
         options = dataclasses.replace(options, prompts=[built.text], long_prompt=built)
         cfg = dataclasses.replace(cfg, sweep=options)
     sizes = sweep_ladder(options, facts)
-    sweep_warnings(facts, sizes, cfg.sampling, out)
+    sweep_warnings(facts, sizes, None if options.sizes else options.max_batch, cfg.sampling, out)
     isolate = any(check.isolates() for check in options.checks)
     sender = Sender(client, adapter, facts.model_id, cfg.sampling, isolate, options.arrivals)
     run = SweepRun(cfg, facts, sender, out)
@@ -5609,7 +5760,8 @@ class CostOptions:
         max_tokens = DEFAULT_COST_TOKENS if args.max_tokens is None else args.max_tokens
         return options_from(
             cls, args, sampling=Sampling.of(0.0, max_tokens, None, DEFAULT_SEED, ignore_eos=True),
-            invariant=invariant, trial=LoadTrials.from_args(args) or BatchTrials(args.batch))
+            invariant=invariant,
+            trial=LoadTrials.from_args(args) or BatchTrials(args.batch or DEFAULT_BATCH))
 
 
 @dataclass(frozen=True)
@@ -6007,6 +6159,9 @@ def run_cost(cfg: Config, out: Out) -> int:
     cfg = resolve_engine(cfg, arms)
     off = Arm.open(cfg, "off", "--url", cfg.url)
     on = Arm.open(cfg, "on", "--invariant", cfg.cost.invariant)
+    shared = cfg.cost.prefix_tokens if cfg.cost.workload == "shared-prefix" else None
+    for arm in (off, on):
+        refuse_what_cannot_fit(arm.facts, cfg.sampling.max_tokens, shared, "--prefix-tokens")
     differences = check_arms(cfg, off, on, out)
     run_id = "%08x" % random.SystemRandom().getrandbits(32)  # no cache hit across runs either
     doc = copy.deepcopy(cfg.prior_save) if cfg.prior_save else {"schema": COST_SCHEMA, "cells": []}
@@ -6433,6 +6588,11 @@ THE MODES
                          --invariant http://localhost:8001 --batch 32 --trials 20
   --mode help      This guide. `python3 run.py --help` lists every option.
 
+  Options belong to their mode: `--help` lists them under "every mode", "--mode sweep
+  and --mode cost", "--mode sweep" (its checks apart) and "--mode cost". One given to a
+  mode that does not use it is refused (exit 2), never ignored: --mode cost --expect
+  invariant would be a gate that checks nothing.
+
 READING A SWEEP
   invariant                       one completion, max ULP 0: nothing moved.
   logprobs moved but tokens held  the arithmetic changed with the batch, no argmax flipped.
@@ -6504,6 +6664,17 @@ RUNNERS: Dict[str, Callable[[Config, Out], int]] = {  # --mode NAME: the runner 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     out = Out()
     try:
+        with StopsAtOnce():
+            return finish(out, run_mode(argv, out))
+    except (Exception, KeyboardInterrupt) as err:  # a stop at the very end: still one line
+        code, _, why = ending(err)
+        out.say(why, raising=False)
+        return code
+
+
+def run_mode(argv: Optional[Sequence[str]], out: Out) -> int:
+    """The mode argv asks for, every exception turned into its exit code and one line."""
+    try:
         cfg = configure(argv)
         SECRETS.keep(cfg.api_key)
         if SECRETS.short:
@@ -6518,6 +6689,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             out.failure = err
         else:
             out.say(why, raising=False)
+    return code
+
+
+def finish(out: Out, code: int) -> int:
+    """The exit code, once an output that could not be written is said (where it can be)."""
     failure = out.failure
     if failure is not None:
         if failure.code != EXIT_BROKEN_PIPE:  # `| head` closing the pipe needs no word

@@ -155,6 +155,36 @@ def split_words(name: str, env: Dict[str, str]) -> List[str]:
         raise UsageError("%s: %s" % (name, err)) from None
 
 
+# The run.py options the experiment sets itself in its steps: given in SWEEP_ARGS or
+# COST_ARGS they would undo a step (a flag-off sweep's negative control replaced, the same
+# workload timed twice), so they are refused before any arm starts
+OWNED_OPTIONS = {
+    "SWEEP_ARGS": ("--mode", "--engine", "--url", "--save", "--json", "--traffic", "--expect",
+                   "--prefill-check", "--baseline", "--wait-ready", "--invariant"),
+    "COST_ARGS": ("--mode", "--engine", "--url", "--invariant", "--save", "--json",
+                  "--workload", "--tp", "--wait-ready"),
+}
+
+
+def refuse_owned_options(name: str, words: List[str]) -> None:
+    """An option of the experiment's own in a variable is refused, in any spelling run.py
+    takes (abbreviated, with "=")."""
+    known = list(lab.build_parser()._option_string_actions)
+    for word in words:
+        if word == "--":
+            return
+        if not word.startswith("--"):
+            continue
+        given = word.split("=", 1)[0]
+        matches = [o for o in known if o.startswith(given)]
+        option = given if given in known else matches[0] if len(matches) == 1 else None
+        if option in OWNED_OPTIONS[name]:
+            raise UsageError(
+                "%s: %s is the experiment's own (it sets %s in its steps); leave it out"
+                % (name, word if option == word else "%s (%s)" % (word, option),
+                   ", ".join(OWNED_OPTIONS[name])))
+
+
 def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
     if len(argv) != 2 or argv[0] not in ENGINE_PORTS:
         raise UsageError("usage: examples/experiment.sh vllm|sglang OUTPUT_FOLDER")
@@ -183,6 +213,17 @@ def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
             arm,
         )
         serve[arm] = command or shlex.split(default)
+    hosts = [urllib.parse.urlsplit(urls[arm]).hostname for arm in ("off", "on")]
+    if url_port(urls["off"]) == url_port(urls["on"]) and hosts[0] == hosts[1]:
+        raise UsageError("the flag-off and flag-on arms would both listen at %s: give them "
+                         "ports of their own (OFF_PORT, ON_PORT)" % urls["off"])
+    for name in OWNED_OPTIONS:
+        refuse_owned_options(name, split_words(name, env))
+    devices = [d.strip() for d in env.get("GPUS", "0").split(",")]
+    repeated = sorted({d for d in devices if d and devices.count(d) > 1})
+    if repeated:
+        raise UsageError("GPUS=%s names device %s twice: give each device once"
+                         % (env.get("GPUS"), ",".join(repeated)))
     return Settings(
         engine=engine,
         output=output,
@@ -482,14 +523,15 @@ class Experiment:
         for arm in self.arms:
             arm.check_running()
 
-    def stop_step(self) -> None:
-        """The lab's own stop: a first TERM stops it after the current request, a second at once;
-        either way it saves what it measured, marked terminated."""
+    def stop_step(self, signum: int = signal.SIGTERM) -> None:
+        """The lab's own stop, by the signal that stopped the experiment (Ctrl-C stays
+        Ctrl-C in what the step saves): a first one stops it after the current request, a
+        second at once; either way it saves what it measured, marked as the signal says."""
         process, self.step_process = self.step_process, None
         if process is None or process.poll() is not None:
             return
         for _ in range(2):
-            signal_group(process, signal.SIGTERM)
+            signal_group(process, signum)
             try:
                 process.wait(timeout=STEP_GRACE_S)
                 break
@@ -955,6 +997,8 @@ def findings(exp: Experiment) -> List[str]:
                 line += ", first moved: %s" % first_moved(doc)
             if sm.get("prefill_verdict"):
                 line += "; %s" % sm["prefill_verdict"]
+            if sm.get("state") != "complete":
+                line += " (the sweep did not complete: %s)" % fmt(sm.get("state"))
             lines.append(line + ".")
     return lines or ["- No sweep was saved."]
 
@@ -1107,6 +1151,7 @@ def main(argv=None, env=None) -> int:
         return lab.EXIT_USAGE
     exp = Experiment(settings, env, run_dir)
     previous = {s: signal.signal(s, raise_stopped) for s in SIGNAL_EXITS}
+    stopping = signal.SIGTERM  # how a step still running is stopped: as the experiment was
     try:
         exp.run()
     except ArmFailed as err:
@@ -1116,10 +1161,11 @@ def main(argv=None, env=None) -> int:
     except Stopped as stop:
         exp.stopped_by = str(stop)
         exp.exit_code = SIGNAL_EXITS[stop.signum]
+        stopping = stop.signum
     finally:
         for s in SIGNAL_EXITS:  # the clean-up below is bounded; let nothing cut it short
             signal.signal(s, signal.SIG_IGN)
-        exp.stop_step()
+        exp.stop_step(stopping)
         exp.stop_arms()
         exp.ended = time.time()
         text = report(exp)

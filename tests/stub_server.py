@@ -269,6 +269,7 @@ class StubConfig:
     redirect_get_to: Optional[str] = None    # answer every GET with a redirect to this base URL
     clock: Optional["VirtualClock"] = None   # in-process tests: emulated time advances this, no sleep
     scheduler_window: float = 0.0            # seconds a step waits for more requests (0: each alone)
+    max_model_len: int = MAX_MODEL_LEN          # the context length it reports
     prompt_tokens_details: bool = False      # vLLM's --enable-prompt-tokens-details: cached-token counts
     prefix_caching: bool = True              # False: vLLM --no-enable-prefix-caching, SGLang --disable-radix-cache
     flush_refused: bool = False              # SGLang: answer /flush_cache as with requests in flight
@@ -599,7 +600,7 @@ def vllm_server_info(config: StubConfig) -> Dict:
     vc["model_config"]["model"] = config.model
     vc["model_config"]["served_model_name"] = config.model
     vc["model_config"]["tokenizer"] = config.model
-    vc["model_config"]["max_model_len"] = MAX_MODEL_LEN  # as /v1/models says
+    vc["model_config"]["max_model_len"] = config.max_model_len  # as /v1/models says
     vc["scheduler_config"]["max_num_seqs"] = config.max_num_seqs
     vc["attention_config"]["backend"] = config.backend()
     vc["compilation_config"]["cudagraph_capture_sizes"] = config.sizes()
@@ -648,7 +649,7 @@ def models_list(config: StubConfig) -> Dict:
     """/v1/models, as both engines answer it; max_model_len is the context length in force."""
     return {"object": "list", "data": [{
         "id": config.model, "object": "model", "created": int(time.time()), "owned_by": config.engine,
-        "root": config.model, "parent": None, "max_model_len": MAX_MODEL_LEN, "permission": []}]}
+        "root": config.model, "parent": None, "max_model_len": config.max_model_len, "permission": []}]}
 
 
 # ----------------------------------------------------------------------------
@@ -830,7 +831,8 @@ class StubHandler(BaseHTTPRequestHandler):
         if self.config.engine == "vllm" and path == "/tokenize":
             body = json.loads(raw or b"{}")
             ids = tokenize(body.get("prompt") or "")
-            return self.send_json(200, {"count": len(ids), "max_model_len": 2048, "tokens": ids, "token_strs": None})
+            return self.send_json(200, {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids,
+                                        "token_strs": None})
         handlers = {"vllm": {"/v1/completions": vllm_completions},
                     "sglang": {"/generate": sglang_generate}}[self.config.engine]
         if path not in handlers:

@@ -158,8 +158,8 @@ class HelpAndDefaults(unittest.TestCase):
         for word in ("harness", "sweep", "cost", "help") + self.OPTIONS:
             with self.subTest(word=word):
                 self.assertIn(word, text)
-        for group in ("all modes", "sweep and cost", "sweep:", "cost:"):
-            self.assertIn(group, text)
+        for title, _ in run.MODE_GROUPS:  # which options belong to which mode
+            self.assertIn("\n%s:\n" % title, text)
         for code in ("0", "1", "2", "3", "130", "141"):
             self.assertRegex(text, r"\n  %s +\S" % code)
 
@@ -198,6 +198,48 @@ class HelpAndDefaults(unittest.TestCase):
         self.assertEqual(r.code, 2)
         self.assertEqual(len(r.stderr.strip().splitlines()), 1)
         self.assertIn("--mode", r.stderr)
+
+
+
+class OptionsBelongToTheirMode(unittest.TestCase):
+    """An option given to a mode that does not use it is refused, naming the mode it belongs
+    to: a CI gate of --mode cost --expect invariant would otherwise check nothing."""
+
+    CASES = [
+        (("--mode", "cost", "--expect", "invariant"), "--expect belongs to --mode sweep"),
+        (("--mode", "sweep", "--trials", "3"), "--trials belongs to --mode cost"),
+        (("--mode", "sweep", "--batch", "4"), "--batch belongs to --mode cost"),
+        (("--mode", "sweep", "--workload", "cold"), "--workload belongs to --mode cost"),
+        (("--mode", "sweep", "--invariant", "http://x:1"), "--invariant belongs to --mode cost"),
+        (("--mode", "sweep", "--concurrency", "4"), "--concurrency belongs to --mode cost"),
+        (("--mode", "sweep", "--tp", "2"), "--tp belongs to --mode cost"),
+        (("--mode", "cost", "--sizes", "1,2"), "--sizes belongs to --mode sweep"),
+        (("--mode", "cost", "--repeat", "3"), "--repeat belongs to --mode sweep"),
+        (("--mode", "cost", "--traffic", "copies"), "--traffic belongs to --mode sweep"),
+        (("--mode", "cost", "--prefill-check"), "--prefill-check belongs to --mode sweep"),
+        (("--mode", "cost", "--rep", "3"), "--repeat belongs to --mode sweep"),  # abbreviated
+        (("--mode", "harness", "--save", "h.json"), "--save belongs to --mode sweep and"),
+        (("--mode", "help", "--url", "http://x:1"), "--url belongs to --mode sweep and"),
+        (("--sizes", "1,2"), "--sizes needs a --mode"),
+        (("--mode", "cost", "--invariant", "http://x:1", "--batch", "4", "--concurrency", "2"),
+         "give one of them"),
+    ]
+
+    def test_each_is_refused_with_one_line(self):
+        for argv, words in self.CASES:
+            with self.subTest(argv=argv):
+                r = run_lab(*argv)
+                self.assertEqual(r.code, 2, r)
+                self.assertIn(words, r.stderr)
+                self.assertEqual(len(r.stderr.strip().splitlines()), 1, r.stderr)
+
+    def test_an_option_given_its_default_is_still_given(self):
+        r = run_lab("--mode", "sweep", "--trials", str(run.DEFAULT_TRIALS))
+        self.assertEqual(r.code, 2, r)
+
+    def test_what_every_mode_takes_is_taken(self):
+        self.assertEqual(run_lab("--mode", "harness", "--engine", "sglang").code, 0)
+        self.assertEqual(run_lab().code, 0)  # nothing at all: the guide
 
 
 if __name__ == "__main__":

@@ -44,6 +44,52 @@ class HazardsKnowTheirReleases(TempDirTest):
         self.assertEqual(run.hazards_in("vllm", info, "0.33.0+cu130"), [])
 
 
+class ReleasesComparedAsReleases(unittest.TestCase):
+    """A release is read as Python's packaging orders it: what comes before a fix has none."""
+
+    FP8 = {"vllm_config": {"model_config": {"quantization": "fp8"}}}
+
+    def test_pre_releases_and_dev_builds_come_before_their_release(self):
+        for version in ("0.33.0rc1", "0.33.0.dev12+g1234abc", "0.33.0a1", "0.33.0b2",
+                        "0.33.0-rc1", "0.33.0.dev0", "0.32.1", "0.32.99.post3"):
+            with self.subTest(version=version):
+                self.assertEqual(len(run.hazards_in("vllm", self.FP8, version)), 1)
+
+    def test_the_release_and_what_follows_it_have_the_fix(self):
+        for version in ("0.33", "0.33.0", "0.33.0+cu130", "0.33.0.post1", "0.33.1", "1.0"):
+            with self.subTest(version=version):
+                self.assertEqual(run.hazards_in("vllm", self.FP8, version), [])
+
+    def test_what_cannot_be_read_is_unknown_and_raises_the_hazard(self):
+        for version in (None, "", "abc", "9" * 5000, 33, "0.33.0 and more"):
+            with self.subTest(version=str(version)[:12]):
+                self.assertIsNone(run.release(version))
+                self.assertEqual(len(run.hazards_in("vllm", self.FP8, version)), 1)
+
+    def test_the_order(self):
+        order = ["0.32.1", "0.33.0.dev1", "0.33.0a1", "0.33.0b2", "0.33.0rc1", "0.33.0",
+                 "0.33.0.post1", "0.33.1", "1.0"]
+        keys = [run.release(v) for v in order]
+        self.assertEqual(keys, sorted(keys))
+        self.assertEqual(run.release("0.33"), run.release("0.33.0"))
+
+    def test_the_flags_own_settings_only_on_the_releases_whose_flag_sets_them(self):
+        # vLLM 0.26.0 with compilation mode 0 and breakable CUDA graphs on its flag-on arm: the
+        # user's own settings, a difference between the arms, not the flag's
+        folder = "vllm-0.33.0"
+        models = fixture("v1_models.json", folder)
+        facts = {}
+        for version in ("0.26.0", "0.33.0rc1", "0.33.0"):
+            off, on = (run.ADAPTERS["vllm"].facts(version, models, fixture(name, folder), None)
+                       for name in ("server_info_flag_off.json", "server_info_flag_on.json"))
+            facts[version] = run.SettingDifference.between(off.checked(), on.checked(),
+                                                           ("off", "on"), flag_own=True)
+        self.assertEqual(facts["0.33.0"], [])
+        for version in ("0.26.0", "0.33.0rc1"):
+            self.assertEqual({d.setting for d in facts[version]},
+                             {"compilation mode", "breakable CUDA graph"}, version)
+
+
 class EachHazardOnItsOwn(TempDirTest):
     def test_one_at_a_time_in_the_header_and_the_saved_file(self):
         for i, (engine, path, value, words, ref) in enumerate(SWITCHES):

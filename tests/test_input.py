@@ -235,5 +235,43 @@ class Urls(unittest.TestCase):
                     self.assertEqual(r.code, 0, r)
 
 
+
+class TheServersLimits(TempDirTest):
+    """What the server's own limits cannot hold is refused before the first generation
+    request (exit 2), naming the limit: a completion longer than the model's context would
+    otherwise be sent and waited for."""
+
+    def test_max_tokens_beyond_the_model_length(self):
+        with StubServer() as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--max-tokens", 1048576)
+            sent = stub.generation_bodies()
+        self.assertEqual(r.code, 2, r)
+        self.assertIn("maximum model length of 2048 tokens", r.stderr)
+        self.assertEqual(sent, [])
+
+    def test_a_prompt_to_build_beyond_the_model_length(self):
+        with StubServer() as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--prompt-tokens", 1000000)
+            sent = stub.generation_bodies()
+        self.assertEqual(r.code, 2, r)
+        self.assertIn("--prompt-tokens of 1000000 tokens and --max-tokens 64 do not fit", r.stderr)
+        self.assertEqual(sent, [])
+
+    def test_a_shared_prefix_beyond_the_model_length(self):
+        with StubServer() as off, StubServer(StubConfig(invariant=True)) as on:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--workload",
+                        "shared-prefix", "--prefix-tokens", 5000, "--max-tokens", 4)
+            sent = off.generation_bodies() + on.generation_bodies()
+        self.assertEqual(r.code, 2, r)
+        self.assertIn("--prefix-tokens of 5000 tokens", r.stderr)
+        self.assertEqual(sent, [])
+
+    def test_what_fits_is_sent(self):
+        with StubServer() as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--repeat", 1,
+                        "--max-tokens", 2000)
+        self.assertNotEqual(r.code, 2, r)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -315,6 +315,15 @@ class ExperimentFailures(Experiment):
             ({"GPUS": "0,,1"}, "empty entry"),
             ({"WAIT": "soon"}, "WAIT=soon"),
             ({"MEM": "half"}, "MEM=half"),
+            # the experiment owns its steps: what it sets itself is refused, in any spelling
+            ({"SWEEP_ARGS": "--traffic copies"}, "SWEEP_ARGS: --traffic is the experiment's own"),
+            ({"SWEEP_ARGS": "--expect invariant"}, "SWEEP_ARGS: --expect is"),
+            ({"SWEEP_ARGS": "--exp=variant"}, "--exp=variant (--expect)"),
+            ({"COST_ARGS": "--workload cold"}, "COST_ARGS: --workload is"),
+            ({"COST_ARGS": "--save x.json"}, "COST_ARGS: --save is"),
+            ({"SWEEP_ARGS": "--url http://x:1"}, "SWEEP_ARGS: --url is"),
+            ({"OFF_URL": "http://127.0.0.1:{on}"}, "would both listen at"),
+            ({"GPUS": "0,0"}, "names device 0 twice"),
         ):
             with self.subTest(variables=variables):
                 code, out, err = self.finish(self.start(**variables))

@@ -91,9 +91,14 @@ class DecodeGraphsOff(unittest.TestCase):
 class EffectiveLimits(TempDirTest):
     def test_the_limit_in_force_comes_from_internal_states(self):
         with StubServer(StubConfig(engine="sglang", max_num_seqs=16)) as stub:
-            r = sweep(stub, "--sizes", "1,17", "--repeat", 1, "--max-tokens", 4, "--save", self.path("s.json"))
+            refused = sweep(stub, "--sizes", "1,17", "--repeat", 1, "--max-tokens", 4)
+            r = sweep(stub, "--max-batch", 32, "--repeat", 1, "--max-tokens", 4, "--save", self.path("s.json"))
+        # a size the server never runs as one batch is refused before any generation request
+        self.assertEqual(refused.code, 2, refused)
+        self.assertIn("the server runs at most 16 requests at once", refused.stderr)
         self.assertEqual(r.code, 0, r)
-        self.assertIn("sizes above 16 exceed the server's max-num-seqs", r.stderr)
+        self.assertIn("the ladder stops at batch 16", r.stderr)
+        self.assertLessEqual(max(self.load("s.json")["params"]["sizes"]), 16)
         server = self.load("s.json")["server"]
         self.assertEqual((server["max_num_seqs"], server["max_num_seqs_source"]),
                          (16, "internal_states[].effective_max_running_requests_per_dp"))

@@ -12,7 +12,7 @@ import sys
 import unittest
 from unittest import mock
 
-from support import ROOT, StubConfig, StubServer, TempDirTest, run, run_lab
+from support import ROOT, StubConfig, StubServer, TempDirTest, free_port, run, run_lab
 
 
 class Signals(TempDirTest):
@@ -33,6 +33,34 @@ class Signals(TempDirTest):
                 self.assertIn("summary:", out)
                 self.assertEqual(self.load(name)["summary"]["state"], state)
                 self.assertEqual([f for f in os.listdir(self.tmp) if f.startswith(".run-")], [])
+
+    def test_every_signal_before_the_first_request_ends_with_its_line_and_code(self):
+        # waiting for a server that is not there (--wait-ready), and reading the facts of one
+        # that never answers: nothing measured, the signal's own code and one line
+        import socket
+        import time
+        silent = socket.socket()
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # connections complete in the kernel; no answer ever comes
+        port = silent.getsockname()[1]
+        cases = [
+            (signal.SIGTERM, 143, "terminated", ["--wait-ready", "60", "--url",
+                                                 "http://127.0.0.1:%d" % free_port()]),
+            (signal.SIGHUP, 129, "hung up", ["--url", "http://127.0.0.1:%d" % port]),
+            (signal.SIGINT, 130, "interrupted", ["--url", "http://127.0.0.1:%d" % port]),
+        ]
+        try:
+            for signum, code, line, where in cases:
+                with self.subTest(signal=signum.name):
+                    started = time.monotonic()
+                    got, out, err = self.run_and_signal(
+                        ["--mode", "sweep", "--sizes", "1,2"] + where,
+                        lambda: time.monotonic() > started + 1.5, signum)
+                    self.assertEqual(got, code, err)
+                    self.assertIn("run.py: %s" % line, err)
+                    self.assertNotIn("Traceback", err)
+        finally:
+            silent.close()
 
     def test_ctrl_c_during_warm_up_stops_after_the_current_warm_up_request(self):
         with StubServer(StubConfig(step_delay=0.05)) as off, StubServer(StubConfig(invariant=True, step_delay=0.05)) as on:

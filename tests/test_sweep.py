@@ -198,10 +198,13 @@ class SweepBehaviour(TempDirTest):
             r = run_lab("--mode", "sweep", "--url", stub.url, "--max-batch", 12, "--max-tokens", 4, "--json")
         self.assertEqual(r.json()["params"]["sizes"], [1, 2, 3, 4, 5, 7, 8, 9])
 
-    def test_warns_when_the_batch_exceeds_what_the_server_batches_together(self):
+    def test_one_request_larger_than_the_server_batches_together_is_refused(self):
         with StubServer(StubConfig(max_num_seqs=4)) as stub:
             r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,8", "--max-tokens", 4)
-        self.assertIn("exceed the server's max-num-seqs", r.stderr)
+            sent = stub.generation_bodies()
+        self.assertEqual(r.code, 2, r)
+        self.assertIn("the server runs at most 4 requests at once", r.stderr)
+        self.assertEqual(sent, [])
 
     def test_flag_state_unknown_without_dev_mode(self):
         with StubServer(StubConfig(dev_mode=False)) as stub:

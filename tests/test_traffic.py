@@ -293,7 +293,7 @@ class LongPrompts(unittest.TestCase):
 
     def test_a_prompt_across_a_2048_token_budget(self):
         budget = {("vllm_config", "scheduler_config", "max_num_batched_tokens"): 2048}
-        with StubServer(StubConfig(info_overrides=budget)) as stub:
+        with StubServer(StubConfig(info_overrides=budget, max_model_len=8192)) as stub:
             r = run_lab("--mode", "sweep", "--url", stub.url, "--prompt-tokens", 3000, "--sizes", "1,2",
                         "--max-tokens", 4, "--repeat", 1, "--json")
             bodies = [json.loads(b) for b in stub.generation_bodies()]
@@ -304,7 +304,7 @@ class LongPrompts(unittest.TestCase):
         self.assertEqual(found["tokens"], counted)
         self.assertLessEqual(abs(counted - 3000), 30)
         self.assertEqual((found["asked"], found["prefill_budget"], found["prefill_chunks"]), (3000, 2048, 2))
-        with StubServer(StubConfig(info_overrides=budget)) as stub:
+        with StubServer(StubConfig(info_overrides=budget, max_model_len=8192)) as stub:
             r = run_lab("--mode", "sweep", "--url", stub.url, "--prompt-tokens", 3000, "--sizes", "1,2",
                         "--max-tokens", 4, "--repeat", 1)
         self.assertIn("crosses the chunked-prefill budget of 2048 tokens: prefilled in 2 chunks", r.stdout)
