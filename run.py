@@ -83,6 +83,7 @@ import copy
 import dataclasses
 import errno
 import functools
+import heapq
 import http.client
 import ipaddress
 import itertools
@@ -168,6 +169,13 @@ DEFAULT_LOGPROBS = 5  # top-k logprobs per step, as in vLLM's online test
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs; it answers 400 above
 DEFAULT_TEMPERATURE = 0.0  # greedy: a divergence is unarguable
 DEFAULT_TOP_P = 1.0  # always sent, or the model's generation_config decides
+# Sent always too, each at its value that filters nothing, for the same reason: both engines
+# fill a parameter left out from the model's generation_config.json. -1 is "all tokens" to
+# both (vLLM 0.33.0 vllm/sampling_params.py lines 318-320 and 681-682 take 0 or -1; SGLang
+# 0.5.23 python/sglang/srt/sampling/sampling_params.py lines 249-250)
+DEFAULT_TOP_K = -1
+DEFAULT_MIN_P = 0.0  # no probability floor (vLLM's and SGLang's own default)
+DEFAULT_REPETITION_PENALTY = 1.0  # no penalty (both engines' own default)
 DEFAULT_SEED = 42  # sent whenever temperature > 0; unseeded sampling depends on the batch
 TRAFFIC_SHAPES = ("copies", "concurrent", "mixed")  # how each batch size is sent (see --mode help)
 DEFAULT_TRAFFIC = "copies"  # the shape upstream's harnesses send
@@ -412,6 +420,9 @@ class Delta:
     first_ulp_step: Optional[int] = None  # first step with a non-zero distance
     ulp_notes: Tuple[str, ...] = ()  # "float64", "clamped", "non-finite", "top-k changed"
     margin: Optional[Margin] = None  # at the first token divergence
+    # the same drift in nats: the largest absolute difference of two comparable logprobs (a
+    # float32 ULP is relative to the value's size; a nat is what a KL or a margin is in)
+    max_nats: float = 0.0
 
 
 IDENTICAL = Delta()
@@ -529,10 +540,14 @@ def compare_completions(base: Completion, other: Completion,
     if same_completion(base, other):
         return IDENTICAL
     pairs = comparable_pairs(base, other, clamps)
-    if pairs.bits is not None:  # the common case, in C
+    if pairs.bits is not None:  # the common case, in C: every value finite and no clamp
         ulps, notes = list(map(abs, map(operator.sub, *pairs.bits))), set()
+        nats = max(map(abs, map(operator.sub, pairs.xs, pairs.ys)), default=0.0)
     else:
         ulps, notes = pair_ulps(pairs.xs, pairs.ys, clamps)
+        nats = max((abs(a - b) for a, b in zip(pairs.xs, pairs.ys)
+                    if math.isfinite(a) and math.isfinite(b)
+                    and a not in clamps and b not in clamps), default=0.0)
     worst = max(filter(None, ulps), default=0)
     # None (moved, but no distance) counts as moved; the common all-int case is mapped in C
     moved_at = [u != 0 for u in ulps] if None in ulps else list(map(operator.truth, ulps))
@@ -546,7 +561,31 @@ def compare_completions(base: Completion, other: Completion,
     if pairs.diverged is not None:
         margin = divergence_margin(base, other, pairs.diverged, clamps)
     return Delta(pairs.diverged, worst,
-                 min(moved) if moved else None, tuple(sorted(notes)), margin)
+                 min(moved) if moved else None, tuple(sorted(notes)), margin, nats)
+
+
+def top_two_margins(c: Completion) -> List[float]:
+    """Each step's gap between the best two candidates of c's own top-k list, in nats
+    (infinite where the list holds fewer than two); worked out once per completion."""
+    if "margins" not in c.memo:
+        margins = []
+        for top in c.top_logprobs:
+            best = heapq.nlargest(2, (v for v in top.values() if math.isfinite(v)))
+            margins.append(best[0] - best[1] if len(best) == 2 else math.inf)
+        c.memo["margins"] = margins
+    return c.memo["margins"]
+
+
+def flip_risk(baseline: Completion, drift: float) -> Optional[float]:
+    """The share of the baseline's steps whose top two candidates lie within drift nats of
+    each other: where a drift that large could flip the choice. None without top-k lists to
+    read margins from; 0 where nothing drifted."""
+    margins = top_two_margins(baseline)
+    if not margins or all(math.isinf(m) for m in margins):
+        return None
+    if drift <= 0:
+        return 0.0
+    return sum(1 for m in margins if m <= drift) / len(margins)
 
 
 Bucket = Union[int, str, None]  # a graph size; None above the largest (no graph); "?" unknown
@@ -1331,6 +1370,32 @@ STOP_SIGNALS = {
     "SIGHUP": (EXIT_HANGUP, "hung up")}  # signal -> (exit code, state); SIGHUP is not on Windows
 
 
+def in_threads(jobs: Sequence[Callable[[], Any]],
+               meanwhile: Optional[Callable[[], None]] = None) -> List[Any]:
+    """The one place the lab starts threads for its requests (the Watchdog keeps its own):
+    each job in a daemon thread of its own, meanwhile (when given) in the calling thread
+    while they run, then every thread joined. Returns each job's result, or the exception
+    it raised (failed_outcome raises the first of them in the caller)."""
+    results: List[Any] = [None] * len(jobs)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = jobs[i]()
+        except BaseException as err:  # raised in the calling thread, by failed_outcome
+            results[i] = err
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    try:
+        if meanwhile is not None:
+            meanwhile()
+    finally:
+        for t in threads:
+            t.join()
+    return results
+
+
 def failed_outcome(outcomes: Sequence[Any], what: str) -> None:
     """Raise, in the thread that sent them, what the worst of many requests' threads raised:
     a stop first, then anything unforeseen (so that it ends the run as in this thread), then
@@ -1361,6 +1426,9 @@ class Sampling:
     logprobs: Optional[int]  # top-k per step; None asks for none
     seed: Optional[int] = None  # sent only when temperature > 0 (see of())
     ignore_eos: bool = field(default=False, metadata=NOT_SAVED)  # cost's fixed output length
+    top_k: int = DEFAULT_TOP_K  # every sampling parameter is sent, never left to the model's
+    min_p: float = DEFAULT_MIN_P
+    repetition_penalty: float = DEFAULT_REPETITION_PENALTY
 
     @classmethod
     def of(cls, temperature: float, max_tokens: int, logprobs: Optional[int], seed: int,
@@ -1516,6 +1584,10 @@ class EngineAdapter(Protocol):
                          isolate: bool) -> List[float]:
         """The logprob of each token of ids from position start on, as the server computes it
         when it reads ids as one prompt (a prefill)."""
+
+    def prefill_only_body(self, model: str, ids: List[int]) -> Dict[str, Any]:
+        """A request that prefills ids (a token-id prompt, a cache key of its own) and writes
+        one token: a neighbour that shares a decode's step with its prefill alone."""
 
 
 MAX_SERVER_COUNT = 10**12  # a token count above this is no server's: arithmetic never sees it
@@ -1764,7 +1836,8 @@ class VllmAdapter:
     def body(self, model: str, prompts: List[str], s: Sampling, isolate: bool = False,
              cache_key: Optional[str] = None) -> Dict[str, Any]:
         body: Dict[str, Any] = {"model": model, "prompt": prompts, "max_tokens": s.max_tokens,
-                                "temperature": s.temperature, "top_p": s.top_p}
+                                "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                                "min_p": s.min_p, "repetition_penalty": s.repetition_penalty}
         if isolate:
             # A fresh salt puts the request's prefix-cache entries apart from every other's
             # (CompletionRequest.cache_salt, vllm/entrypoints/openai/completion/protocol.py,
@@ -1841,6 +1914,12 @@ class VllmAdapter:
         return prefill_values(
             [dig(entries[p], str(ids[p]), "logprob") for p in range(start, len(ids))],
             len(ids) - start, "prompt_logprobs")
+
+    def prefill_only_body(self, model: str, ids: List[int]) -> Dict[str, Any]:
+        # a token-id prompt (CompletionRequest.prompt takes a list of ids, as the prefill check
+        # sends them), greedy, one token, a salt of its own
+        return {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+                "cache_salt": fresh_cache_key()}
 
     def output_tokens(self, answer: Any) -> int:
         """Completion tokens of the whole batch (usage; a logprob-free answer has no per-choice
@@ -1984,6 +2063,8 @@ class SglangAdapter:
     def body(self, model: str, prompts: List[str], s: Sampling, isolate: bool = False,
              cache_key: Optional[str] = None) -> Dict[str, Any]:
         params: Dict[str, Any] = {"temperature": s.temperature, "top_p": s.top_p,
+                                  "top_k": s.top_k, "min_p": s.min_p,
+                                  "repetition_penalty": s.repetition_penalty,
                                   "max_new_tokens": s.max_tokens}
         if s.seed is not None:
             params["sampling_seed"] = s.seed
@@ -2087,6 +2168,11 @@ class SglangAdapter:
     def prompt_token_ids(self, client: HttpClient, model: str, prompt: str) -> List[int]:
         return token_ids([e[1] for e in self.input_logprobs(client, {"text": prompt}, 0)],
                          "input token ids")
+
+    def prefill_only_body(self, model: str, ids: List[int]) -> Dict[str, Any]:
+        # input_ids in place of text (managers/io_struct.py, 0.5.23 line 233), one new token
+        return {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                "extra_key": fresh_cache_key(), "stream": False}
 
     def prefill_logprobs(self, client: HttpClient, model: str, ids: List[int], start: int,
                          isolate: bool) -> List[float]:
@@ -3651,13 +3737,8 @@ class LoadTrials:
                     failed.append(err)
 
         allow_open_files(self.concurrency)
-        workers = min(self.concurrency, len(prompts))
-        threads = [threading.Thread(target=worker, daemon=True) for _ in range(workers)]
         start = CLOCK()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        in_threads([worker] * min(self.concurrency, len(prompts)))
         seconds = CLOCK() - start
         failed_outcome(timings, "streamed requests")
         return seconds, sum(t.tokens for t in timings), timings
@@ -3871,30 +3952,30 @@ class Sender:
                 except BaseException as err:
                     outcomes[i] = err
 
-        threads = [
-            threading.Thread(target=client_thread, args=(i,), daemon=True) for i in range(n)]
-        for t in threads:
-            t.start()
-        for _ in range(n):
-            ready.acquire()
         schedule = self.arrivals.schedule(n, seed + n)
-        start = CLOCK()
-        try:
-            for i, post in enumerate(posts):
-                if outcomes[i] is None:
-                    try:
-                        self.arrivals.wait_until(start + schedule[i])
-                        sent_at[i] = CLOCK()
-                        post.send()
-                    except BaseException as err:
-                        outcomes[i] = err
-                went[i].set()
-        finally:
-            all_sent.set()  # even on a second stop signal: no thread waits for ever
-            for event in went:
-                event.set()
-        for t in threads:
-            t.join()
+        start = 0.0
+
+        def send_all() -> None:
+            nonlocal start
+            try:
+                for _ in range(n):
+                    ready.acquire()
+                start = CLOCK()
+                for i, post in enumerate(posts):
+                    if outcomes[i] is None:
+                        try:
+                            self.arrivals.wait_until(start + schedule[i])
+                            sent_at[i] = CLOCK()
+                            post.send()
+                        except BaseException as err:
+                            outcomes[i] = err
+                    went[i].set()
+            finally:
+                all_sent.set()  # even on a second stop signal: no thread waits for ever
+                for event in went:
+                    event.set()
+
+        in_threads([functools.partial(client_thread, i) for i in range(n)], send_all)
         seconds = CLOCK() - start
         failed_outcome(outcomes, "concurrent requests")
         cached = [o[1] for o in outcomes]
@@ -3923,6 +4004,10 @@ class BatchRow:
     ulp_notes: List[str]
     matched: bool  # every completion equals the baseline bitwise
     distinct_texts: List[str]
+    # the largest logprob drift in nats, and the share of batch 1's steps whose top two lay
+    # within it (flip_risk); saved after the ULP fields' row kin
+    max_nats: float = 0.0
+    flip_risk: Optional[float] = None
     pass_no: int = field(default=0, metadata=saved("pass"))  # which pass through the ladder
     seconds: float = 0.0  # from the first send to the last answer
     cached_tokens: Optional[int] = None  # prompt tokens served from the prefix cache
@@ -3974,6 +4059,8 @@ def compare_batch(batch: SentBatch, baseline: Completion, clamps: Sequence[float
         max_ulp=max(d.max_ulp for d in deltas),
         ulp_notes=sorted({u for d in deltas for u in d.ulp_notes}),
         matched=sum(held) == len(completions) and identical, distinct_texts=sorted(set(texts)),
+        max_nats=max(d.max_nats for d in deltas),
+        flip_risk=flip_risk(baseline, max(d.max_nats for d in deltas)),
         seconds=round(batch.seconds, 4), cached_tokens=batch.cached_tokens,
         served=served or None, send_spread_s=batch.send_spread, overlapped=batch.overlapped,
         in_flight=batch.in_flight, evidence=evidence)
@@ -3995,6 +4082,8 @@ class SizeResult:
     first_ulp_step: Optional[int]
     max_ulp: int
     ulp_notes: List[str]
+    max_nats: float  # the largest drift of any pass, in nats
+    flip_risk: Optional[float]  # the largest share of batch 1's steps within a pass's drift
     seconds: float
     runs_matched: int
     cached_tokens: Optional[int]  # over every pass, where the server says
@@ -4030,6 +4119,9 @@ class SizeResult:
                    first_ulp_step=min(ulp_steps) if ulp_steps else None,
                    max_ulp=max((r.max_ulp for r in runs), default=0),
                    ulp_notes=sorted({u for r in runs for u in r.ulp_notes}),
+                   max_nats=max((r.max_nats for r in runs), default=0.0),
+                   flip_risk=max((r.flip_risk for r in runs if r.flip_risk is not None),
+                                 default=None),
                    seconds=round(sum(r.seconds for r in runs), 4),
                    runs_matched=sum(1 for r in runs if r.matched),
                    cached_tokens=sum(cached) if cached else None, checks=parts,
@@ -4080,6 +4172,8 @@ class SweepSummary:
     unique_completions: int
     total_completions: int
     max_ulp: int
+    max_nats: float  # the largest drift in nats, beside the ULPs
+    flip_risk: Optional[float]  # the largest share of batch 1's steps within a drift measured
     batch1_repeatable: Optional[bool]
     traffic: str
     repeat: int
@@ -4826,6 +4920,354 @@ class PrefillCheck(SwitchedCheck):
 
 
 # ----------------------------------------------------------------------------
+# Neighbour check (--neighbours L,...): batch 1 decoding beside other requests' prefills
+
+NEIGHBOUR_RUNS = 2  # runs of the measured request beside each neighbour length, per pass
+NEIGHBOUR_STREAMS = 3  # clients that keep neighbours coming while it decodes
+NEIGHBOUR_IDS = (100, 1000)  # a neighbour's fresh random token ids: inside any vocabulary
+MAX_NEIGHBOUR_TOKENS = 100000  # a neighbour prompt longer than this fits no context
+NEIGHBOURS_HELD = "held beside every neighbour length"
+
+
+@dataclass(frozen=True)
+class NeighbourLength:
+    """The measured prompt's runs while neighbours of one prompt length prefilled beside it,
+    each compared bitwise with the lone run of the same pass (its batch 1)."""
+
+    length: int  # tokens of each neighbour's prompt
+    runs: int  # runs with a neighbour at the server beside the measured request: compared
+    equal: int  # of them, bitwise equal to the lone run
+    first_step: Optional[int]  # the first step any compared run moved at
+    max_ulp: int
+    max_nats: float
+    alone: int = 0  # runs no neighbour overlapped, or that the cache served: compared nothing
+    neighbours: int = 0  # neighbour requests that overlapped a compared run
+
+    @classmethod
+    def combined(cls, parts: Sequence["NeighbourLength"]) -> "NeighbourLength":
+        """One length over every pass."""
+        steps = [p.first_step for p in parts if p.first_step is not None]
+        return cls(parts[0].length, sum(p.runs for p in parts), sum(p.equal for p in parts),
+                   min(steps) if steps else None, max(p.max_ulp for p in parts),
+                   max(p.max_nats for p in parts), sum(p.alone for p in parts),
+                   sum(p.neighbours for p in parts))
+
+    @property
+    def moved(self) -> bool:
+        return self.equal < self.runs
+
+
+@dataclass(frozen=True)
+class NeighbourRow:
+    """The neighbour check of one pass, in the batch-1 row (saved under "neighbours")."""
+
+    SAVED_AS: ClassVar[Dict[str, Any]] = saved("neighbours")
+
+    lengths: List[NeighbourLength]
+
+
+@dataclass(frozen=True)
+class NeighbourSummary:
+    """The neighbour check over every pass: each length's runs, and its verdict (saved flat
+    in the sweep's summary, behind "neighbours_")."""
+
+    SAVED_AS: ClassVar[Dict[str, Any]] = saved(flat="neighbours_")
+
+    verdict: str
+    lengths: List[NeighbourLength]
+
+    @classmethod
+    def of(cls, rows: Sequence[NeighbourRow], failure: Optional[str]) -> "NeighbourSummary":
+        by_length: Dict[int, List[NeighbourLength]] = {}
+        for row in rows:
+            for part in row.lengths:
+                by_length.setdefault(part.length, []).append(part)
+        lengths = [NeighbourLength.combined(parts) for parts in by_length.values()]
+        moved = [p.length for p in lengths if p.moved]
+        if failure and not any(p.runs for p in lengths):
+            found = "not measured: the server could not serve it (%s)" % failure
+        elif not lengths:
+            found = NO_DATA
+        elif not any(p.runs for p in lengths):
+            found = NOTHING_COMPARED
+        elif moved:
+            found = "moved beside neighbours of %s tokens" % ", ".join(map(str, moved))
+        else:
+            found = NEIGHBOURS_HELD
+        return cls(found, lengths)
+
+
+def parse_lengths(text: str) -> List[int]:
+    """--neighbours: comma-separated prompt lengths, each a whole number of tokens."""
+    parts = [p.strip() for p in text.split(",")]
+    bad = next((p for p in parts if parse_whole(p) is None), None)
+    if not text.strip() or bad is not None:
+        raise UsageError("--neighbours: give comma-separated prompt lengths in tokens, e.g. "
+                         "16,64 (%r is not one)" % (bad if bad is not None else text))
+    lengths = [int(p) for p in parts]
+    if not all(1 <= n <= MAX_NEIGHBOUR_TOKENS for n in lengths):
+        raise UsageError("--neighbours: a length is from 1 to %d tokens" % MAX_NEIGHBOUR_TOKENS)
+    if len(set(lengths)) != len(lengths):
+        raise UsageError("--neighbours: a length is listed twice")
+    return lengths
+
+
+class NeighbourCheck(SweepCheck):
+    """--neighbours L,...: in every pass, batch 1's prompt is sent again (NEIGHBOUR_RUNS times
+    for each length L) while NEIGHBOUR_STREAMS clients keep sending neighbours: requests of L
+    fresh random token ids, a cache key each, that write one token, so that their prefills
+    share the measured request's decode steps until it ends. Each run is compared bitwise
+    with the lone run (batch 1 of the pass): a kernel whose tile or split follows the step's
+    longest query moves the decode beside a long enough prefill (vLLM #51902). A run that no
+    neighbour overlapped, or that the cache served, compares nothing."""
+
+    NAME = "neighbours"
+    EXPECT = ("neighbours-equal",)
+    EXPECT_HELP = "(with --neighbours) batch 1 held bitwise beside every neighbour length"
+
+    def __init__(self, lengths: Sequence[int] = ()):
+        self.lengths = list(lengths)
+        self.failure: Optional[str] = None  # why the server could not serve it
+        self.rng = random.Random(DEFAULT_SEED)  # the neighbours' ids, the same run to run
+
+    @classmethod
+    def add_arguments(cls, group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--neighbours", metavar="L,...",
+            help="also send batch 1 again while other clients keep prefilling prompts of L "
+            "fresh tokens beside it (one token each, a cache key each), for each length L, "
+            "and compare it bitwise with the lone run: a decode beside a neighbour's prefill")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, asked: SweepAsked) -> "NeighbourCheck":
+        if asked.expect in cls.EXPECT and args.neighbours is None:
+            raise UsageError("--expect neighbours-equal needs --neighbours")
+        return cls(parse_lengths(args.neighbours) if args.neighbours is not None else ())
+
+    def params(self) -> Json:
+        if not self.lengths:
+            return {}
+        return {"neighbours": self.lengths, "neighbour_runs": NEIGHBOUR_RUNS,
+                "neighbour_streams": NEIGHBOUR_STREAMS}
+
+    def header_lines(self, run: SweepRun) -> List[str]:
+        if not self.lengths:
+            return []
+        return ["        neighbours: batch 1 again %d times beside %d clients prefilling "
+                "prompts of %s tokens" % (NEIGHBOUR_RUNS, NEIGHBOUR_STREAMS,
+                                          ", ".join(map(str, self.lengths)))]
+
+    def beside(self, run: SweepRun, prompt: str, length: int,
+               lone: Completion) -> Tuple[Optional[Delta], int]:
+        """One run of the measured prompt beside neighbours of length tokens: its delta from
+        the lone run (None: it compared nothing), and how many neighbours overlapped it."""
+        sender, done = run.sender, threading.Event()
+        window: List[float] = []  # the measured request's send and answer times
+        spans: List[Tuple[float, float]] = []  # each neighbour's, in the order answered
+        lock = threading.Lock()
+        model = sender.model
+
+        def neighbours() -> None:
+            while not done.is_set() and not STOP.event.is_set():
+                with lock:
+                    ids = [self.rng.randrange(*NEIGHBOUR_IDS) for _ in range(length)]
+                sent = CLOCK()
+                sender.client.request(sender.adapter.generate_path,
+                                      sender.adapter.prefill_only_body(model, ids))
+                with lock:
+                    spans.append((sent, CLOCK()))
+
+        def measured() -> Optional[SentBatch]:
+            try:
+                window.append(CLOCK())
+                batch = sender.copies(prompt, 1, run.cfg.sweep.seed)
+                window.append(CLOCK())
+                return batch
+            finally:
+                done.set()
+
+        found: List[Any] = [None]
+        outcomes = in_threads([neighbours] * NEIGHBOUR_STREAMS,
+                              lambda: found.__setitem__(0, measured()))
+        failed_outcome(outcomes, "neighbour requests")
+        batch = found[0]
+        start, end = window
+        overlapped = sum(1 for a, b in spans if a < end and b > start)
+        if not overlapped or (batch.cached_tokens or 0) > 0:
+            return None, overlapped
+        return compare_completions(lone, batch.completions[0],
+                                   sender.adapter.logprob_clamps), overlapped
+
+    def batch_part(self, run: SweepRun, prompt: str, n: int,
+                   batch: SentBatch) -> Optional[NeighbourRow]:
+        if not self.lengths or n != 1 or self.failure is not None:
+            return None
+        lone, parts = batch.completions[0], []
+        try:
+            for length in self.lengths:
+                deltas, alone, overlapped = [], 0, 0
+                for _ in range(NEIGHBOUR_RUNS):
+                    delta, beside = self.beside(run, prompt, length, lone)
+                    if delta is None:
+                        alone += 1
+                        continue
+                    deltas.append(delta)
+                    overlapped += beside
+                steps = [d.first_ulp_step if d.first_token_divergence is None
+                         else d.first_token_divergence for d in deltas if d != IDENTICAL]
+                steps = [s for s in steps if s is not None]
+                parts.append(NeighbourLength(
+                    length, len(deltas), sum(1 for d in deltas if d == IDENTICAL),
+                    min(steps) if steps else None, max((d.max_ulp for d in deltas), default=0),
+                    max((d.max_nats for d in deltas), default=0.0), alone, overlapped))
+        except ServerError as err:
+            if err.kind == ServerError.NETWORK:  # the server itself is gone: the sweep stops
+                raise ServerError("neighbour check: %s" % err) from None
+            self.failure = str(err)
+            run.out.warn("the neighbour check stops, the sweep goes on: %s" % err)
+            return None
+        return NeighbourRow(parts)
+
+    def summary_part(self, parts: List[Any],
+                     sizes: List[SizeResult]) -> Optional[NeighbourSummary]:
+        return NeighbourSummary.of(parts, self.failure) if self.lengths else None
+
+    def summary_lines(self, summary: SweepSummary, sizes: List[SizeResult]) -> List[str]:
+        part = summary.checks.get(self.NAME)
+        if part is None:
+            return []
+        lines = []
+        for p in part.lengths:
+            moved = "" if p.first_step is None else ", first moved at step %d" % p.first_step
+            lines.append("neighbour check, %d tokens beside: %d of %d runs equal to the lone run"
+                         "%s, max ULP %d, max %s nats%s"
+                         % (p.length, p.equal, p.runs, moved, p.max_ulp, fmt_nats(p.max_nats),
+                            " (%d run%s no neighbour overlapped: not compared)"
+                            % (p.alone, "" if p.alone == 1 else "s") if p.alone else ""))
+        lines.append(Bold("neighbour check: %s" % part.verdict))
+        return lines
+
+    def expectation(self, expect: str, summary: SweepSummary) -> Tuple[bool, str]:
+        part = summary.checks[self.NAME]
+        if part.verdict != NEIGHBOURS_HELD:
+            return False, ("expectation failed: --expect neighbours-equal, but the neighbour "
+                           "check found: %s" % part.verdict)
+        return True, ("expect neighbours-equal: held (%d runs beside neighbours)"
+                      % sum(p.runs for p in part.lengths))
+
+
+# ----------------------------------------------------------------------------
+# Observer check (--observer-check): does asking for logprobs change what is generated?
+
+OBSERVER_LOGPROBS = (None, 0, 5, 20)  # the settings compared: none asked, then top-k lists
+OBSERVER_HELD = "the same text with and without logprobs"
+
+
+@dataclass(frozen=True)
+class ObserverSetting:
+    """Batch 1's prompt sent with one logprobs setting, against the same prompt sent with
+    none asked: the text is compared (with no logprobs asked, vLLM returns no token ids)."""
+
+    logprobs: Optional[int]  # None: none asked (the reference)
+    runs: int
+    equal: int  # runs whose text (and ids) equal the reference's
+
+
+@dataclass(frozen=True)
+class ObserverRow:
+    """The observer check of one pass, in the batch-1 row (saved under "observer")."""
+
+    SAVED_AS: ClassVar[Dict[str, Any]] = saved("observer")
+
+    settings: List[ObserverSetting]
+
+
+@dataclass(frozen=True)
+class ObserverSummary:
+    """The observer check over every pass (saved flat in the summary, behind "observer_")."""
+
+    SAVED_AS: ClassVar[Dict[str, Any]] = saved(flat="observer_")
+
+    verdict: str
+    settings: List[ObserverSetting]
+
+    @classmethod
+    def of(cls, rows: Sequence[ObserverRow]) -> "ObserverSummary":
+        by_setting: Dict[Optional[int], List[ObserverSetting]] = {}
+        for row in rows:
+            for part in row.settings:
+                by_setting.setdefault(part.logprobs, []).append(part)
+        settings = [ObserverSetting(k, sum(p.runs for p in parts), sum(p.equal for p in parts))
+                    for k, parts in by_setting.items()]
+        changed = [s.logprobs for s in settings if s.equal < s.runs]
+        if not any(s.runs for s in settings):
+            found = NO_DATA
+        elif changed:
+            found = "the text changed when logprobs %s were asked for" % ", ".join(
+                "top-%d" % k for k in changed)
+        else:
+            found = OBSERVER_HELD
+        return cls(found, settings)
+
+
+class ObserverCheck(SwitchedCheck):
+    """--observer-check: in every pass, batch 1's prompt is sent once with no logprobs asked,
+    then once with each top-k of OBSERVER_LOGPROBS: asking for logprobs must not change what
+    is generated (a server may take another sampling path when it must return them). The
+    text is compared."""
+
+    NAME = "observer"
+    OPTION = "--observer-check"
+    HELP = ("also send batch 1 with no logprobs asked, then with top-0, 5 and 20 lists, and "
+            "compare what is generated: asking for logprobs must not change it")
+    EXPECT = ("observer-equal",)
+    EXPECT_HELP = "(with --observer-check) the text held with and without logprobs"
+
+    def once(self, run: SweepRun, prompt: str, logprobs: Optional[int]) -> str:
+        sender = run.sender
+        sampling = dataclasses.replace(run.cfg.sampling, logprobs=logprobs)
+        answer, _ = generate(sender.client, sender.adapter, sender.model, [prompt], sampling,
+                             sender.isolate)
+        found = parsed("the answer", sender.adapter.completions, answer, 1, logprobs is not None)
+        return found[0].text
+
+    def batch_part(self, run: SweepRun, prompt: str, n: int,
+                   batch: SentBatch) -> Optional[ObserverRow]:
+        if not self.asked or n != 1:
+            return None
+        try:
+            reference = self.once(run, prompt, None)
+            settings = []
+            for k in OBSERVER_LOGPROBS[1:]:
+                text = self.once(run, prompt, min(k, MAX_LOGPROBS))
+                settings.append(ObserverSetting(k, 1, int(text == reference)))
+        except ServerError as err:
+            raise ServerError("observer check: %s" % err) from None
+        return ObserverRow([ObserverSetting(None, 1, 1)] + settings)
+
+    def summary_part(self, parts: List[Any],
+                     sizes: List[SizeResult]) -> Optional[ObserverSummary]:
+        return ObserverSummary.of(parts) if self.asked else None
+
+    def summary_lines(self, summary: SweepSummary, sizes: List[SizeResult]) -> List[str]:
+        part = summary.checks.get(self.NAME)
+        if part is None:
+            return []
+        held = ", ".join("top-%d %d/%d" % (s.logprobs, s.equal, s.runs)
+                         for s in part.settings if s.logprobs is not None)
+        return [Bold("observer check (runs whose text equals the one with no logprobs: %s): %s"
+                     % (held, part.verdict))]
+
+    def expectation(self, expect: str, summary: SweepSummary) -> Tuple[bool, str]:
+        part = summary.checks[self.NAME]
+        if part.verdict != OBSERVER_HELD:
+            return False, ("expectation failed: --expect observer-equal, but the observer "
+                           "check found: %s" % part.verdict)
+        return True, "expect observer-equal: held (%d runs with logprobs)" % sum(
+            s.runs for s in part.settings if s.logprobs is not None)
+
+
+# ----------------------------------------------------------------------------
 # Server baseline (--baseline PATH|URL): batch 1 from a file or another server
 
 
@@ -4875,7 +5317,12 @@ class BaselineFile:
                              (path, doc.get("model"), model))
         mine, theirs = as_record(sampling), doc.get("params") or {}
         # every request setting that changes what is compared (logprobs: the top-k lists)
-        for key in ("temperature", "top_p", "max_tokens", "seed", "logprobs"):
+        for key in ("temperature", "top_p", "max_tokens", "seed", "logprobs", "top_k", "min_p",
+                    "repetition_penalty"):
+            # a file saved before the lab sent top_k, min_p and repetition_penalty does not
+            # hold them: what the server used then is not known, and not held against it
+            if key not in theirs and key in ("top_k", "min_p", "repetition_penalty"):
+                continue
             if theirs.get(key) != mine[key]:
                 raise UsageError("--baseline: %s was recorded with %s=%s, this sweep uses %s" %
                                  (path, key, theirs.get(key), mine[key]))
@@ -5042,7 +5489,8 @@ class Baseline(SweepCheck):
 
 # The checks a sweep can run, in the order they run, print and are saved: each is one
 # section above, and its own options, request changes, records, lines and --expect rules
-SWEEP_CHECKS: Tuple[Type[SweepCheck], ...] = (PrefixCache, Baseline, CacheCheck, PrefillCheck)
+SWEEP_CHECKS: Tuple[Type[SweepCheck], ...] = (PrefixCache, Baseline, CacheCheck, PrefillCheck,
+                                               NeighbourCheck, ObserverCheck)
 
 
 def check_prompts(prompts: List[str], option: str) -> List[str]:
@@ -5266,7 +5714,9 @@ def sweep_summary(options: SweepOptions, sweeps: List[PromptSweep], state: str) 
             parts[check.NAME] = part
     return SweepSummary(
         unique_completions=measured.unique, total_completions=measured.total,
-        max_ulp=measured.max_ulp, batch1_repeatable=measured.batch1_repeatable,
+        max_ulp=measured.max_ulp, max_nats=max((r.max_nats for _, r in rows), default=0.0),
+        flip_risk=max((r.flip_risk for _, r in rows if r.flip_risk is not None), default=None),
+        batch1_repeatable=measured.batch1_repeatable,
         traffic=options.traffic, repeat=options.repeat, verdict=verdict(measured),
         first_moved=measured.first_moved, served_sizes=measured.served_sizes or None,
         ulp_notes=sorted({u for _, r in rows for u in r.ulp_notes}), state=state,
@@ -5336,7 +5786,7 @@ def sweep_warnings(facts: ServerFacts, sizes: List[int], ladder_to: Optional[int
 
 
 SWEEP_COLUMNS = ("  batch  bucket  distinct  same/all  runs matched  first token  tie margin  max "
-                 "ULP  first ULP step  seconds  notes")
+                 "ULP  max nats  flip risk  first ULP step  seconds  notes")
 
 
 def control_text(repeatable: Optional[bool], repeat: int, sweeps: List[PromptSweep]) -> str:
@@ -5370,12 +5820,27 @@ def size_notes(size: SizeResult, checks: Sequence[SweepCheck]) -> str:
 def size_row(s: SizeResult, checks: Sequence[SweepCheck]) -> str:
     """One batch size's row of the table."""
     ulp = str(s.max_ulp) + ("*" if s.ulp_notes else "")
-    row = "  %5d  %6s  %8d  %8s  %12s  %11s  %10s  %7s  %14s  %7.2f  %s" % (
+    row = "  %5d  %6s  %8d  %8s  %12s  %11s  %10s  %7s  %8s  %9s  %14s  %7.2f  %s" % (
         s.batch_size, fmt_opt(s.bucket, "none"), s.distinct_in_batch,
         "%d/%d" % (s.same_as_baseline, s.completions), "%d/%d" % (s.runs_matched, len(s.runs)),
         fmt_opt(s.first_token_divergence), margin_text(s.divergence_margin), ulp,
-        fmt_opt(s.first_ulp_step), s.seconds, size_notes(s, checks))
+        fmt_nats(s.max_nats), fmt_share(s.flip_risk), fmt_opt(s.first_ulp_step), s.seconds,
+        size_notes(s, checks))
     return row.rstrip()
+
+
+def fmt_nats(nats: float) -> str:
+    """A drift in nats as the table shows it: 0 where nothing moved, else two figures."""
+    return "0" if not nats else "%.2g" % nats
+
+
+def fmt_share(share: Optional[float]) -> str:
+    """A share as a percentage ("-" where there is none, "<1%" for a small one not nil)."""
+    if share is None:
+        return "-"
+    if 0 < share < 0.01:
+        return "<1%"
+    return "%.0f%%" % (100 * share)
 
 
 def sizes_text(sizes: Sequence[int]) -> str:
@@ -5479,6 +5944,10 @@ class SweepTable:
         out.bold("summary: unique completions %d, total %d, max ULP %d, %s: %s%s"
                  % (m.unique, m.total, m.max_ulp, control, summary.verdict,
                     " (%s)" % "; ".join(reasons) if reasons else ""))
+        if summary.max_nats:
+            out.line("  drift: at most %s nats between batch 1's logprobs and another's; flip "
+                     "risk %s (the share of batch 1's steps whose top two lay that close)"
+                     % (fmt_nats(summary.max_nats), fmt_share(summary.flip_risk)))
         for check in options.checks:
             for line in check.summary_lines(summary, sizes):
                 if isinstance(line, Bold):

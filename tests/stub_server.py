@@ -270,6 +270,11 @@ class StubConfig:
     clock: Optional["VirtualClock"] = None   # in-process tests: emulated time advances this, no sleep
     scheduler_window: float = 0.0            # seconds a step waits for more requests (0: each alone)
     max_model_len: int = MAX_MODEL_LEN          # the context length it reports
+    # flag off, a neighbour prefilling more tokens than this in a decode's step changes the
+    # decode's arithmetic (another tile: vLLM #51902's mechanism; on one H200 with vLLM 0.33.0
+    # a 64-token neighbour moved a decode, a 16-token one did not); flag on, nothing does
+    prefill_tile: int = 32
+    logprobs_path_differs: bool = False  # a request with no logprobs asked is computed otherwise
     prompt_tokens_details: bool = False      # vLLM's --enable-prompt-tokens-details: cached-token counts
     prefix_caching: bool = True              # False: vLLM --no-enable-prefix-caching, SGLang --disable-radix-cache
     flush_refused: bool = False              # SGLang: answer /flush_cache as with requests in flight
@@ -341,18 +346,24 @@ class StepScheduler:
         self.open_step: Optional[Dict] = None
         self.largest = 0
 
-    def join(self, prompts: int) -> int:
-        """Wait for the step this request falls in to close; return the step's batch size."""
+    def join(self, prompts: int, longest: int = 0, prefill_only: bool = False) -> Tuple[int, int]:
+        """Wait for the step this request falls in to close; return the step's decode batch
+        size and the longest prompt any other request of the step prefilled. A request that
+        only prefills (one token to write) shares the step's prefill, not the decode batch:
+        it does not count in the size the decodes compute with."""
         if self.window <= 0:
             with self.cond:
                 self.largest = max(self.largest, prompts)
-            return prompts
+            return prompts, 0
         with self.cond:
             step = self.open_step
             leader = step is None
             if leader:
-                step = self.open_step = {"size": 0, "closed": False}
-            step["size"] += prompts
+                step = self.open_step = {"size": 0, "closed": False, "prompts": []}
+            if not prefill_only:
+                step["size"] += prompts
+            me = len(step["prompts"])
+            step["prompts"].append(longest)
         if leader:
             time.sleep(self.window)
             with self.cond:
@@ -364,7 +375,8 @@ class StepScheduler:
             with self.cond:
                 while not step["closed"]:
                     self.cond.wait()
-        return step["size"]
+        others = [n for i, n in enumerate(step["prompts"]) if i != me]
+        return max(step["size"], prompts if prefill_only else 1), max(others, default=0)
 
 
 class EngineState:
@@ -447,9 +459,12 @@ def paced_only(prompt: str, max_tokens: int) -> Dict:
 
 def run_batch(config: StubConfig, state: EngineState, prompts: List[str], max_tokens: int,
               temperature: float, top_p: float, seed: Optional[int], ignore_eos: bool,
-              prefixes: Optional[List[List[int]]] = None, hits: Optional[List[bool]] = None) -> List[Dict]:
-    """Every prompt of one request, computed with the arithmetic of the step batch it joined."""
-    step_size = state.scheduler.join(len(prompts))
+              prefixes: Optional[List[List[int]]] = None, hits: Optional[List[bool]] = None,
+              longest: int = 0, no_logprobs: bool = False) -> List[Dict]:
+    """Every prompt of one request, computed with the arithmetic of the step batch it joined.
+    longest: its longest prompt, in tokens (a neighbour's prefill in the step can change a
+    decode's arithmetic, flag off: see prefill_tile)."""
+    step_size, neighbour = state.scheduler.join(len(prompts), longest, prefill_only=max_tokens == 1)
     if state.streaming() and config.step_delay > 0:
         return [paced_only(prompt, max_tokens) for prompt in prompts]
     started = time.perf_counter()
@@ -457,6 +472,10 @@ def run_batch(config: StubConfig, state: EngineState, prompts: List[str], max_to
         max_tokens = max(1, max_tokens // 2)  # as if each completion met its end early
     plan = reduction_plan(step_size, config.sizes(), config.invariant and not config.coverage_gap)
     plan = (plan[0], plan[1] + config.rotation_offset)
+    if neighbour > config.prefill_tile and not config.invariant:
+        plan = (plan[0], plan[1] + 2)  # a longer prefill beside it: another tile, another order
+    if no_logprobs and config.logprobs_path_differs:
+        plan = (plan[0], plan[1] + 5)  # no logprobs asked: another sampling path
     results = []
     for i, prompt in enumerate(prompts):
         prefix = prefixes[i] if prefixes else []
@@ -468,7 +487,7 @@ def run_batch(config: StubConfig, state: EngineState, prompts: List[str], max_to
         # A reproducible completion depends on nothing else: computed once, it is served again
         # (what a request sees is the same; only the practice engine's own CPU is spared).
         key = (prompt, tuple(prefix), step_size, cached_path, second_run, max_tokens, temperature,
-               top_p, seed, ignore_eos)
+               top_p, seed, ignore_eos, own_plan)
         reproducible = temperature <= 0.0 or seed is not None
         if reproducible and key in state.computed:
             results.append(state.computed[key])
@@ -533,8 +552,10 @@ def vllm_completions(config: StubConfig, body: Dict, state: EngineState) -> Dict
                          "error, Parameter 'cache_salt' must be a non-empty string if provided. "
                          "(parameter=cache_salt)\"}", "Bad Request", "cache_salt")
     cached = [state.cached_tokens(salt, p) for p in prompts]
+    lengths = [len(prompt)] if token_prompt else [prompt_token_count(p) for p in prompts]
     outs = run_batch(config, state, prompts, max_tokens, temperature, float(body.get("top_p", 1.0)),
-                     body.get("seed"), bool(body.get("ignore_eos")), prefixes, [c > 0 for c in cached])
+                     body.get("seed"), bool(body.get("ignore_eos")), prefixes, [c > 0 for c in cached],
+                     max(lengths), k is None)
     prompt_k = body.get("prompt_logprobs")
     swap = edge_swapper(config)
     as_ids = bool(body.get("return_tokens_as_token_ids"))
@@ -667,7 +688,7 @@ SGLANG_SAMPLING_KEYS = {
 def sglang_generate(config: StubConfig, body: Dict, state: EngineState):
     """SGLang 0.5.23's /generate: its error bodies, and sampling_seed honoured only with the flag."""
     text, input_ids = body.get("text"), body.get("input_ids")
-    prefixes = None
+    prefixes, id_lists = None, None
     if text is None and input_ids is not None:  # token ids in place of text
         batch = isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list)
         id_lists = input_ids if batch else [input_ids or []]
@@ -696,9 +717,11 @@ def sglang_generate(config: StubConfig, body: Dict, state: EngineState):
     elif not isinstance(keys, list) or len(keys) != len(prompts):
         raise BadRequest(400, "The length of extra_key should be equal to the batch size.")
     cached = [state.cached_tokens(key, p) for key, p in zip(keys, prompts)]
+    lengths = [len(ids) for ids in id_lists] if id_lists else [prompt_token_count(p) for p in prompts]
     outs = run_batch(config, state, prompts, int(sp.get("max_new_tokens", 128)),
                      float(sp.get("temperature", 1.0)), float(sp.get("top_p", 1.0)), seed,
-                     bool(sp.get("ignore_eos")), prefixes, [c > 0 for c in cached])
+                     bool(sp.get("ignore_eos")), prefixes, [c > 0 for c in cached], max(lengths),
+                     not body.get("return_logprob"))
     start = body.get("logprob_start_len", -1)
     with_logprobs = bool(body.get("return_logprob"))
     k = int(body.get("top_logprobs_num") or 0)
@@ -1165,6 +1188,10 @@ def main(argv=None) -> int:
                    "reduction starts this many terms further on (try --baseline URL against it)")
     p.add_argument("--copies-split", type=int, default=0, help="flag off: a request's prompts from this "
                    "one on (counting from 0) computed another way, as real engines answered copies")
+    p.add_argument("--logprobs-path-differs", action="store_true", help="a request that asks for "
+                   "no logprobs is computed another way (try --observer-check against it)")
+    p.add_argument("--prefill-tile", type=int, default=32, help="flag off: a neighbour prefilling more "
+                   "tokens than this in a decode's step moves the decode (default 32)")
     p.add_argument("--scheduler-window", type=float, default=0.05, help="seconds a step batch waits for "
                    "more requests to join it (default 0.05; 0 runs every request alone)")
     p.add_argument("--prompt-tokens-details", action="store_true", help="vLLM: report cached prompt tokens")
@@ -1182,7 +1209,8 @@ def main(argv=None) -> int:
         jitter=args.jitter, seed=args.seed, tp_size=args.tp_size, scheduler_window=args.scheduler_window,
         prompt_tokens_details=args.prompt_tokens_details, rotation_offset=args.rotation_offset,
         cache_path_differs=args.cache_path_differs, prefix_caching=not args.no_prefix_caching,
-        copies_split=args.copies_split, version=args.vllm_version,
+        copies_split=args.copies_split, version=args.vllm_version, prefill_tile=args.prefill_tile,
+        logprobs_path_differs=args.logprobs_path_differs,
         server_info_500=args.server_info_500,
         decode_graphs=not args.no_decode_graphs,
         prefill_agrees=args.prefill_agrees,

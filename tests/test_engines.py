@@ -1,6 +1,7 @@
 """The engine found by asking the server: named, detected, refused when two disagree."""
 
 import threading
+import json
 import unittest
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -65,6 +66,37 @@ class EngineFoundByItself(TempDirTest):
         self.assertEqual(r.code, 3, r)
         self.assertIn("cannot tell which engine answers", r.stderr)
         self.assertIn("name it with --engine", r.stderr)
+
+
+
+class EverySamplingParameterSent(unittest.TestCase):
+    """Both engines fill a sampling parameter left out from the model's generation_config:
+    every generation request names each one, in the engine's own words, at the value that
+    filters nothing."""
+
+    def test_every_body_names_them(self):
+        for engine in ("vllm", "sglang"):
+            with self.subTest(engine=engine), StubServer(StubConfig(engine=engine)) as stub:
+                r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--repeat", 1,
+                            "--max-tokens", 2, "--temperature", "0.7", "--json")
+                bodies = [json.loads(b) for b in stub.generation_bodies()]
+            self.assertEqual(r.code, 0, r)
+            self.assertTrue(bodies)
+            for body in bodies:
+                params = body if engine == "vllm" else body["sampling_params"]
+                self.assertEqual((params["top_p"], params["top_k"], params["min_p"],
+                                  params["repetition_penalty"]), (1.0, -1, 0.0, 1.0))
+            saved = r.json()["params"]
+            self.assertEqual((saved["top_k"], saved["min_p"], saved["repetition_penalty"]),
+                             (-1, 0.0, 1.0))
+
+    def test_load_trials_stream_them_too(self):
+        with StubServer() as off, StubServer(StubConfig(invariant=True)) as on:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--concurrency",
+                        2, "--requests", 2, "--trials", 1, "--warmup", 0, "--max-tokens", 2)
+            bodies = [json.loads(b) for b in off.generation_bodies()]
+        self.assertEqual(r.code, 0, r)
+        self.assertTrue(all(b["top_k"] == -1 and b["repetition_penalty"] == 1.0 for b in bodies))
 
 
 if __name__ == "__main__":

@@ -295,9 +295,11 @@ class Workloads(unittest.TestCase):
                                    "[r.3.1] Write a short story about jumps over a lazy dog while."])
         expected = {
             "vllm": '{"model": "m", "prompt": %s, "max_tokens": 128, "temperature": 0.0, "top_p": 1.0, '
-                    '"ignore_eos": true}' % json.dumps(prompts),
-            "sglang": '{"text": %s, "sampling_params": {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": '
-                      '128, "ignore_eos": true}, "stream": false}' % json.dumps(prompts)}
+                    '"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "ignore_eos": true}'
+                    % json.dumps(prompts),
+            "sglang": '{"text": %s, "sampling_params": {"temperature": 0.0, "top_p": 1.0, "top_k": -1, '
+                      '"min_p": 0.0, "repetition_penalty": 1.0, "max_new_tokens": 128, "ignore_eos": true}, '
+                      '"stream": false}' % json.dumps(prompts)}
         for name, adapter in run.ADAPTERS.items():
             with self.subTest(engine=name):
                 self.assertEqual(json.dumps(adapter.body("m", prompts, sampling)), expected[name])
@@ -306,19 +308,23 @@ class Workloads(unittest.TestCase):
         self.assertIsNone(run.Sampling.of(0.0, 8, 5, 42).seed)
         self.assertEqual(run.Sampling.of(0.6, 8, 5, 42).seed, 42)
         self.assertEqual(run.as_record(run.Sampling.of(0.6, 8, 5, 42, ignore_eos=True)),
-                         {"temperature": 0.6, "top_p": 1.0, "max_tokens": 8, "logprobs": 5, "seed": 42})
+                         {"temperature": 0.6, "top_p": 1.0, "max_tokens": 8, "logprobs": 5, "seed": 42,
+                          "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0})
 
     def test_request_bodies_carry_what_the_engines_need(self):
         s = run.Sampling(0.6, 1.0, 8, 5, seed=42, ignore_eos=True)
         v = run.ADAPTERS["vllm"].body("m", ["p", "p"], s)
         self.assertEqual(v, {"model": "m", "prompt": ["p", "p"], "max_tokens": 8, "temperature": 0.6,
-                             "top_p": 1.0, "logprobs": 5, "return_tokens_as_token_ids": True,
+                             "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                             "logprobs": 5, "return_tokens_as_token_ids": True,
                              "seed": 42, "ignore_eos": True})
         g = run.ADAPTERS["sglang"].body("m", ["p", "p"], s)
         self.assertEqual(g, {"text": ["p", "p"], "stream": False, "return_logprob": True,
                              "top_logprobs_num": 5,
-                             "sampling_params": {"temperature": 0.6, "top_p": 1.0, "max_new_tokens": 8,
-                                                 "sampling_seed": 42, "ignore_eos": True}})
+                             "sampling_params": {"temperature": 0.6, "top_p": 1.0, "top_k": -1,
+                                                 "min_p": 0.0, "repetition_penalty": 1.0,
+                                                 "max_new_tokens": 8, "sampling_seed": 42,
+                                                 "ignore_eos": True}})
 
 
 class Adapters(unittest.TestCase):

@@ -138,8 +138,8 @@ class EvidencePerRequest(TempDirTest):
         m = sweep.measured()
         self.assertEqual(run.verdict(m), "invariant")
         self.assertEqual(m.served_sizes, [8])
-        summary = run.SweepSummary(1, 11, 0, None, "copies", 1, "invariant", None, [8], [],
-                                   "complete", {}, m)
+        summary = run.SweepSummary(1, 11, 0, 0.0, 0.0, None, "copies", 1, "invariant", None, [8],
+                                   [], "complete", {}, m)
         self.assertEqual(run.verdict_reasons(summary),
                          ["invariant where computed; size 8 served from the cache, not compared"])
 
