@@ -5170,7 +5170,7 @@ class ObserverSetting:
 
     logprobs: Optional[int]  # None: none asked (the reference)
     runs: int
-    equal: int  # runs whose text (and ids) equal the reference's
+    equal: int  # runs whose text equals the reference's
 
 
 @dataclass(frozen=True)
