@@ -16,6 +16,7 @@ Usage:
   python3 run.py --mode harness --engine sglang      # one engine only
   python3 run.py --mode help                         # the five-minute guide
   python3 run.py --help                              # every option, the limits and exit codes
+  python3 run.py --version                           # the version and the commit it runs from
 
   python3 run.py --mode sweep --engine vllm --url http://localhost:8000 \\
       --model Qwen/Qwen3-1.7B --max-batch 32 --save off.json
@@ -31,7 +32,7 @@ Usage:
   python3 run.py --mode sweep --url http://localhost:8001 --prefill-check \\
       --expect prefill-equal                        # decode versus prefill, for RL users
   python3 run.py --mode cost --url http://localhost:8000 --invariant http://localhost:8001 \\
-      --concurrency 32 --precision 3                # throughput, TTFT, TPOT under load
+      --concurrency 32 --precision 3                # throughput, TTFT, TPOT, ITL under load
 
 No GPU at hand? Start the practice engine: python3 tests/stub_server.py --port 8000
 
@@ -62,7 +63,8 @@ Sections, in the order they appear:
   Sweep checks         one section each, holding its options, what it adds to a request, its
                        part of each batch, size and summary, its lines and its --expect rule:
                        Prefix-cache bypass (--prefix-cache), Cache check (--cache-check),
-                       Prefill check (--prefill-check), Server baseline (--baseline)
+                       Prefill check (--prefill-check), Neighbour check (--neighbours),
+                       Observer check (--observer-check), Server baseline (--baseline)
   --mode sweep         SWEEP_CHECKS (the table of checks), SweepOptions, the ladder, the
                        summary and saved document, the table, the advice, the --expect rules,
                        run_sweep: the core and the checks composed
@@ -83,6 +85,7 @@ import copy
 import dataclasses
 import errno
 import functools
+import hashlib
 import heapq
 import http.client
 import ipaddress
@@ -98,6 +101,7 @@ import signal
 import socket
 import ssl
 import stat
+import subprocess
 import statistics
 import struct
 import sys
@@ -114,7 +118,8 @@ from typing import (Any, Callable, ClassVar, Dict, Iterator, List, Optional, Pro
 # ----------------------------------------------------------------------------
 # Constants
 
-LAB_VERSION = "0.9.0"  # run.py --version; saved in every result, with the command that made it
+LAB_VERSION = "0.10.0"  # run.py --version and every saved result, beside the code's own name
+GIT_TIMEOUT_S = 5.0  # how long git may take to name the checkout run.py sits in
 SWEEP_SCHEMA = "batch-invariance-lab/sweep/2"  # the "schema" field of sweep save files
 SWEEP_SCHEMAS_READ = ("batch-invariance-lab/sweep/1", SWEEP_SCHEMA)  # what this lab reads back
 COST_SCHEMA = "batch-invariance-lab/cost/1"  # the "schema" field of cost save files
@@ -1244,7 +1249,13 @@ class HttpClient:
 
     def http_error(self, status: int, path: str, body: bytes) -> ServerError:
         message = server_message(body)[:300]
-        return ServerError("HTTP %d from %s: %s" % (status, path, message), status)
+        hint = ""
+        if status == 401 and self.api_key:
+            hint = " (the server refused the key given: is it the --api-key it was started with?)"
+        elif status == 401:
+            hint = (" (the server wants an API key: give it with --api-key or $OPENAI_API_KEY, "
+                    "as the server's own --api-key)")
+        return ServerError("HTTP %d from %s: %s%s" % (status, path, message, hint), status)
 
     def transport_error(self, reason: Any, url: str) -> ServerError:
         """What went wrong on the way to the server, said as what it is."""
@@ -1256,13 +1267,17 @@ class HttpClient:
             return ServerError("the TLS certificate of %s is not trusted here (%s)" %
                                (self.base_url, reason.verify_message or reason.reason))
         if isinstance(reason, ssl.SSLError):
-            return ServerError("TLS with %s failed (%s)" %
-                               (self.base_url, reason.reason or reason))
+            return ServerError("TLS with %s failed (%s): engines serve plain HTTP unless "
+                               "started with a certificate; try %s"
+                               % (self.base_url, reason.reason or reason,
+                                  "http://" + self.base_url.split("://", 1)[-1]))
         if isinstance(reason, (OSError, HTTPException)) and not isinstance(
                 reason, TIMEOUTS + (ConnectionRefusedError, socket.gaierror)):
             return ServerError("connection to %s dropped (%s)" % (url, type(reason).__name__))
         if isinstance(reason, ConnectionRefusedError):
-            return ServerError("connection refused by %s: is the server running?" % self.base_url)
+            return ServerError("connection refused by %s: is the server running? (one still "
+                               "loading its model refuses connections: --wait-ready SECONDS "
+                               "waits for it)" % self.base_url)
         if isinstance(reason, socket.gaierror):
             return ServerError("cannot resolve the host of %s" % self.base_url)
         if isinstance(reason, TIMEOUTS):
@@ -2426,7 +2441,9 @@ class Bold(str):
 
 class Out:
     """Plain text to stdout; colour on a terminal unless NO_COLOR is set (non-empty) or --color
-    says otherwise; progress on a stderr terminal. A stream that cannot be written raises
+    says otherwise; a live progress line on a stderr terminal. A terminal that says it is dumb
+    (TERM=dumb: Emacs' shell, some CI logs) gets no escape code of either kind unless --color
+    always asks: its progress is plain lines, as in a log. A stream that cannot be written raises
     OutputFailed once; after that nothing more is written to it. No line is rewritten: the
     key never enters the lab's own text (Secrets)."""
 
@@ -2435,8 +2452,9 @@ class Out:
         # closed file does
         self.stdout = stdout or sys.stdout or ClosedStream()
         self.stderr = stderr or sys.stderr or ClosedStream()
-        self.colour = self.stdout.isatty() and not os.environ.get("NO_COLOR")
-        self.progress_on = self.stderr.isatty()
+        smart = os.environ.get("TERM") != "dumb"  # one that moves its cursor on escape codes
+        self.colour = self.stdout.isatty() and smart and not os.environ.get("NO_COLOR")
+        self.progress_on = self.stderr.isatty() and smart
         self.failure: Optional[OutputFailed] = None
 
     def use_colour(self, choice: str) -> None:
@@ -3044,6 +3062,10 @@ def options_from(kind: Type[OptionsT], args: argparse.Namespace, **given: Any) -
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
+        words = message.split(": ", 1)[-1].split() if "unrecognized arguments" in message else []
+        mode = next((word for word in words if word in MODES), None)
+        if mode is not None:  # `run.py sweep`: a mode is an option's value here, not a command
+            message += " (a mode is chosen with --mode: run.py --mode %s ...)" % mode
         raise UsageError(message)
 
 
@@ -3091,12 +3113,50 @@ def exit_codes_text(indent: str = "  ") -> str:
     return "\n".join("%s%-4d %s" % (indent, code, meaning) for code, meaning in EXIT_CODES)
 
 
+@functools.lru_cache(maxsize=None)
+def lab_code() -> str:
+    """Which code this is, as --version, every saved result and the experiment's report name
+    it: the commit of the git checkout run.py is tracked in (`git describe --always --dirty`:
+    "-dirty" where the checkout holds changes), else the version and the first 12 hex digits
+    of the SHA-256 of run.py's own bytes (a copy outside a checkout, or no git to ask)."""
+    source = os.path.realpath(__file__)  # through a link, the checkout the file lives in
+    git = ["git", "-C", os.path.dirname(source)]
+    try:
+        tracked = subprocess.run(git + ["ls-files", "--error-unmatch", os.path.basename(source)],
+                                 capture_output=True, timeout=GIT_TIMEOUT_S)
+        if tracked.returncode == 0:  # run.py is this checkout's own, not a copy dropped in one
+            described = subprocess.run(git + ["describe", "--always", "--dirty"],
+                                       capture_output=True, text=True, timeout=GIT_TIMEOUT_S)
+            name = described.stdout.strip()
+            if described.returncode == 0 and name:
+                return "%s, git %s" % (LAB_VERSION, name)
+    except (OSError, subprocess.SubprocessError):
+        pass
+    with open(source, "rb") as code:
+        digest = hashlib.sha256(code.read()).hexdigest()
+    return "%s, run.py sha256 %s" % (LAB_VERSION, digest[:12])
+
+
+class ShowVersion(argparse.Action):
+    """--version: the lab's version and the code's own name (lab_code), asked only when
+    --version is given (git runs then, not each time a parser is built)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the lab's version and the commit it runs from, and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser._print_message("run.py (batch-invariance lab) %s\n" % lab_code(), sys.stdout)
+        parser.exit()
+
+
 def provenance(argv: Sequence[str], options: Sequence[str]) -> Dict[str, Any]:
-    """What a saved result records of how it was made: the lab's version, the command line
-    with any key replaced where it stands (options: every option string the parser takes),
-    the client's host and when the run started."""
+    """What a saved result records of how it was made: the lab's version and the code's own
+    name (lab_code), the command line with any key replaced where it stands (options: every
+    option string the parser takes), the client's host and when the run started."""
     return {
         "version": LAB_VERSION,
+        "code": lab_code(),
         "command": ["run.py"] + key_free_command(argv, options),
         "host": socket.gethostname(),
         "python": "%d.%d.%d" % sys.version_info[:3],
@@ -3119,8 +3179,7 @@ def build_parser() -> argparse.ArgumentParser:
                 description="Batch-invariance lab for vLLM and SGLang servers, over plain HTTP.",
                 epilog="exit codes:\n" + exit_codes_text() + "\n\nlimits (larger is refused):\n"
                 + "\n".join("  %-50s at most %d" % limit for limit in LIMITS))
-    p.add_argument("--version", action="version",
-                   version="run.py (batch-invariance lab) " + LAB_VERSION)
+    p.add_argument("--version", action=ShowVersion)
     p.add_argument(
         "--mode", choices=MODES, default="help",
         help="harness: upstream harnesses and commands (offline); sweep: unique completions "
@@ -3132,9 +3191,10 @@ def build_parser() -> argparse.ArgumentParser:
         "part")
     sweep_cost = p.add_argument_group(MODE_GROUPS[1][0])
     sweep_cost.add_argument(
-        "--url", help="the server (cost: the flag-off arm), as the engine logs it or as "
-        "OpenAI clients take it (a trailing /v1 is understood); default http://localhost:8000, "
-        "or :30000 with --engine sglang")
+        "--url", "--base-url", dest="url",
+        help="the server (cost: the flag-off arm), as the engine logs it, as OpenAI clients "
+        "take it (a trailing /v1 is understood) or as `vllm bench serve --base-url` does; "
+        "default http://localhost:8000, or :30000 with --engine sglang")
     sweep_cost.add_argument(
         "--model", help="served model; default: the first of /v1/models (vllm), "
         "model_path of /server_info (sglang)")
@@ -3205,14 +3265,17 @@ def check_url(url: str, option: str) -> str:
         parts.port
     except ValueError:
         raise UsageError("%s: %r has a port that is not a number" % (option, url)) from None
+    if "://" not in url and not url.startswith("/"):  # localhost:8000, or a bare host
+        raise UsageError("%s: %r has no scheme: the lab speaks plain HTTP to engines, so give "
+                         "http://%s" % (option, url, url))
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UsageError("%s: %r is not an http:// or https:// URL" % (option, url))
     path = parts.path.rstrip("/")
     endpoint = next((e for e in ENDPOINT_PATHS if path.endswith(e)), None)
     if endpoint:
         base = parts._replace(path=path[:-len(endpoint)]).geturl()  # no query: refused above
-        raise UsageError("%s: give the server's base URL, not an endpoint: %s (the lab adds %s "
-                         "itself)" % (option, base, endpoint))
+        raise UsageError("%s: give the server's base URL, not an endpoint: %s (the lab sends "
+                         "to its own paths under it: %s)" % (option, base, ENDPOINTS_USED))
     if path.endswith("/v1"):
         path = path[:-3]
     netloc = parts.netloc
@@ -3225,7 +3288,9 @@ def check_url(url: str, option: str) -> str:
 # Endpoints a base URL is mistaken for: the adapters add their own paths to the base URL
 ENDPOINT_PATHS = sorted({p for a in ADAPTERS.values() for p in (a.generate_path, a.health_path)}
                         | {"/v1/chat/completions", "/v1/models"}, key=len, reverse=True)
+ENDPOINTS_USED = ", ".join("%s on %s" % (a.generate_path, a.label) for a in ADAPTERS.values())
 MAX_INPUT_FILE_MB = 1024  # a prompt file or lab result larger than this is refused, not read
+MAX_KEPT_SWEEPS = 999  # finished sweeps kept beside one --save name (PATH.1.json and on)
 
 
 def read_input_file(path: str, option: str) -> str:
@@ -3263,8 +3328,9 @@ def read_json_file(path: str, option: str) -> Dict[str, Any]:
 def check_save_target(path: str, schemas: Sequence[str]) -> Optional[Dict[str, Any]]:
     """The document already at --save (None if there is none), checked before any request:
     the folder must exist and take a new file, and a file already there must hold this mode's
-    results. A finished sweep is never replaced: a sweep file holds one sweep, and a second
-    run would silently lose the first (cost files gather cells, so they are added to)."""
+    results. A finished sweep is never replaced: a sweep file holds one sweep, so the sweep
+    keeps it beside the new one before its first write (keep_finished_sweep); cost files
+    gather cells, so they are added to."""
     if os.path.islink(path) and not os.path.isdir(os.path.dirname(os.path.realpath(path))):
         raise UsageError("--save: %s is a link to %s, in a folder that does not exist" %
                          (path, os.path.realpath(path)))
@@ -3285,10 +3351,33 @@ def check_save_target(path: str, schemas: Sequence[str]) -> Optional[Dict[str, A
     if data.get("schema") not in schemas:
         raise UsageError("--save: %s holds %s, not %s results; refusing to overwrite it" %
                          (path, data.get("schema") or "something else", schemas[0].split("/")[1]))
-    if data.get("prompts") is not None and dig(data, "summary", "state") == "complete":
-        raise UsageError("--save: %s holds a finished sweep; save to another file (or remove it)"
-                         % path)
     return data
+
+
+def finished_sweep(doc: Optional[Json]) -> bool:
+    return bool(doc) and doc.get("prompts") is not None and dig(
+        doc, "summary", "state") == "complete"
+
+
+def keep_finished_sweep(path: str, out: "Out") -> None:
+    """The finished sweep at --save moved to the first free PATH.N.json beside it, and said,
+    so that the same command run twice keeps both sweeps (the newer under the name asked
+    for). A hard link, then the old name removed: an existing file is never overwritten."""
+    root, ext = os.path.splitext(path)
+    for n in range(1, MAX_KEPT_SWEEPS + 1):
+        kept = "%s.%d%s" % (root, n, ext or ".json")
+        try:
+            os.link(path, kept)
+        except FileExistsError:
+            continue
+        except OSError as err:
+            raise UsageError("--save: %s holds a finished sweep that cannot be kept beside it "
+                             "(%s); save to another file" % (path, err.strerror)) from None
+        os.unlink(path)
+        out.warn("--save: %s held a finished sweep; it is kept as %s" % (path, kept))
+        return
+    raise UsageError("--save: %s holds a finished sweep, and %s.1 to %s.%d%s are taken; save "
+                     "to another file" % (path, root, root, MAX_KEPT_SWEEPS, ext))
 
 
 def cell_fault(cell: Any) -> Optional[str]:
@@ -3350,8 +3439,9 @@ def refuse_foreign_options(parser: argparse.ArgumentParser,
         if action.dest not in belongs:
             continue
         title, modes = belongs[action.dest]
-        name = action.option_strings[-1] if action.option_strings[-1].startswith("--") \
-            else action.option_strings[0]
+        # its own name: the first long spelling (--url, not its alias --base-url)
+        name = next((o for o in action.option_strings if o.startswith("--")),
+                    action.option_strings[0])
         if mode is None:
             raise UsageError("%s needs a --mode (%s): without one run.py shows the guide"
                              % (name, ", ".join(m for m in modes if m != "help")))
@@ -3495,6 +3585,9 @@ class RequestTiming:
     tokens: int  # output tokens
     tpot_s: Optional[float]  # time per output token after the first
     progress_events: int  # stream events that reported more tokens
+    # the gaps between those events, as `vllm bench serve` counts inter-token latency: kept
+    # for the arm's ITL figures, not saved request by request
+    itl_s: List[float] = field(default_factory=list, metadata=NOT_SAVED)
 
 
 LOAD_FIGURES = ("latency", "ttft", "tpot")  # what each request of a load trial is timed on
@@ -3506,20 +3599,37 @@ UNMEASURED_STREAM = (
 
 @dataclass(frozen=True)
 class Spread:
-    """A figure over every request of an arm: its median and 99th percentile."""
+    """A figure over every request of an arm (every gap between tokens, for ITL): mean,
+    median, 90th and 99th percentile, the four `vllm bench serve` prints."""
 
+    mean_s: float
     median_s: float
+    p90_s: float
     p99_s: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Optional["Spread"]:
+        if not values:
+            return None
+        return cls(statistics.fmean(values), statistics.median(values),
+                   percentile(values, 0.90), percentile(values, 0.99))
+
+    def text(self) -> str:
+        """The four in milliseconds, as a load report's row shows them."""
+        return "/".join("%.1f" % (1000 * value) for value in
+                        (self.mean_s, self.median_s, self.p90_s, self.p99_s))
 
 
 @dataclass(frozen=True)
 class LoadStats:
-    """One cost arm under load: medians and p99 of every request's latency, TTFT and TPOT,
-    the medians of the trials' throughputs, and every request's timing."""
+    """One cost arm under load: the Spread of every request's latency, TTFT and TPOT and of
+    every inter-token gap (ITL), the medians of the trials' throughputs, and every request's
+    timing."""
 
     latency: Optional[Spread]
     ttft: Optional[Spread]
     tpot: Optional[Spread]
+    itl: Optional[Spread] = field(metadata=saved(omit_none=True))  # None: a token-less stream
     unmeasured: Optional[str] = field(metadata=saved(omit_none=True))  # why there is no TTFT
     median_tokens_per_s: Optional[float]
     median_requests_per_s: Optional[float]
@@ -3531,9 +3641,10 @@ class LoadStats:
         spreads = {}
         for figure in LOAD_FIGURES:
             found = (getattr(r, figure + "_s") for trial in requests for r in trial)
-            values = [v for v in found if v is not None]
-            spreads[figure] = (Spread(statistics.median(values), percentile(values, 0.99))
-                               if values else None)
+            spreads[figure] = Spread.of([v for v in found if v is not None])
+        # only streams whose tokens came one by one (a TTFT was seen) have gaps that mean ITL
+        spreads["itl"] = Spread.of([gap for trial in requests for r in trial
+                                    if r.ttft_s is not None for gap in r.itl_s])
         # A trial shorter than the clock's resolution has no rate: it is left out.
         timed = [t for t in zip(requests, output_tokens, samples_s) if t[2] > 0]
         tokens_per_s = statistics.median(n / s for _, n, s in timed) if timed else None
@@ -3565,16 +3676,14 @@ class LoadCell:
     def report(self, compared_on: str, out: Out) -> None:
         """Each arm's throughput and latencies, and what the flag costs in each."""
 
-        def ms(spread: Optional[Spread]) -> str:
-            if spread is None:
-                return "unmeasured"
-            return "%.1f/%.1f ms" % (1000 * spread.median_s, 1000 * spread.p99_s)
-
         for name, stats in self.load.items():
-            out.line("  flag %-3s %s tokens/s, %s requests/s; median/p99: latency %s, TTFT %s, "
-                     "TPOT %s" % (name, fmt_opt(stats.median_tokens_per_s, "?", "%.1f"),
-                                  fmt_opt(stats.median_requests_per_s, "?", "%.2f"),
-                                  ms(stats.latency), ms(stats.ttft), ms(stats.tpot)))
+            out.line("  flag %-3s %s tokens/s, %s requests/s" % (
+                name, fmt_opt(stats.median_tokens_per_s, "?", "%.1f"),
+                fmt_opt(stats.median_requests_per_s, "?", "%.2f")))
+            shown = ("%s %s" % (label, spread.text() if spread else "unmeasured")
+                     for label, spread in (("TTFT", stats.ttft), ("TPOT", stats.tpot),
+                                           ("ITL", stats.itl), ("E2E", stats.latency)))
+            out.line("           mean/median/p90/p99 ms: %s" % ", ".join(shown))
         for figure in LOAD_FIGURES:
             overhead = self.overheads[figure]
             label = figure.upper() if figure != "latency" else "latency"
@@ -3654,12 +3763,15 @@ class LoadTrials:
     @staticmethod
     def add_arguments(group: argparse._ArgumentGroup) -> None:
         group.add_argument(
-            "--concurrency", type=whole_number(1, MAX_BATCH_SIZE), metavar="C",
+            "--concurrency", "--max-concurrency", dest="concurrency",
+            type=whole_number(1, MAX_BATCH_SIZE), metavar="C",
             help="time a server under load instead of one batch request: each trial is "
             "--requests one-prompt streamed requests, at most C in flight (throughput, TTFT, "
-            "TPOT and latency of both arms)")
-        group.add_argument("--requests", type=whole_number(1, MAX_REQUESTS), metavar="R",
-                           help="requests per load trial (default 4 x --concurrency; at least C)")
+            "TPOT, ITL and latency of both arms), as `vllm bench serve --max-concurrency C`")
+        group.add_argument("--requests", "--num-prompts", dest="requests",
+                           type=whole_number(1, MAX_REQUESTS), metavar="R",
+                           help="requests per load trial, as one `vllm bench serve "
+                           "--num-prompts R` run (default 4 x --concurrency; at least C)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Optional["LoadTrials"]:
@@ -3695,13 +3807,17 @@ class LoadTrials:
             start = CLOCK()
             first = last = None
             count = first_count = events = 0
+            gaps: List[float] = []
             try:
                 post.connect()
                 post.send()
                 for event in post.events():
                     seen = parsed("a stream event", adapter.streamed_tokens, event)
                     if seen is not None and seen > count:
-                        count, last, events = seen, CLOCK(), events + 1
+                        now = CLOCK()
+                        if last is not None:
+                            gaps.append(now - last)
+                        count, last, events = seen, now, events + 1
                         if first is None:
                             first, first_count = last, seen
             finally:
@@ -3716,7 +3832,7 @@ class LoadTrials:
             if token_by_token(first_count, events, count):
                 ttft = first - start
                 tpot = (last - first) / (count - 1) if count > 1 else None
-            return RequestTiming(ttft, last - start, count, tpot, events)
+            return RequestTiming(ttft, last - start, count, tpot, events, gaps)
 
         # Each trial's arrivals drawn from a seed of its own, the same on both arms
         arrivals = self.arrivals
@@ -6090,6 +6206,8 @@ def run_sweep(cfg: Config, out: Out) -> int:
     send = sender.shape(options.traffic)
     sweeps: List[PromptSweep] = []
 
+    if cfg.save and finished_sweep(cfg.prior_save):
+        keep_finished_sweep(cfg.save, out)
     saves = ThrottledSave(cfg.save, exclusive=True)
     progress = Progress(out,
                         len(options.prompts) * options.repeat * len(sizes), "batches", cfg.quiet)

@@ -17,11 +17,17 @@ How it runs the arms, and why:
     its health check: on one real H200 a vLLM arm whose memory profiling ran while the other
     was still loading counted that memory as its own and exited. Arms on separate devices
     start together. placement.sh decides which devices each arm gets.
+  - Each arm is swept as soon as it is ready: on one device the flag-off arm while the
+    flag-on arm loads, on their own devices both at once (a sweep compares answers, not
+    times). The cost cells run once both arms are ready and every sweep is done, alone.
   - Each arm's port must be free before anything starts: the lab must measure its own
     servers, not a leftover one.
   - Both arms are watched from launch to the end. An arm that exits stops every step at once,
     with one line naming it, its exit status and the end of its log.
-  - TERM, INT and HUP stop the running step (the lab saves what it measured, marked with the
+  - Each step says when it starts (step k of n, its TP degree, what it measures), where a
+    long one stands every 15 s, and when it ends; REPORT.md says when each arm started and
+    was ready, and when each step started and how long it took.
+  - TERM, INT and HUP stop the running steps (the lab saves what it measured, marked with the
     signal's state) and both arms within seconds; the exit code is the signal's.
   - Between TP degrees both arms are restarted. A degree that GPUS cannot hold is skipped with
     one line; the others still run.
@@ -32,22 +38,31 @@ the key: a copies sweep's divergence is not batching alone), with the prefill ch
 each arm with copies in one request, the upstream tests' shape, kept as its own labelled
 sweep. Flag off expects a difference, flag on none.
 
-Variables (all optional):
-  GPUS, TP, MEM, MODEL, BACKEND  the placement and the launch scripts' settings; TP takes a list
-  MAX_MODEL_LEN, RADIX_CACHE     passed to the launch scripts (see vllm_serve.sh, sglang_serve.sh)
-  EXTRA_ARGS                     more engine flags, the same for both arms
-  SERVE_OFF, SERVE_ON  the commands that start each arm (default: this folder's launch script
-                       for the engine, with PORT set); the practice engine, for a dry run:
-                       SERVE_OFF="python3 tests/stub_server.py --port 8000"
-                       SERVE_ON="python3 tests/stub_server.py --port 8001 --invariant"
-  OFF_PORT, ON_PORT    the arms' ports: the launch scripts listen there, the lab asks there
-                       (default: a --port in SERVE_OFF/SERVE_ON, else the engine's own pair)
-  OFF_URL, ON_URL      where the arms answer, for arms behind another address (their port is
-                       the launch scripts' too)
-  WAIT                 seconds an arm may take to answer its health check (default 900)
-  COPIES               on (the default): also sweep each arm with copies in one request, the
-                       upstream tests' shape; off: the concurrent sweeps only
-  SWEEP_ARGS, COST_ARGS  extra options for every sweep and for each cost cell
+Variables (all optional), with their defaults:
+  GPUS=0                the devices, a comma list; placement.sh gives each arm its own where
+                        there are enough, else both share them (MEM: each arm's memory share,
+                        0.45 when they share)
+  TP=1                  the TP degrees, a comma list (TP=1,2: the 2x2 cost table)
+  MODEL, BACKEND, MAX_MODEL_LEN, RADIX_CACHE
+                        the launch scripts' settings (their defaults: vllm_serve.sh and
+                        sglang_serve.sh; MAX_MODEL_LEN: the model's own)
+  EXTRA_ARGS=           more engine flags, the same for both arms
+  SERVE_OFF, SERVE_ON   the commands that start each arm (default: this folder's launch
+                        script for the engine, with PORT set); the practice engine, for a
+                        dry run: SERVE_OFF="python3 tests/stub_server.py --port 8000"
+                        SERVE_ON="python3 tests/stub_server.py --port 8001 --invariant"
+  OFF_PORT, ON_PORT     the arms' ports: the launch scripts listen there, the lab asks there
+                        (default: a --port in SERVE_OFF/SERVE_ON, else 8000 and 8001 for vllm,
+                        30000 and 30001 for sglang)
+  OFF_URL, ON_URL       where the arms answer, for arms behind another address (default
+                        http://localhost:PORT; their port is the launch scripts' too)
+  WAIT=900              seconds an arm may take to answer its health check
+  COPIES=on             also sweep each arm with copies in one request, the upstream tests'
+                        shape; off: the concurrent sweeps only
+  OVERLAP=on            sweep an arm while the other still loads; off: no sweep before both
+                        arms are ready (an engine whose start-up cannot share its device)
+  SWEEP_ARGS=, COST_ARGS=
+                        extra run.py options for every sweep and for each cost cell
 
 Exit codes: 0 every step ran and every --expect held; otherwise the first failing step's
 code (run.py's: 1 an --expect did not hold, 3 a server failed, ...); 2 a malformed variable or
@@ -87,6 +102,7 @@ POLL_S = 0.2  # how often the arms and the running step are looked at
 STEP_GRACE_S = 2.0  # a first TERM stops the lab after its request, a second one at once
 STOP_GRACE_S = 10.0  # an arm's process group gets this long after TERM, then KILL
 LOG_TAIL_LINES = 5  # lines of a dead arm's log quoted in its one-line message
+PROGRESS_EVERY_S = 15.0  # a running step's newest progress line is said at most this often
 
 EXIT_ARM = 4  # an arm exited, could not be started, or was not ready within WAIT
 EXIT_SKIPPED = 5  # every step ran, but a TP degree was skipped: the report is not whole
@@ -111,6 +127,14 @@ SWEEPS = [
 ]
 
 
+def have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def exit_meaning(code: int) -> str:
     if code < 0:
         return "killed by %s" % signal.Signals(-code).name
@@ -127,7 +151,8 @@ class ArmFailed(Exception):
 
 class Stopped(Exception):
     def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        super().__init__("Ctrl-C (SIGINT)" if signum == signal.SIGINT else name)
         self.signum = signum
 
 
@@ -146,6 +171,7 @@ class Settings:
     sweep_args: List[str]
     cost_args: List[str]
     copies: bool  # COPIES: the copies-in-one-request sweeps too
+    overlap: bool  # OVERLAP: an arm is swept while the other still loads
 
 
 def split_words(name: str, env: Dict[str, str]) -> List[str]:
@@ -185,9 +211,12 @@ def refuse_owned_options(name: str, words: List[str]) -> None:
                    ", ".join(OWNED_OPTIONS[name])))
 
 
+USAGE = "usage: examples/experiment.sh vllm|sglang OUTPUT_FOLDER (--help: the variables)"
+
+
 def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
     if len(argv) != 2 or argv[0] not in ENGINE_PORTS:
-        raise UsageError("usage: examples/experiment.sh vllm|sglang OUTPUT_FOLDER")
+        raise UsageError(USAGE)
     engine, output = argv
     entries = env.get("TP", "1").split(",")
     if not all(e.isdigit() and e.isascii() and int(e) > 0 for e in entries):
@@ -233,13 +262,16 @@ def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
         wait_s=wait_s,
         sweep_args=split_words("SWEEP_ARGS", env),
         cost_args=split_words("COST_ARGS", env),
-        copies=copies_wanted(env.get("COPIES", "on")),
+        copies=on_or_off("COPIES", env),
+        overlap=on_or_off("OVERLAP", env),
     )
 
 
-def copies_wanted(value: str) -> bool:
+def on_or_off(name: str, env: Dict[str, str]) -> bool:
+    """A switch variable: on (its default) or off."""
+    value = env.get(name, "on")
     if value not in ("on", "off"):
-        raise UsageError("COPIES=%s: on or off" % value)
+        raise UsageError("%s=%s: on or off" % (name, value))
     return value == "on"
 
 
@@ -300,6 +332,8 @@ class Arm:
     env: Dict[str, str]  # with the placement's CUDA_VISIBLE_DEVICES
     log_path: str
     process: Optional[subprocess.Popen] = None
+    started_at: Optional[float] = None  # time.time() when its command was started
+    ready_at: Optional[float] = None  # when it first answered its health check
 
     @property
     def name(self) -> str:
@@ -310,6 +344,7 @@ class Arm:
         return set(self.env.get("CUDA_VISIBLE_DEVICES", "").split(","))
 
     def start(self) -> None:
+        self.started_at = time.time()
         with open(self.log_path, "wb") as log:
             # A process group of its own: stopping it reaches the launch script, the engine
             # and the engine's workers; the terminal's Ctrl-C reaches only the experiment.
@@ -397,40 +432,48 @@ def signal_group(process: subprocess.Popen, signum: int) -> bool:
     return True
 
 
-def wait_ready(arms: List[Arm], watched: List[Arm], wait_s: float) -> None:
-    """Until every arm of arms answers its health check; any watched arm that exits meanwhile
-    fails at once."""
-    deadline = time.monotonic() + wait_s
-    waiting = list(arms)
-    while waiting:
-        for arm in watched:
-            arm.check_running()
-        for arm in list(waiting):
+class Startup:
+    """The arms' start-up at one degree, advanced one poll at a time (poll) so that steps run
+    meanwhile. Arms on separate devices start together. Arms that share one start one after
+    the other, the flag-on arm once the flag-off arm answers its health check: on one real
+    H200 a vLLM arm whose memory profiling ran while the other was still loading counted that
+    memory as its own and exited. Each arm has WAIT seconds from its own start."""
+
+    def __init__(self, arms: List[Arm], wait_s: float):
+        off, on = arms
+        self.arms, self.wait_s = arms, wait_s
+        self.shared = sorted(off.devices & on.devices)
+        self.queued = [on] if self.shared else []  # to start once the one before is ready
+        self.loading = [off] if self.shared else [off, on]  # started, not ready yet
+        if self.shared:
+            say("the arms share device(s) %s: the flag-on arm starts once the flag-off arm is "
+                "ready, and the flag-off arm is swept while the flag-on arm loads"
+                % ",".join(self.shared))
+        for arm in self.loading:
+            arm.start()
+
+    def ready(self, key: str) -> bool:
+        return any(arm.key == key and arm.ready_at is not None for arm in self.arms)
+
+    @property
+    def done(self) -> bool:
+        return not self.loading and not self.queued
+
+    def poll(self) -> None:
+        """Look once at every arm still loading: a ready one is said (and the next queued arm
+        started), one past WAIT fails the run; an arm that exits fails it (check_arms)."""
+        for arm in list(self.loading):
             if arm.healthy():
-                say("%s is ready at %s" % (arm.name, arm.url))
-                waiting.remove(arm)
-        if waiting and time.monotonic() > deadline:
-            raise waiting[0].failure("was not ready within %gs (WAIT)" % wait_s)
-        if waiting:
-            time.sleep(POLL_S)
-
-
-def start_arms(arms: List[Arm], wait_s: float) -> None:
-    """Arms on separate devices start together; arms that share one, one after the other."""
-    off, on = arms
-    if off.devices & on.devices:
-        say(
-            "the arms share device(s) %s: the flag-on arm starts once the flag-off arm is ready"
-            % ",".join(sorted(off.devices & on.devices))
-        )
-        off.start()
-        wait_ready([off], [off], wait_s)
-        on.start()
-        wait_ready([on], arms, wait_s)
-    else:
-        off.start()
-        on.start()
-        wait_ready(arms, arms, wait_s)
+                arm.ready_at = time.time()
+                say("%s is ready at %s, %.0f s after its start"
+                    % (arm.name, arm.url, arm.ready_at - arm.started_at))
+                self.loading.remove(arm)
+            elif time.time() - arm.started_at > self.wait_s:
+                raise arm.failure("was not ready within %gs (WAIT)" % self.wait_s)
+        if self.queued and not self.loading:
+            arm = self.queued.pop(0)
+            arm.start()
+            self.loading.append(arm)
 
 
 # ----------------------------------------------------------------------------
@@ -447,6 +490,34 @@ class Step:
     outputs: List[str] = dataclasses.field(default_factory=list)
     argv: List[str] = dataclasses.field(default_factory=list)  # the command, as run
     reason: str = ""  # a failed step's own last line: why it failed
+    what: str = ""  # what it measures, said as it starts
+    number: int = 0  # its place in the run, from 1
+    started: Optional[float] = None  # time.time()
+    ended: Optional[float] = None
+
+    def title(self) -> str:
+        return "%s%s" % (self.name, " (TP %d)" % self.tp if self.tp else "")
+
+
+@dataclasses.dataclass
+class Job:
+    """A step to run: its command and where its output goes; once started, its process and
+    how far its stderr has been read for progress lines."""
+
+    step: Step
+    argv: List[str]
+    stdout_path: str
+    process: Optional[subprocess.Popen] = None
+    files: List = dataclasses.field(default_factory=list)  # its stdout and stderr, open
+    said_at: float = 0.0  # time.monotonic() of its last progress line said
+    read_to: int = 0  # bytes of its stderr read so far
+
+    @property
+    def err_path(self) -> Optional[str]:
+        """Its stderr beside its stdout (a .txt); a picture's goes nowhere."""
+        if not self.stdout_path.endswith(".txt"):
+            return None
+        return self.stdout_path[: -len(".txt")] + ".err"
 
 
 class Experiment:
@@ -455,7 +526,9 @@ class Experiment:
         self.steps: List[Step] = []
         self.skipped: List[str] = []
         self.arms: List[Arm] = []
-        self.step_process: Optional[subprocess.Popen] = None
+        self.running: List[Job] = []  # the steps running now
+        self.planned = 0  # the steps the run means to take: "step k of n"
+        self.arm_times: List[Tuple[int, Arm]] = []  # (TP, arm) of every arm started: the report
         self.started = time.time()
         self.ended: Optional[float] = None
         self.exit_code = 0
@@ -469,51 +542,104 @@ class Experiment:
         return [sys.executable, os.path.join(ROOT, "run.py")] + list(args)
 
     def run_step(self, step: Step, argv: List[str], stdout_path: str) -> None:
-        """Run one lab command with its stdout and stderr in files, watching both arms while
-        it runs; a failed step's reason is its last line on stderr."""
+        """Run one step alone, the arms watched while it runs."""
+        self.run_lanes([[Job(step, argv, stdout_path)]])
+
+    def run_lanes(self, lanes: List[List[Job]], startup: Optional[Startup] = None,
+                  gates: Optional[List[str]] = None) -> None:
+        """Run each lane's jobs one after the other and the lanes side by side, watching the
+        arms all the while: with a startup, a lane starts its next job only once the arm its
+        gate names is ready, and the run goes on until every arm is. A step's reason, when it
+        fails, is its last line on stderr; an arm that exits stops every running step."""
+        lanes = [list(lane) for lane in lanes]
+        running: List[Optional[Job]] = [None] * len(lanes)
+        try:
+            while any(lanes) or any(running) or (startup is not None and not startup.done):
+                self.check_arms()
+                if startup is not None:
+                    startup.poll()
+                for i, lane in enumerate(lanes):
+                    job = running[i]
+                    if job is not None and job.process.poll() is not None:
+                        self.finish_job(job)
+                        running[i] = job = None
+                    gate_open = startup is None or gates is None or startup.ready(gates[i])
+                    if job is None and lane and gate_open:
+                        running[i] = self.begin_job(lane.pop(0))
+                    elif job is not None:
+                        self.relay_progress(job)
+                if any(lanes) or any(running) or (startup is not None and not startup.done):
+                    time.sleep(POLL_S)
+        except ArmFailed:
+            for job in running:
+                if job is not None:
+                    job.step.note = "stopped: an arm exited"
+            self.stop_steps()
+            raise
+
+    def begin_job(self, job: Job) -> Job:
+        step = job.step
         self.steps.append(step)
-        step.argv = argv
-        err_path = stdout_path[: -len(".txt")] + ".err" if stdout_path.endswith(".txt") else None
-        with open(stdout_path, "a", encoding="utf-8") as stdout, open(
-            err_path or os.devnull, "a", encoding="utf-8"
-        ) as stderr:
-            self.step_process = subprocess.Popen(
-                argv,
-                stdout=stdout,
-                stderr=stderr,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-            try:
-                while True:
-                    self.check_arms()
-                    try:  # back at once when the step ends; the arms looked at every POLL_S
-                        self.step_process.wait(timeout=POLL_S)
-                        break
-                    except subprocess.TimeoutExpired:
-                        continue
-                step.exit_code = self.step_process.returncode
-                self.check_arms()  # a step that failed because its arm died is the arm's failure
-            except ArmFailed:
-                step.note = "stopped: an arm exited"
-                self.stop_step()
-                raise
-            self.step_process = None
+        step.argv, step.number, step.started = job.argv, len(self.steps), time.time()
+        say("step %d of %d: %s%s" % (step.number, max(self.planned, step.number), step.title(),
+                                     ": " + step.what if step.what else ""))
+        job.files = [open(job.stdout_path, "a", encoding="utf-8"),
+                     open(job.err_path or os.devnull, "a", encoding="utf-8")]
+        job.said_at = time.monotonic()
+        job.process = subprocess.Popen(
+            job.argv,
+            stdout=job.files[0],
+            stderr=job.files[1],
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.running.append(job)
+        return job
+
+    def relay_progress(self, job: Job) -> None:
+        """A running step's newest progress line, at most every PROGRESS_EVERY_S: a step of
+        minutes on a GPU says where it stands."""
+        if job.err_path is None or time.monotonic() - job.said_at < PROGRESS_EVERY_S:
+            return
+        job.said_at = time.monotonic()
+        try:
+            with open(job.err_path, "rb") as f:
+                f.seek(job.read_to)
+                text = f.read()
+        except OSError:
+            return
+        complete = text[: text.rfind(b"\n") + 1]  # a line still being written waits
+        job.read_to += len(complete)
+        marker = "run.py: progress: "
+        lines = [line for line in complete.decode("utf-8", "replace").splitlines()
+                 if line.startswith(marker)]
+        if lines:
+            say("  step %d: %s" % (job.step.number, lines[-1][len(marker):]))
+
+    def finish_job(self, job: Job) -> None:
+        step = job.step
+        step.exit_code, step.ended = job.process.returncode, time.time()
+        for f in job.files:
+            f.close()
+        self.running.remove(job)
+        self.check_arms()  # a step that failed because its arm died is the arm's failure
         step.note = (
             exit_meaning(step.exit_code)
             if step.lab
             else "drawn" if step.exit_code == 0 else "failed"
         )
-        if step.exit_code != 0 and err_path:
-            step.reason = failure_reason(stdout_path, err_path)
+        if step.exit_code != 0 and job.err_path:
+            step.reason = failure_reason(job.stdout_path, job.err_path)
         say(
-            "%s%s: exit %d, %s%s"
+            "step %d of %d: %s: exit %d, %s%s, %.0f s"
             % (
-                step.name,
-                " (TP %d)" % step.tp if step.tp else "",
+                step.number,
+                max(self.planned, step.number),
+                step.title(),
                 step.exit_code,
                 step.note,
                 ": " + step.reason if step.reason else "",
+                step.ended - step.started,
             )
         )
         if step.exit_code != 0 and self.exit_code == 0:
@@ -523,27 +649,30 @@ class Experiment:
         for arm in self.arms:
             arm.check_running()
 
-    def stop_step(self, signum: int = signal.SIGTERM) -> None:
-        """The lab's own stop, by the signal that stopped the experiment (Ctrl-C stays
-        Ctrl-C in what the step saves): a first one stops it after the current request, a
-        second at once; either way it saves what it measured, marked as the signal says."""
-        process, self.step_process = self.step_process, None
-        if process is None or process.poll() is not None:
-            return
+    def stop_steps(self, signum: int = signal.SIGTERM) -> None:
+        """The lab's own stop of every running step, by the signal that stopped the
+        experiment (Ctrl-C stays Ctrl-C in what the step saves): a first one stops it after
+        the current request, a second at once; either way it saves what it measured, marked
+        as the signal says. The steps' groups are signalled together, then waited for."""
+        jobs, self.running = list(self.running), []
         for _ in range(2):
-            signal_group(process, signum)
-            try:
-                process.wait(timeout=STEP_GRACE_S)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        else:
-            signal_group(process, signal.SIGKILL)
-            process.wait()
-        if self.steps and self.steps[-1].exit_code is None:
-            self.steps[-1].exit_code = process.returncode
-            if not self.steps[-1].note:
-                self.steps[-1].note = exit_meaning(process.returncode)
+            live = [job for job in jobs if job.process.poll() is None]
+            for job in live:
+                signal_group(job.process, signum)
+            deadline = time.monotonic() + STEP_GRACE_S
+            while any(job.process.poll() is None for job in live) and time.monotonic() < deadline:
+                time.sleep(POLL_S / 4)
+        for job in jobs:
+            if job.process.poll() is None:
+                signal_group(job.process, signal.SIGKILL)
+            job.process.wait()
+            for f in job.files:
+                f.close()
+            step = job.step
+            if step.exit_code is None:
+                step.exit_code, step.ended = job.process.returncode, time.time()
+                if not step.note:
+                    step.note = exit_meaning(job.process.returncode)
 
     def stop_arms(self) -> None:
         for arm in self.arms:  # what the launch scripts logged they ran, for the report
@@ -556,7 +685,9 @@ class Experiment:
         self.arms = []
 
     def degree(self, tp: int, places: Dict[str, Dict[str, str]]) -> None:
-        """Both arms at one TP degree: start them, sweep both, time both workloads, stop them."""
+        """Both arms at one TP degree: start them and sweep each as soon as it is ready (the
+        flag-off arm while the flag-on arm loads, on one device; both at once on their own),
+        then, both ready and every sweep done, time both workloads alone, and stop them."""
         s = self.settings
         folder = os.path.join(self.run_dir, "tp%d" % tp)
         os.makedirs(folder)
@@ -570,11 +701,13 @@ class Experiment:
             )
             for key in ("off", "on")
         ]
+        self.arm_times += [(tp, arm) for arm in self.arms]
         say("TP %d: starting both arms (logs in %s)" % (tp, folder))
-        start_arms(self.arms, s.wait_s)
-        for stem, key, traffic, expect, shape in SWEEPS:
-            if traffic == "copies" and not s.copies:
-                continue
+        startup = Startup(self.arms, s.wait_s)
+        if not self.environment:  # asked while the first arm loads, not before it starts
+            self.environment = environment(self.env)
+        lanes: Dict[str, List[Job]] = {"off": [], "on": []}
+        for stem, key, traffic, expect, shape in self.sweeps():
             save = os.path.join(folder, stem + ".json")
             argv = self.lab(
                 "--mode",
@@ -592,8 +725,13 @@ class Experiment:
             )
             argv += ["--prefill-check"] if traffic == "concurrent" else []
             argv += ["--expect", expect] if expect else []
-            step = Step("flag-%s sweep, %s" % (key, shape), tp, outputs=[save])
-            self.run_step(step, argv + s.sweep_args, save[:-5] + ".txt")
+            what = "unique completions and ULPs across batch sizes, flag %s, %s%s" % (
+                key, shape, " (expect %s)" % expect if expect else "")
+            step = Step("flag-%s sweep, %s" % (key, shape), tp, outputs=[save], what=what)
+            lanes[key].append(Job(step, argv + s.sweep_args, save[:-5] + ".txt"))
+        if not s.overlap:  # no arm swept before both are ready: each lane waits for both
+            self.run_lanes([], startup)
+        self.run_lanes([lanes["off"], lanes["on"]], startup, gates=["off", "on"])
         self.tp_against_first(tp)
         cost = os.path.join(self.run_dir, "cost.json")
         for workload in ("cold", "shared-prefix"):
@@ -616,10 +754,20 @@ class Experiment:
                 cost,
                 *s.cost_args
             )
-            self.run_step(
-                Step("cost, %s" % workload, tp, outputs=[cost]), argv, cost[:-5] + ".txt"
-            )
+            step = Step("cost, %s" % workload, tp, outputs=[cost],
+                        what="the flag's overhead, %s workload, both arms alone" % workload)
+            self.run_step(step, argv, cost[:-5] + ".txt")
         self.stop_arms()
+
+    def sweeps(self) -> List[Tuple[str, str, str, Optional[str], str]]:
+        """The sweeps of one degree (SWEEPS, the copies sweeps only with COPIES=on)."""
+        return [sweep for sweep in SWEEPS if sweep[2] != "copies" or self.settings.copies]
+
+    def plan(self, degrees: List[int]) -> int:
+        """How many steps a run at these degrees takes: each degree's sweeps and two cost
+        cells, a TP comparison from the second degree on, and the pictures."""
+        steps = sum(len(self.sweeps()) + 2 for _ in degrees) + max(0, len(degrees) - 1)
+        return steps + (len(degrees) + 1 if degrees and have_matplotlib() else 0)
 
     def tp_against_first(self, tp: int) -> None:
         """TP invariance of batch 1: the flag-on arm at this degree against the first degree's
@@ -654,13 +802,12 @@ class Experiment:
             "--save",
             save
         )
-        step = Step("TP %d against TP %d, batch 1, flag on" % (tp, first), tp, outputs=[save])
+        step = Step("TP %d against TP %d, batch 1, flag on" % (tp, first), tp, outputs=[save],
+                    what="batch 1 against the first degree's, bit for bit")
         self.run_step(step, argv, save[:-5] + ".txt")
 
     def pictures(self) -> None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
+        if not have_matplotlib():
             say("no matplotlib, no pictures (pip install matplotlib)")
             return
         for tp in self.settings.degrees:
@@ -684,7 +831,6 @@ class Experiment:
             )
 
     def run(self) -> None:
-        self.environment = environment(self.env)
         places = {}
         for tp in self.settings.degrees:
             found = {arm: placement(arm, tp, self.env) for arm in ("off", "on")}
@@ -698,6 +844,7 @@ class Experiment:
                 self.skipped.append(line)
             else:
                 places[tp] = found
+        self.planned = self.plan(list(places))
         for tp, found in places.items():
             self.degree(tp, found)
         self.pictures()
@@ -752,7 +899,7 @@ def environment(env: Dict[str, str]) -> List[Tuple[str, str]]:
     """What the report says of the machine, the software and the model, found before any arm
     starts: the lab's version, the GPUs (model, count, driver, CUDA), torch as the arms'
     Python sees it, and the model's shape where its config.json is at hand."""
-    found = [("lab", "run.py %s" % lab.LAB_VERSION), ("host", socket.gethostname()),
+    found = [("lab", "run.py %s" % lab.lab_code()), ("host", socket.gethostname()),
              ("Python", sys.version.split()[0])]
     gpus = command_output(["nvidia-smi", "--query-gpu=name,driver_version",
                            "--format=csv,noheader"], env, 20)
@@ -771,9 +918,15 @@ def environment(env: Dict[str, str]) -> List[Tuple[str, str]]:
                             "torch.version.cuda)"], env)
     found.append(("torch", "%s (CUDA %s)" % tuple(torch.split()[:2]) if len(torch.split()) > 1
                   else "not importable by the experiment's Python"))
+    for engine in ("vllm", "sglang"):  # as the experiment's Python has it installed
+        version = command_output([sys.executable, "-c", "import importlib.metadata as m; "
+                                  "print(m.version(%r))" % engine], env)
+        if version:
+            found.append(("%s installed" % engine, version))
     model = env.get("MODEL", "")
     config = load(os.path.join(model, "config.json")) if model and os.path.isdir(model) else None
-    found.append(("model", model or "the launch script's default"))
+    if model:
+        found.append(("model", model))
     if config:
         shape = ", ".join("%s %s" % (k, config[k]) for k in MODEL_SHAPE if k in config)
         found.append(("model shape", "%s: %s" % (fmt(config.get("architectures")), shape)))
@@ -1003,6 +1156,73 @@ def findings(exp: Experiment) -> List[str]:
     return lines or ["- No sweep was saved."]
 
 
+def served(exp: Experiment) -> List[Tuple[str, str]]:
+    """What the arms themselves said, from the first degree's saved sweeps: the engine and its
+    version, and the model where MODEL did not name it (a launch command of one's own)."""
+    found = []
+    for tp in exp.settings.degrees:
+        folder = os.path.join(exp.run_dir, "tp%d" % tp)
+        docs = [load(os.path.join(folder, stem + ".json")) for stem, *_ in SWEEPS[:2]]
+        servers = [d["server"] for d in docs if d and isinstance(d.get("server"), dict)]
+        if not servers:
+            continue
+        versions = sorted({"%s %s" % (fmt(sv.get("engine")), fmt(sv.get("version")))
+                           for sv in servers})
+        found.append(("engine (as the arms report it)", "; ".join(versions)))
+        if not exp.env.get("MODEL"):
+            models = sorted({fmt(sv.get("model")) for sv in servers})
+            found.append(("model (as the arms report it)", "; ".join(models)))
+        return found
+    if not exp.env.get("MODEL"):
+        found.append(("model", "not known: no MODEL, and no sweep saved what the arms serve"))
+    return found
+
+
+def since(exp: Experiment, moment: Optional[float]) -> str:
+    """A moment of the run as minutes and seconds after its start."""
+    if moment is None:
+        return "-"
+    seconds = max(0, int(round(moment - exp.started)))
+    return "+%d:%02d" % (seconds // 60, seconds % 60)
+
+
+def duration(first: Optional[float], last: Optional[float]) -> str:
+    return "%.0f s" % (last - first) if first is not None and last is not None else "-"
+
+
+def start_up_seconds(exp: Experiment) -> Optional[float]:
+    """The arms' start-up, as the run spent it: at each degree from the first arm's start to
+    the last one's ready (arms that share a device load one after the other, so theirs add
+    up; arms on their own devices overlap), summed over the degrees; None where an arm never
+    became ready."""
+    total = 0.0
+    for tp in sorted({tp for tp, _ in exp.arm_times}):
+        arms = [arm for degree, arm in exp.arm_times if degree == tp]
+        if any(arm.started_at is None or arm.ready_at is None for arm in arms):
+            return None
+        total += max(arm.ready_at for arm in arms) - min(arm.started_at for arm in arms)
+    return total if exp.arm_times else None
+
+
+def time_spent(exp: Experiment) -> List[str]:
+    """Where the run's time went: each arm's start and ready, the whole run against the
+    arms' start-up, and every step's start and duration."""
+    lines = ["## Where the time went", ""]
+    wall = (exp.ended or time.time()) - exp.started
+    start_up = start_up_seconds(exp)
+    if start_up:
+        lines += ["The whole run took %.0f s; the arms' start-up %.0f s of it (at each degree, "
+                  "from the first arm's start to the last one's ready): %.2f times the "
+                  "start-up." % (wall, start_up, wall / start_up), ""]
+    else:
+        lines += ["The whole run took %.0f s." % wall, ""]
+    lines += table(["TP", "arm", "started", "ready", "start-up"], [
+        [str(tp), arm.key, since(exp, arm.started_at), since(exp, arm.ready_at),
+         duration(arm.started_at, arm.ready_at)]
+        for tp, arm in exp.arm_times]) + [""]
+    return lines
+
+
 def report(exp: Experiment) -> str:
     """REPORT.md: what was found and how, from the files the steps saved, in an order a reader
     can paste: the status, the findings, the cost table, the environment, the launch commands,
@@ -1022,7 +1242,7 @@ def report(exp: Experiment) -> str:
     lines += ["One cell alone is not a result: the 2x2 table is TP 1 and your real TP degree, "
               "cold and shared-prefix. Brackets: 95 % interval of the median paired ratio.", ""]
     lines += ["## Environment", ""] + table(["what", "value"],
-                                               [[k, v] for k, v in exp.environment])
+                                               [[k, v] for k, v in exp.environment + served(exp)])
     lines += ["", "## How the arms were started", ""]
     for key in ("off", "on"):
         for line in exp.launched.get(key) or [" ".join(exp.settings.serve[key])]:
@@ -1058,9 +1278,15 @@ def report(exp: Experiment) -> str:
         lines.append("")
     if os.path.exists(os.path.join(exp.run_dir, "cost.png")):
         lines += ["![cost cells](cost.png)", ""]
+    if any(os.path.exists(os.path.join(exp.run_dir, *p)) for p in [("cost.png",)] + [
+            ("tp%d" % tp, "sweep.png") for tp in exp.settings.degrees]):
+        lines += ["The pictures are files beside this report (`tp*/sweep.png`, `cost.png`): "
+                  "pasted elsewhere, attach them.", ""]
+    lines += time_spent(exp)
     lines += ["## Steps", ""]
-    lines += table(["TP", "step", "exit", "meaning", "output"], [
-        [str(step.tp or "-"), step.name, fmt(step.exit_code, "not finished"),
+    lines += table(["#", "TP", "step", "started", "took", "exit", "meaning", "output"], [
+        [str(step.number), str(step.tp or "-"), step.name, since(exp, step.started),
+         duration(step.started, step.ended), fmt(step.exit_code, "not finished"),
          step.note + (": " + step.reason if step.reason else ""),
          ", ".join("`%s`" % os.path.relpath(p, exp.run_dir) for p in step.outputs)]
         for step in exp.steps])
@@ -1131,10 +1357,14 @@ def raise_stopped(signum, frame):
 
 def main(argv=None, env=None) -> int:
     global KEYS
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        sys.stdout.write(__doc__.lstrip() + "\n")
+        return 0
     env = dict(os.environ if env is None else env)
     KEYS = Keys(env)
     try:
-        settings = read_settings(sys.argv[1:] if argv is None else argv, env)
+        settings = read_settings(argv, env)
         for tp in settings.degrees:  # every variable checked before anything starts
             placement("off", tp, env)
         for arm, url in settings.urls.items():
@@ -1165,9 +1395,11 @@ def main(argv=None, env=None) -> int:
     finally:
         for s in SIGNAL_EXITS:  # the clean-up below is bounded; let nothing cut it short
             signal.signal(s, signal.SIG_IGN)
-        exp.stop_step(stopping)
+        exp.stop_steps(stopping)
         exp.stop_arms()
         exp.ended = time.time()
+        if not exp.environment:  # no arm started: the report still says where it ran
+            exp.environment = environment(env)
         text = report(exp)
         write_report(os.path.join(run_dir, "REPORT.md"), text)
         for s, handler in previous.items():

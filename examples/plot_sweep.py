@@ -79,17 +79,20 @@ def figure(docs, paths):
                     "s", color=colour)
         ax_div.plot(held, [max_tokens] * len(held), "s", mfc="white", color=colour)
     ax_ulp.set_yscale("log", base=2)
-    ax_ulp.yaxis.set_major_formatter(FuncFormatter(lambda v, _: "0" if v == ZERO_LINE else "%g" % v))
+    # whole numbers of ULP in full (1048576, not 1.04858e+06)
+    ax_ulp.yaxis.set_major_formatter(FuncFormatter(
+        lambda v, _: "0" if v == ZERO_LINE else "%d" % v if v >= 1 else "%g" % v))
     ax_ulp.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
     ax_ulp.axhline(ZERO_LINE, color="0.5", lw=0.6, ls=":")
-    ax_ulp.text(0.6, ZERO_LINE * 1.1, "bit-identical", fontsize=8, color="0.35")
-    ax_ulp.set_ylabel("max ULP vs batch 1 (float32)")
+    # what the markers mean goes in the axis labels: a text inside the axes sits on markers
+    ax_ulp.set_ylabel("max ULP vs batch 1 (float32, log scale;\nopen at the dotted line: 0)",
+                      fontsize=9)
     fig.suptitle("Batch invariance sweep: logprob distance and token divergence per batch size", fontsize=11)
     ax_ulp.set_ylim(ZERO_LINE / 1.5, max([2.0] + [u for doc in docs for _, u, _ in per_size(doc)]) * 2.5)
     fig.legend(*ax_ulp.get_legend_handles_labels(), fontsize=8, loc="lower center", frameon=False)
     ax_div.set_ylim(-2, max_tokens + 4)
-    ax_div.text(0.6, max_tokens - 6, "open: every token held", fontsize=8, color="0.35")
-    ax_div.set_ylabel("first token divergence (step)")
+    ax_div.set_ylabel("first token divergence (step;\nopen at the top: every token held)",
+                      fontsize=9)
     ax_div.set_xlabel("batch size (shaded: CUDA-graph buckets of %s)" % label(docs[0], paths[0]).split(" (")[0])
     fig.tight_layout(rect=(0, 0.035 * len(docs) + 0.01, 1, 1))
     return fig

@@ -27,8 +27,11 @@ counting from 1: --fault 3=http500, drop, badjson, nochoices, fewer, nulllogprob
 ragged, clamp, redirect, huge, stall, cachehit (its prompts served from the prefix cache, as
 if an earlier request had cached them), and the hostile ones (slowstatus, trickle, endlessline,
 longline, hugeusage, echokey, keyinbody: see StubHandler). --step-delay S makes each decode step take S
-seconds, --slowdown F multiplies that when --invariant is on, and --jitter J adds
-seeded noise of +-J of it.
+seconds, --slowdown F multiplies all of its time when --invariant is on (the decode steps and
+the batching window alike, so that a cost run's overhead is the stated F - 1), and --jitter J
+adds seeded noise of +-J of it. --load-seconds S: the port is not opened for S seconds, as a
+real engine refuses connections while it loads its model (the experiment's dry run, with
+arms that take seconds to be ready).
 """
 
 import argparse
@@ -257,7 +260,7 @@ class StubConfig:
     attention_backend: Optional[str] = None  # reported backend; engine default if None
     dev_mode: bool = True                    # vLLM: serve /server_info (VLLM_SERVER_DEV_MODE=1)
     step_delay: float = 0.0                  # seconds per decode step, for cost runs
-    slowdown: float = 1.0                    # delay multiplier when invariant, for cost runs
+    slowdown: float = 1.0                    # time multiplier when invariant: steps and window
     jitter: float = 0.0                      # +- this share of the delay, seeded: GPU timing noise
     faults: Dict[int, str] = field(default_factory=dict)  # k-th generation request -> fault
     seed: int = 0                            # the shared generator used when no seed is sent
@@ -499,13 +502,16 @@ def run_batch(config: StubConfig, state: EngineState, prompts: List[str], max_to
             state.remember(key, out)
         results.append(out)
     if config.step_delay > 0 and not state.streaming():
-        # Emulated GPU time: the batch takes steps x delay (x slowdown with the flag on),
-        # however long the arithmetic above took, so the two arms differ by a known factor.
+        # Emulated GPU time: the batch takes steps x delay, however long the arithmetic above
+        # took. On the virtual clock the flag's slowdown multiplies it here; on the real
+        # clock the handler stretches all of the request's time (stretched), the batching
+        # window and the arithmetic included, so the two arms differ by the stated factor.
         steps = max(len(r["ids"]) for r in results)
-        factor = config.slowdown if config.invariant else 1.0
+        virtual = config.clock is not None
+        factor = config.slowdown if config.invariant and virtual else 1.0
         noise = 1.0 + config.jitter * (2.0 * state.timing_rng.random() - 1.0)
         busy = config.step_delay * factor * steps * noise
-        if config.clock is not None:
+        if virtual:
             config.clock.advance(busy)
         else:
             time.sleep(max(0.0, started + busy - time.perf_counter()))
@@ -840,6 +846,7 @@ class StubHandler(BaseHTTPRequestHandler):
         self.send_json(404, {"detail": "Not Found"})
 
     def do_POST(self):
+        received = time.perf_counter()  # the request line and headers are in: its time starts
         path = urlsplit(self.path).path
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length)
@@ -944,8 +951,19 @@ class StubHandler(BaseHTTPRequestHandler):
         if self.server.state.streaming():
             prompt = body.get("prompt") if self.config.engine == "vllm" else body.get("text")
             return self.stream(answer, arrived, json.dumps(prompt), fault)
+        self.stretched(received)
         self.send_json(200, corrupt(answer, fault, self.config.engine) if fault not in (None, "cachehit") else
                        floats_as_sent(answer, self.config))
+
+    def stretched(self, received: float) -> None:
+        """With the flag on, --slowdown F and --step-delay: wait until F times the time the
+        request has taken since its headers were in (reading its body, its batching window,
+        arithmetic and emulated GPU steps), so that all of the flag-on arm's own time is
+        slowed by F, as the README says."""
+        config = self.config
+        if config.invariant and config.step_delay > 0 and config.clock is None:
+            elapsed = time.perf_counter() - received
+            time.sleep(max(0.0, (config.slowdown - 1.0) * elapsed))
 
     def stream(self, answer, arrived: float, prompt: str, fault: Optional[str] = None) -> None:
         """The answer as server-sent events, one per token, token k due k+1 step delays (x
@@ -1199,7 +1217,12 @@ def main(argv=None) -> int:
     p.add_argument("--no-decode-graphs", action="store_true", help="SGLang: report decode CUDA graphs as off")
     p.add_argument("--prefill-agrees", action="store_true", help="prefill computes as a batch-1 decode step")
     p.add_argument("--fault", action="append", default=[], metavar="K=KIND")
+    p.add_argument("--load-seconds", type=float, default=0.0, help="seconds before the port "
+                   "opens, as an engine loading its model (default 0)")
     args = p.parse_args(argv)
+    if args.load_seconds > 0:
+        print("stub: loading for %gs (the port opens after)" % args.load_seconds, flush=True)
+        time.sleep(args.load_seconds)
     config = StubConfig(
         engine=args.engine, invariant=args.invariant, model=args.model, host=args.host,
         port=args.port if args.port is not None else (8000 if args.engine == "vllm" else 30000),

@@ -106,9 +106,14 @@ class BadArguments(TempDirTest):
 
     def test_engine_and_url(self):
         self.refused("--mode", "sweep", "--engine", "tgi", message="--engine")
-        for url in ("file:///etc/passwd", "ftp://host/x", "localhost:8000", "http://"):
+        for url in ("file:///etc/passwd", "ftp://host/x", "http://"):
             with self.subTest(url=url):
                 self.refused("--mode", "sweep", "--url", url, message="not an http:// or https:// URL")
+        for url in ("localhost:8000", "gpu-box"):  # no scheme: the hint names the URL to give
+            with self.subTest(url=url):
+                self.refused("--mode", "sweep", "--url", url,
+                             message="has no scheme: the lab speaks plain HTTP to engines, so "
+                             "give http://" + url)
         self.refused("--mode", "cost", "--url", self.stub.url, "--invariant", "file:///x",
                      message="--invariant")
 
@@ -167,8 +172,11 @@ class InputBoundedBeforeAnyRequest(TempDirTest):
         for url, message in [
             ("http://[::1", "not a URL the lab can use (Invalid IPv6 URL)"),
             ("http://127.0.0.1:8000/v1/completions",
-             "give the server's base URL, not an endpoint: http://127.0.0.1:8000 (the lab adds "
-             "/v1/completions itself)"),
+             "give the server's base URL, not an endpoint: http://127.0.0.1:8000 (the lab sends "
+             "to its own paths under it: /v1/completions on vLLM, /generate on SGLang)"),
+            ("http://127.0.0.1:8000/v1/chat/completions",  # not the lab's: it says which it uses
+             "not an endpoint: http://127.0.0.1:8000 (the lab sends to its own paths under it: "
+             "/v1/completions on vLLM"),
             ("http://127.0.0.1:30000/generate", "not an endpoint: http://127.0.0.1:30000"),
             ("http://127.0.0.1:8000 /v1", "the URL has a space in it"),
         ]:

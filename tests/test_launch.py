@@ -161,7 +161,8 @@ class ExperimentRuns(Experiment):
             "| TP=1 | ",
             "| TP=k | missing (your real TP degree) | missing |",
             "## Environment",
-            "| lab | run.py %s |" % run.LAB_VERSION,
+            "| lab | run.py %s |" % run.lab_code(),
+            "| engine (as the arms report it) | vllm ",
             "## How the arms were started",
             "VLLM_BATCH_INVARIANT=1 vllm serve stub/tiny-f32 --port %d" % self.ports[1],
             "## Parameters",
@@ -180,6 +181,48 @@ class ExperimentRuns(Experiment):
         self.assertEqual(concurrent["status"], "held")
         self.assertEqual(self.load_run("tp1", "sweep_on.json")["summary"]["verdict"], "invariant")
         self.assert_no_server_left()
+
+    def test_the_flag_off_arm_is_swept_while_the_flag_on_arm_loads(self):
+        """One device: the flag-on arm loads only once the flag-off arm is ready, and the
+        flag-off arm's sweeps run meanwhile; each step says when it starts and what it
+        measures, and the report says when each arm was ready and each step ran."""
+        code, out, err = self.finish(self.start(STANDIN_LOAD_S="2"))
+        self.assertEqual(code, 0, err)
+        said = err.splitlines()
+        first, on_ready = self.first_step_and_on_ready(said)
+        self.assertLess(first, on_ready, err)
+        self.assertRegex(said[first], r"^experiment: step 1 of \d+: flag-off sweep, concurrent "
+                         r"requests \(TP 1\): unique completions and ULPs across batch sizes, "
+                         r"flag off, concurrent requests \(expect variant\)$")
+        self.assertRegex(err, r"step 1 of \d+: flag-off sweep, concurrent requests \(TP 1\): "
+                              r"exit 0, ran, and any --expect held, \d+ s")
+        self.assertRegex(err, r"step \d+ of \d+: cost, cold \(TP 1\): the flag's overhead, "
+                              r"cold workload, both arms alone")
+        cost = next(i for i, line in enumerate(said) if ": cost, cold (TP 1): the" in line)
+        self.assertTrue(all(i < cost for i, line in enumerate(said) if "sweep" in line
+                            and "exit" in line), err)  # the cost runs once every sweep is done
+        report = self.load_run("REPORT.md")
+        self.assertIn("## Where the time went", report)
+        self.assertRegex(report, r"The whole run took \d+ s; the arms' start-up \d+ s of it")
+        self.assertRegex(report, r"\| 1 \| off \| \+0:00 \| \+0:0\d \| \d s \|")
+        self.assertRegex(report, r"\| 1 \| on \| \+0:0\d \| \+0:\d\d \| \d s \|")
+        self.assertIn("| # | TP | step | started | took | exit | meaning | output |", report)
+        self.assertRegex(report, r"\| 1 \| 1 \| flag-off sweep, concurrent requests \| "
+                                 r"\+0:0\d \| \d+ s \| 0 \|")
+
+    def test_overlap_off_sweeps_no_arm_before_both_are_ready(self):
+        code, out, err = self.finish(self.start(OVERLAP="off"))
+        self.assertEqual(code, 0, err)
+        first, on_ready = self.first_step_and_on_ready(err.splitlines())
+        self.assertGreater(first, on_ready, err)
+
+    @staticmethod
+    def first_step_and_on_ready(said):
+        """Where, among the lines the experiment said, its first step started and the
+        flag-on arm was ready."""
+        first = next(i for i, line in enumerate(said) if "step 1 of" in line)
+        on_ready = next(i for i, line in enumerate(said) if "the flag-on arm is ready" in line)
+        return first, on_ready
 
     def test_separate_devices_start_together(self):
         code, out, err = self.finish(self.start(GPUS="0,1", STANDIN_LOAD_S="1"))
@@ -207,7 +250,8 @@ class ExperimentRuns(Experiment):
         versus = self.load_run("tp2", "tp2_vs_tp1.json")
         self.assertEqual(versus["summary"]["verdict"], "invariant")
         self.assertIn("TP invariance of batch 1 (flag on, `tp2_vs_tp1.json`): invariant, max ULP 0.", report)
-        self.assertIn("| 2 | TP 2 against TP 1, batch 1, flag on | 0 |", report)
+        self.assertRegex(report, r"\| \d+ \| 2 \| TP 2 against TP 1, batch 1, flag on \| "
+                                 r"\+\d:\d\d \| \d+ s \| 0 \|")
 
     def test_a_degree_the_devices_cannot_hold_is_skipped_with_a_line(self):
         code, out, err = self.finish(self.start(GPUS="0", TP="1,2"))

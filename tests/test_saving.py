@@ -54,15 +54,35 @@ class SavingCanFail(TempDirTest):
         self.assertEqual([p.returncode for p in procs], [0, 0], errors)
         self.assertEqual(sorted(c["workload"] for c in self.load("c.json")["cells"]), ["cold", "shared-prefix"])
 
-    def test_a_finished_sweep_is_never_replaced(self):
+    def test_a_finished_sweep_is_kept_beside_the_next_one(self):
+        """The same command run twice (the quick start, re-run in its folder): the second run
+        measures, the first sweep is kept as s.1.json and said, a third as s.2.json."""
         with StubServer() as stub:
             args = ("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 2, "--repeat", 1,
                     "--save", self.path("s.json"))
             self.assertEqual(run_lab(*args).code, 0)
-            before = self.load("s.json")
-            n = len(stub.requests)
+            first = self.load("s.json")
             r = run_lab(*args)
-            self.assertEqual(len(stub.requests), n)
+            self.assertEqual(r.code, 0, r.stderr)
+            self.assertIn("s.json held a finished sweep; it is kept as %s" % self.path("s.1.json"),
+                          r.stderr)
+            self.assertEqual(self.load("s.1.json"), first)
+            second = self.load("s.json")
+            self.assertNotEqual(second, first)  # measured anew (its times are its own)
+            self.assertEqual(run_lab(*args).code, 0)
+            self.assertEqual(self.load("s.2.json"), second)
+            self.assertEqual(self.load("s.1.json"), first)
+
+    def test_a_finished_sweep_that_cannot_be_kept_is_refused_before_any_generation(self):
+        with StubServer() as stub:
+            args = ("--mode", "sweep", "--url", stub.url, "--sizes", "1", "--max-tokens", 2,
+                    "--repeat", 1, "--save", self.path("s.json"))
+            self.assertEqual(run_lab(*args).code, 0)
+            before = self.load("s.json")
+            n = len(stub.generation_bodies())
+            with mock.patch.object(run, "MAX_KEPT_SWEEPS", 0):
+                r = run_lab(*args)
+            self.assertEqual(len(stub.generation_bodies()), n)
         one_error_line(self, r, 2, "holds a finished sweep")
         self.assertEqual(self.load("s.json"), before)
 
@@ -124,10 +144,12 @@ class Provenance(TempDirTest):
                 self.assertTrue(lab["host"])
         self.assertIn("[api key]", self.load("s.json")["lab"]["command"])
 
-    def test_version(self):
+    def test_version_names_the_code(self):
         p = subprocess.run([sys.executable, os.path.join(ROOT, "run.py"), "--version"], capture_output=True,
                            text=True, timeout=60)
-        self.assertEqual((p.returncode, p.stdout.strip()), (0, "run.py (batch-invariance lab) %s" % run.LAB_VERSION))
+        self.assertEqual((p.returncode, p.stdout.strip()),
+                         (0, "run.py (batch-invariance lab) %s" % run.lab_code()))
+        self.assertTrue(run.lab_code().startswith(run.LAB_VERSION + ", "))
 
 
 if __name__ == "__main__":

@@ -168,7 +168,7 @@ class FaultsOfTheLabsOwn(TempDirTest):
                 run.LoadStats.of([[timing]], [1.0], [4])
             except run.statistics.StatisticsError as err:
                 message = run.internal_error(err)
-        source, first = inspect.getsourcelines(run.LoadStats.of)
+        source, first = inspect.getsourcelines(run.Spread.of)
         named = int(re.search(r"run\.py line (\d+)", message).group(1))
         self.assertIn("percentile(", source[named - first])
 
