@@ -1301,8 +1301,13 @@ KEYS: Optional["Keys"] = None  # the keys main() was given, kept out of an engin
 
 
 def say(line: str) -> None:
-    sys.stderr.write("experiment: %s\n" % line)
-    sys.stderr.flush()
+    """A line on stderr. A stderr that can no longer be written (`... 2>&1 | head`, a closed
+    terminal) silences the lines, never the run: the steps go on and REPORT.md is written."""
+    try:
+        sys.stderr.write("experiment: %s\n" % line)
+        sys.stderr.flush()
+    except (OSError, ValueError):  # ValueError: the stream was closed
+        pass
 
 
 def new_run_dir(output: str) -> str:
@@ -1406,7 +1411,13 @@ def main(argv=None, env=None) -> int:
             signal.signal(s, handler)
     if exp.stopped_by:
         say("stopped by %s" % exp.stopped_by)
-    sys.stdout.write(text)
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except (OSError, ValueError):  # the pipe closed: REPORT.md holds the report whole
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # nothing more to flush at exit, and no traceback
+        os.close(devnull)
     say("report: %s" % os.path.join(run_dir, "REPORT.md"))
     return exp.exit_code
 

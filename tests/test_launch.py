@@ -186,7 +186,7 @@ class ExperimentRuns(Experiment):
         """One device: the flag-on arm loads only once the flag-off arm is ready, and the
         flag-off arm's sweeps run meanwhile; each step says when it starts and what it
         measures, and the report says when each arm was ready and each step ran."""
-        code, out, err = self.finish(self.start(STANDIN_LOAD_S="2"))
+        code, out, err = self.finish(self.start(STANDIN_LOAD_S="1"))
         self.assertEqual(code, 0, err)
         said = err.splitlines()
         first, on_ready = self.first_step_and_on_ready(said)
@@ -209,6 +209,17 @@ class ExperimentRuns(Experiment):
         self.assertIn("| # | TP | step | started | took | exit | meaning | output |", report)
         self.assertRegex(report, r"\| 1 \| 1 \| flag-off sweep, concurrent requests \| "
                                  r"\+0:0\d \| \d+ s \| 0 \|")
+
+    def test_a_closed_output_pipe_silences_the_lines_not_the_run(self):
+        """`experiment.sh ... 2>&1 | head`: once the reader has gone, the run goes on and
+        writes its report, with no traceback."""
+        p = self.start()
+        p.stdout.close()
+        p.stderr.close()
+        self.assertEqual(p.wait(timeout=240), 0)
+        self.assertTrue(self.load_run("REPORT.md").startswith(
+            "# Batch-invariance experiment, vllm: complete"))
+        self.assert_no_server_left()
 
     def test_overlap_off_sweeps_no_arm_before_both_are_ready(self):
         code, out, err = self.finish(self.start(OVERLAP="off"))
