@@ -3242,6 +3242,13 @@ def server_address(url: str) -> Tuple[str, str, int, str]:
     return parts.scheme, "loopback" if is_loopback(host) else host, port, parts.path.rstrip("/")
 
 
+# Endpoints a base URL is mistaken for: the adapters add their own paths to the base URL
+ENDPOINT_PATHS = sorted({p for a in ADAPTERS.values() for p in (a.generate_path, a.health_path)}
+                        | {"/v1/chat/completions", "/v1/models"}, key=len, reverse=True)
+# The paths the lab itself asks, as a refused URL's hint names them
+ENDPOINTS_USED = ", ".join("%s on %s" % (a.generate_path, a.label) for a in ADAPTERS.values())
+
+
 def check_url(url: str, option: str) -> str:
     """The server's base URL: as an engine logs it (http://0.0.0.0:8000, which is this machine)
     or as OpenAI clients take it (ending in /v1, which the lab adds itself)."""
@@ -3285,10 +3292,6 @@ def check_url(url: str, option: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, netloc, path, "", ""))
 
 
-# Endpoints a base URL is mistaken for: the adapters add their own paths to the base URL
-ENDPOINT_PATHS = sorted({p for a in ADAPTERS.values() for p in (a.generate_path, a.health_path)}
-                        | {"/v1/chat/completions", "/v1/models"}, key=len, reverse=True)
-ENDPOINTS_USED = ", ".join("%s on %s" % (a.generate_path, a.label) for a in ADAPTERS.values())
 MAX_INPUT_FILE_MB = 1024  # a prompt file or lab result larger than this is refused, not read
 MAX_KEPT_SWEEPS = 999  # finished sweeps kept beside one --save name (PATH.1.json and on)
 
@@ -5128,6 +5131,11 @@ def parse_lengths(text: str) -> List[int]:
     return lengths
 
 
+def fmt_nats(nats: float) -> str:
+    """A drift in nats as the table shows it: 0 where nothing moved, else two figures."""
+    return "0" if not nats else "%.2g" % nats
+
+
 class NeighbourCheck(SweepCheck):
     """--neighbours L,...: in every pass, batch 1's prompt is sent again (NEIGHBOUR_RUNS times
     for each length L) while NEIGHBOUR_STREAMS clients keep sending neighbours: requests of L
@@ -5387,6 +5395,11 @@ class ObserverCheck(SwitchedCheck):
 # Server baseline (--baseline PATH|URL): batch 1 from a file or another server
 
 
+def saved_number(x: Any) -> bool:
+    """A number as a save writes it: a JSON number, or a word for a value JSON has none for."""
+    return is_number(x) or x in ("NaN", "Infinity", "-Infinity")
+
+
 def baseline_fault(rec: Any) -> Optional[str]:
     """What is wrong with a stored baseline completion, naming the field; None if nothing."""
     if not isinstance(rec, dict):
@@ -5491,11 +5504,6 @@ class BaselineFile:
 
     def summary_lines(self) -> List[str]:
         return []
-
-
-def saved_number(x: Any) -> bool:
-    """A number as a save writes it: a JSON number, or a word for a value JSON has none for."""
-    return is_number(x) or x in ("NaN", "Infinity", "-Infinity")
 
 
 @dataclass
@@ -5933,6 +5941,15 @@ def size_notes(size: SizeResult, checks: Sequence[SweepCheck]) -> str:
     return "; ".join(notes)
 
 
+def fmt_share(share: Optional[float]) -> str:
+    """A share as a percentage ("-" where there is none, "<1%" for a small one not nil)."""
+    if share is None:
+        return "-"
+    if 0 < share < 0.01:
+        return "<1%"
+    return "%.0f%%" % (100 * share)
+
+
 def size_row(s: SizeResult, checks: Sequence[SweepCheck]) -> str:
     """One batch size's row of the table."""
     ulp = str(s.max_ulp) + ("*" if s.ulp_notes else "")
@@ -5943,20 +5960,6 @@ def size_row(s: SizeResult, checks: Sequence[SweepCheck]) -> str:
         fmt_nats(s.max_nats), fmt_share(s.flip_risk), fmt_opt(s.first_ulp_step), s.seconds,
         size_notes(s, checks))
     return row.rstrip()
-
-
-def fmt_nats(nats: float) -> str:
-    """A drift in nats as the table shows it: 0 where nothing moved, else two figures."""
-    return "0" if not nats else "%.2g" % nats
-
-
-def fmt_share(share: Optional[float]) -> str:
-    """A share as a percentage ("-" where there is none, "<1%" for a small one not nil)."""
-    if share is None:
-        return "-"
-    if 0 < share < 0.01:
-        return "<1%"
-    return "%.0f%%" % (100 * share)
 
 
 def sizes_text(sizes: Sequence[int]) -> str:
@@ -6376,6 +6379,11 @@ class ArmStats:
                    noisy=high / low > NOISE_SPREAD if low > 0 else True)
 
 
+def label_of(record: Any, name: str) -> Any:
+    """One label of a saved record that may not be a record at all."""
+    return record.get(name) if isinstance(record, dict) else None
+
+
 @dataclass(frozen=True)
 class CellIdentity:
     """Everything a cost cell was measured under, read from the cell's own record (this run's
@@ -6442,11 +6450,6 @@ class CellIdentity:
         return ", ".join(parts)
 
 
-def label_of(record: Any, name: str) -> Any:
-    """One label of a saved record that may not be a record at all."""
-    return record.get(name) if isinstance(record, dict) else None
-
-
 @dataclass(frozen=True)
 class CellLabels:
     """What names a cost cell and what the 2x2 table shows of it, read alike from this run's
@@ -6467,7 +6470,6 @@ class CellLabels:
                    Overhead.from_record(record), CellIdentity.of(record))
 
     identity: "CellIdentity"  # everything it was measured under
-
 
 
 @dataclass(frozen=True)
@@ -7248,17 +7250,6 @@ RUNNERS: Dict[str, Callable[[Config, Out], int]] = {  # --mode NAME: the runner 
     "harness": run_harness, "help": run_help, "sweep": run_sweep, "cost": run_cost}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    out = Out()
-    try:
-        with StopsAtOnce():
-            return finish(out, run_mode(argv, out))
-    except (Exception, KeyboardInterrupt) as err:  # a stop at the very end: still one line
-        code, _, why = ending(err)
-        out.say(why, raising=False)
-        return code
-
-
 def run_mode(argv: Optional[Sequence[str]], out: Out) -> int:
     """The mode argv asks for, every exception turned into its exit code and one line."""
     try:
@@ -7295,6 +7286,17 @@ def finish(out: Out, code: int) -> int:
                 pass
         return code if code in (EXIT_USAGE, EXIT_SERVER, EXIT_INTERNAL) else failure.code
     return code
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    out = Out()
+    try:
+        with StopsAtOnce():
+            return finish(out, run_mode(argv, out))
+    except (Exception, KeyboardInterrupt) as err:  # a stop at the very end: still one line
+        code, _, why = ending(err)
+        out.say(why, raising=False)
+        return code
 
 
 if __name__ == "__main__":
