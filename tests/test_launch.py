@@ -335,7 +335,8 @@ class ExperimentFailures(Experiment):
         )
         self.assertIn("illegal memory access", err)
         report = self.load_run("REPORT.md")
-        self.assertIn("| 1 | flag-on sweep, concurrent requests |", report)
+        self.assertRegex(report, r"\| \d+ \| 1 \| flag-on sweep, concurrent requests \| .*\| "
+                                 r"stopped: an arm exited \|")
         self.assertNotIn("cost, cold", report)  # nothing ran after it
         self.assert_no_server_left()
 
