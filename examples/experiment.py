@@ -895,6 +895,23 @@ MODEL_SHAPE = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_att
                "num_key_value_heads", "vocab_size", "torch_dtype")  # config.json keys reported
 
 
+# One Python for every version the report names: torch (imported, for its CUDA) and the
+# engines (as installed), a line each; what is missing prints nothing
+VERSIONS_PROBE = """
+import importlib.metadata as metadata
+for name in ("vllm", "sglang"):
+    try:
+        print(name, metadata.version(name))
+    except metadata.PackageNotFoundError:
+        pass
+try:
+    import torch
+    print("torch", torch.__version__, torch.version.cuda)
+except Exception:
+    pass
+"""
+
+
 def environment(env: Dict[str, str]) -> List[Tuple[str, str]]:
     """What the report says of the machine, the software and the model, found before any arm
     starts: the lab's version, the GPUs (model, count, driver, CUDA), torch as the arms'
@@ -914,15 +931,14 @@ def environment(env: Dict[str, str]) -> List[Tuple[str, str]]:
         found.append(("CUDA (driver)", cuda or "not reported"))
     else:
         found.append(("GPU", "none found (no nvidia-smi): a dry run"))
-    torch = command_output([sys.executable, "-c", "import torch; print(torch.__version__, "
-                            "torch.version.cuda)"], env)
-    found.append(("torch", "%s (CUDA %s)" % tuple(torch.split()[:2]) if len(torch.split()) > 1
+    versions = dict(line.split(" ", 1) for line in subprocess_lines(
+        [sys.executable, "-c", VERSIONS_PROBE], env, timeout=60) if " " in line)
+    found.append(("torch", "%s (CUDA %s)" % tuple(versions["torch"].split()[:2])
+                  if len(versions.get("torch", "").split()) > 1
                   else "not importable by the experiment's Python"))
     for engine in ("vllm", "sglang"):  # as the experiment's Python has it installed
-        version = command_output([sys.executable, "-c", "import importlib.metadata as m; "
-                                  "print(m.version(%r))" % engine], env)
-        if version:
-            found.append(("%s installed" % engine, version))
+        if engine in versions:
+            found.append(("%s installed" % engine, versions[engine]))
     model = env.get("MODEL", "")
     config = load(os.path.join(model, "config.json")) if model and os.path.isdir(model) else None
     if model:
@@ -933,9 +949,9 @@ def environment(env: Dict[str, str]) -> List[Tuple[str, str]]:
     return found
 
 
-def subprocess_lines(argv: List[str], env: Dict[str, str]) -> List[str]:
+def subprocess_lines(argv: List[str], env: Dict[str, str], timeout: float = 20) -> List[str]:
     try:
-        p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=20)
+        p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.SubprocessError):
         return []
     return [line for line in p.stdout.splitlines() if line.strip()] if p.returncode == 0 else []

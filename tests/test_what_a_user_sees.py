@@ -5,6 +5,7 @@ and its progress, and a practice engine whose --slowdown is the overhead a cost 
 
 import contextlib
 import hashlib
+import importlib.util
 import io
 import os
 import shutil
@@ -189,6 +190,22 @@ class TheExperimentSays(TempDirTest):
             experiment.Experiment.relay_progress(None, job)  # said_at 0: due
             experiment.Experiment.relay_progress(None, job)  # not due again yet
         self.assertEqual(said.getvalue(), "experiment:   step 3: batch 4 done | 2/4 batches\n")
+
+    def test_the_environment_names_torch_and_the_engine_installed(self):
+        """One probe of the experiment's Python: torch with its CUDA, and the engines as
+        installed (a package's metadata is enough)."""
+        os.makedirs(self.path("site/torch"))
+        with open(self.path("site/torch/__init__.py"), "w", encoding="utf-8") as f:
+            f.write('__version__ = "2.14.0"\nclass version:\n    cuda = "13.0"\n')
+        os.makedirs(self.path("site/vllm-0.33.0.dist-info"))
+        with open(self.path("site/vllm-0.33.0.dist-info/METADATA"), "w", encoding="utf-8") as f:
+            f.write("Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n")
+        found = dict(experiment.environment(dict(os.environ, PYTHONPATH=self.path("site"))))
+        self.assertEqual(found["torch"], "2.14.0 (CUDA 13.0)")
+        self.assertEqual(found["vllm installed"], "0.33.0")
+        if importlib.util.find_spec("torch") is None:  # a machine without torch of its own
+            bare = dict(experiment.environment(dict(os.environ, PYTHONPATH=self.path("none"))))
+            self.assertEqual(bare["torch"], "not importable by the experiment's Python")
 
     def test_ctrl_c_is_said_as_ctrl_c(self):
         self.assertEqual(str(experiment.Stopped(signal.SIGINT)), "Ctrl-C (SIGINT)")
