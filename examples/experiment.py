@@ -1232,10 +1232,11 @@ def time_spent(exp: Experiment) -> List[str]:
                   "start-up." % (wall, start_up, wall / start_up), ""]
     else:
         lines += ["The whole run took %.0f s." % wall, ""]
-    lines += table(["TP", "arm", "started", "ready", "start-up"], [
-        [str(tp), arm.key, since(exp, arm.started_at), since(exp, arm.ready_at),
-         duration(arm.started_at, arm.ready_at)]
-        for tp, arm in exp.arm_times]) + [""]
+    if exp.arm_times:  # none where no degree could be placed
+        lines += table(["TP", "arm", "started", "ready", "start-up"], [
+            [str(tp), arm.key, since(exp, arm.started_at), since(exp, arm.ready_at),
+             duration(arm.started_at, arm.ready_at)]
+            for tp, arm in exp.arm_times]) + [""]
     return lines
 
 
