@@ -44,12 +44,11 @@ class TheCodeIsNamed(TempDirTest):
         git(self.tmp, "add", "run.py")
         git(self.tmp, "commit", "-q", "-m", "lab")
         commit = git(self.tmp, "rev-parse", "--short", "HEAD")
-        self.assertEqual(version_of(self.path("run.py")),
-                         (0, "run.py (batch-invariance lab) %s, git %s" % (run.LAB_VERSION, commit)))
+        named = "run.py (batch-invariance lab) %s, git %s" % (run.LAB_VERSION, commit)
+        self.assertEqual(version_of(self.path("run.py")), (0, named))
         with open(self.path("run.py"), "a", encoding="utf-8") as f:
             f.write("\n# a local change\n")
-        self.assertEqual(version_of(self.path("run.py"))[1],
-                         "run.py (batch-invariance lab) %s, git %s-dirty" % (run.LAB_VERSION, commit))
+        self.assertEqual(version_of(self.path("run.py"))[1], named + "-dirty")
 
     def test_a_copy_outside_a_checkout_is_named_by_the_hash_of_its_bytes(self):
         shutil.copy(RUN_PY, self.path("run.py"))
@@ -110,13 +109,14 @@ class TheNamesUsersKnow(unittest.TestCase):
                         "--max-concurrency", 2, "--num-prompts", 4, "--trials", 2, "--warmup", 0,
                         "--max-tokens", 6)
         self.assertEqual(r.code, 0, r.stderr)
-        self.assertRegex(r.stdout, r"mean/median/p90/p99 ms: TTFT [0-9.]+/[0-9.]+/[0-9.]+/[0-9.]+, "
-                                   r"TPOT [0-9./]+, ITL [0-9./]+, E2E [0-9./]+")
+        self.assertRegex(r.stdout, r"mean/median/p90/p99 ms: TTFT [0-9.]+/[0-9.]+/[0-9.]+/"
+                                   r"[0-9.]+, TPOT [0-9./]+, ITL [0-9./]+, E2E [0-9./]+")
 
 
 class ErrorsWithTheirHint(TempDirTest):
     def test_connection_refused_suggests_wait_ready(self):
-        r = run_lab("--mode", "sweep", "--url", "http://127.0.0.1:%d" % free_port(), "--sizes", "1")
+        url = "http://127.0.0.1:%d" % free_port()
+        r = run_lab("--mode", "sweep", "--url", url, "--sizes", "1")
         one_error_line(self, r, 3, "connection refused")
         self.assertIn("--wait-ready SECONDS waits for it", r.stderr)
 
