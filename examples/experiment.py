@@ -883,11 +883,7 @@ def table(columns: List[str], rows: List[List[str]]) -> List[str]:
 
 def command_output(argv: List[str], env: Dict[str, str], timeout: float = 60) -> str:
     """A command's first line of output, or "" when it cannot run here."""
-    try:
-        p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    lines = p.stdout.strip().splitlines() if p.returncode == 0 else []
+    lines = subprocess_lines(argv, env, timeout)
     return lines[0].strip() if lines else ""
 
 
@@ -913,18 +909,18 @@ except Exception:
 
 
 def environment(env: Dict[str, str]) -> List[Tuple[str, str]]:
-    """What the report says of the machine, the software and the model, found before any arm
-    starts: the lab's version, the GPUs (model, count, driver, CUDA), torch as the arms'
-    Python sees it, and the model's shape where its config.json is at hand."""
+    """What the report says of the machine, the software and the model, found while the
+    first arm loads: the lab's version, the GPUs (model, count, driver, CUDA), torch and the
+    engines as the experiment's Python has them, and the model's shape where its config.json
+    is at hand."""
     found = [("lab", "run.py %s" % lab.lab_code()), ("host", socket.gethostname()),
              ("Python", sys.version.split()[0])]
     gpus = command_output(["nvidia-smi", "--query-gpu=name,driver_version",
                            "--format=csv,noheader"], env, 20)
     if gpus:
-        listed = command_output(["nvidia-smi", "-L"], env, 20)
-        count = len(subprocess_lines(["nvidia-smi", "-L"], env)) or 1
+        listed = subprocess_lines(["nvidia-smi", "-L"], env)  # a line a device
         name, _, driver = gpus.partition(",")
-        found += [("GPU", "%d x %s" % (count, name.strip()) if listed else name.strip()),
+        found += [("GPU", "%d x %s" % (len(listed), name.strip()) if listed else name.strip()),
                   ("driver", driver.strip())]
         header = "\n".join(subprocess_lines(["nvidia-smi"], env))
         cuda = header.split("CUDA Version:")[1].split()[0] if "CUDA Version:" in header else ""
