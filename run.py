@@ -4452,21 +4452,6 @@ class SweepCheck:
         """Its options, checked before any request (UsageError on a bad one)."""
         return cls()
 
-    def isolates(self) -> bool:
-        """Does it ask every request to bypass the prefix cache?"""
-        return False
-
-    def servers(self) -> List[Tuple[str, str]]:
-        """Other servers it needs ready, (url, what it is), before the sweep starts."""
-        return []
-
-    def open(self, run: SweepRun) -> None:
-        """Once the server under test is known, before the first batch."""
-
-    def batch1(self, prompt: str) -> Optional[Tuple[Completion, str]]:
-        """The prompt's baseline and where it came from, if this check supplies it."""
-        return None
-
     def params(self) -> Json:
         """What the saved params hold of it."""
         return {}
@@ -4486,21 +4471,9 @@ class SweepCheck:
         """Its record of a batch size over every pass, from the passes' parts."""
         return None
 
-    def size_notes(self, size: SizeResult) -> List[str]:
-        """Its notes in the size's row of the table."""
-        return []
-
     def summary_part(self, parts: List[Any], sizes: List[SizeResult]) -> Any:
         """Its record of the whole sweep, from every pass's part."""
         return None
-
-    def summary_reasons(self, summary: SweepSummary) -> List[str]:
-        """What the summary line adds in brackets after the verdict."""
-        return []
-
-    def summary_notes(self, summary: SweepSummary) -> List[str]:
-        """Its notes just above the summary line."""
-        return []
 
     def summary_lines(self, summary: SweepSummary, sizes: List[SizeResult]) -> List[str]:
         """Its lines after the summary line (a Bold one states its verdict)."""
@@ -4586,14 +4559,16 @@ class BypassCheck:
         return cls(BYPASS_FAILED if hits else BYPASS_HELD, hits)
 
 
-class PrefixCache(SweepCheck):
-    """--prefix-cache: bypass (the default) gives every request a cache key of its own, and
-    empties the cache before every batch where the engine has no such key, so that no prefill
-    is served from an earlier request's cache; whether that held, the cached-token counts
-    the server reports say (BypassCheck). keep leaves the cache alone. Either way a request
-    the cache served compares nothing (PromptSweep.measured)."""
+class CachePolicy:
+    """--prefix-cache, the sweep's cache policy (SweepOptions.cache, used by the core by
+    name): bypass (the default) gives every request a cache key of its own, and empties the
+    cache before every batch where the engine has no such key, so that no prefill is served
+    from an earlier request's cache; whether that held, the cached-token counts the server
+    reports say (BypassCheck), and a bypass that did not hold makes the requests the cache
+    served compare nothing (PromptSweep.measured), named in the summary. keep leaves the
+    cache alone; a request the cache served compares nothing either way."""
 
-    NAME = "prefix_cache"
+    NAME = "prefix_cache"  # the key of its proof among the summary's parts
 
     def __init__(self, choice: str = DEFAULT_PREFIX_CACHE):
         self.choice = choice  # one of PREFIX_CACHE_CHOICES
@@ -4608,18 +4583,15 @@ class PrefixCache(SweepCheck):
             % DEFAULT_PREFIX_CACHE)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, asked: SweepAsked) -> "PrefixCache":
+    def from_args(cls, args: argparse.Namespace) -> "CachePolicy":
         return cls(args.prefix_cache)
 
     @property
     def bypass(self) -> bool:
         return self.choice == "bypass"
 
-    def isolates(self) -> bool:
-        return self.bypass
-
-    def open(self, run: SweepRun) -> None:
-        self.hint = run.cfg.adapter.CACHE_COUNTS_HINT
+    def open(self, adapter: EngineAdapter) -> None:
+        self.hint = adapter.CACHE_COUNTS_HINT
 
     def params(self) -> Json:
         return {"prefix_cache": self.choice}
@@ -4634,7 +4606,7 @@ class PrefixCache(SweepCheck):
                     % (size.cached_tokens, served)]
         return ["cache hit (%s cached tokens)%s" % (size.cached_tokens, served)]
 
-    def summary_part(self, parts: List[Any], sizes: List[SizeResult]) -> Optional[BypassCheck]:
+    def proof(self, sizes: List[SizeResult]) -> Optional[BypassCheck]:
         """The bypass's proof over every pass so far (None when the cache was kept)."""
         if not self.bypass:
             return None
@@ -5551,12 +5523,11 @@ class BaselineServer:
         return ["  against batch 1 of %s" % self.url]
 
 
-class Baseline(SweepCheck):
-    """--baseline PATH|URL: batch 1 of an earlier sweep's file or of another server stands in
+class BaselineSource:
+    """--baseline PATH|URL, the sweep's baseline source (SweepOptions.baseline_source, used
+    by the core by name): batch 1 of an earlier sweep's file or of another server stands in
     for the server's own batch 1, so that batch 1 is compared too (restart to restart, TP to
-    TP, version to version)."""
-
-    NAME = "baseline"
+    TP, version to version). Without it the baseline is the server's own batch 1."""
 
     def __init__(self, source: Optional[Union[BaselineFile, BaselineServer]] = None):
         self.source = source
@@ -5570,7 +5541,7 @@ class Baseline(SweepCheck):
             "prompts and sampling: restart to restart, TP to TP, version to version")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, asked: SweepAsked) -> "Baseline":
+    def from_args(cls, args: argparse.Namespace, asked: SweepAsked) -> "BaselineSource":
         """A server's URL (never the server under test), or a saved sweep recorded for this
         engine, model, sampling and every prompt, checked before any request."""
         text = args.baseline
@@ -5601,10 +5572,10 @@ class Baseline(SweepCheck):
     def params(self) -> Json:
         return self.source.params() if self.source else {}
 
-    def header_lines(self, run: SweepRun) -> List[str]:
+    def header_lines(self) -> List[str]:
         return self.source.header_lines() if self.source else []
 
-    def summary_lines(self, summary: SweepSummary, sizes: List[SizeResult]) -> List[str]:
+    def summary_lines(self) -> List[str]:
         return self.source.summary_lines() if self.source else []
 
 
@@ -5613,8 +5584,8 @@ class Baseline(SweepCheck):
 
 # The checks a sweep can run, in the order they run, print and are saved: each is one
 # section above, and its own options, request changes, records, lines and --expect rules
-SWEEP_CHECKS: Tuple[Type[SweepCheck], ...] = (PrefixCache, Baseline, CacheCheck, PrefillCheck,
-                                               NeighbourCheck, ObserverCheck)
+SWEEP_CHECKS: Tuple[Type[SweepCheck], ...] = (CacheCheck, PrefillCheck, NeighbourCheck,
+                                               ObserverCheck)
 
 
 def check_prompts(prompts: List[str], option: str) -> List[str]:
@@ -5690,6 +5661,8 @@ class SweepOptions:
     expect: Optional[str]  # a key of SWEEP_EXPECT_HELP or a check's EXPECT
     prompt_tokens: Optional[int]  # build a prompt of about this many tokens
     checks: List[SweepCheck]  # one of each of SWEEP_CHECKS, in its order
+    cache: CachePolicy  # --prefix-cache: bypass or keep, and what a bypass showed
+    baseline_source: BaselineSource  # --baseline: a file or server, else batch 1
     long_prompt: Optional[LongPrompt] = None  # the prompt so built, as the server counted it
 
     @staticmethod
@@ -5731,6 +5704,8 @@ class SweepOptions:
         group.add_argument(
             "--expect", choices=tuple(expects),
             help="exit 1 unless " + "; ".join("%s: %s" % item for item in expects.items()))
+        CachePolicy.add_arguments(checks)
+        BaselineSource.add_arguments(checks)
         for kind in SWEEP_CHECKS:
             kind.add_arguments(checks)
 
@@ -5756,6 +5731,10 @@ class SweepOptions:
         if args.traffic == "mixed" and (max(sizes) if sizes else args.max_batch) == 1:
             raise UsageError(
                 "--traffic mixed: batch 1 has no room for other prompts; give sizes above 1")
+        if args.expect == "invariant" and args.repeat < 2:
+            raise UsageError(
+                "--expect invariant needs --repeat 2 or more: its rule needs batch 1 sent "
+                "again, the run-to-run control, and one pass sends it once")
         built = [] if args.prompt_tokens else prompts  # a built prompt is checked once built
         asked = SweepAsked(url, engine, args.model, sampling, built, args.traffic, args.expect)
         checks = [kind.from_args(args, asked) for kind in SWEEP_CHECKS]
@@ -5763,7 +5742,8 @@ class SweepOptions:
         needs = None if concurrent else "--traffic concurrent (one request a prompt)"
         arrivals = Arrivals.configure(args.request_rate, needs)
         return options_from(cls, args, sampling=sampling, sizes=sizes, prompts=prompts,
-                            arrivals=arrivals, checks=checks)
+                            arrivals=arrivals, checks=checks, cache=CachePolicy.from_args(args),
+                            baseline_source=BaselineSource.from_args(args, asked))
 
     def check(self, kind: Type[SweepCheckT]) -> SweepCheckT:
         """The configured check of one kind of SWEEP_CHECKS."""
@@ -5819,9 +5799,9 @@ def sweep_ladder(options: SweepOptions, facts: ServerFacts) -> List[int]:
     else:
         top = options.max_batch if limit is None else min(options.max_batch, limit)
         sizes = straddling_ladder(top, facts.graph_sizes or facts.default_graph_sizes)
-    if 1 not in sizes:
-        sizes.insert(0, 1)  # batch 1 is the baseline, and the stored baseline's peer
-    return sizes
+    # The plan's first step, whatever order the sizes were given in: batch 1 is the baseline
+    # (and the stored baseline's peer), so it is sent before any size compared with it
+    return [1] + [n for n in sizes if n != 1]
 
 
 def sweep_summary(options: SweepOptions, sweeps: List[PromptSweep], state: str) -> SweepSummary:
@@ -5831,6 +5811,9 @@ def sweep_summary(options: SweepOptions, sweeps: List[PromptSweep], state: str) 
     sizes = [size for sweep in sweeps for size in sweep.sizes()]
     measured = Measured.combined([s.measured() for s in sweeps])
     parts = {}
+    proof = options.cache.proof(sizes)
+    if proof is not None:
+        parts[CachePolicy.NAME] = proof
     for check in options.checks:
         part = check.summary_part([r.checks[check.NAME] for _, r in rows
                                    if check.NAME in r.checks], sizes)
@@ -5854,6 +5837,8 @@ def sweep_params(cfg: Config, facts: ServerFacts, sizes: List[int]) -> Json:
                   prompt_tokens=as_record(options.long_prompt), traffic=options.traffic,
                   arrivals=options.arrivals.describe(), repeat=options.repeat,
                   seed_honoured=facts.seed_honoured)
+    params.update(options.cache.params())
+    params.update(options.baseline_source.params())
     for check in options.checks:
         params.update(check.params())
     if options.traffic == "mixed":
@@ -5925,7 +5910,7 @@ def control_text(repeatable: Optional[bool], repeat: int, sweeps: List[PromptSwe
     return "no run-to-run control (batch 1's logprobs hold NaN, which compares to nothing)"
 
 
-def size_notes(size: SizeResult, checks: Sequence[SweepCheck]) -> str:
+def size_notes(size: SizeResult, checks: Sequence[SweepCheck], cache: CachePolicy) -> str:
     notes = []
     if size.overlapped is False:
         notes.append("requests never in flight together: not compared")
@@ -5936,8 +5921,7 @@ def size_notes(size: SizeResult, checks: Sequence[SweepCheck]) -> str:
         notes.append("text differs, tokens equal (%d)" % size.text_only)
     if "top-k changed" in size.ulp_notes:
         notes.append("top-k changed")
-    for check in checks:
-        notes.extend(check.size_notes(size))
+    notes.extend(cache.size_notes(size))
     return "; ".join(notes)
 
 
@@ -5950,7 +5934,7 @@ def fmt_share(share: Optional[float]) -> str:
     return "%.0f%%" % (100 * share)
 
 
-def size_row(s: SizeResult, checks: Sequence[SweepCheck]) -> str:
+def size_row(s: SizeResult, checks: Sequence[SweepCheck], cache: CachePolicy) -> str:
     """One batch size's row of the table."""
     ulp = str(s.max_ulp) + ("*" if s.ulp_notes else "")
     row = "  %5d  %6s  %8d  %8s  %12s  %11s  %10s  %7s  %8s  %9s  %14s  %7.2f  %s" % (
@@ -5958,7 +5942,7 @@ def size_row(s: SizeResult, checks: Sequence[SweepCheck]) -> str:
         "%d/%d" % (s.same_as_baseline, s.completions), "%d/%d" % (s.runs_matched, len(s.runs)),
         fmt_opt(s.first_token_divergence), margin_text(s.divergence_margin), ulp,
         fmt_nats(s.max_nats), fmt_share(s.flip_risk), fmt_opt(s.first_ulp_step), s.seconds,
-        size_notes(s, checks))
+        size_notes(s, checks, cache))
     return row.rstrip()
 
 
@@ -6006,7 +5990,9 @@ class SweepTable:
                  (sampling.max_tokens, how, sampling.logprobs, ",".join(str(s) for s in sizes)))
         out.line("        traffic %s, %d pass%s through the ladder, prefix cache %s" %
                  (options.traffic, options.repeat, "" if options.repeat == 1 else "es",
-                  options.check(PrefixCache).choice))
+                  options.cache.choice))
+        for line in options.baseline_source.header_lines():
+            out.line(line)
         for check in options.checks:
             for line in check.header_lines(run):
                 out.line(line)
@@ -6032,7 +6018,7 @@ class SweepTable:
                           % (number, total, shown, sweep.baseline_source))
             self.out.line(SWEEP_COLUMNS)
         self.rows[number].add(n)
-        self.out.line(size_row(sweep.size(n), self.options.checks))
+        self.out.line(size_row(sweep.size(n), self.options.checks, self.options.cache))
 
     def prompt_done(self, number: int, sweep: PromptSweep) -> None:
         self.closed.add(number)
@@ -6055,11 +6041,9 @@ class SweepTable:
         control = control_text(m.batch1_repeatable, options.repeat, sweeps)
         reasons = [] if summary.state == "complete" else [summary.state]
         reasons += verdict_reasons(summary)
-        for check in options.checks:
-            reasons += check.summary_reasons(summary)
-        for check in options.checks:
-            for line in check.summary_notes(summary):
-                out.line(line)
+        reasons += options.cache.summary_reasons(summary)
+        for line in options.cache.summary_notes(summary):
+            out.line(line)
         out.bold("summary: unique completions %d, total %d, max ULP %d, %s: %s%s"
                  % (m.unique, m.total, m.max_ulp, control, summary.verdict,
                     " (%s)" % "; ".join(reasons) if reasons else ""))
@@ -6067,6 +6051,8 @@ class SweepTable:
             out.line("  drift: at most %s nats between batch 1's logprobs and another's; flip "
                      "risk %s (the share of batch 1's steps whose top two lay that close)"
                      % (fmt_nats(summary.max_nats), fmt_share(summary.flip_risk)))
+        for line in options.baseline_source.summary_lines():
+            out.line(line)
         for check in options.checks:
             for line in check.summary_lines(summary, sizes):
                 if isinstance(line, Bold):
@@ -6139,6 +6125,9 @@ def expect_invariant(summary: SweepSummary) -> Tuple[bool, str]:
     if summary.verdict != INVARIANT:
         return False, ("expectation failed: --expect invariant, but the result is: %s"
                        % summary.verdict)
+    if summary.batch1_repeatable is not True:  # NaN in batch 1: the control compared nothing
+        return False, ("expectation failed: --expect invariant needs a repeatable batch 1 (the "
+                       "run-to-run control), and its passes compared nothing")
     where = ""
     if summary.measured.served_sizes:
         where = "; %s served from the cache, not compared" % sizes_text(
@@ -6184,9 +6173,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
     the saved document (sweep_document), the advice (sweep_advice) and the --expect rule.
     Returns the exit code."""
     options = cfg.sweep
-    servers = [(cfg.url, "the server")]
-    for check in options.checks:
-        servers += check.servers()
+    servers = [(cfg.url, "the server")] + options.baseline_source.servers()
     wait_until_ready(cfg, servers, out)
     cfg = resolve_engine(cfg, servers[:1])
     client, adapter = cfg.client(cfg.url), cfg.adapter
@@ -6201,11 +6188,11 @@ def run_sweep(cfg: Config, out: Out) -> int:
         cfg = dataclasses.replace(cfg, sweep=options)
     sizes = sweep_ladder(options, facts)
     sweep_warnings(facts, sizes, None if options.sizes else options.max_batch, cfg.sampling, out)
-    isolate = any(check.isolates() for check in options.checks)
+    isolate = options.cache.bypass
     sender = Sender(client, adapter, facts.model_id, cfg.sampling, isolate, options.arrivals)
     run = SweepRun(cfg, facts, sender, out)
-    for check in options.checks:
-        check.open(run)
+    options.cache.open(adapter)
+    options.baseline_source.open(run)
     send = sender.shape(options.traffic)
     sweeps: List[PromptSweep] = []
 
@@ -6235,7 +6222,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
                 batch = send(prompt, n, options.seed)
         except ServerError as err:
             raise ServerError("batch size %d%s: %s" % (n, where, err)) from None
-        if sweep.baseline is None:
+        if n == 1 and sweep.baseline is None:  # the baseline is batch 1's, never another's
             sweep.set_baseline(batch.completions[0], "batch 1")
         parts = {}
         for check in options.checks:
@@ -6253,8 +6240,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
             sweep = PromptSweep(prompt, unseeded=samples_unseeded(cfg.sampling, facts),
                                 checks=options.checks)
             sweeps.append(sweep)
-            given = (check.batch1(prompt) for check in options.checks)
-            baseline = next((b for b in given if b is not None), None)
+            baseline = options.baseline_source.batch1(prompt)
             if baseline is not None:
                 sweep.set_baseline(*baseline)
             for pass_no in range(1, options.repeat + 1):

@@ -796,7 +796,7 @@ class Experiment:
             "--sizes",
             "1",
             "--repeat",
-            "1",
+            "2",
             "--expect",
             "invariant",
             "--save",

@@ -62,7 +62,7 @@ class BaselinesThatMatch(TempDirTest):
             first = short_sweep(stub, "--sizes", "1,2", "--prompt-tokens", 40, "--save", self.path("p40.json"))
             self.assertEqual(first.code, 0, first)
             r = short_sweep(stub, "--sizes", "1,2", "--prompt-tokens", 40, "--baseline", self.path("p40.json"),
-                            "--expect", "invariant")
+                            "--repeat", 2, "--expect", "invariant")
         self.assertEqual(r.code, 0, r)
 
 
@@ -72,7 +72,7 @@ class AgainstAnotherServer(TempDirTest):
     def test_a_server_with_other_arithmetic_is_reported_against_the_baseline_server(self):
         with StubServer(StubConfig(invariant=True)) as base, \
                 StubServer(StubConfig(invariant=True, tp_size=2, rotation_offset=1)) as other:
-            r = short_sweep(other, "--sizes", "1,2", "--baseline", base.url, "--expect", "invariant",
+            r = short_sweep(other, "--sizes", "1,2", "--baseline", base.url, "--repeat", 2, "--expect", "invariant",
                       "--save", self.path("s.json"))
             base_bodies = base.generation_bodies()
         self.assertEqual(r.code, 1, r)  # the arithmetic moved between the servers
@@ -88,7 +88,7 @@ class AgainstAnotherServer(TempDirTest):
 
     def test_two_servers_alike_are_invariant_against_each_other(self):
         with StubServer(StubConfig(invariant=True)) as base, StubServer(StubConfig(invariant=True)) as other:
-            r = short_sweep(other, "--sizes", "1,2,9", "--baseline", base.url, "--expect", "invariant")
+            r = short_sweep(other, "--sizes", "1,2,9", "--baseline", base.url, "--repeat", 2, "--expect", "invariant")
         self.assertEqual(r.code, 0, r)
         self.assertIn("reporting the same settings", r.stdout)
 

@@ -14,7 +14,7 @@ class NothingCompared(TempDirTest):
         for engine in ("vllm", "sglang"):
             with self.subTest(engine=engine), StubServer(StubConfig(engine=engine, invariant=True,
                                                                     faults={2: "http500"})) as stub:
-                r = short_sweep(stub, "--sizes", "1,2,4", "--expect", "invariant", "--save", self.path(engine + ".json"))
+                r = short_sweep(stub, "--sizes", "1,2,4", "--repeat", 2, "--expect", "invariant", "--save", self.path(engine + ".json"))
                 self.assertEqual(r.code, 3, r)
                 doc = self.load(engine + ".json")
                 self.assertEqual(doc["summary"]["verdict"], "nothing compared")
@@ -25,14 +25,14 @@ class NothingCompared(TempDirTest):
     def test_both_expectations_fail_on_it(self):
         for expect in ("invariant", "variant"):
             with self.subTest(expect=expect), StubServer(StubConfig(invariant=expect == "invariant")) as stub:
-                r = short_sweep(stub, "--sizes", "1", "--expect", expect)
+                r = short_sweep(stub, "--sizes", "1", "--repeat", 2, "--expect", expect)
                 self.assertEqual(r.code, 1, r)
                 self.assertIn("expectation failed: --expect %s" % expect, r.stdout)
 
     def test_a_stored_baseline_makes_batch_1_a_comparison(self):
         with StubServer(StubConfig(invariant=True)) as stub:
             self.assertEqual(short_sweep(stub, "--sizes", "1,2", "--save", self.path("base.json")).code, 0)
-            r = short_sweep(stub, "--sizes", "1", "--baseline", self.path("base.json"), "--expect", "invariant", "--json")
+            r = short_sweep(stub, "--sizes", "1", "--baseline", self.path("base.json"), "--repeat", 2, "--expect", "invariant", "--json")
         self.assertEqual(r.code, 0, r)
         self.assertEqual(r.json()["summary"]["verdict"], "invariant")
 
@@ -62,7 +62,7 @@ class EvidenceForABatch(TempDirTest):
         seed = next(s for s in range(100) if run.Arrivals(2.0).schedule(2, s + 2)[1] > 0.3)
         with StubServer(StubConfig(scheduler_window=0)) as stub:
             r = short_sweep(stub, "--sizes", "1,2", "--traffic", "concurrent", "--request-rate",
-                            "2", "--seed", seed, "--expect", "invariant", "--json")
+                            "2", "--seed", seed, "--repeat", 2, "--expect", "invariant", "--json")
         self.assertEqual(r.code, 1, r)
         doc = r.json()
         self.assertEqual(doc["summary"]["verdict"], "nothing compared")
@@ -122,7 +122,7 @@ class EvidencePerRequest(TempDirTest):
     def test_flag_on_copies_the_cache_served_certify_nothing(self):
         # copies of one request share the cache: every size above 1 served, the bypass failed
         with StubServer(StubConfig(invariant=True, prompt_tokens_details=True)) as stub:
-            r = short_sweep(stub, "--sizes", "1,2,8", "--expect", "invariant")
+            r = short_sweep(stub, "--sizes", "1,2,8", "--repeat", 2, "--expect", "invariant")
         self.assertEqual(r.code, 1, r)
         self.assertIn(": nothing compared: the cache served every request above batch 1", r.stdout)
         self.assertNotIn(": invariant", r.stdout.split("summary:")[1])
@@ -175,7 +175,7 @@ class TopKMembership(unittest.TestCase):
         for engine in ("vllm", "sglang"):
             with self.subTest(engine=engine), StubServer(StubConfig(engine=engine, invariant=True,
                                                                     topk_edge_swap=True)) as stub:
-                r = short_sweep(stub, "--sizes", "1,2", "--expect", "invariant", "--json")
+                r = short_sweep(stub, "--sizes", "1,2", "--repeat", 2, "--expect", "invariant", "--json")
             self.assertEqual(r.code, 1, r)
             doc = r.json()
             size2 = sizes_of(doc)[2]
@@ -187,7 +187,7 @@ class TopKMembership(unittest.TestCase):
 
     def test_the_same_server_without_the_swap_is_invariant(self):
         with StubServer(StubConfig(invariant=True)) as stub:
-            r = short_sweep(stub, "--sizes", "1,2", "--expect", "invariant", "--json")
+            r = short_sweep(stub, "--sizes", "1,2", "--repeat", 2, "--expect", "invariant", "--json")
         self.assertEqual(r.code, 0, r)
         self.assertNotIn("top-k changed", r.json()["summary"]["ulp_notes"])
 
@@ -195,7 +195,7 @@ class TopKMembership(unittest.TestCase):
 class TextOnly(unittest.TestCase):
     def test_text_that_differs_with_equal_tokens_is_named_so(self):
         with StubServer(StubConfig(invariant=True, faults={2: "textonly"})) as stub:
-            r = short_sweep(stub, "--sizes", "1,2", "--expect", "invariant", "--json")
+            r = short_sweep(stub, "--sizes", "1,2", "--repeat", 2, "--expect", "invariant", "--json")
         self.assertEqual(r.code, 1, r)
         doc = r.json()
         self.assertEqual(doc["summary"]["verdict"], "text differs, tokens equal")
@@ -261,14 +261,14 @@ class VerdictsClaimOnlyWhatWasMeasured(TempDirTest):
     def test_no_completion_compared_is_no_data_and_fails_every_expect(self):
         for expect in ("invariant", "variant"):
             with self.subTest(expect=expect), StubServer(StubConfig(faults={1: "http500"})) as stub:
-                r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--expect", expect, "--repeat", 1,
+                r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--expect", expect, "--repeat", 2,
                             "--save", self.path(expect + ".json"))
                 self.assertNotEqual(r.code, 0)
                 self.assertEqual(self.load(expect + ".json")["summary"]["verdict"], "no data")
 
     def test_a_single_size_cannot_be_invariant(self):
         with StubServer(StubConfig(invariant=True)) as stub:
-            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1", "--expect", "invariant", "--json")
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1", "--repeat", 2, "--expect", "invariant", "--json")
         self.assertEqual(r.code, 1, r)
         self.assertEqual(r.json()["summary"]["verdict"], "nothing compared")
         self.assertIn("batch 1 was the only size", r.stderr)
