@@ -627,6 +627,8 @@ class Measured:
     served_moved: bool = False  # a completion the prefix cache served differed from the baseline
     served_sizes: List[int] = field(default_factory=list)  # sizes where the cache served one
     alone_sizes: List[int] = field(default_factory=list)  # sizes where a request was alone
+    # sizes where a request's cache state is not known while the cache was kept
+    unknown_sizes: List[int] = field(default_factory=list)
     unoverlapped: bool = False  # some size's scheduled requests were never in flight together
     first_moved: Optional[Any] = None  # the FirstMoved of the computed evidence
 
@@ -647,6 +649,7 @@ class Measured:
             served_moved=any(m.served_moved for m in parts),
             served_sizes=sorted({n for m in parts for n in m.served_sizes}),
             alone_sizes=sorted({n for m in parts for n in m.alone_sizes}),
+            unknown_sizes=sorted({n for m in parts for n in m.unknown_sizes}),
             unoverlapped=any(m.unoverlapped for m in parts),
             first_moved=min(firsts, key=lambda f: f.batch) if firsts else None)
 
@@ -665,8 +668,11 @@ NOTHING_COMPARED = "nothing compared"
 CACHE_CONFOUNDED = "moved only where the cache served (bypass did not hold)"
 # every request above batch 1 was served from the prefix cache, and none moved
 SERVED_ONLY = "nothing compared: the cache served every request above batch 1"
+# --prefix-cache keep, and no request above batch 1 is known to have been computed cold
+CACHE_UNKNOWN = ("nothing compared: the cache was kept, and whether it served a request above "
+                 "batch 1 is not known")
 BATCH_EFFECTS = (TOKENS_DIVERGED, LOGPROBS_MOVED)  # verdicts batching explains
-UNMEASURED_VERDICTS = (NO_DATA, NOTHING_COMPARED, SERVED_ONLY)  # they claim nothing either way
+UNMEASURED_VERDICTS = (NO_DATA, NOTHING_COMPARED, SERVED_ONLY, CACHE_UNKNOWN)  # they claim nothing either way
 MOVED_NOTES = ("clamped", "non-finite", "top-k changed")  # notes that count as moved, ULPs or not
 
 ULP_NOTE_TEXT = {
@@ -689,6 +695,8 @@ def verdict(m: Measured) -> str:
     if not m.compared:
         if m.served_moved:
             return CACHE_CONFOUNDED
+        if m.unknown_sizes:
+            return CACHE_UNKNOWN
         return SERVED_ONLY if m.served_sizes else NOTHING_COMPARED
     moved = m.moved or m.batch1_repeatable is False
     if m.unseeded and (moved or m.served_moved):
@@ -1586,6 +1594,10 @@ class EngineAdapter(Protocol):
     def cached_tokens(self, answer: Any) -> Optional[int]:
         """Prompt tokens the server says it served from its prefix cache; None: it does not say."""
 
+    def cached_per_prompt(self, answer: Any, prompts: List[str]) -> List[Optional[int]]:
+        """Each prompt's tokens served from the prefix cache, where the server's count can be
+        that prompt's (None: not known for that prompt)."""
+
     def stream_body(self, model: str, prompt: str, sampling: Sampling) -> Dict[str, Any]:
         """One prompt's generation request, streamed."""
 
@@ -1948,6 +1960,12 @@ class VllmAdapter:
         value = dig(answer, "usage", "prompt_tokens_details", "cached_tokens")
         return server_count(value, "usage.prompt_tokens_details.cached_tokens")
 
+    def cached_per_prompt(self, answer: Any, prompts: List[str]) -> List[Optional[int]]:
+        # The request's one count is its last prompt's: it is another prompt's only where
+        # that prompt is the same text (copies); for any other prompt it is not known
+        count = self.cached_tokens(answer)
+        return [count if p == prompts[-1] else None for p in prompts]
+
 
 class SglangAdapter:
     name = "sglang"
@@ -2201,6 +2219,14 @@ class SglangAdapter:
                   if isinstance(item, dict)]
         counts = [server_count(c, "cached_tokens") for c in counts if c is not None]
         return sum(counts) if counts else None
+
+    def cached_per_prompt(self, answer: Any, prompts: List[str]) -> List[Optional[int]]:
+        # SGLang counts per item, in the order of the prompts
+        items = [item for item in answer or [] if isinstance(item, dict)]
+        if len(items) != len(prompts):
+            return [None] * len(prompts)
+        return [server_count(dig(item, "meta_info", "cached_tokens"), "cached_tokens")
+                for item in items]
 
 
 @dataclass(frozen=True)
@@ -4016,11 +4042,13 @@ class Sender:
                                    self.isolate, cache_key)
         completions = parsed("the answer", self.adapter.completions, answer, len(prompts), True)
         return SentBatch(completions, seconds,
-                         parsed("the answer", self.adapter.cached_tokens, answer))
+                         parsed("the answer", self.adapter.cached_tokens, answer),
+                         parsed("the answer", self.adapter.cached_per_prompt, answer, prompts))
 
     def copies(self, prompt: str, n: int, seed: int, cache_key: Optional[str] = None) -> SentBatch:
-        """n copies of the prompt in one request (cache_key: see EngineAdapter.body). The
-        request's cached-token count covers every copy: the server does not say which."""
+        """n copies of the prompt in one request (cache_key: see EngineAdapter.body), each with
+        its own cached-token count where the server gives one a prompt (SGLang), else the
+        request's (the copies are one text)."""
         return self.one_request([prompt] * n, cache_key)
 
     def mixed(self, prompt: str, n: int, seed: int) -> SentBatch:
@@ -4028,7 +4056,7 @@ class Sender:
         prompts, position = mixed_batch(prompt, n, seed)
         batch = self.one_request(prompts)
         return dataclasses.replace(batch, completions=[batch.completions[position]],
-                                   beside=[n - 1])
+                                   cached=[batch.cached[position]], beside=[n - 1])
 
     def concurrent(self, prompt: str, n: int, seed: int) -> SentBatch:
         """n one-prompt requests in flight at once, as independent clients send them. A thread
@@ -4318,6 +4346,8 @@ class PromptSweep:
     buckets: Dict[int, Bucket] = field(default_factory=dict)
     batch1: List[Completion] = field(default_factory=list)  # batch 1's completion in every pass
     unseeded: bool = False  # sampled at temperature > 0 by a server that ignores the seed
+    # --prefix-cache keep: a request whose cache state is not known may have been served
+    cache_kept: bool = False
     checks: Sequence["SweepCheck"] = ()  # the sweep's checks, for each size's parts
     finished: bool = False  # every pass is in: nothing it holds changes any more
     # What a finished prompt's saves and summaries would work out again and again (a sweep
@@ -4374,7 +4404,11 @@ class PromptSweep:
         other = self.baseline_source != "batch 1"  # a stored baseline: batch 1 is compared too
         candidates = [(n, e) for n, r in included if n > 1 or other for e in r.evidence
                       if e.tokens and (n == 1 or e.beside != 0)]
-        computed = [(n, e) for n, e in candidates if not e.served]
+        # a request not known to be cold compares nothing where the cache was kept (the
+        # bypass asked every request to be cold, and its proof is BypassCheck's)
+        unknown = [(n, e) for n, e in candidates if e.served is None and self.cache_kept]
+        computed = [(n, e) for n, e in candidates
+                    if e.served is False or (e.served is None and not self.cache_kept)]
         served = [(n, e) for n, e in candidates if e.served]
         moved = [(n, e) for n, e in computed if e.moved]
         first = None
@@ -4396,6 +4430,7 @@ class PromptSweep:
             served_sizes=sorted({n for n, _ in served}),
             alone_sizes=sorted({n for n, r in included if n > 1
                                 and any(e.beside == 0 for e in r.evidence)}),
+            unknown_sizes=sorted({n for n, _ in unknown}),
             unoverlapped=len(included) < len(self.rows()), first_moved=first)
         if self.finished:
             self.kept_measured = measured
@@ -5958,6 +5993,9 @@ def verdict_reasons(summary: SweepSummary) -> List[str]:
         where = "invariant where computed" if summary.verdict == INVARIANT else "where computed"
         reasons.append("%s; %s served from the cache, not compared"
                        % (where, sizes_text(m.served_sizes)))
+    if m.unknown_sizes and summary.verdict not in UNMEASURED_VERDICTS:
+        reasons.append("%s: the cache was kept and its state is not known, not compared"
+                       % sizes_text(m.unknown_sizes))
     if m.alone_sizes and summary.verdict not in UNMEASURED_VERDICTS:
         reasons.append("some requests at %s were alone at the server, not compared"
                        % sizes_text(m.alone_sizes))
@@ -6074,6 +6112,10 @@ VERDICT_ADVICE = {  # what else explains what moved, by the verdict that says so
     "the table), so no batched prefill was computed and nothing about batching was compared. "
     "vLLM's copies of one request share its cache whatever the salt: sweep with --traffic "
     "concurrent, whose requests carry a salt each.",
+    CACHE_UNKNOWN: "With --prefix-cache keep a request the cache served compares nothing, and "
+    "the server did not say of any request above batch 1 that the cache left it cold (vLLM "
+    "counts only with --enable-prompt-tokens-details, and for a request of several prompts "
+    "only its last prompt's count): sweep with --prefix-cache bypass.",
     NOT_REPEATABLE: "Batch 1 alone gave different answers on different passes: the server is not "
     "repeatable even without other requests beside it, so differences at other sizes cannot be "
     "put down to batching. Check for unseeded sampling, a server restarted between passes, or "
@@ -6238,7 +6280,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
         prompts = len(options.prompts)
         for pi, prompt in enumerate(options.prompts, 1):
             sweep = PromptSweep(prompt, unseeded=samples_unseeded(cfg.sampling, facts),
-                                checks=options.checks)
+                                cache_kept=not options.cache.bypass, checks=options.checks)
             sweeps.append(sweep)
             baseline = options.baseline_source.batch1(prompt)
             if baseline is not None:

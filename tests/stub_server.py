@@ -298,6 +298,9 @@ class StubConfig:
                                              # computed another way, so its copies come back in two
                                              # runs of alike values, as real vLLM 0.26.0 and SGLang
                                              # 0.5.17 answered (vLLM: 256 copies split at the 4th)
+    # Faults for the rules every sweep check keeps (see forced_hits and seed_of)
+    cache_serves: Optional[str] = None       # "all", "some" or "one": prompts the cache serves
+    ignore_seed: bool = False                # vLLM: a per-request seed is accepted and not used
 
     def sizes(self) -> List[int]:
         if self.graph_sizes is not None:
@@ -558,9 +561,11 @@ def vllm_completions(config: StubConfig, body: Dict, state: EngineState) -> Dict
                          "error, Parameter 'cache_salt' must be a non-empty string if provided. "
                          "(parameter=cache_salt)\"}", "Bad Request", "cache_salt")
     cached = [state.cached_tokens(salt, p) for p in prompts]
+    cached = [c or (prompt_token_count(p) - 1 if hit else 0)
+              for c, p, hit in zip(cached, prompts, forced_hits(config, len(prompts)))]
     lengths = [len(prompt)] if token_prompt else [prompt_token_count(p) for p in prompts]
     outs = run_batch(config, state, prompts, max_tokens, temperature, float(body.get("top_p", 1.0)),
-                     body.get("seed"), bool(body.get("ignore_eos")), prefixes, [c > 0 for c in cached],
+                     seed_of(config, body.get("seed")), bool(body.get("ignore_eos")), prefixes, [c > 0 for c in cached],
                      max(lengths), k is None)
     prompt_k = body.get("prompt_logprobs")
     swap = edge_swapper(config)
@@ -723,6 +728,8 @@ def sglang_generate(config: StubConfig, body: Dict, state: EngineState):
     elif not isinstance(keys, list) or len(keys) != len(prompts):
         raise BadRequest(400, "The length of extra_key should be equal to the batch size.")
     cached = [state.cached_tokens(key, p) for key, p in zip(keys, prompts)]
+    cached = [c or (prompt_token_count(p) - 1 if hit else 0)
+              for c, p, hit in zip(cached, prompts, forced_hits(config, len(prompts)))]
     lengths = [len(ids) for ids in id_lists] if id_lists else [prompt_token_count(p) for p in prompts]
     outs = run_batch(config, state, prompts, int(sp.get("max_new_tokens", 128)),
                      float(sp.get("temperature", 1.0)), float(sp.get("top_p", 1.0)), seed,
@@ -1170,6 +1177,33 @@ class StubServer:
         self.stop()
 
 
+# ----------------------------------------------------------------------------
+# Faults for the rules every sweep check keeps: a cache that serves what it was asked not to,
+# a seed taken and not used
+
+
+CACHE_SERVES = ("all", "some", "one")
+
+
+def forced_hits(config: StubConfig, count: int) -> List[bool]:
+    """Which of a request's count prompts --cache-serves makes the prefix cache serve, whatever
+    their cache keys: all of them (batch 1 too), those from the middle on, or only the last
+    of a request of several (so vLLM's count, the last prompt's, shows it)."""
+    kind = config.cache_serves
+    if kind == "all":
+        return [True] * count
+    if kind == "some":
+        return [i >= count // 2 for i in range(count)]
+    if kind == "one" and count > 1:
+        return [i == count - 1 for i in range(count)]
+    return [False] * count
+
+
+def seed_of(config: StubConfig, seed: Optional[int]) -> Optional[int]:
+    """The seed a request samples with: none at all with --ignore-seed (the shared generator)."""
+    return None if config.ignore_seed else seed
+
+
 def parse_faults(items: List[str]) -> Dict[int, str]:
     faults = {}
     for item in items:
@@ -1219,6 +1253,13 @@ def main(argv=None) -> int:
     p.add_argument("--fault", action="append", default=[], metavar="K=KIND")
     p.add_argument("--load-seconds", type=float, default=0.0, help="seconds before the port "
                    "opens, as an engine loading its model (default 0)")
+    p.add_argument("--cache-serves", choices=CACHE_SERVES, default=None, help="the prefix cache "
+                   "serves every prompt (all), a request's prompts from the middle on (some) or "
+                   "its last of several (one), whatever their cache keys")
+    p.add_argument("--ignore-seed", action="store_true", help="vLLM: take a request's seed and "
+                   "sample without it")
+    p.add_argument("--max-logprobs", type=int, default=20, help="vLLM's --max-logprobs: a "
+                   "request asking more top logprobs is answered 400 (default 20)")
     args = p.parse_args(argv)
     if args.load_seconds > 0:
         print("stub: loading for %gs (the port opens after)" % args.load_seconds, flush=True)
@@ -1237,6 +1278,8 @@ def main(argv=None) -> int:
         server_info_500=args.server_info_500,
         decode_graphs=not args.no_decode_graphs,
         prefill_agrees=args.prefill_agrees,
+        cache_serves=args.cache_serves, ignore_seed=args.ignore_seed,
+        max_logprobs=args.max_logprobs,
         faults=parse_faults(args.fault))
     server = StubHTTPServer(config)
     print("stub %s server (flag %s) on http://%s:%d" % (

@@ -81,7 +81,7 @@ class Experiment(TempDirTest):
             SERVE_ON="env PORT=%d bash %s on" % (self.ports[1], self.script()),
             OFF_URL="http://127.0.0.1:%d" % self.ports[0],
             ON_URL="http://127.0.0.1:%d" % self.ports[1],
-            SWEEP_ARGS="--sizes 1,2,9,17 --max-tokens 12 --repeat 1",
+            SWEEP_ARGS="--sizes 1,2,9,17 --max-tokens 12 --repeat 2",
             COST_ARGS="--batch 2 --trials 2 --warmup 0 --max-tokens 4",
             COPIES="off",  # the copies sweeps run where a test looks at them (COPIES="on")
         )
@@ -139,7 +139,7 @@ class ExperimentRuns(Experiment):
         long_key = "zq7-secretvalue-991"
         code, out, err = self.finish(self.start(
             COPIES="on", OPENAI_API_KEY="2",
-            SWEEP_ARGS="--sizes 1,2,9,17 --max-tokens 12 --repeat 1 --api " + long_key))
+            SWEEP_ARGS="--sizes 1,2,9,17 --max-tokens 12 --repeat 2 --api " + long_key))
         self.assertEqual(code, 0, err)
         self.assertNotIn(long_key, out + err)
         self.assertIn("--api '[api key]'", out)
@@ -277,7 +277,7 @@ class ExperimentRuns(Experiment):
     def test_two_runs_into_one_folder_both_succeed(self):
         for _ in range(2):
             code, out, err = self.finish(
-                self.start(SWEEP_ARGS="--sizes 1,2 --max-tokens 8 --repeat 1")
+                self.start(SWEEP_ARGS="--sizes 1,2 --max-tokens 8 --repeat 2")
             )
             self.assertEqual(code, 0, err)
         self.assertEqual(len(self.runs()), 2)
@@ -393,7 +393,7 @@ class ExperimentFailures(Experiment):
     def test_term_during_a_sweep_stops_everything_within_seconds(self):
         p = self.start(
             STANDIN_STEP_DELAY="0.05",
-            SWEEP_ARGS="--sizes 1,2,3,4,5,6,7,8 --max-tokens 40 --repeat 1",
+            SWEEP_ARGS="--sizes 1,2,3,4,5,6,7,8 --max-tokens 40 --repeat 2",
         )
         self.assertTrue(
             wait_for(
