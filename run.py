@@ -1520,6 +1520,8 @@ class ServerFacts:
     # the model's id as the server gave it, which requests name it by; model is what the lab
     # prints and saves (the same, but where the server's text held the API key: without_key)
     model_id: str = field(default="", metadata=NOT_SAVED)
+    # the most top logprobs a request may ask for, where the server says (vLLM --max-logprobs)
+    max_logprobs: Any = field(default=None, metadata=NOT_SAVED)
 
     def bucket(self, batch_size: int) -> Bucket:
         assumed = self.graph_source == "assumed"
@@ -1822,6 +1824,7 @@ class VllmAdapter:
         if not isinstance(dig(info, "vllm_config"), dict):
             return facts  # the settings are hidden: only what /v1/models lists
         settings = dict(listed, **{label: dig(info, *path) for label, path in self.SETTINGS})
+        facts.max_logprobs = dig(info, "vllm_config", "model_config", "max_logprobs")
         settings["attention backend"] = backend = self.short_backend(settings["attention backend"])
         max_num_seqs = settings["max num seqs"]
         if isinstance(max_num_seqs, int):
@@ -4464,6 +4467,58 @@ class SweepRun:
     out: Out
 
 
+# The rules no check's verdict may break, kept here and nowhere else: every check's verdict
+# is worded by check_verdict from what it found (CheckFinding), and tests/test_check_rules.py
+# runs every entry of SWEEP_CHECKS against the practice engine's faults to hold them to it
+NOT_SERVED = "not measured: the server could not serve it (%s)"
+CONTROL_MOVED = ("not put down to what was varied: the run-to-run control moved (the same "
+                 "request alone, again, differed)")
+SEED_NOT_HONOURED = ("not put down to what was varied: the server does not honour the seed, "
+                     "so runs differ by sampling alone")
+
+
+@dataclass(frozen=True)
+class CheckFinding:
+    """What a check found, in the terms the rules read."""
+
+    parts: int  # parts it ran (lengths, settings, batches): none is no data
+    compared: int  # of them, parts that compared anything
+    held: str  # its verdict where every part compared and nothing moved
+    moved: Optional[str] = None  # what moved where compared, in its words (None: nothing)
+    # the compared parts' own held wording, where some parts compared nothing
+    held_where_compared: Optional[str] = None
+    uncompared: Sequence[str] = ()  # each part that compared nothing, saying why
+    failure: Optional[str] = None  # why the server could not serve it, if it could not
+    compares_runs: bool = False  # it compares one request's runs with each other
+    control_moved: bool = False  # the run-to-run control (the same request alone, again) moved
+    unseeded: bool = False  # sampled at temperature > 0 by a server that ignores the seed
+
+
+def check_verdict(found: CheckFinding) -> str:
+    """A check's verdict, by the rules: nothing claimed where nothing was compared (each part
+    that compared nothing says so; with no part compared, "nothing compared"); a check that
+    compares runs never blames what it varied where the seed is not honoured or its control
+    moved; "held" only where every part compared."""
+    if found.failure and not found.compared:
+        return NOT_SERVED % found.failure
+    if not found.parts:
+        return NO_DATA
+    if not found.compared:
+        why = "; ".join(found.uncompared)
+        return NOTHING_COMPARED + (": %s" % why if why else "")
+    if found.compares_runs and found.unseeded and (found.moved or found.control_moved):
+        return SEED_NOT_HONOURED
+    if found.compares_runs and found.control_moved:
+        return CONTROL_MOVED
+    if found.moved:
+        verdict = found.moved
+    elif found.uncompared:
+        verdict = found.held_where_compared or found.held.replace("every", "each compared")
+    else:
+        return found.held
+    return verdict + "".join("; %s" % part for part in found.uncompared)
+
+
 class SweepCheck:
     """One check a sweep runs beside its comparison of every batch with batch 1. Each check
     is one section below, and one entry of SWEEP_CHECKS; the sweep calls these hooks in
@@ -4490,6 +4545,10 @@ class SweepCheck:
     def params(self) -> Json:
         """What the saved params hold of it."""
         return {}
+
+    def open(self, run: SweepRun) -> None:
+        """Once the server is known, before the first generation request: refuse
+        (UsageError) what the server's stated limits cannot serve."""
 
     def header_lines(self, run: SweepRun) -> List[str]:
         return []
@@ -4669,8 +4728,8 @@ class CachePolicy:
 CACHE_EQUAL = "cache hit equals cold prefill bitwise"  # the cache check's verdicts, kept apart
 CACHE_DIFFER = "cache hit differs from cold prefill"
 CACHE_UNVERIFIED = "equal, but the hit is unverified (the server reports no cached-token counts)"
-CACHE_MISSED = "equal, but the repeat was not served from the cache (cached-token count 0)"
-CACHE_COLD_HIT = "not compared: every cold request was itself served from the cache"
+CACHE_MISSED = "nothing compared: the repeat was not served from the cache (cached-token count 0)"
+CACHE_COLD_HIT = "nothing compared: every cold request was itself served from the cache"
 
 
 @dataclass(frozen=True)
@@ -4710,6 +4769,7 @@ class CacheSummary:
     counts (saved flat in the sweep's summary, each field behind "cache_")."""
 
     SAVED_AS: ClassVar[Dict[str, Any]] = saved(flat="cache_")
+    COMPARES_RUNS: ClassVar[bool] = True  # one request's runs, compared with each other
 
     verdict: str
     batches: int
@@ -4721,24 +4781,47 @@ class CacheSummary:
     verified: int = field(default=0, metadata=NOT_SAVED)
 
     @classmethod
-    def of(cls, checked: Sequence[CacheComparison]) -> "CacheSummary":
-        counts = [c.cached_tokens for c in checked if c.cached_tokens is not None]
+    def of(cls, checked: Sequence[CacheComparison], unseeded: bool = False,
+           control_moved: bool = False) -> "CacheSummary":
+        """unseeded: sampled at temperature > 0 by a server that ignores the seed;
+        control_moved: the run-to-run control (batch 1's passes, each cold) moved."""
         verified = [c for c in checked if c.cold_cached_tokens == 0 and (c.cached_tokens or 0) > 0]
-        if not checked:
-            verdict = NO_DATA
-        elif any(c.max_ulp or c.tokens_diverged or c.notes for c in checked):
-            verdict = CACHE_DIFFER
-        elif not counts:
-            verdict = CACHE_UNVERIFIED
-        elif len(counts) < len(checked) or 0 in counts:
-            verdict = CACHE_MISSED
-        elif verified:
-            verdict = CACHE_EQUAL
-        else:
-            verdict = CACHE_COLD_HIT
+        # a batch compares a hit with a cold prefill unless its counts show it did not: its
+        # repeat not served (0), or its cold request served; without counts it is unverified
+        missed = [c for c in checked if c.cached_tokens == 0]
+        cold_hit = [c for c in checked if c.cached_tokens != 0 and (c.cold_cached_tokens or 0) > 0]
+        compared = [c for c in checked if c not in missed and c not in cold_hit]
+
+        def part(found: Sequence[CacheComparison], why: str, each: str) -> List[str]:
+            if not found:
+                return []
+            if len(found) == len(checked):
+                return [why]
+            return ["%d of %d batches compared nothing (%s)" % (len(found), len(checked), each)]
+
+        verdict = check_verdict(CheckFinding(
+            parts=len(checked), compared=len(compared),
+            held=CACHE_EQUAL if len(verified) == len(compared) else CACHE_UNVERIFIED,
+            moved=CACHE_DIFFER if any(c.max_ulp or c.tokens_diverged or c.notes
+                                      for c in compared) else None,
+            uncompared=part(missed, "the repeat was not served from the cache (cached-token "
+                            "count 0)", "their repeat was not served from the cache")
+            + part(cold_hit, "every cold request was itself served from the cache",
+                   "their cold request was itself served from the cache"),
+            compares_runs=True, control_moved=control_moved, unseeded=unseeded))
         steps = [c.first_step for c in checked if c.first_step is not None]
         return cls(verdict, len(checked), max((c.max_ulp for c in checked), default=None),
                    min(steps) if steps else None, len(verified))
+
+    @property
+    def compared(self) -> int:
+        return self.batches if not self.verdict.startswith(NOTHING_COMPARED) else 0
+
+    @property
+    def held(self) -> bool:
+        """A verified hit equals its cold prefill, and none differs (batches whose counts show
+        they compared no hit are named in the verdict, and asked nothing of)."""
+        return self.verdict.split(";")[0] == CACHE_EQUAL and self.verified > 0
 
 
 class CacheCheck(SwitchedCheck):
@@ -4758,6 +4841,7 @@ class CacheCheck(SwitchedCheck):
     def __init__(self, asked: bool = False):
         super().__init__(asked)
         self.keys: Dict[int, str] = {}  # batch size -> the cache key its cold request took
+        self.unseeded = False  # its runs sampled by a server that ignores the seed
 
     @classmethod
     def refuse(cls, args: argparse.Namespace, asked: SweepAsked) -> None:
@@ -4777,6 +4861,7 @@ class CacheCheck(SwitchedCheck):
         """The same batch again under the cold one's key, against the cold one."""
         if not self.asked:
             return None
+        self.unseeded = samples_unseeded(run.cfg.sampling, run.facts)
         try:
             warm = run.sender.copies(prompt, n, run.cfg.sweep.seed, self.keys.pop(n))
         except ServerError as err:
@@ -4784,7 +4869,11 @@ class CacheCheck(SwitchedCheck):
         return CacheComparison.of(batch, warm, run.sender.adapter.logprob_clamps)
 
     def summary_part(self, parts: List[Any], sizes: List[SizeResult]) -> Optional[CacheSummary]:
-        return CacheSummary.of(parts) if self.asked else None
+        if not self.asked:
+            return None
+        # the run-to-run control: batch 1 sent cold again in each pass (the same request alone)
+        control_moved = any(s.batch_size == 1 and s.runs_matched < len(s.runs) for s in sizes)
+        return CacheSummary.of(parts, self.unseeded, control_moved)
 
     def summary_lines(self, summary: SweepSummary, sizes: List[SizeResult]) -> List[str]:
         part = summary.checks.get(self.NAME)
@@ -4798,7 +4887,7 @@ class CacheCheck(SwitchedCheck):
     def expectation(self, expect: str, summary: SweepSummary) -> Tuple[bool, str]:
         """--expect cache-equal: (held, the line that says so)."""
         part = summary.checks[self.NAME]
-        if part.verdict != CACHE_EQUAL:
+        if not part.held:
             return False, ("expectation failed: --expect cache-equal, but the cache check "
                            "found: %s" % part.verdict)
         return (True, "expect cache-equal: held (max ULP 0 over %d batches with a cold request)"
@@ -4868,15 +4957,18 @@ class PrefillSummary:
     def judged(self, failure: Optional[str] = None) -> "PrefillSummary":
         """This summary with its verdict (failure: why the server could not serve the
         check, if it could not)."""
-        if failure and not self.tokens:
-            found = "not measured: the server could not serve it (%s)" % failure
-        elif not self.checked:
-            found = NO_DATA
-        elif not self.tokens:
-            found = NOTHING_COMPARED
-        else:
-            found = PREFILL_DIFFER if self.max_ulp or self.notes else PREFILL_AGREE
+        found = check_verdict(CheckFinding(
+            parts=self.checked, compared=1 if self.tokens else 0, held=PREFILL_AGREE,
+            moved=PREFILL_DIFFER if self.max_ulp or self.notes else None, failure=failure))
         return dataclasses.replace(self, verdict=found)
+
+    @property
+    def compared(self) -> int:
+        return self.tokens
+
+    @property
+    def held(self) -> bool:
+        return self.verdict == PREFILL_AGREE
 
 
 @dataclass
@@ -5063,20 +5155,34 @@ class NeighbourLength:
     length: int  # tokens of each neighbour's prompt
     runs: int  # runs with a neighbour at the server beside the measured request: compared
     equal: int  # of them, bitwise equal to the lone run
-    first_step: Optional[int]  # the first step any compared run moved at
+    first_step: Optional[int]  # the first step any compared run moved at (first_moved says how)
     max_ulp: int
     max_nats: float
-    alone: int = 0  # runs no neighbour overlapped, or that the cache served: compared nothing
+    alone: int = 0  # runs no neighbour overlapped: compared nothing
     neighbours: int = 0  # neighbour requests that overlapped a compared run
+    served: int = 0  # runs the prefix cache served: compared nothing
+    first_moved: Optional[str] = None  # what moved at first_step: "logprobs" or "tokens"
 
     @classmethod
     def combined(cls, parts: Sequence["NeighbourLength"]) -> "NeighbourLength":
         """One length over every pass."""
-        steps = [p.first_step for p in parts if p.first_step is not None]
+        moved = [p for p in parts if p.first_step is not None]
+        first = min(moved, key=lambda p: p.first_step) if moved else None
         return cls(parts[0].length, sum(p.runs for p in parts), sum(p.equal for p in parts),
-                   min(steps) if steps else None, max(p.max_ulp for p in parts),
+                   first.first_step if first else None, max(p.max_ulp for p in parts),
                    max(p.max_nats for p in parts), sum(p.alone for p in parts),
-                   sum(p.neighbours for p in parts))
+                   sum(p.neighbours for p in parts), sum(p.served for p in parts),
+                   first.first_moved if first else None)
+
+    def why_uncompared(self) -> str:
+        """Why none of its runs compared anything."""
+        why = []
+        if self.served:
+            why.append("the cache served %d run%s" % (self.served, "" if self.served == 1 else "s"))
+        if self.alone:
+            why.append("no neighbour overlapped %d run%s"
+                       % (self.alone, "" if self.alone == 1 else "s"))
+        return "%d tokens: nothing compared (%s)" % (self.length, ", ".join(why) or "no run")
 
     @property
     def moved(self) -> bool:
@@ -5090,6 +5196,9 @@ class NeighbourRow:
     SAVED_AS: ClassVar[Dict[str, Any]] = saved("neighbours")
 
     lengths: List[NeighbourLength]
+    # the run-to-run control: the measured request alone again, against the lone run
+    control_runs: int = 0
+    control_equal: int = 0
 
 
 @dataclass(frozen=True)
@@ -5098,29 +5207,42 @@ class NeighbourSummary:
     in the sweep's summary, behind "neighbours_")."""
 
     SAVED_AS: ClassVar[Dict[str, Any]] = saved(flat="neighbours_")
+    COMPARES_RUNS: ClassVar[bool] = True  # one request's runs, compared with each other
 
     verdict: str
     lengths: List[NeighbourLength]
+    control_runs: int = 0  # the measured request alone again, over every pass
+    control_equal: int = 0  # of them, bitwise equal to the lone run
 
     @classmethod
-    def of(cls, rows: Sequence[NeighbourRow], failure: Optional[str]) -> "NeighbourSummary":
+    def of(cls, rows: Sequence[NeighbourRow], failure: Optional[str],
+           unseeded: bool = False) -> "NeighbourSummary":
         by_length: Dict[int, List[NeighbourLength]] = {}
         for row in rows:
             for part in row.lengths:
                 by_length.setdefault(part.length, []).append(part)
         lengths = [NeighbourLength.combined(parts) for parts in by_length.values()]
         moved = [p.length for p in lengths if p.moved]
-        if failure and not any(p.runs for p in lengths):
-            found = "not measured: the server could not serve it (%s)" % failure
-        elif not lengths:
-            found = NO_DATA
-        elif not any(p.runs for p in lengths):
-            found = NOTHING_COMPARED
-        elif moved:
-            found = "moved beside neighbours of %s tokens" % ", ".join(map(str, moved))
-        else:
-            found = NEIGHBOURS_HELD
-        return cls(found, lengths)
+        compared = [p.length for p in lengths if p.runs]
+        control_runs = sum(r.control_runs for r in rows)
+        control_equal = sum(r.control_equal for r in rows)
+        found = check_verdict(CheckFinding(
+            parts=len(lengths), compared=len(compared), held=NEIGHBOURS_HELD,
+            moved="moved beside neighbours of %s tokens" % ", ".join(map(str, moved))
+            if moved else None,
+            held_where_compared="held beside neighbours of %s tokens"
+            % ", ".join(map(str, compared)),
+            uncompared=[p.why_uncompared() for p in lengths if not p.runs], failure=failure,
+            compares_runs=True, control_moved=control_equal < control_runs, unseeded=unseeded))
+        return cls(found, lengths, control_runs, control_equal)
+
+    @property
+    def compared(self) -> int:
+        return sum(p.runs for p in self.lengths)
+
+    @property
+    def held(self) -> bool:
+        return self.verdict == NEIGHBOURS_HELD
 
 
 def parse_lengths(text: str) -> List[int]:
@@ -5159,6 +5281,7 @@ class NeighbourCheck(SweepCheck):
     def __init__(self, lengths: Sequence[int] = ()):
         self.lengths = list(lengths)
         self.failure: Optional[str] = None  # why the server could not serve it
+        self.unseeded = False  # its runs sampled by a server that ignores the seed
         self.rng = random.Random(DEFAULT_SEED)  # the neighbours' ids, the same run to run
 
     @classmethod
@@ -5181,6 +5304,16 @@ class NeighbourCheck(SweepCheck):
         return {"neighbours": self.lengths, "neighbour_runs": NEIGHBOUR_RUNS,
                 "neighbour_streams": NEIGHBOUR_STREAMS}
 
+    def open(self, run: SweepRun) -> None:
+        """Every neighbour prompt, and the one token it writes, must fit the server."""
+        limit = run.facts.max_model_len
+        if self.lengths and is_count(limit) and max(self.lengths) + 1 > limit:
+            raise UsageError(
+                "--neighbours: a neighbour of %d tokens and the token it writes do not fit the "
+                "server's maximum model length of %d tokens (%s): give lengths below %d"
+                % (max(self.lengths), limit, run.facts.max_model_len_source or "the server",
+                   limit))
+
     def header_lines(self, run: SweepRun) -> List[str]:
         if not self.lengths:
             return []
@@ -5189,9 +5322,10 @@ class NeighbourCheck(SweepCheck):
                                           ", ".join(map(str, self.lengths)))]
 
     def beside(self, run: SweepRun, prompt: str, length: int,
-               lone: Completion) -> Tuple[Optional[Delta], int]:
+               lone: Completion) -> Tuple[Optional[Delta], int, bool]:
         """One run of the measured prompt beside neighbours of length tokens: its delta from
-        the lone run (None: it compared nothing), and how many neighbours overlapped it."""
+        the lone run (None: it compared nothing), how many neighbours overlapped it, and
+        whether the cache served it."""
         sender, done = run.sender, threading.Event()
         window: List[float] = []  # the measured request's send and answer times
         spans: List[Tuple[float, float]] = []  # each neighbour's, in the order answered
@@ -5224,63 +5358,86 @@ class NeighbourCheck(SweepCheck):
         batch = found[0]
         start, end = window
         overlapped = sum(1 for a, b in spans if a < end and b > start)
-        if not overlapped or (batch.cached_tokens or 0) > 0:
-            return None, overlapped
+        served = (batch.cached_tokens or 0) > 0
+        if not overlapped or served:
+            return None, overlapped, served
         return compare_completions(lone, batch.completions[0],
-                                   sender.adapter.logprob_clamps), overlapped
+                                   sender.adapter.logprob_clamps), overlapped, served
+
+    def control(self, run: SweepRun, prompt: str, lone: Completion) -> int:
+        """The run-to-run control: the measured request alone again; 1 where it equals the
+        lone run bitwise (a server that does not honour the seed, or moves run to run, shows
+        here, and nothing is put down to the neighbours)."""
+        again = run.sender.copies(prompt, 1, run.cfg.sweep.seed).completions[0]
+        return int(compare_completions(lone, again, run.sender.adapter.logprob_clamps)
+                   == IDENTICAL and again.text == lone.text)
 
     def batch_part(self, run: SweepRun, prompt: str, n: int,
                    batch: SentBatch) -> Optional[NeighbourRow]:
         if not self.lengths or n != 1 or self.failure is not None:
             return None
         lone, parts = batch.completions[0], []
+        self.unseeded = samples_unseeded(run.cfg.sampling, run.facts)
         try:
+            control = self.control(run, prompt, lone)
             for length in self.lengths:
-                deltas, alone, overlapped = [], 0, 0
+                deltas, alone, served, overlapped = [], 0, 0, 0
                 for _ in range(NEIGHBOUR_RUNS):
-                    delta, beside = self.beside(run, prompt, length, lone)
+                    delta, beside, was_served = self.beside(run, prompt, length, lone)
                     if delta is None:
-                        alone += 1
+                        served += was_served
+                        alone += not was_served
                         continue
                     deltas.append(delta)
                     overlapped += beside
-                steps = [d.first_ulp_step if d.first_token_divergence is None
-                         else d.first_token_divergence for d in deltas if d != IDENTICAL]
-                steps = [s for s in steps if s is not None]
+                # where each run first moved, and what: its logprobs, or a token chosen
+                # (at one step, a token chosen otherwise is named over its logprobs)
+                firsts = [(s, what) for d in deltas for s, what in (
+                    (d.first_token_divergence, "tokens"), (d.first_ulp_step, "logprobs"))
+                    if s is not None]
+                first = min(firsts, key=lambda f: (f[0], f[1] != "tokens")) if firsts else (
+                    None, None)
                 parts.append(NeighbourLength(
                     length, len(deltas), sum(1 for d in deltas if d == IDENTICAL),
-                    min(steps) if steps else None, max((d.max_ulp for d in deltas), default=0),
-                    max((d.max_nats for d in deltas), default=0.0), alone, overlapped))
+                    first[0], max((d.max_ulp for d in deltas), default=0),
+                    max((d.max_nats for d in deltas), default=0.0), alone, overlapped,
+                    served, first[1]))
         except ServerError as err:
             if err.kind == ServerError.NETWORK:  # the server itself is gone: the sweep stops
                 raise ServerError("neighbour check: %s" % err) from None
             self.failure = str(err)
             run.out.warn("the neighbour check stops, the sweep goes on: %s" % err)
             return None
-        return NeighbourRow(parts)
+        return NeighbourRow(parts, 1, control)
 
     def summary_part(self, parts: List[Any],
                      sizes: List[SizeResult]) -> Optional[NeighbourSummary]:
-        return NeighbourSummary.of(parts, self.failure) if self.lengths else None
+        return NeighbourSummary.of(parts, self.failure, self.unseeded) if self.lengths else None
 
     def summary_lines(self, summary: SweepSummary, sizes: List[SizeResult]) -> List[str]:
         part = summary.checks.get(self.NAME)
         if part is None:
             return []
         lines = []
+        if part.control_runs:
+            lines.append("neighbour check, control (the request alone, again): %d of %d runs "
+                         "equal to the lone run" % (part.control_equal, part.control_runs))
         for p in part.lengths:
-            moved = "" if p.first_step is None else ", first moved at step %d" % p.first_step
+            moved = "" if p.first_step is None else ", %s first moved at step %d" % (
+                p.first_moved or "logprobs", p.first_step)
             lines.append("neighbour check, %d tokens beside: %d of %d runs equal to the lone run"
-                         "%s, max ULP %d, max %s nats%s"
+                         "%s, max ULP %d, max %s nats%s%s"
                          % (p.length, p.equal, p.runs, moved, p.max_ulp, fmt_nats(p.max_nats),
                             " (%d run%s no neighbour overlapped: not compared)"
-                            % (p.alone, "" if p.alone == 1 else "s") if p.alone else ""))
+                            % (p.alone, "" if p.alone == 1 else "s") if p.alone else "",
+                            " (%d run%s the cache served: not compared)"
+                            % (p.served, "" if p.served == 1 else "s") if p.served else ""))
         lines.append(Bold("neighbour check: %s" % part.verdict))
         return lines
 
     def expectation(self, expect: str, summary: SweepSummary) -> Tuple[bool, str]:
         part = summary.checks[self.NAME]
-        if part.verdict != NEIGHBOURS_HELD:
+        if not part.held:
             return False, ("expectation failed: --expect neighbours-equal, but the neighbour "
                            "check found: %s" % part.verdict)
         return True, ("expect neighbours-equal: held (%d runs beside neighbours)"
@@ -5318,27 +5475,44 @@ class ObserverSummary:
     """The observer check over every pass (saved flat in the summary, behind "observer_")."""
 
     SAVED_AS: ClassVar[Dict[str, Any]] = saved(flat="observer_")
+    COMPARES_RUNS: ClassVar[bool] = True  # one request's runs, compared with each other
 
     verdict: str
-    settings: List[ObserverSetting]
+    settings: List[ObserverSetting]  # the first (logprobs None) is the run-to-run control
 
     @classmethod
-    def of(cls, rows: Sequence[ObserverRow]) -> "ObserverSummary":
+    def of(cls, rows: Sequence[ObserverRow], failure: Optional[str] = None,
+           unseeded: bool = False, allowed: Optional[int] = None) -> "ObserverSummary":
+        """allowed: the most top logprobs the server allows, where it says."""
         by_setting: Dict[Optional[int], List[ObserverSetting]] = {}
         for row in rows:
             for part in row.settings:
                 by_setting.setdefault(part.logprobs, []).append(part)
         settings = [ObserverSetting(k, sum(p.runs for p in parts), sum(p.equal for p in parts))
                     for k, parts in by_setting.items()]
-        changed = [s.logprobs for s in settings if s.equal < s.runs]
-        if not any(s.runs for s in settings):
-            found = NO_DATA
-        elif changed:
-            found = "the text changed when logprobs %s were asked for" % ", ".join(
-                "top-%d" % k for k in changed)
-        else:
-            found = OBSERVER_HELD
+        asked = [s for s in settings if s.logprobs is not None]
+        control = [s for s in settings if s.logprobs is None]
+        changed = [s.logprobs for s in asked if s.equal < s.runs]
+        compared = [s.logprobs for s in asked if s.runs]
+        found = check_verdict(CheckFinding(
+            parts=len(asked), compared=len(compared), held=OBSERVER_HELD,
+            moved="the text changed when logprobs %s were asked for" % ", ".join(
+                "top-%d" % k for k in changed) if changed else None,
+            held_where_compared="the same text with and without logprobs %s" % ", ".join(
+                "top-%d" % k for k in compared),
+            uncompared=["top-%d: not asked (the server allows at most %s)"
+                        % (s.logprobs, fmt_opt(allowed, "fewer")) for s in asked if not s.runs],
+            failure=failure, compares_runs=True,
+            control_moved=any(s.equal < s.runs for s in control), unseeded=unseeded))
         return cls(found, settings)
+
+    @property
+    def compared(self) -> int:
+        return sum(s.runs for s in self.settings if s.logprobs is not None)
+
+    @property
+    def held(self) -> bool:
+        return self.verdict == OBSERVER_HELD
 
 
 class ObserverCheck(SwitchedCheck):
@@ -5354,6 +5528,12 @@ class ObserverCheck(SwitchedCheck):
     EXPECT = ("observer-equal",)
     EXPECT_HELP = "(with --observer-check) the text held with and without logprobs"
 
+    def __init__(self, asked: bool = False):
+        super().__init__(asked)
+        self.failure: Optional[str] = None  # why the server could not serve it
+        self.unseeded = False  # its runs sampled by a server that ignores the seed
+        self.allowed: Optional[int] = None  # the most top logprobs the server allows, if said
+
     def once(self, run: SweepRun, prompt: str, logprobs: Optional[int]) -> str:
         sender = run.sender
         sampling = dataclasses.replace(run.cfg.sampling, logprobs=logprobs)
@@ -5364,34 +5544,50 @@ class ObserverCheck(SwitchedCheck):
 
     def batch_part(self, run: SweepRun, prompt: str, n: int,
                    batch: SentBatch) -> Optional[ObserverRow]:
-        if not self.asked or n != 1:
+        if not self.asked or n != 1 or self.failure is not None:
             return None
+        self.unseeded = samples_unseeded(run.cfg.sampling, run.facts)
+        limit = run.facts.max_logprobs
+        self.allowed = limit if is_count(limit) else None
+        allowed = MAX_LOGPROBS if self.allowed is None else min(self.allowed, MAX_LOGPROBS)
         try:
             reference = self.once(run, prompt, None)
-            settings = []
+            # the run-to-run control: none asked, again
+            settings = [ObserverSetting(None, 1, int(self.once(run, prompt, None) == reference))]
             for k in OBSERVER_LOGPROBS[1:]:
-                text = self.once(run, prompt, min(k, MAX_LOGPROBS))
+                if k > allowed:  # asked only what the server allows: this one compares nothing
+                    settings.append(ObserverSetting(k, 0, 0))
+                    continue
+                text = self.once(run, prompt, k)
                 settings.append(ObserverSetting(k, 1, int(text == reference)))
         except ServerError as err:
-            raise ServerError("observer check: %s" % err) from None
-        return ObserverRow([ObserverSetting(None, 1, 1)] + settings)
+            if err.kind == ServerError.NETWORK:  # the server itself is gone: the sweep stops
+                raise ServerError("observer check: %s" % err) from None
+            self.failure = str(err)
+            run.out.warn("the observer check stops, the sweep goes on: %s" % err)
+            return None
+        return ObserverRow(settings)
 
     def summary_part(self, parts: List[Any],
                      sizes: List[SizeResult]) -> Optional[ObserverSummary]:
-        return ObserverSummary.of(parts) if self.asked else None
+        return (ObserverSummary.of(parts, self.failure, self.unseeded, self.allowed)
+                if self.asked else None)
 
     def summary_lines(self, summary: SweepSummary, sizes: List[SizeResult]) -> List[str]:
         part = summary.checks.get(self.NAME)
         if part is None:
             return []
-        held = ", ".join("top-%d %d/%d" % (s.logprobs, s.equal, s.runs)
+        held = ", ".join("top-%d %d/%d" % (s.logprobs, s.equal, s.runs) if s.runs else
+                         "top-%d not asked" % s.logprobs
                          for s in part.settings if s.logprobs is not None)
-        return [Bold("observer check (runs whose text equals the one with no logprobs: %s): %s"
-                     % (held, part.verdict))]
+        control = ", control %d/%d" % next(((s.equal, s.runs) for s in part.settings
+                                            if s.logprobs is None), (0, 0))
+        return [Bold("observer check (runs whose text equals the one with no logprobs: %s%s): %s"
+                     % (held, control, part.verdict))]
 
     def expectation(self, expect: str, summary: SweepSummary) -> Tuple[bool, str]:
         part = summary.checks[self.NAME]
-        if part.verdict != OBSERVER_HELD:
+        if not part.held:
             return False, ("expectation failed: --expect observer-equal, but the observer "
                            "check found: %s" % part.verdict)
         return True, "expect observer-equal: held (%d runs with logprobs)" % sum(
@@ -6222,6 +6418,10 @@ def run_sweep(cfg: Config, out: Out) -> int:
     facts = server_facts(cfg, cfg.url)
     refuse_what_cannot_fit(facts, cfg.sampling.max_tokens, options.prompt_tokens,
                            "--prompt-tokens")
+    if is_count(facts.max_logprobs) and cfg.sampling.logprobs > facts.max_logprobs:
+        raise UsageError("--logprobs %d is more top logprobs than the server allows (its "
+                         "max_logprobs is %d): give at most %d"
+                         % (cfg.sampling.logprobs, facts.max_logprobs, facts.max_logprobs))
     if options.prompt_tokens:
         built = built_prompt(client, adapter, facts, options.prompt_tokens)
         refuse_what_cannot_fit(facts, cfg.sampling.max_tokens, built.tokens,
@@ -6235,6 +6435,8 @@ def run_sweep(cfg: Config, out: Out) -> int:
     run = SweepRun(cfg, facts, sender, out)
     options.cache.open(adapter)
     options.baseline_source.open(run)
+    for check in options.checks:
+        check.open(run)
     send = sender.shape(options.traffic)
     sweeps: List[PromptSweep] = []
 

@@ -634,6 +634,7 @@ def vllm_server_info(config: StubConfig) -> Dict:
     vc["model_config"]["tokenizer"] = config.model
     vc["model_config"]["max_model_len"] = config.max_model_len  # as /v1/models says
     vc["scheduler_config"]["max_num_seqs"] = config.max_num_seqs
+    vc["model_config"]["max_logprobs"] = config.max_logprobs  # --max-logprobs
     vc["attention_config"]["backend"] = config.backend()
     vc["compilation_config"]["cudagraph_capture_sizes"] = config.sizes()
     vc["compilation_config"]["max_cudagraph_capture_size"] = max(config.sizes())

@@ -1,0 +1,142 @@
+"""The rules no sweep check may break, held over every entry of run.py's SWEEP_CHECKS against
+every relevant fault of the practice engine: no "held", "equal" or "invariant" where nothing
+was compared (and "nothing compared" where no part did); "held" only with something compared;
+a check that compares runs blames nothing it varied where the seed is not honoured. A new
+check is covered by being listed in SWITCHED_ON (the test fails until it is)."""
+
+import re
+import types
+import unittest
+from unittest import mock
+
+from support import StubConfig, StubServer, TempDirTest, run, run_lab
+
+# How each check of SWEEP_CHECKS is switched on, by its NAME
+SWITCHED_ON = {
+    "cache_check": ("--cache-check",),
+    "prefill": ("--prefill-check",),
+    "neighbours": ("--neighbours", "16,64"),
+    "observer": ("--observer-check",),
+}
+
+# The practice engine's faults: (its settings, the sweep's own options); each check meets all
+FAULTS = {
+    "none (flag on)": (dict(invariant=True), ()),
+    "none (flag off)": (dict(), ()),
+    "cache serves every prompt": (dict(cache_serves="all", prompt_tokens_details=True), ()),
+    "cache serves half of each request": (dict(cache_serves="some", prompt_tokens_details=True), ()),
+    "cache serves one item": (dict(engine="sglang", cache_serves="one"), ()),
+    "seed ignored, said (SGLang flag off)": (dict(engine="sglang"), ("--temperature", "0.8")),
+    "seed ignored, not said": (dict(ignore_seed=True), ("--temperature", "0.8")),
+    "top logprobs above 5 refused": (dict(max_logprobs=5), ()),
+    "no prefix cache": (dict(prefix_caching=False, prompt_tokens_details=True), ()),
+}
+CLAIMS = re.compile(r"\b(held|equal|equals|invariant|agree)\b")
+UNMEASURED = ("nothing compared", "not measured", "no data")
+
+
+def summaries_of(argv):
+    """(the run's result, the last sweep summary it made): the check records themselves."""
+    made = []
+    real = run.sweep_summary
+
+    def keep(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    with mock.patch.object(run, "sweep_summary", keep):
+        result = run_lab(*argv)
+    return result, made[-1] if made else None
+
+
+def broken_rules(record, fault_unseeded):
+    """The rules a check's summary record breaks, each as a line."""
+    broken, verdict = [], record.verdict
+    if not record.compared:
+        if CLAIMS.search(verdict):
+            broken.append("claims %r having compared nothing" % verdict)
+        if not verdict.startswith(UNMEASURED):
+            broken.append("compared nothing and does not say so: %r" % verdict)
+        if record.held:
+            broken.append("its --expect holds having compared nothing")
+    if record.held and not record.compared:
+        broken.append("held with nothing compared")
+    if fault_unseeded and getattr(record, "COMPARES_RUNS", False) and not verdict.startswith(
+            UNMEASURED) and record.verdict not in (run.SEED_NOT_HONOURED, run.CONTROL_MOVED):
+        if not record.held:  # what moved was put down to what the check varied
+            broken.append("blames what it varied where the seed is not honoured: %r" % verdict)
+    return broken
+
+
+class EveryCheckKeepsTheRules(TempDirTest):
+    def test_every_check_is_listed(self):
+        self.assertEqual(set(SWITCHED_ON), {kind.NAME for kind in run.SWEEP_CHECKS})
+
+    def test_every_check_against_every_fault(self):
+        for kind in run.SWEEP_CHECKS:
+            for fault, (config, options) in FAULTS.items():
+                self.assertIn(kind.NAME, SWITCHED_ON, "list how to switch it on")
+                with self.subTest(check=kind.NAME, fault=fault), StubServer(
+                        StubConfig(scheduler_window=0.05, **config)) as stub:
+                    r, summary = summaries_of(
+                        ["--mode", "sweep", "--engine", stub.config.engine, "--url", stub.url,
+                         "--sizes", "1,2", "--repeat", 2, "--max-tokens", 12,
+                         *options, *SWITCHED_ON[kind.NAME]])
+                    self.assertNotIn("Traceback", r.stderr)
+                    self.assertIsNotNone(summary, r)
+                    record = summary.checks.get(kind.NAME)
+                    self.assertIsNotNone(record, r)
+                    unseeded = "--temperature" in options
+                    self.assertEqual(broken_rules(record, unseeded), [], r.stdout[-2000:])
+
+
+class RunsComparedWithTheirControl(TempDirTest):
+    def test_a_server_that_ignores_the_seed_is_named_not_the_neighbours_nor_logprobs(self):
+        # SGLang, flag off, ignores sampling_seed (the lab warns): runs differ by sampling
+        with StubServer(StubConfig(engine="sglang", scheduler_window=0.05)) as stub:
+            r = run_lab("--mode", "sweep", "--engine", "sglang", "--url", stub.url, "--sizes", "1,2",
+                        "--repeat", 1, "--max-tokens", 16, "--temperature", "0.8",
+                        "--neighbours", "16,64", "--observer-check", "--json")
+        summary = r.json()["summary"]
+        self.assertNotIn("moved beside neighbours", summary["neighbours_verdict"])
+        self.assertNotIn("the text changed", summary["observer_verdict"])
+        for verdict in (summary["neighbours_verdict"], summary["observer_verdict"]):
+            self.assertIn("seed", verdict)
+
+    def test_a_control_that_moved_is_named_where_the_lab_thinks_the_seed_honoured(self):
+        with StubServer(StubConfig(ignore_seed=True, scheduler_window=0.05)) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--repeat", 1,
+                        "--max-tokens", 16, "--temperature", "0.8", "--neighbours", "16,64",
+                        "--observer-check", "--json")
+        summary = r.json()["summary"]
+        self.assertEqual(summary["neighbours_verdict"], run.CONTROL_MOVED)
+        self.assertEqual(summary["observer_verdict"], run.CONTROL_MOVED)
+        self.assertLess(summary["neighbours_control_equal"], summary["neighbours_control_runs"])
+
+
+class PartsThatComparedNothing(unittest.TestCase):
+    def test_a_length_the_cache_served_every_run_of_is_not_held(self):
+        # 16 tokens: both runs compared and equal; 64: the cache served both (the old record
+        # counted them with the runs no neighbour overlapped)
+        rows = [run.NeighbourRow([run.NeighbourLength(16, 2, 2, None, 0, 0.0, 0),
+                                  run.NeighbourLength(64, 0, 0, None, 0, 0.0, 2)])]
+        summary = run.NeighbourSummary.of(rows, None)
+        self.assertNotEqual(summary.verdict, "held beside every neighbour length")
+        self.assertIn("64 tokens: nothing compared", summary.verdict)
+        held, line = run.NeighbourCheck([16, 64]).expectation(
+            "neighbours-equal", types.SimpleNamespace(checks={"neighbours": summary}))
+        self.assertFalse(held)
+        self.assertIn("expectation failed", line)
+
+
+class FirstMovedSaysWhat(TempDirTest):
+    def test_the_neighbour_line_names_what_first_moved(self):
+        with StubServer(StubConfig(scheduler_window=0.05)) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1", "--repeat", 1,
+                        "--max-tokens", 16, "--neighbours", "64")
+        line = next(l for l in r.stdout.splitlines() if l.startswith("neighbour check, 64 tokens"))
+        self.assertRegex(line, r"(logprobs|tokens) first moved at step \d+")
+
+
+if __name__ == "__main__":
+    unittest.main()
