@@ -2796,6 +2796,23 @@ class DeferredInterrupt:
             raise Stopped(self.signum)
 
 
+class SavesFirst(DeferredInterrupt):
+    """Once measuring is over: the first stop signal waits until what was measured is saved
+    and shown (the final save is never cut by the signal that asked for it), and the run then
+    ends with that signal's code; a second one stops at once."""
+
+    def _handler(self, signum, frame):
+        if self.signum is not None:  # the second: stop at once
+            raise Stopped(signum)
+        self.signum = signum
+        self.out.say("%s: saving what was measured first" % signal.Signals(signum).name,
+                     raising=False)
+
+    def code(self) -> int:
+        """The exit code of the signal that came while saving (0: none came)."""
+        return 0 if self.signum is None else ending(Stopped(self.signum))[0]
+
+
 class StopsAtOnce:
     """Before the measuring starts (waiting for servers, reading their facts, building a
     prompt), a stop signal stops the run at once, with its line and its exit code: there is
@@ -6468,14 +6485,17 @@ def run_sweep(cfg: Config, out: Out) -> int:
             raise ServerError("batch size %d%s: %s" % (n, where, err)) from None
         if n == 1 and sweep.baseline is None:  # the baseline is batch 1's, never another's
             sweep.set_baseline(batch.completions[0], "batch 1")
+        row = dataclasses.replace(compare_batch(batch, sweep.baseline, adapter.logprob_clamps),
+                                  pass_no=pass_no)
+        # The row is kept before the checks send their own requests: whatever stops them
+        # (a signal, a failure), what the batch measured is saved
+        sweep.add(n, facts.bucket(n), row, batch.completions)
         parts = {}
         for check in options.checks:
             part = check.batch_part(run, prompt, n, batch)
             if part is not None:
                 parts[check.NAME] = part
-        row = dataclasses.replace(compare_batch(batch, sweep.baseline, adapter.logprob_clamps),
-                                  pass_no=pass_no, checks=parts)
-        sweep.add(n, facts.bucket(n), row, batch.completions)
+                sweep.runs[n][-1] = dataclasses.replace(row, checks=dict(parts))
         return batch.completions
 
     def measure(interrupt: DeferredInterrupt) -> None:
@@ -6504,22 +6524,26 @@ def run_sweep(cfg: Config, out: Out) -> int:
             if table:
                 table.prompt_done(pi, sweep)
 
-    state, code = measure_until_stopped(out, "sweep", measure)
-    summary = sweep_summary(options, sweeps, state)
-    saves.write(lambda path: save(path, state))
-    if table:
-        table.finish(summary, sweeps)
-    else:
-        prompts = [as_record(s.record()) for s in sweeps]
-        out.line(json_text(sweep_document(cfg, facts, prompts, sizes, summary), indent=1))
-    if code == EXIT_OK:
-        text = out.line if not cfg.json_out else out.note
-        sweep_advice(facts.flag, facts.hazards, options.expect, sizes, summary, text)
-        if options.expect:
-            held, line = expectation(options, summary)
-            text(line)
-            code = EXIT_OK if held else EXIT_EXPECTATION
-    return report_save(cfg, saves, code, out)
+    # A stop signal once measuring is over (from the moment the last batch is in) waits for
+    # the save and the output: measuring's own handler gives way to this one
+    with SavesFirst(out) as late:
+        state, code = measure_until_stopped(out, "sweep", measure)
+        summary = sweep_summary(options, sweeps, state)
+        saves.write(lambda path: save(path, state))
+        if table:
+            table.finish(summary, sweeps)
+        else:
+            prompts = [as_record(s.record()) for s in sweeps]
+            out.line(json_text(sweep_document(cfg, facts, prompts, sizes, summary), indent=1))
+        if code == EXIT_OK:
+            text = out.line if not cfg.json_out else out.note
+            sweep_advice(facts.flag, facts.hazards, options.expect, sizes, summary, text)
+            if options.expect:
+                held, line = expectation(options, summary)
+                text(line)
+                code = EXIT_OK if held else EXIT_EXPECTATION
+        code = report_save(cfg, saves, code, out)
+    return code or late.code()
 
 
 # ----------------------------------------------------------------------------

@@ -177,7 +177,8 @@ class ServerFaultsInASweep(TempDirTest):
                 self.assertIn("EngineCore encountered an issue.", r.stderr)
 
     def test_http_4xx_shows_the_servers_message(self):
-        with StubServer(StubConfig(max_logprobs=3)) as stub:
+        # a limit the server does not state (no /server_info): found by its answer
+        with StubServer(StubConfig(max_logprobs=3, dev_mode=False)) as stub:
             r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 4,
                         "--save", self.path("s.json"))
         self.assertEqual(r.code, 3)

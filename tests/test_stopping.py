@@ -15,6 +15,60 @@ from unittest import mock
 from support import ROOT, StubConfig, StubServer, TempDirTest, free_port, run, run_lab
 
 
+class NothingMeasuredLost(TempDirTest):
+    """A stop signal at the seams: while a check sends its own requests after batch 1 came
+    back, and the moment the last batch is in (the final save, the --json output)."""
+
+    def signalled_at(self, target, name, *args):
+        """run.py in this process, sending itself SIGTERM when target.name is first called."""
+        real, sent = getattr(target, name), []
+
+        def signal_first(*a, **kw):
+            if not sent:
+                sent.append(True)
+                os.kill(os.getpid(), signal.SIGTERM)
+            return real(*a, **kw)
+
+        with mock.patch.object(target, name, signal_first):
+            return run_lab(*args)
+
+    def signalled_after(self, target, name, *args):
+        """run.py in this process, sending itself SIGTERM as target.name returns."""
+        real = getattr(target, name)
+
+        def then_signal(*a, **kw):
+            found = real(*a, **kw)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return found
+
+        with mock.patch.object(target, name, then_signal):
+            return run_lab(*args)
+
+    def test_a_signal_during_a_checks_requests_keeps_batch_1(self):
+        # the check's request in flight outlasts the signal's grace (set to none here)
+        with StubServer(StubConfig(step_delay=0.01)) as stub, \
+                mock.patch.object(run, "STOP_GRACE_S", 0.0):
+            r = self.signalled_at(run.ObserverCheck, "once", "--mode", "sweep", "--url", stub.url,
+                                  "--sizes", "1,2", "--repeat", 1, "--max-tokens", 8,
+                                  "--observer-check", "--save", self.path("s.json"))
+        self.assertEqual(r.code, 143, r)
+        doc = self.load("s.json")
+        self.assertEqual(doc["summary"]["state"], "terminated")
+        self.assertEqual(doc["summary"]["total_completions"], 1)
+        self.assertEqual([s["batch_size"] for s in doc["prompts"][0]["sizes"]], [1])
+
+    def test_a_signal_once_the_last_batch_is_in_waits_for_the_save_and_the_output(self):
+        with StubServer(StubConfig()) as stub:
+            r = self.signalled_after(run, "measure_until_stopped", "--mode", "sweep", "--url", stub.url,
+                                  "--sizes", "1,2", "--repeat", 1, "--max-tokens", 8,
+                                  "--save", self.path("s.json"), "--json")
+        self.assertEqual(r.code, 143, r)
+        self.assertIn("SIGTERM: saving what was measured first", r.stderr)
+        doc = self.load("s.json")
+        self.assertEqual(doc["summary"]["state"], "complete")  # everything was measured
+        self.assertEqual(r.json()["summary"]["total_completions"], 3)
+
+
 class Signals(TempDirTest):
     def stop_with(self, signum, args, progressed):
         return self.run_and_signal(args, progressed, signum)
