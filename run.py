@@ -3722,19 +3722,33 @@ class Overhead:
 
     @classmethod
     def of(cls, off_s: Sequence[float], on_s: Sequence[float]) -> "Overhead":
-        ratios = [b / a if a > 0 else math.inf for a, b in zip(off_s, on_s)]
+        # no ratio (infinite) where the flag-off figure is none or infinite, not 0 or NaN
+        ratios = [b / a if 0 < a < math.inf else math.inf for a, b in zip(off_s, on_s)]
         rounded = [round(r, 6) for r in ratios]
         if len(ratios) < MIN_PAIRS_FOR_INTERVAL or not all(map(math.isfinite, ratios)):
             median = statistics.median(ratios) if ratios else math.nan
             pct = round((median - 1.0) * 100.0, 3) if math.isfinite(median) else None
             why = None
             if pct is None and ratios:  # pairs there are, but no ratio of them means anything
-                why = "a flag-off trial took no time the clock could measure"
+                why = cls.unmeasurable(off_s, on_s)
             return cls(pct, None, False, rounded, why)
         lo, hi = bootstrap_median_ci(ratios)
         ci = [round((lo - 1.0) * 100.0, 3), round((hi - 1.0) * 100.0, 3)]
         pct = round((statistics.median(ratios) - 1.0) * 100.0, 3)
         return cls(pct, ci, not (ci[0] <= 0.0 <= ci[1]), rounded)
+
+    @staticmethod
+    def unmeasurable(off_s: Sequence[float], on_s: Sequence[float]) -> str:
+        """Why pairs give no ratio, naming the arm: a figure of no time (a trial shorter than
+        the clock's resolution) or an infinite one (a time per token where a trial reported
+        no output tokens: per_token)."""
+        for name, values in (("off", off_s), ("on", on_s)):
+            if any(math.isinf(v) for v in values):
+                return "a flag-%s trial reported no output tokens" % name
+        for name, values in (("off", off_s), ("on", on_s)):
+            if any(v <= 0 for v in values):
+                return "a flag-%s trial took no time the clock could measure" % name
+        return "a flag-off trial took no time the clock could measure"
 
     @classmethod
     def from_record(cls, record: Json) -> "Overhead":
@@ -6384,18 +6398,40 @@ def label_of(record: Any, name: str) -> Any:
     return record.get(name) if isinstance(record, dict) else None
 
 
+# The settings a cell's identity names in words (CellIdentity.text) wherever they are known:
+# the ones users change between arms to compare them
+KEY_SETTINGS = ("attention backend", "dtype", "quantization", "KV-cache dtype", "max num seqs",
+                "max running requests")
+TP_SETTINGS = ("TP size",)  # what differs between the rows of one 2x2 table
+
+
+def setting_text(value: Any) -> str:
+    """A reported setting as an identity holds it: a string as it is, anything else as JSON
+    (keys sorted), so that equal values compare equal and any value can be a key."""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, sort_keys=True)
+    except (ValueError, TypeError):
+        return repr(value)
+
+
 @dataclass(frozen=True)
 class CellIdentity:
     """Everything a cost cell was measured under, read from the cell's own record (this run's
     or any saved file's): two cells of one identity are one measurement, and the newer
     replaces the older; cells that differ in anything here are kept side by side. run.py's
     cost file and table, the experiment's REPORT, compare.py and plot_cost.py all tell cells
-    apart by it (cell_key)."""
+    apart by it (cell_key). Besides the cell's own labels it holds each arm's flag as the lab
+    read it, the TP degree each arm reported (the label may be the one asked with --tp) and
+    every setting the lab compares between arms (ServerFacts.settings: attention backend,
+    dtype, quantization, KV-cache dtype, max num seqs and the rest), so that a cell measured
+    on other settings never replaces one of these."""
 
     engine: Optional[str]
     releases: Tuple[Any, Any]  # each arm's release as it reported it (off, on)
     model: Optional[str]
-    tp: Optional[int]
+    tp: Optional[int]  # the cell's label: the degree asked (--tp), else the one reported
     workload: Optional[str]
     prefix_tokens: Optional[int]  # shared-prefix only
     batch: Optional[int]  # batch trials
@@ -6404,6 +6440,11 @@ class CellIdentity:
     arrivals: Optional[str]  # load trials, the rate exact (a file that does not say: a burst)
     max_tokens: Optional[int]
     mismatched: bool  # timed despite settings that differ between the arms (--allow-mismatch)
+    flags: Tuple[Any, Any] = (False, True)  # each arm's flag as the lab read it (None: unknown)
+    tp_reported: Tuple[Any, Any] = (None, None)  # each arm's TP as it reported it
+    # (label, the flag-off arm's value, the flag-on arm's) of every setting either arm
+    # reported, each value as JSON text (None: that arm did not report it)
+    settings: Tuple[Tuple[str, Optional[str], Optional[str]], ...] = ()
 
     @classmethod
     def of(cls, record: Json) -> "CellIdentity":
@@ -6414,7 +6455,18 @@ class CellIdentity:
             return value if value is None or isinstance(value, (str, int, float)) else repr(value)
 
         servers = record.get("servers") if isinstance(record.get("servers"), dict) else {}
-        releases = tuple(label_of(servers.get(arm), "version") for arm in ("off", "on"))
+        arms = [servers.get(arm) if isinstance(servers.get(arm), dict) else {}
+                for arm in ("off", "on")]
+        releases = tuple(label_of(arm, "version") for arm in arms)
+        flags = tuple(arm.get("flag") if isinstance(arm.get("flag"), bool) else None
+                      for arm in arms)
+        tp_reported = tuple(arm.get("tp") if is_count(arm.get("tp")) else None for arm in arms)
+        reported = [arm.get("settings") if isinstance(arm.get("settings"), dict) else {}
+                    for arm in arms]
+        settings = tuple(
+            (str(name),) + tuple(setting_text(each[name]) if name in each else None
+                                 for each in reported)
+            for name in sorted(set(reported[0]) | set(reported[1]), key=str))
         load = label("concurrency")
         return cls(engine=label("engine"), releases=releases, model=label("model"),
                    tp=label("tp"), workload=label("workload"),
@@ -6423,31 +6475,71 @@ class CellIdentity:
                    batch=None if load else label("batch"), concurrency=load,
                    requests=label("requests") if load else None,
                    arrivals=(label("arrivals") or "burst") if load else None,
-                   max_tokens=label("max_tokens"), mismatched=bool(record.get("differences")))
+                   max_tokens=label("max_tokens"), mismatched=bool(record.get("differences")),
+                   flags=flags, tp_reported=tp_reported, settings=settings)
 
     def table_group(self) -> "CellIdentity":
-        """What the 2x2 table's cells share: all but TP and the workload."""
-        return dataclasses.replace(self, tp=None, workload=None, prefix_tokens=None)
+        """What the 2x2 table's cells share: all but TP (asked and reported), the workload
+        and the settings that go with the TP degree."""
+        return dataclasses.replace(
+            self, tp=None, workload=None, prefix_tokens=None, tp_reported=(None, None),
+            settings=tuple(s for s in self.settings if s[0] not in TP_SETTINGS))
 
-    def text(self) -> str:
-        """The identity in words, as a replaced cell or a table heading names it."""
+    def across_releases(self) -> "CellIdentity":
+        """The identity less what an engine upgrade changes by itself (the release and the
+        settings each arm reports): what compare.py matches a cell across two files by."""
+        return dataclasses.replace(self, releases=(None, None), tp_reported=(None, None),
+                                   settings=())
+
+    def parts(self) -> Dict[str, str]:
+        """Each part of the identity in words, by name; a setting's part is named after it."""
         off, on = self.releases
-        release = fmt_opt(off, "release ?") if off == on else "%s / %s" % (off, on)
-        parts = ["%s %s" % (self.engine or "engine ?", release), "model %s" % self.model]
+        parts = {"engine": self.engine or "engine ?",
+                 "release": fmt_opt(off, "release ?") if off == on else "%s / %s" % (off, on),
+                 "model": "model %s" % self.model, "TP": "TP=%s" % fmt_opt(self.tp, "?")}
+        if self.tp_reported != (None, None) and self.tp_reported != (self.tp, self.tp):
+            parts["TP reported"] = "the arms report TP %s" % " / ".join(
+                fmt_opt(tp, "?") for tp in self.tp_reported)
         if self.workload is not None:
-            prefix = (" (%s prefix tokens)" % self.prefix_tokens
-                      if self.prefix_tokens is not None else "")
-            parts.append("TP=%s, %s%s" % (fmt_opt(self.tp, "?"), self.workload, prefix))
+            parts["workload"] = self.workload
+        if self.prefix_tokens is not None:
+            parts["prefix"] = "%s prefix tokens" % self.prefix_tokens
         if self.concurrency:
             rate = "" if self.arrivals == "burst" else ", " + self.arrivals
-            parts.append("concurrency %s, %s requests a trial%s"
-                         % (self.concurrency, self.requests, rate))
+            parts["trials"] = ("concurrency %s, %s requests a trial%s"
+                               % (self.concurrency, self.requests, rate))
         else:
-            parts.append("batch %s" % self.batch)
-        parts.append("%s tokens" % self.max_tokens)
+            parts["trials"] = "batch %s" % self.batch
+        parts["tokens"] = "%s tokens" % self.max_tokens
+        if self.flags != (False, True):
+            parts["flags"] = "flags as read: %s" % " / ".join(
+                {None: "unknown", True: "on", False: "off"}[f] for f in self.flags)
         if self.mismatched:
-            parts.append("arms mismatched (--allow-mismatch)")
-        return ", ".join(parts)
+            parts["mismatch"] = "arms mismatched (--allow-mismatch)"
+        for name, off_value, on_value in self.settings:
+            shown = fmt_opt(off_value, "unknown")
+            if on_value != off_value:
+                shown += " / " + fmt_opt(on_value, "unknown")
+            parts["setting " + name] = "%s %s" % (name, shown)
+        return parts
+
+    def differing(self, other: "CellIdentity") -> List[str]:
+        """The names of the parts in which two identities differ (parts())."""
+        mine, theirs = self.parts(), other.parts()
+        return [name for name in list(mine) + [n for n in theirs if n not in mine]
+                if mine.get(name) != theirs.get(name)]
+
+    def text(self, settings: Sequence[str] = KEY_SETTINGS) -> str:
+        """The identity in words, as a replaced cell or a table heading names it: its labels,
+        and of the settings those named (by default the ones users compare most)."""
+        parts = self.parts()
+        for name in list(parts):
+            if name.startswith("setting ") and name[len("setting "):] not in settings:
+                del parts[name]
+        head = "%s %s" % (parts.pop("engine"), parts.pop("release"))
+        if self.workload is None:  # a table's group: TP and the workload are its rows, columns
+            parts.pop("TP")
+        return ", ".join([head] + list(parts.values()))
 
 
 @dataclass(frozen=True)
@@ -6552,6 +6644,16 @@ def print_cost_servers(off: ServerFacts, on: ServerFacts, differences: List[Sett
         out.line(row % (label, shown[0], shown[1], mark))
 
 
+def unverified_flags(arms: Sequence[Any]) -> str:
+    """The arms (Arm, or a cell's arm name) whose flag the lab could not read, in words."""
+    names = [arm if isinstance(arm, str) else arm.name for arm in arms]
+    options = {"off": "--url", "on": "--invariant"}
+    return "the flag%s of %s %s unknown (the server does not say)" % (
+        "s" if len(names) > 1 else "",
+        " and ".join("the flag-%s arm (%s)" % (name, options[name]) for name in names),
+        "are" if len(names) > 1 else "is")
+
+
 def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[SettingDifference]:
     """Refuse arms the wrong way round or differing in more than the flag; print their settings."""
     adapter = cfg.adapter
@@ -6567,6 +6669,10 @@ def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[SettingDifferen
                              "labelled with a degree it was not measured at"
                              % (asked, arm.name, arm.option, reported))
     differences = SettingDifference.between(off.facts, on.facts, ("off", "on"), flag_own=True)
+    unknown = [arm for arm in (off, on) if arm.facts.flag is None]
+    if unknown:
+        out.warn("%s: the figure will be of --invariant against --url, not a verified flag-on "
+                 "arm against a flag-off one" % unverified_flags(unknown))
     for arm in (off, on):
         if arm.facts.info_source is None:
             out.warn("the %s arm does not expose its settings, so the lab cannot check that the "
@@ -6584,20 +6690,35 @@ def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[SettingDifferen
 
 
 def cost_table_lines(cells: List[CellLabels], current: CellLabels) -> List[str]:
-    """The 2x2 table TP=1 / TP=k x cold / shared-prefix for the current model, batch and length."""
+    """The 2x2 table TP=1 / TP=k x cold / shared-prefix of the cells that share the current
+    cell's identity but for TP and the workload (CellIdentity.table_group), one prefix length
+    in its shared-prefix column (the current cell's, else the newest's); its heading names
+    every part of the identity that tells these cells from the file's others."""
     group = current.identity.table_group()
     same = [c for c in cells if c.identity.table_group() == group]
+    prefix = current.identity.prefix_tokens
+    if prefix is None:
+        shared = [c for c in same if c.workload == "shared-prefix"]
+        prefix = shared[-1].identity.prefix_tokens if shared else None
+    same = [c for c in same if c.workload != "shared-prefix" or c.identity.prefix_tokens == prefix]
+    named = set(KEY_SETTINGS)  # and every setting in which another table of the file differs
+    for other in {c.identity.table_group() for c in cells} - {group}:
+        named.update(part[len("setting "):] for part in group.differing(other)
+                     if part.startswith("setting "))
     # TP=k until a degree above 1 is measured; TP=? for cells measured without a known degree
     tps: List[Any] = sorted({c.tp for c in same if c.tp not in (1, None)}) or ["k"]
     if any(c.tp is None for c in same):
         tps.append(None)
-    lines = ["cost cells for %s (from the saved file):" % group.text(),
+    shared_prefix = "" if prefix is None else ", shared prefix of %s tokens" % prefix
+    lines = ["cost cells for %s%s (from the saved file):" % (group.text(sorted(named)),
+                                                             shared_prefix),
              "  %-8s %-28s %-28s" % ("", *WORKLOADS)]
     filled = 0
     for tp in [1] + tps:
         row = []
         for workload in WORKLOADS:
-            cell = next((c for c in same if c.tp == tp and c.workload == workload), None)
+            found = [c for c in same if c.tp == tp and c.workload == workload]
+            cell = current if current in found else (found[-1] if found else None)
             filled += cell is not None
             if cell is None:
                 row.append("missing")
@@ -6690,6 +6811,29 @@ def add_cell(doc: Json, cell: Json) -> Json:
     return doc
 
 
+def replaced_cell_line(old: Json, new: Json, path: str) -> str:
+    """What a user reads when a cell replaces a saved one: what the two share (their
+    identity, every compared setting of both arms) and what differs (when, by which code,
+    on which servers, and what they measured)."""
+    identity = cell_key(new)
+    changed = []
+    for what, value in (("overhead", lambda c: fmt_opt(label_of(c, "overhead_pct"), "none",
+                                                      "%+.1f%%")),
+                        ("trial pairs", lambda c: fmt_opt(label_of(c, "trials"), "?")),
+                        ("code", lambda c: fmt_opt(label_of(label_of(c, "lab"), "code"), "?")),
+                        ("flag-off URL", lambda c: fmt_opt(label_of(dig(c, "servers", "off"),
+                                                                    "url"), "?")),
+                        ("flag-on URL", lambda c: fmt_opt(label_of(dig(c, "servers", "on"),
+                                                                   "url"), "?"))):
+        before, after = value(old), value(new)
+        if before != after:
+            changed.append("%s %s, now %s" % (what, before, after))
+    return ("--save: this cell replaces the one saved %s in %s: both measured under %s and "
+            "the same %d settings on each arm; what differs: %s"
+            % (fmt_opt(old.get("created"), "earlier"), path, identity.text(),
+               len(identity.settings), "; ".join(changed) or "nothing but when"))
+
+
 def save_cell(path: str, cell: Json) -> Json:
     """Add a cell's record to the cost file as it is now, under a lock: two runs saving to
     one file each keep their cells. Returns the document written."""
@@ -6726,6 +6870,10 @@ def print_cost_report(cell: CostCell, labels: CellLabels, out: Out) -> None:
     out.bold("  overhead " + cell.overhead.text("%+.1f%%, 95%% interval [%+.1f%%, %+.1f%%]%s",
                                                 without,
                                                 ": not significant (the interval contains 0)"))
+    unknown = [name for name in ("off", "on") if label_of(cell.servers.get(name), "flag") is None]
+    if unknown:
+        out.line("  %s: the overhead above is of the --invariant arm over the --url arm, not "
+                 "verified flag-on over flag-off" % unverified_flags(unknown))
     if cell.under_load:
         cell.under_load.report(cell.compared_on, out)
     if cell.stopped_by:
@@ -6812,9 +6960,7 @@ def run_cost(cfg: Config, out: Out) -> int:
     if cfg.save and state == "complete":
         for old in (cfg.prior_save or {}).get("cells") or []:
             if isinstance(old, dict) and cell_key(old) == labels.identity:
-                out.warn("--save: this cell replaces the one saved %s in %s (%s)"
-                         % (fmt_opt(old.get("created"), "earlier"), cfg.save,
-                            labels.identity.text()))
+                out.warn(replaced_cell_line(old, record, cfg.save))
     if labels.tp is None and not cfg.json_out:
         out.warn("the arms do not report their TP degree, so the cell is labelled TP=?: give "
                  "--tp N to label it")

@@ -189,3 +189,26 @@ class StreamCounts(TempDirTest):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class EventsOverSeveralDataLines(unittest.TestCase):
+    """A stream whose events each span several `data:` lines (the SSE standard joins them with
+    a line break) is timed as any other: one event, one count."""
+
+    def test_a_load_trial_reads_them(self):
+        import types
+        from test_hostile import sse_server
+        events = [{"choices": [{"index": 0, "text": "a"}], "usage": {"completion_tokens": n}}
+                  for n in (1, 2)]
+        payload = b"".join(b"".join(b"data: " + line.encode() + b"\n"
+                                    for line in json.dumps(event, indent=1).splitlines()) + b"\n"
+                           for event in events) + b"data: [DONE]\n\n"
+        url = sse_server(payload)
+        facts = run.ServerFacts("vllm", "m", model_id="m")
+        arm = types.SimpleNamespace(client=run.HttpClient(url, None, 10, 1 << 20), facts=facts,
+                                    samples=[])
+        trials = run.LoadTrials(1, 1, run.Arrivals(None))
+        sampling = run.Sampling.of(0.0, 2, None, 0, ignore_eos=True)
+        seconds, tokens, timings = trials.run(arm, ["p"], run.ADAPTERS["vllm"], sampling)
+        self.assertEqual(tokens, 2)
+        self.assertEqual([t.progress_events for t in timings], [2])
