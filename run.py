@@ -6884,6 +6884,28 @@ def print_cost_report(cell: CostCell, labels: CellLabels, out: Out) -> None:
                              for d in cell.differences))
 
 
+# A piece of text a tokenizer makes at least one token of: a word, a digit (many tokenizers
+# split numbers digit by digit), any other visible character
+TOKEN_PIECE = re.compile(r"[A-Za-z]+|[0-9]|[^\sA-Za-z0-9]")
+
+
+def longest_cost_prompt(cfg: Config) -> Tuple[int, str]:
+    """The tokens, counted as TOKEN_PIECE counts them, of the longest prompt a cost run will
+    send (warm-up and trials alike), and what built it: the prefix's filler words are about a
+    token each, as --prefix-tokens promises; the preamble, the question and their numbers
+    count at least a token a piece, so a prompt that only just fits is not let through."""
+    options = cfg.cost
+    trials = [-1 - w for w in range(options.warmup)][-1:] + [options.trials - 1]
+    longest = max(len(TOKEN_PIECE.findall(prompt))
+                  for trial in trials
+                  for prompt in workload_prompts(options.workload, options.trial.prompts, trial,
+                                                 "0" * 8, options.prefix_tokens)[-1:])
+    if options.workload == "shared-prefix":
+        return longest, ("the built prompt (--prefix-tokens %d with the lab's preamble and "
+                         "question)" % options.prefix_tokens)
+    return longest, "the built prompt (the %s workload's)" % options.workload
+
+
 def run_cost(cfg: Config, out: Out) -> int:
     """--mode cost: open both arms and refuse them unless they differ in the flag alone,
     warm up, then time trial pairs in A B B A order (BatchTrials or LoadTrials, decided
@@ -6896,9 +6918,9 @@ def run_cost(cfg: Config, out: Out) -> int:
     cfg = resolve_engine(cfg, arms)
     off = Arm.open(cfg, "off", "--url", cfg.url)
     on = Arm.open(cfg, "on", "--invariant", cfg.cost.invariant)
-    shared = cfg.cost.prefix_tokens if cfg.cost.workload == "shared-prefix" else None
+    longest, what = longest_cost_prompt(cfg)
     for arm in (off, on):
-        refuse_what_cannot_fit(arm.facts, cfg.sampling.max_tokens, shared, "--prefix-tokens")
+        refuse_what_cannot_fit(arm.facts, cfg.sampling.max_tokens, longest, what)
     differences = check_arms(cfg, off, on, out)
     run_id = "%08x" % random.SystemRandom().getrandbits(32)  # no cache hit across runs either
     doc = copy.deepcopy(cfg.prior_save) if cfg.prior_save else {"schema": COST_SCHEMA, "cells": []}
