@@ -3117,8 +3117,9 @@ def exit_codes_text(indent: str = "  ") -> str:
 def lab_code() -> str:
     """Which code this is, as --version, every saved result and the experiment's report name
     it: the commit of the git checkout run.py is tracked in (`git describe --always --dirty`:
-    "-dirty" where the checkout holds changes), else the version and the first 12 hex digits
-    of the SHA-256 of run.py's own bytes (a copy outside a checkout, or no git to ask)."""
+    "-dirty" where the checkout holds changes, then the first 12 hex digits of the SHA-256 of
+    run.py's own bytes, so that two edits of one commit read differently), else the version
+    and that hash alone (a copy outside a checkout, or no git to ask)."""
     source = os.path.realpath(__file__)  # through a link, the checkout the file lives in
     git = ["git", "-C", os.path.dirname(source)]
     try:
@@ -3129,12 +3130,18 @@ def lab_code() -> str:
                                        capture_output=True, text=True, timeout=GIT_TIMEOUT_S)
             name = described.stdout.strip()
             if described.returncode == 0 and name:
-                return "%s, git %s" % (LAB_VERSION, name)
+                edited = ", run.py sha256 %s" % source_digest(source) if name.endswith(
+                    "-dirty") else ""
+                return "%s, git %s%s" % (LAB_VERSION, name, edited)
     except (OSError, subprocess.SubprocessError):
         pass
-    with open(source, "rb") as code:
-        digest = hashlib.sha256(code.read()).hexdigest()
-    return "%s, run.py sha256 %s" % (LAB_VERSION, digest[:12])
+    return "%s, run.py sha256 %s" % (LAB_VERSION, source_digest(source))
+
+
+def source_digest(path: str) -> str:
+    """The first 12 hex digits of the SHA-256 of a file's bytes."""
+    with open(path, "rb") as code:
+        return hashlib.sha256(code.read()).hexdigest()[:12]
 
 
 class ShowVersion(argparse.Action):
