@@ -6861,6 +6861,33 @@ STOPPED_BY = {  # what ended a --precision run, as the report says it
     "trials": "ran every trial (--trials) before the interval was within --precision"}
 
 
+def flag_on_faster(cell: Json) -> List[str]:
+    """What to check, line by line, when a cell's flag-on arm measured faster: its overhead's
+    95% interval lies wholly below zero (none otherwise). The flag costs time on every engine
+    the lab has measured; a faster flag-on arm on a GPU has meant swapped arms, a flag that is
+    not on, or one arm warm and the other cold. run.py's report and plot_cost.py say it."""
+    ci = label_of(cell, "ci95_pct")
+    if not (isinstance(ci, list) and len(ci) == 2 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in ci) and ci[1] < 0):
+        return []
+    adapter = ADAPTERS.get(label_of(cell, "engine"))
+    servers = label_of(cell, "servers")
+    flags = []
+    for name, option in (("off", "--url"), ("on", "--invariant")):
+        arm = label_of(servers, name)
+        flag = label_of(arm, "flag")
+        flag = flag if isinstance(flag, bool) else None
+        read = describe_flag(flag, adapter) if adapter else fmt_opt(flag, "flag unknown",
+                                                                        "flag %s")
+        flags.append("%s %s: %s" % (option, fmt_opt(label_of(arm, "url"), "?"), read))
+    return ["the flag-on arm measured faster (the whole interval lies below 0): on a GPU that "
+            "has meant swapped arms, a flag that is not on, or one arm warm and the other cold",
+            "check the flags as the lab read them: " + "; ".join(flags),
+            "check the warm-up: %s request(s) an arm were discarded (--warmup); a cold arm is "
+            "slower" % fmt_opt(label_of(cell, "warmup"), "?"),
+            "check which URL is which: --url is the flag-off server, --invariant the flag-on"]
+
+
 def print_cost_report(cell: CostCell, labels: CellLabels, out: Out) -> None:
     out.line("")
     state = "" if labels.state == "complete" else " (%s)" % labels.state
@@ -6877,6 +6904,8 @@ def print_cost_report(cell: CostCell, labels: CellLabels, out: Out) -> None:
     out.bold("  overhead " + cell.overhead.text("%+.1f%%, 95%% interval [%+.1f%%, %+.1f%%]%s",
                                                 without,
                                                 ": not significant (the interval contains 0)"))
+    for line in flag_on_faster(as_record(cell)):
+        out.line("  " + line)
     unknown = [name for name in ("off", "on") if label_of(cell.servers.get(name), "flag") is None]
     if unknown:
         out.line("  %s: the overhead above is of the --invariant arm over the --url arm, not "
