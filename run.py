@@ -3066,7 +3066,21 @@ class _Parser(argparse.ArgumentParser):
         mode = next((word for word in words if word in MODES), None)
         if mode is not None:  # `run.py sweep`: a mode is an option's value here, not a command
             message += " (a mode is chosen with --mode: run.py --mode %s ...)" % mode
+        hint = next((BENCH_SERVE_HINTS[w.split("=")[0]] for w in words
+                     if w.split("=")[0] in BENCH_SERVE_HINTS), None)
+        if hint is not None:
+            message += " (%s)" % hint
         raise UsageError(message)
+
+
+# `vllm bench serve` saving options the lab has no use for, and what it does instead
+BENCH_SERVE_HINTS = {
+    "--save-result": "the lab saves with --save FILE, or --result-filename FILE; under load "
+                     "each arm's figures are there under bench serve's names too",
+    "--result-dir": "give the folder in --save's path",
+    "--save-detailed": "a cost file keeps every request's timing already (load.ARM.requests)",
+    "--append-result": "--save adds each cost cell to its file already",
+    "--metadata": "saved results record the command line, host, Python and code (lab)"}
 
 
 WHOLE_NUMBER = r"[+-]?[0-9]+"  # ASCII digits only: int() also takes other scripts' digits
@@ -3211,8 +3225,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-tokens", type=whole_number(1, MAX_TOKENS), help="tokens per completion (default: "
         "sweep %d, cost %d)" % (DEFAULT_SWEEP_TOKENS, DEFAULT_COST_TOKENS))
     sweep_cost.add_argument(
-        "--save", metavar="PATH", help="write the result as JSON (sweep: rewritten "
-        "after every batch size; cost: adds its cell to the file)")
+        "--save", "--result-filename", metavar="PATH", help="write the result as JSON (sweep: "
+        "rewritten after every batch size; cost: adds its cell to the file)")
     sweep_cost.add_argument("--json", action="store_true", dest="json_out",
                             help="print the result as JSON, not a table")
     sweep_cost.add_argument(
@@ -3644,10 +3658,14 @@ class LoadStats:
     median_tokens_per_s: Optional[float]
     median_requests_per_s: Optional[float]
     requests: List[List[RequestTiming]]  # trial by trial
+    # the same figures under `vllm bench serve --save-result`'s flat names and units
+    # (BenchServeResult.figures)
+    bench_serve: Dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def of(cls, requests: List[List[RequestTiming]], samples_s: List[float],
-           output_tokens: List[int]) -> "LoadStats":
+           output_tokens: List[int],
+           bench_serve: Optional["BenchServeResult"] = None) -> "LoadStats":
         spreads = {}
         for figure in LOAD_FIGURES:
             found = (getattr(r, figure + "_s") for trial in requests for r in trial)
@@ -3659,9 +3677,112 @@ class LoadStats:
         timed = [t for t in zip(requests, output_tokens, samples_s) if t[2] > 0]
         tokens_per_s = statistics.median(n / s for _, n, s in timed) if timed else None
         requests_per_s = statistics.median(len(r) / s for r, _, s in timed) if timed else None
+        flat = bench_serve.figures(requests, samples_s) if bench_serve else {}
         return cls(unmeasured=None if spreads["ttft"] else UNMEASURED_STREAM,
                    median_tokens_per_s=tokens_per_s, median_requests_per_s=requests_per_s,
-                   requests=requests, **spreads)
+                   requests=requests, bench_serve=flat, **spreads)
+
+
+def linear_percentile(values: Sequence[float], p: float) -> float:
+    """The p-th percentile (0 to 100) interpolated between the two nearest ranks, as numpy's
+    np.percentile computes it by default (what `vllm bench serve` reports)."""
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * p / 100.0
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+# `vllm bench serve --percentile-metrics`' names the lab measures, each with what it reads of
+# a request (vllm/benchmarks/serve.py, 0.34.0 lines 1848-1857 list them; lines 782-806
+# compute them)
+BENCH_SERVE_METRICS = ("ttft", "tpot", "itl", "e2el")
+BENCH_SERVE_NOT_MEASURED = ("client_queue_time", "e2el_including_client_queue")
+
+
+@dataclass(frozen=True)
+class BenchServeResult:
+    """An arm's load figures as `vllm bench serve --save-result` names them (its result
+    dictionary, vllm/benchmarks/serve.py, 0.34.0 lines 1319-1328 and 1426-1432): every
+    trial of the arm taken as one run, so duration is the trials' time together and a
+    throughput is what they did in it; times in milliseconds. --percentile-metrics and
+    --metric-percentiles choose the figures as they do there."""
+
+    metrics: Tuple[str, ...] = BENCH_SERVE_METRICS
+    percentiles: Tuple[float, ...] = (99.0,)  # bench serve's default, "99"
+    max_concurrency: Optional[int] = None
+    request_rate: Any = "inf"  # as bench serve writes a burst
+
+    @staticmethod
+    def add_arguments(group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--percentile-metrics", metavar="M,M",
+            help="load trials: the figures saved under `vllm bench serve` result names "
+            "(mean_X_ms, median_X_ms, std_X_ms, pP_X_ms), of ttft, tpot, itl, e2el "
+            "(default: all four)")
+        group.add_argument(
+            "--metric-percentiles", metavar="P,P",
+            help="load trials: the percentiles saved under those names (default 99)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "BenchServeResult":
+        metrics = tuple(m.strip() for m in (args.percentile_metrics or ",".join(
+            BENCH_SERVE_METRICS)).split(",") if m.strip())
+        for metric in metrics:
+            if metric in BENCH_SERVE_NOT_MEASURED:
+                raise UsageError(
+                    "--percentile-metrics: %s is not measured here: a load trial's requests "
+                    "wait in no queue of the client (each goes when a slot is free); give "
+                    "some of %s" % (metric, ",".join(BENCH_SERVE_METRICS)))
+            if metric not in BENCH_SERVE_METRICS:
+                raise UsageError("--percentile-metrics: %r is none of %s"
+                                 % (metric, ",".join(BENCH_SERVE_METRICS)))
+        if not metrics:
+            raise UsageError("--percentile-metrics: give some of %s"
+                             % ",".join(BENCH_SERVE_METRICS))
+        percentiles = []
+        for text in (args.metric_percentiles or "99").split(","):
+            try:
+                value = float(text)
+            except ValueError:
+                value = math.nan
+            if not (0.0 <= value <= 100.0) or not text.strip().isascii():
+                raise UsageError("--metric-percentiles: %r is not a percentile from 0 to 100"
+                                 % text.strip())
+            percentiles.append(value)
+        return cls(tuple(dict.fromkeys(metrics)), tuple(dict.fromkeys(percentiles)))
+
+    def figures(self, requests: List[List[RequestTiming]],
+                samples_s: List[float]) -> Dict[str, Any]:
+        """The flat result: None where the lab measured nothing (bench serve writes 0 there,
+        which a reader would take for a figure), never a guess."""
+        done = [r for trial in requests for r in trial]
+        duration = sum(samples_s[:len(requests)])
+        tokens = sum(r.tokens for r in done)
+        values = {
+            "ttft": [r.ttft_s for r in done if r.ttft_s is not None],
+            "tpot": [r.tpot_s for r in done if r.tpot_s is not None],
+            # only streams that came token by token have gaps that are inter-token latency
+            "itl": [gap for r in done if r.ttft_s is not None for gap in r.itl_s],
+            "e2el": [r.latency_s for r in done]}
+        result: Dict[str, Any] = {
+            "duration": duration, "completed": len(done), "total_output_tokens": tokens,
+            "request_throughput": len(done) / duration if duration > 0 else None,
+            "output_throughput": tokens / duration if duration > 0 else None,
+            # the lab's streams do not count prompt tokens: no total to divide
+            "total_token_throughput": None,
+            "max_concurrency": self.max_concurrency, "request_rate": self.request_rate,
+            "num_prompts": len(done)}  # every trial's, as one run
+        for metric in self.metrics:
+            found = [1000.0 * v for v in values[metric]]
+            result["mean_%s_ms" % metric] = statistics.fmean(found) if found else None
+            result["median_%s_ms" % metric] = statistics.median(found) if found else None
+            result["std_%s_ms" % metric] = statistics.pstdev(found) if found else None
+            for p in self.percentiles:
+                word = str(int(p)) if int(p) == p else str(p)
+                result["p%s_%s_ms" % (word, metric)] = (linear_percentile(found, p)
+                                                        if found else None)
+        return result
 
 
 def token_by_token(first_count: int, events: int, count: int) -> bool:
@@ -3783,6 +3904,7 @@ class LoadTrials:
     concurrency: int  # requests in flight at once
     prompts: int  # --requests: requests a trial, one prompt each
     arrivals: Arrivals  # when each request goes out (--request-rate)
+    bench_serve: BenchServeResult = BenchServeResult()  # its figures under bench serve's names
 
     @staticmethod
     def add_arguments(group: argparse._ArgumentGroup) -> None:
@@ -3814,7 +3936,18 @@ class LoadTrials:
                     % concurrency)
         needs = None if concurrency else "--concurrency (one streamed request a prompt)"
         arrivals = Arrivals.configure(args.request_rate, needs)
-        return cls(concurrency, requests, arrivals) if concurrency else None
+        if not concurrency:
+            given = [name for name, value in (("--percentile-metrics", args.percentile_metrics),
+                                              ("--metric-percentiles", args.metric_percentiles))
+                     if value is not None]
+            if given:
+                raise UsageError("%s goes with --concurrency: it chooses figures of load "
+                                 "trials" % given[0])
+            return None
+        chosen = BenchServeResult.from_args(args)
+        bench_serve = dataclasses.replace(
+            chosen, max_concurrency=concurrency, request_rate=arrivals.rate if arrivals.rate else "inf")
+        return cls(concurrency, requests, arrivals, bench_serve)
 
     def run(self, arm: "Arm", prompts: List[str], adapter: EngineAdapter,
             sampling: Sampling) -> Tuple[float, int, List[RequestTiming]]:
@@ -3890,7 +4023,8 @@ class LoadTrials:
         the time each trial took for the same tokens; +30 %: throughput falls to 1/1.3) and in
         each figure (paired per-trial medians)."""
         off, on = arms
-        load = {arm.name: LoadStats.of(arm.timings, arm.samples, arm.tokens) for arm in arms}
+        load = {arm.name: LoadStats.of(arm.timings, arm.samples, arm.tokens, self.bench_serve)
+                for arm in arms}
         overheads = {"throughput": primary}
         for figure in LOAD_FIGURES:
             a, b = per_trial_medians(off, figure)[:pairs], per_trial_medians(on, figure)[:pairs]
@@ -6349,6 +6483,7 @@ class CostOptions:
             default=DEFAULT_PREFIX_TOKENS,
             help="length of the shared prefix (default about %d tokens)" % DEFAULT_PREFIX_TOKENS)
         LoadTrials.add_arguments(group)
+        BenchServeResult.add_arguments(group)
         group.add_argument(
             "--precision", type=real_number(0.0, above=True), metavar="P",
             help="keep timing trial pairs until the overhead's 95%% interval is at most +-P "
