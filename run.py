@@ -6634,7 +6634,9 @@ class CellIdentity:
                                    settings=())
 
     def parts(self) -> Dict[str, str]:
-        """Each part of the identity in words, by name; a setting's part is named after it."""
+        """Each part of the identity in words, by name; a setting's part is named after it
+        ("setting attention backend") and holds its value alone (each arm's where they
+        differ, "off / on")."""
         off, on = self.releases
         parts = {"engine": self.engine or "engine ?",
                  "release": fmt_opt(off, "release ?") if off == on else "%s / %s" % (off, on),
@@ -6646,10 +6648,9 @@ class CellIdentity:
             parts["workload"] = self.workload
         if self.prefix_tokens is not None:
             parts["prefix"] = "%s prefix tokens" % self.prefix_tokens
-        if self.concurrency:
-            rate = "" if self.arrivals == "burst" else ", " + self.arrivals
-            parts["trials"] = ("concurrency %s, %s requests a trial%s"
-                               % (self.concurrency, self.requests, rate))
+        if self.concurrency:  # the arrivals named, a burst too: two shapes of one concurrency
+            parts["trials"] = ("concurrency %s, %s requests a trial, %s"
+                               % (self.concurrency, self.requests, self.arrivals))
         else:
             parts["trials"] = "batch %s" % self.batch
         parts["tokens"] = "%s tokens" % self.max_tokens
@@ -6662,7 +6663,7 @@ class CellIdentity:
             shown = fmt_opt(off_value, "unknown")
             if on_value != off_value:
                 shown += " / " + fmt_opt(on_value, "unknown")
-            parts["setting " + name] = "%s %s" % (name, shown)
+            parts["setting " + name] = shown
         return parts
 
     def differing(self, other: "CellIdentity") -> List[str]:
@@ -6671,14 +6672,22 @@ class CellIdentity:
         return [name for name in list(mine) + [n for n in theirs if n not in mine]
                 if mine.get(name) != theirs.get(name)]
 
-    def text(self, settings: Sequence[str] = KEY_SETTINGS) -> str:
+    def text(self, settings: Sequence[str] = KEY_SETTINGS, release: bool = True) -> str:
         """The identity in words, as a replaced cell or a table heading names it: its labels,
-        and of the settings those named (by default the ones users compare most)."""
+        and of the settings those named (by default the ones users compare most); without
+        the release where cells are matched across releases (compare.py)."""
         parts = self.parts()
         for name in list(parts):
-            if name.startswith("setting ") and name[len("setting "):] not in settings:
-                del parts[name]
-        head = "%s %s" % (parts.pop("engine"), parts.pop("release"))
+            if name.startswith("setting "):
+                label = name[len("setting "):]
+                if label in settings:
+                    parts[name] = "%s %s" % (label, parts[name])
+                else:
+                    del parts[name]
+        head = parts.pop("engine")
+        shown_release = parts.pop("release")
+        if release:
+            head += " " + shown_release
         if self.workload is None:  # a table's group: TP and the workload are its rows, columns
             parts.pop("TP")
         return ", ".join([head] + list(parts.values()))
@@ -6831,11 +6840,11 @@ def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[SettingDifferen
     return differences
 
 
-def cost_table_lines(cells: List[CellLabels], current: CellLabels) -> List[str]:
-    """The 2x2 table TP=1 / TP=k x cold / shared-prefix of the cells that share the current
-    cell's identity but for TP and the workload (CellIdentity.table_group), one prefix length
-    in its shared-prefix column (the current cell's, else the newest's); its heading names
-    every part of the identity that tells these cells from the file's others."""
+def table_cells(cells: Sequence[CellLabels],
+                current: CellLabels) -> Tuple[CellIdentity, Optional[int], List[CellLabels]]:
+    """The 2x2 table current belongs to: its group (the identity but for TP and the workload,
+    CellIdentity.table_group), the one prefix length of its shared-prefix column (current's,
+    else the newest shared-prefix cell's of the group), and its cells."""
     group = current.identity.table_group()
     same = [c for c in cells if c.identity.table_group() == group]
     prefix = current.identity.prefix_tokens
@@ -6843,24 +6852,61 @@ def cost_table_lines(cells: List[CellLabels], current: CellLabels) -> List[str]:
         shared = [c for c in same if c.workload == "shared-prefix"]
         prefix = shared[-1].identity.prefix_tokens if shared else None
     same = [c for c in same if c.workload != "shared-prefix" or c.identity.prefix_tokens == prefix]
-    named = set(KEY_SETTINGS)  # and every setting in which another table of the file differs
+    return group, prefix, same
+
+
+def cost_tables(cells: Sequence[CellLabels]) -> List[Tuple[CellIdentity, Optional[int],
+                                                            List[CellLabels]]]:
+    """Every 2x2 table of a file's cells (table_cells), the newest cell's first."""
+    tables: List[Tuple[CellIdentity, Optional[int], List[CellLabels]]] = []
+    for cell in reversed(cells):
+        group, prefix, same = table_cells(cells, cell)
+        if not any(g == group and p == prefix for g, p, _ in tables):
+            tables.append((group, prefix, same))
+    return tables
+
+
+def table_heading(cells: Sequence[CellLabels], group: CellIdentity,
+                  prefix: Optional[int]) -> str:
+    """What a table's cells share, naming every part that tells them from the file's other
+    tables: engine, release, model, trials, tokens, every setting in which another table
+    differs, and the shared-prefix column's prefix length."""
+    named: Set[str] = set()
     for other in {c.identity.table_group() for c in cells} - {group}:
         named.update(part[len("setting "):] for part in group.differing(other)
                      if part.startswith("setting "))
-    # TP=k until a degree above 1 is measured; TP=? for cells measured without a known degree
+    shared_prefix = "" if prefix is None else ", shared prefix of %s tokens" % prefix
+    return group.text(sorted(named)) + shared_prefix
+
+
+def table_slot(same: Sequence[CellLabels], tp: Any, workload: str,
+               current: Optional[CellLabels] = None) -> Optional[CellLabels]:
+    """The cell a table shows for a TP degree and workload: the current one where it fits,
+    else the newest."""
+    found = [c for c in same if c.tp == tp and c.workload == workload]
+    return current if current in found else (found[-1] if found else None)
+
+
+def table_degrees(same: Sequence[CellLabels]) -> List[Any]:
+    """A table's rows: TP=1, then every other degree measured (TP=k until one is), then TP=?
+    for cells measured without a known degree."""
     tps: List[Any] = sorted({c.tp for c in same if c.tp not in (1, None)}) or ["k"]
     if any(c.tp is None for c in same):
         tps.append(None)
-    shared_prefix = "" if prefix is None else ", shared prefix of %s tokens" % prefix
-    lines = ["cost cells for %s%s (from the saved file):" % (group.text(sorted(named)),
-                                                             shared_prefix),
+    return [1] + tps
+
+
+def cost_table_lines(cells: List[CellLabels], current: CellLabels) -> List[str]:
+    """The 2x2 table TP=1 / TP=k x cold / shared-prefix of the current cell (table_cells),
+    under a heading that names what tells it from the file's other tables."""
+    group, prefix, same = table_cells(cells, current)
+    lines = ["cost cells for %s (from the saved file):" % table_heading(cells, group, prefix),
              "  %-8s %-28s %-28s" % ("", *WORKLOADS)]
     filled = 0
-    for tp in [1] + tps:
+    for tp in table_degrees(same):
         row = []
         for workload in WORKLOADS:
-            found = [c for c in same if c.tp == tp and c.workload == workload]
-            cell = current if current in found else (found[-1] if found else None)
+            cell = table_slot(same, tp, workload, current)
             filled += cell is not None
             if cell is None:
                 row.append("missing")
