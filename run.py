@@ -3112,7 +3112,21 @@ class _Parser(argparse.ArgumentParser):
         mode = next((word for word in words if word in MODES), None)
         if mode is not None:  # `run.py sweep`: a mode is an option's value here, not a command
             message += " (a mode is chosen with --mode: run.py --mode %s ...)" % mode
+        hint = next((BENCH_SERVE_HINTS[w.split("=")[0]] for w in words
+                     if w.split("=")[0] in BENCH_SERVE_HINTS), None)
+        if hint is not None:
+            message += " (%s)" % hint
         raise UsageError(message)
+
+
+# `vllm bench serve` saving options the lab has no use for, and what it does instead
+BENCH_SERVE_HINTS = {
+    "--save-result": "the lab saves with --save FILE, or --result-filename FILE; under load "
+                     "each arm's figures are there under bench serve's names too",
+    "--result-dir": "give the folder in --save's path",
+    "--save-detailed": "a cost file keeps every request's timing already (load.ARM.requests)",
+    "--append-result": "--save adds each cost cell to its file already",
+    "--metadata": "saved results record the command line, host, Python and code (lab)"}
 
 
 WHOLE_NUMBER = r"[+-]?[0-9]+"  # ASCII digits only: int() also takes other scripts' digits
@@ -3163,8 +3177,9 @@ def exit_codes_text(indent: str = "  ") -> str:
 def lab_code() -> str:
     """Which code this is, as --version, every saved result and the experiment's report name
     it: the commit of the git checkout run.py is tracked in (`git describe --always --dirty`:
-    "-dirty" where the checkout holds changes), else the version and the first 12 hex digits
-    of the SHA-256 of run.py's own bytes (a copy outside a checkout, or no git to ask)."""
+    "-dirty" where the checkout holds changes, then the first 12 hex digits of the SHA-256 of
+    run.py's own bytes, so that two edits of one commit read differently), else the version
+    and that hash alone (a copy outside a checkout, or no git to ask)."""
     source = os.path.realpath(__file__)  # through a link, the checkout the file lives in
     git = ["git", "-C", os.path.dirname(source)]
     try:
@@ -3175,12 +3190,18 @@ def lab_code() -> str:
                                        capture_output=True, text=True, timeout=GIT_TIMEOUT_S)
             name = described.stdout.strip()
             if described.returncode == 0 and name:
-                return "%s, git %s" % (LAB_VERSION, name)
+                edited = ", run.py sha256 %s" % source_digest(source) if name.endswith(
+                    "-dirty") else ""
+                return "%s, git %s%s" % (LAB_VERSION, name, edited)
     except (OSError, subprocess.SubprocessError):
         pass
-    with open(source, "rb") as code:
-        digest = hashlib.sha256(code.read()).hexdigest()
-    return "%s, run.py sha256 %s" % (LAB_VERSION, digest[:12])
+    return "%s, run.py sha256 %s" % (LAB_VERSION, source_digest(source))
+
+
+def source_digest(path: str) -> str:
+    """The first 12 hex digits of the SHA-256 of a file's bytes."""
+    with open(path, "rb") as code:
+        return hashlib.sha256(code.read()).hexdigest()[:12]
 
 
 class ShowVersion(argparse.Action):
@@ -3250,8 +3271,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-tokens", type=whole_number(1, MAX_TOKENS), help="tokens per completion (default: "
         "sweep %d, cost %d)" % (DEFAULT_SWEEP_TOKENS, DEFAULT_COST_TOKENS))
     sweep_cost.add_argument(
-        "--save", metavar="PATH", help="write the result as JSON (sweep: rewritten "
-        "after every batch size; cost: adds its cell to the file)")
+        "--save", "--result-filename", metavar="PATH", help="write the result as JSON (sweep: "
+        "rewritten after every batch size; cost: adds its cell to the file)")
     sweep_cost.add_argument("--json", action="store_true", dest="json_out",
                             help="print the result as JSON, not a table")
     sweep_cost.add_argument(
@@ -3683,10 +3704,14 @@ class LoadStats:
     median_tokens_per_s: Optional[float]
     median_requests_per_s: Optional[float]
     requests: List[List[RequestTiming]]  # trial by trial
+    # the same figures under `vllm bench serve --save-result`'s flat names and units
+    # (BenchServeResult.figures)
+    bench_serve: Dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def of(cls, requests: List[List[RequestTiming]], samples_s: List[float],
-           output_tokens: List[int]) -> "LoadStats":
+           output_tokens: List[int],
+           bench_serve: Optional["BenchServeResult"] = None) -> "LoadStats":
         spreads = {}
         for figure in LOAD_FIGURES:
             found = (getattr(r, figure + "_s") for trial in requests for r in trial)
@@ -3698,9 +3723,112 @@ class LoadStats:
         timed = [t for t in zip(requests, output_tokens, samples_s) if t[2] > 0]
         tokens_per_s = statistics.median(n / s for _, n, s in timed) if timed else None
         requests_per_s = statistics.median(len(r) / s for r, _, s in timed) if timed else None
+        flat = bench_serve.figures(requests, samples_s) if bench_serve else {}
         return cls(unmeasured=None if spreads["ttft"] else UNMEASURED_STREAM,
                    median_tokens_per_s=tokens_per_s, median_requests_per_s=requests_per_s,
-                   requests=requests, **spreads)
+                   requests=requests, bench_serve=flat, **spreads)
+
+
+def linear_percentile(values: Sequence[float], p: float) -> float:
+    """The p-th percentile (0 to 100) interpolated between the two nearest ranks, as numpy's
+    np.percentile computes it by default (what `vllm bench serve` reports)."""
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * p / 100.0
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+# `vllm bench serve --percentile-metrics`' names the lab measures, each with what it reads of
+# a request (vllm/benchmarks/serve.py, 0.34.0 lines 1848-1857 list them; lines 782-806
+# compute them)
+BENCH_SERVE_METRICS = ("ttft", "tpot", "itl", "e2el")
+BENCH_SERVE_NOT_MEASURED = ("client_queue_time", "e2el_including_client_queue")
+
+
+@dataclass(frozen=True)
+class BenchServeResult:
+    """An arm's load figures as `vllm bench serve --save-result` names them (its result
+    dictionary, vllm/benchmarks/serve.py, 0.34.0 lines 1319-1328 and 1426-1432): every
+    trial of the arm taken as one run, so duration is the trials' time together and a
+    throughput is what they did in it; times in milliseconds. --percentile-metrics and
+    --metric-percentiles choose the figures as they do there."""
+
+    metrics: Tuple[str, ...] = BENCH_SERVE_METRICS
+    percentiles: Tuple[float, ...] = (99.0,)  # bench serve's default, "99"
+    max_concurrency: Optional[int] = None
+    request_rate: Any = "inf"  # as bench serve writes a burst
+
+    @staticmethod
+    def add_arguments(group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--percentile-metrics", metavar="M,M",
+            help="load trials: the figures saved under `vllm bench serve` result names "
+            "(mean_X_ms, median_X_ms, std_X_ms, pP_X_ms), of ttft, tpot, itl, e2el "
+            "(default: all four)")
+        group.add_argument(
+            "--metric-percentiles", metavar="P,P",
+            help="load trials: the percentiles saved under those names (default 99)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "BenchServeResult":
+        metrics = tuple(m.strip() for m in (args.percentile_metrics or ",".join(
+            BENCH_SERVE_METRICS)).split(",") if m.strip())
+        for metric in metrics:
+            if metric in BENCH_SERVE_NOT_MEASURED:
+                raise UsageError(
+                    "--percentile-metrics: %s is not measured here: a load trial's requests "
+                    "wait in no queue of the client (each goes when a slot is free); give "
+                    "some of %s" % (metric, ",".join(BENCH_SERVE_METRICS)))
+            if metric not in BENCH_SERVE_METRICS:
+                raise UsageError("--percentile-metrics: %r is none of %s"
+                                 % (metric, ",".join(BENCH_SERVE_METRICS)))
+        if not metrics:
+            raise UsageError("--percentile-metrics: give some of %s"
+                             % ",".join(BENCH_SERVE_METRICS))
+        percentiles = []
+        for text in (args.metric_percentiles or "99").split(","):
+            try:
+                value = float(text)
+            except ValueError:
+                value = math.nan
+            if not (0.0 <= value <= 100.0) or not text.strip().isascii():
+                raise UsageError("--metric-percentiles: %r is not a percentile from 0 to 100"
+                                 % text.strip())
+            percentiles.append(value)
+        return cls(tuple(dict.fromkeys(metrics)), tuple(dict.fromkeys(percentiles)))
+
+    def figures(self, requests: List[List[RequestTiming]],
+                samples_s: List[float]) -> Dict[str, Any]:
+        """The flat result: None where the lab measured nothing (bench serve writes 0 there,
+        which a reader would take for a figure), never a guess."""
+        done = [r for trial in requests for r in trial]
+        duration = sum(samples_s[:len(requests)])
+        tokens = sum(r.tokens for r in done)
+        values = {
+            "ttft": [r.ttft_s for r in done if r.ttft_s is not None],
+            "tpot": [r.tpot_s for r in done if r.tpot_s is not None],
+            # only streams that came token by token have gaps that are inter-token latency
+            "itl": [gap for r in done if r.ttft_s is not None for gap in r.itl_s],
+            "e2el": [r.latency_s for r in done]}
+        result: Dict[str, Any] = {
+            "duration": duration, "completed": len(done), "total_output_tokens": tokens,
+            "request_throughput": len(done) / duration if duration > 0 else None,
+            "output_throughput": tokens / duration if duration > 0 else None,
+            # the lab's streams do not count prompt tokens: no total to divide
+            "total_token_throughput": None,
+            "max_concurrency": self.max_concurrency, "request_rate": self.request_rate,
+            "num_prompts": len(done)}  # every trial's, as one run
+        for metric in self.metrics:
+            found = [1000.0 * v for v in values[metric]]
+            result["mean_%s_ms" % metric] = statistics.fmean(found) if found else None
+            result["median_%s_ms" % metric] = statistics.median(found) if found else None
+            result["std_%s_ms" % metric] = statistics.pstdev(found) if found else None
+            for p in self.percentiles:
+                word = str(int(p)) if int(p) == p else str(p)
+                result["p%s_%s_ms" % (word, metric)] = (linear_percentile(found, p)
+                                                        if found else None)
+        return result
 
 
 def token_by_token(first_count: int, events: int, count: int) -> bool:
@@ -3768,19 +3896,33 @@ class Overhead:
 
     @classmethod
     def of(cls, off_s: Sequence[float], on_s: Sequence[float]) -> "Overhead":
-        ratios = [b / a if a > 0 else math.inf for a, b in zip(off_s, on_s)]
+        # no ratio (infinite) where the flag-off figure is none or infinite, not 0 or NaN
+        ratios = [b / a if 0 < a < math.inf else math.inf for a, b in zip(off_s, on_s)]
         rounded = [round(r, 6) for r in ratios]
         if len(ratios) < MIN_PAIRS_FOR_INTERVAL or not all(map(math.isfinite, ratios)):
             median = statistics.median(ratios) if ratios else math.nan
             pct = round((median - 1.0) * 100.0, 3) if math.isfinite(median) else None
             why = None
             if pct is None and ratios:  # pairs there are, but no ratio of them means anything
-                why = "a flag-off trial took no time the clock could measure"
+                why = cls.unmeasurable(off_s, on_s)
             return cls(pct, None, False, rounded, why)
         lo, hi = bootstrap_median_ci(ratios)
         ci = [round((lo - 1.0) * 100.0, 3), round((hi - 1.0) * 100.0, 3)]
         pct = round((statistics.median(ratios) - 1.0) * 100.0, 3)
         return cls(pct, ci, not (ci[0] <= 0.0 <= ci[1]), rounded)
+
+    @staticmethod
+    def unmeasurable(off_s: Sequence[float], on_s: Sequence[float]) -> str:
+        """Why pairs give no ratio, naming the arm: a figure of no time (a trial shorter than
+        the clock's resolution) or an infinite one (a time per token where a trial reported
+        no output tokens: per_token)."""
+        for name, values in (("off", off_s), ("on", on_s)):
+            if any(math.isinf(v) for v in values):
+                return "a flag-%s trial reported no output tokens" % name
+        for name, values in (("off", off_s), ("on", on_s)):
+            if any(v <= 0 for v in values):
+                return "a flag-%s trial took no time the clock could measure" % name
+        return "a flag-off trial took no time the clock could measure"
 
     @classmethod
     def from_record(cls, record: Json) -> "Overhead":
@@ -3808,6 +3950,7 @@ class LoadTrials:
     concurrency: int  # requests in flight at once
     prompts: int  # --requests: requests a trial, one prompt each
     arrivals: Arrivals  # when each request goes out (--request-rate)
+    bench_serve: BenchServeResult = BenchServeResult()  # its figures under bench serve's names
 
     @staticmethod
     def add_arguments(group: argparse._ArgumentGroup) -> None:
@@ -3839,7 +3982,18 @@ class LoadTrials:
                     % concurrency)
         needs = None if concurrency else "--concurrency (one streamed request a prompt)"
         arrivals = Arrivals.configure(args.request_rate, needs)
-        return cls(concurrency, requests, arrivals) if concurrency else None
+        if not concurrency:
+            given = [name for name, value in (("--percentile-metrics", args.percentile_metrics),
+                                              ("--metric-percentiles", args.metric_percentiles))
+                     if value is not None]
+            if given:
+                raise UsageError("%s goes with --concurrency: it chooses figures of load "
+                                 "trials" % given[0])
+            return None
+        chosen = BenchServeResult.from_args(args)
+        bench_serve = dataclasses.replace(
+            chosen, max_concurrency=concurrency, request_rate=arrivals.rate if arrivals.rate else "inf")
+        return cls(concurrency, requests, arrivals, bench_serve)
 
     def run(self, arm: "Arm", prompts: List[str], adapter: EngineAdapter,
             sampling: Sampling) -> Tuple[float, int, List[RequestTiming]]:
@@ -3915,7 +4069,8 @@ class LoadTrials:
         the time each trial took for the same tokens; +30 %: throughput falls to 1/1.3) and in
         each figure (paired per-trial medians)."""
         off, on = arms
-        load = {arm.name: LoadStats.of(arm.timings, arm.samples, arm.tokens) for arm in arms}
+        load = {arm.name: LoadStats.of(arm.timings, arm.samples, arm.tokens, self.bench_serve)
+                for arm in arms}
         overheads = {"throughput": primary}
         for figure in LOAD_FIGURES:
             a, b = per_trial_medians(off, figure)[:pairs], per_trial_medians(on, figure)[:pairs]
@@ -6582,6 +6737,7 @@ class CostOptions:
             default=DEFAULT_PREFIX_TOKENS,
             help="length of the shared prefix (default about %d tokens)" % DEFAULT_PREFIX_TOKENS)
         LoadTrials.add_arguments(group)
+        BenchServeResult.add_arguments(group)
         group.add_argument(
             "--precision", type=real_number(0.0, above=True), metavar="P",
             help="keep timing trial pairs until the overhead's 95%% interval is at most +-P "
@@ -6638,18 +6794,40 @@ def label_of(record: Any, name: str) -> Any:
     return record.get(name) if isinstance(record, dict) else None
 
 
+# The settings a cell's identity names in words (CellIdentity.text) wherever they are known:
+# the ones users change between arms to compare them
+KEY_SETTINGS = ("attention backend", "dtype", "quantization", "KV-cache dtype", "max num seqs",
+                "max running requests")
+TP_SETTINGS = ("TP size",)  # what differs between the rows of one 2x2 table
+
+
+def setting_text(value: Any) -> str:
+    """A reported setting as an identity holds it: a string as it is, anything else as JSON
+    (keys sorted), so that equal values compare equal and any value can be a key."""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, sort_keys=True)
+    except (ValueError, TypeError):
+        return repr(value)
+
+
 @dataclass(frozen=True)
 class CellIdentity:
     """Everything a cost cell was measured under, read from the cell's own record (this run's
     or any saved file's): two cells of one identity are one measurement, and the newer
     replaces the older; cells that differ in anything here are kept side by side. run.py's
     cost file and table, the experiment's REPORT, compare.py and plot_cost.py all tell cells
-    apart by it (cell_key)."""
+    apart by it (cell_key). Besides the cell's own labels it holds each arm's flag as the lab
+    read it, the TP degree each arm reported (the label may be the one asked with --tp) and
+    every setting the lab compares between arms (ServerFacts.settings: attention backend,
+    dtype, quantization, KV-cache dtype, max num seqs and the rest), so that a cell measured
+    on other settings never replaces one of these."""
 
     engine: Optional[str]
     releases: Tuple[Any, Any]  # each arm's release as it reported it (off, on)
     model: Optional[str]
-    tp: Optional[int]
+    tp: Optional[int]  # the cell's label: the degree asked (--tp), else the one reported
     workload: Optional[str]
     prefix_tokens: Optional[int]  # shared-prefix only
     batch: Optional[int]  # batch trials
@@ -6658,6 +6836,11 @@ class CellIdentity:
     arrivals: Optional[str]  # load trials, the rate exact (a file that does not say: a burst)
     max_tokens: Optional[int]
     mismatched: bool  # timed despite settings that differ between the arms (--allow-mismatch)
+    flags: Tuple[Any, Any] = (False, True)  # each arm's flag as the lab read it (None: unknown)
+    tp_reported: Tuple[Any, Any] = (None, None)  # each arm's TP as it reported it
+    # (label, the flag-off arm's value, the flag-on arm's) of every setting either arm
+    # reported, each value as JSON text (None: that arm did not report it)
+    settings: Tuple[Tuple[str, Optional[str], Optional[str]], ...] = ()
 
     @classmethod
     def of(cls, record: Json) -> "CellIdentity":
@@ -6668,7 +6851,18 @@ class CellIdentity:
             return value if value is None or isinstance(value, (str, int, float)) else repr(value)
 
         servers = record.get("servers") if isinstance(record.get("servers"), dict) else {}
-        releases = tuple(label_of(servers.get(arm), "version") for arm in ("off", "on"))
+        arms = [servers.get(arm) if isinstance(servers.get(arm), dict) else {}
+                for arm in ("off", "on")]
+        releases = tuple(label_of(arm, "version") for arm in arms)
+        flags = tuple(arm.get("flag") if isinstance(arm.get("flag"), bool) else None
+                      for arm in arms)
+        tp_reported = tuple(arm.get("tp") if is_count(arm.get("tp")) else None for arm in arms)
+        reported = [arm.get("settings") if isinstance(arm.get("settings"), dict) else {}
+                    for arm in arms]
+        settings = tuple(
+            (str(name),) + tuple(setting_text(each[name]) if name in each else None
+                                 for each in reported)
+            for name in sorted(set(reported[0]) | set(reported[1]), key=str))
         load = label("concurrency")
         return cls(engine=label("engine"), releases=releases, model=label("model"),
                    tp=label("tp"), workload=label("workload"),
@@ -6677,31 +6871,80 @@ class CellIdentity:
                    batch=None if load else label("batch"), concurrency=load,
                    requests=label("requests") if load else None,
                    arrivals=(label("arrivals") or "burst") if load else None,
-                   max_tokens=label("max_tokens"), mismatched=bool(record.get("differences")))
+                   max_tokens=label("max_tokens"), mismatched=bool(record.get("differences")),
+                   flags=flags, tp_reported=tp_reported, settings=settings)
 
     def table_group(self) -> "CellIdentity":
-        """What the 2x2 table's cells share: all but TP and the workload."""
-        return dataclasses.replace(self, tp=None, workload=None, prefix_tokens=None)
+        """What the 2x2 table's cells share: all but TP (asked and reported), the workload
+        and the settings that go with the TP degree."""
+        return dataclasses.replace(
+            self, tp=None, workload=None, prefix_tokens=None, tp_reported=(None, None),
+            settings=tuple(s for s in self.settings if s[0] not in TP_SETTINGS))
 
-    def text(self) -> str:
-        """The identity in words, as a replaced cell or a table heading names it."""
+    def across_releases(self) -> "CellIdentity":
+        """The identity less what an engine upgrade changes by itself (the release and the
+        settings each arm reports): what compare.py matches a cell across two files by."""
+        return dataclasses.replace(self, releases=(None, None), tp_reported=(None, None),
+                                   settings=())
+
+    def parts(self) -> Dict[str, str]:
+        """Each part of the identity in words, by name; a setting's part is named after it
+        ("setting attention backend") and holds its value alone (each arm's where they
+        differ, "off / on")."""
         off, on = self.releases
-        release = fmt_opt(off, "release ?") if off == on else "%s / %s" % (off, on)
-        parts = ["%s %s" % (self.engine or "engine ?", release), "model %s" % self.model]
+        parts = {"engine": self.engine or "engine ?",
+                 "release": fmt_opt(off, "release ?") if off == on else "%s / %s" % (off, on),
+                 "model": "model %s" % self.model, "TP": "TP=%s" % fmt_opt(self.tp, "?")}
+        if self.tp_reported != (None, None) and self.tp_reported != (self.tp, self.tp):
+            parts["TP reported"] = "the arms report TP %s" % " / ".join(
+                fmt_opt(tp, "?") for tp in self.tp_reported)
         if self.workload is not None:
-            prefix = (" (%s prefix tokens)" % self.prefix_tokens
-                      if self.prefix_tokens is not None else "")
-            parts.append("TP=%s, %s%s" % (fmt_opt(self.tp, "?"), self.workload, prefix))
-        if self.concurrency:
-            rate = "" if self.arrivals == "burst" else ", " + self.arrivals
-            parts.append("concurrency %s, %s requests a trial%s"
-                         % (self.concurrency, self.requests, rate))
+            parts["workload"] = self.workload
+        if self.prefix_tokens is not None:
+            parts["prefix"] = "%s prefix tokens" % self.prefix_tokens
+        if self.concurrency:  # the arrivals named, a burst too: two shapes of one concurrency
+            parts["trials"] = ("concurrency %s, %s requests a trial, %s"
+                               % (self.concurrency, self.requests, self.arrivals))
         else:
-            parts.append("batch %s" % self.batch)
-        parts.append("%s tokens" % self.max_tokens)
+            parts["trials"] = "batch %s" % self.batch
+        parts["tokens"] = "%s tokens" % self.max_tokens
+        if self.flags != (False, True):
+            parts["flags"] = "flags as read: %s" % " / ".join(
+                {None: "unknown", True: "on", False: "off"}[f] for f in self.flags)
         if self.mismatched:
-            parts.append("arms mismatched (--allow-mismatch)")
-        return ", ".join(parts)
+            parts["mismatch"] = "arms mismatched (--allow-mismatch)"
+        for name, off_value, on_value in self.settings:
+            shown = fmt_opt(off_value, "unknown")
+            if on_value != off_value:
+                shown += " / " + fmt_opt(on_value, "unknown")
+            parts["setting " + name] = shown
+        return parts
+
+    def differing(self, other: "CellIdentity") -> List[str]:
+        """The names of the parts in which two identities differ (parts())."""
+        mine, theirs = self.parts(), other.parts()
+        return [name for name in list(mine) + [n for n in theirs if n not in mine]
+                if mine.get(name) != theirs.get(name)]
+
+    def text(self, settings: Sequence[str] = KEY_SETTINGS, release: bool = True) -> str:
+        """The identity in words, as a replaced cell or a table heading names it: its labels,
+        and of the settings those named (by default the ones users compare most); without
+        the release where cells are matched across releases (compare.py)."""
+        parts = self.parts()
+        for name in list(parts):
+            if name.startswith("setting "):
+                label = name[len("setting "):]
+                if label in settings:
+                    parts[name] = "%s %s" % (label, parts[name])
+                else:
+                    del parts[name]
+        head = parts.pop("engine")
+        shown_release = parts.pop("release")
+        if release:
+            head += " " + shown_release
+        if self.workload is None:  # a table's group: TP and the workload are its rows, columns
+            parts.pop("TP")
+        return ", ".join([head] + list(parts.values()))
 
 
 @dataclass(frozen=True)
@@ -6806,6 +7049,16 @@ def print_cost_servers(off: ServerFacts, on: ServerFacts, differences: List[Sett
         out.line(row % (label, shown[0], shown[1], mark))
 
 
+def unverified_flags(arms: Sequence[Any]) -> str:
+    """The arms (Arm, or a cell's arm name) whose flag the lab could not read, in words."""
+    names = [arm if isinstance(arm, str) else arm.name for arm in arms]
+    options = {"off": "--url", "on": "--invariant"}
+    return "the flag%s of %s %s unknown (the server does not say)" % (
+        "s" if len(names) > 1 else "",
+        " and ".join("the flag-%s arm (%s)" % (name, options[name]) for name in names),
+        "are" if len(names) > 1 else "is")
+
+
 def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[SettingDifference]:
     """Refuse arms the wrong way round or differing in more than the flag; print their settings."""
     adapter = cfg.adapter
@@ -6821,6 +7074,10 @@ def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[SettingDifferen
                              "labelled with a degree it was not measured at"
                              % (asked, arm.name, arm.option, reported))
     differences = SettingDifference.between(off.facts, on.facts, ("off", "on"), flag_own=True)
+    unknown = [arm for arm in (off, on) if arm.facts.flag is None]
+    if unknown:
+        out.warn("%s: the figure will be of --invariant against --url, not a verified flag-on "
+                 "arm against a flag-off one" % unverified_flags(unknown))
     for arm in (off, on):
         if arm.facts.info_source is None:
             out.warn("the %s arm does not expose its settings, so the lab cannot check that the "
@@ -6837,21 +7094,73 @@ def check_arms(cfg: Config, off: Arm, on: Arm, out: Out) -> List[SettingDifferen
     return differences
 
 
-def cost_table_lines(cells: List[CellLabels], current: CellLabels) -> List[str]:
-    """The 2x2 table TP=1 / TP=k x cold / shared-prefix for the current model, batch and length."""
+def table_cells(cells: Sequence[CellLabels],
+                current: CellLabels) -> Tuple[CellIdentity, Optional[int], List[CellLabels]]:
+    """The 2x2 table current belongs to: its group (the identity but for TP and the workload,
+    CellIdentity.table_group), the one prefix length of its shared-prefix column (current's,
+    else the newest shared-prefix cell's of the group), and its cells."""
     group = current.identity.table_group()
     same = [c for c in cells if c.identity.table_group() == group]
-    # TP=k until a degree above 1 is measured; TP=? for cells measured without a known degree
+    prefix = current.identity.prefix_tokens
+    if prefix is None:
+        shared = [c for c in same if c.workload == "shared-prefix"]
+        prefix = shared[-1].identity.prefix_tokens if shared else None
+    same = [c for c in same if c.workload != "shared-prefix" or c.identity.prefix_tokens == prefix]
+    return group, prefix, same
+
+
+def cost_tables(cells: Sequence[CellLabels]) -> List[Tuple[CellIdentity, Optional[int],
+                                                            List[CellLabels]]]:
+    """Every 2x2 table of a file's cells (table_cells), the newest cell's first."""
+    tables: List[Tuple[CellIdentity, Optional[int], List[CellLabels]]] = []
+    for cell in reversed(cells):
+        group, prefix, same = table_cells(cells, cell)
+        if not any(g == group and p == prefix for g, p, _ in tables):
+            tables.append((group, prefix, same))
+    return tables
+
+
+def table_heading(cells: Sequence[CellLabels], group: CellIdentity,
+                  prefix: Optional[int]) -> str:
+    """What a table's cells share, naming every part that tells them from the file's other
+    tables: engine, release, model, trials, tokens, every setting in which another table
+    differs, and the shared-prefix column's prefix length."""
+    named: Set[str] = set()
+    for other in {c.identity.table_group() for c in cells} - {group}:
+        named.update(part[len("setting "):] for part in group.differing(other)
+                     if part.startswith("setting "))
+    shared_prefix = "" if prefix is None else ", shared prefix of %s tokens" % prefix
+    return group.text(sorted(named)) + shared_prefix
+
+
+def table_slot(same: Sequence[CellLabels], tp: Any, workload: str,
+               current: Optional[CellLabels] = None) -> Optional[CellLabels]:
+    """The cell a table shows for a TP degree and workload: the current one where it fits,
+    else the newest."""
+    found = [c for c in same if c.tp == tp and c.workload == workload]
+    return current if current in found else (found[-1] if found else None)
+
+
+def table_degrees(same: Sequence[CellLabels]) -> List[Any]:
+    """A table's rows: TP=1, then every other degree measured (TP=k until one is), then TP=?
+    for cells measured without a known degree."""
     tps: List[Any] = sorted({c.tp for c in same if c.tp not in (1, None)}) or ["k"]
     if any(c.tp is None for c in same):
         tps.append(None)
-    lines = ["cost cells for %s (from the saved file):" % group.text(),
+    return [1] + tps
+
+
+def cost_table_lines(cells: List[CellLabels], current: CellLabels) -> List[str]:
+    """The 2x2 table TP=1 / TP=k x cold / shared-prefix of the current cell (table_cells),
+    under a heading that names what tells it from the file's other tables."""
+    group, prefix, same = table_cells(cells, current)
+    lines = ["cost cells for %s (from the saved file):" % table_heading(cells, group, prefix),
              "  %-8s %-28s %-28s" % ("", *WORKLOADS)]
     filled = 0
-    for tp in [1] + tps:
+    for tp in table_degrees(same):
         row = []
         for workload in WORKLOADS:
-            cell = next((c for c in same if c.tp == tp and c.workload == workload), None)
+            cell = table_slot(same, tp, workload, current)
             filled += cell is not None
             if cell is None:
                 row.append("missing")
@@ -6944,6 +7253,29 @@ def add_cell(doc: Json, cell: Json) -> Json:
     return doc
 
 
+def replaced_cell_line(old: Json, new: Json, path: str) -> str:
+    """What a user reads when a cell replaces a saved one: what the two share (their
+    identity, every compared setting of both arms) and what differs (when, by which code,
+    on which servers, and what they measured)."""
+    identity = cell_key(new)
+    changed = []
+    for what, value in (("overhead", lambda c: fmt_opt(label_of(c, "overhead_pct"), "none",
+                                                      "%+.1f%%")),
+                        ("trial pairs", lambda c: fmt_opt(label_of(c, "trials"), "?")),
+                        ("code", lambda c: fmt_opt(label_of(label_of(c, "lab"), "code"), "?")),
+                        ("flag-off URL", lambda c: fmt_opt(label_of(dig(c, "servers", "off"),
+                                                                    "url"), "?")),
+                        ("flag-on URL", lambda c: fmt_opt(label_of(dig(c, "servers", "on"),
+                                                                   "url"), "?"))):
+        before, after = value(old), value(new)
+        if before != after:
+            changed.append("%s %s, now %s" % (what, before, after))
+    return ("--save: this cell replaces the one saved %s in %s: both measured under %s and "
+            "the same %d settings on each arm; what differs: %s"
+            % (fmt_opt(old.get("created"), "earlier"), path, identity.text(),
+               len(identity.settings), "; ".join(changed) or "nothing but when"))
+
+
 def save_cell(path: str, cell: Json) -> Json:
     """Add a cell's record to the cost file as it is now, under a lock: two runs saving to
     one file each keep their cells. Returns the document written."""
@@ -6964,6 +7296,33 @@ STOPPED_BY = {  # what ended a --precision run, as the report says it
     "trials": "ran every trial (--trials) before the interval was within --precision"}
 
 
+def flag_on_faster(cell: Json) -> List[str]:
+    """What to check, line by line, when a cell's flag-on arm measured faster: its overhead's
+    95% interval lies wholly below zero (none otherwise). The flag costs time on every engine
+    the lab has measured; a faster flag-on arm on a GPU has meant swapped arms, a flag that is
+    not on, or one arm warm and the other cold. run.py's report and plot_cost.py say it."""
+    ci = label_of(cell, "ci95_pct")
+    if not (isinstance(ci, list) and len(ci) == 2 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in ci) and ci[1] < 0):
+        return []
+    adapter = ADAPTERS.get(label_of(cell, "engine"))
+    servers = label_of(cell, "servers")
+    flags = []
+    for name, option in (("off", "--url"), ("on", "--invariant")):
+        arm = label_of(servers, name)
+        flag = label_of(arm, "flag")
+        flag = flag if isinstance(flag, bool) else None
+        read = describe_flag(flag, adapter) if adapter else fmt_opt(flag, "flag unknown",
+                                                                        "flag %s")
+        flags.append("%s %s: %s" % (option, fmt_opt(label_of(arm, "url"), "?"), read))
+    return ["the flag-on arm measured faster (the whole interval lies below 0): on a GPU that "
+            "has meant swapped arms, a flag that is not on, or one arm warm and the other cold",
+            "check the flags as the lab read them: " + "; ".join(flags),
+            "check the warm-up: %s request(s) an arm were discarded (--warmup); a cold arm is "
+            "slower" % fmt_opt(label_of(cell, "warmup"), "?"),
+            "check which URL is which: --url is the flag-off server, --invariant the flag-on"]
+
+
 def print_cost_report(cell: CostCell, labels: CellLabels, out: Out) -> None:
     out.line("")
     state = "" if labels.state == "complete" else " (%s)" % labels.state
@@ -6980,6 +7339,12 @@ def print_cost_report(cell: CostCell, labels: CellLabels, out: Out) -> None:
     out.bold("  overhead " + cell.overhead.text("%+.1f%%, 95%% interval [%+.1f%%, %+.1f%%]%s",
                                                 without,
                                                 ": not significant (the interval contains 0)"))
+    for line in flag_on_faster(as_record(cell)):
+        out.line("  " + line)
+    unknown = [name for name in ("off", "on") if label_of(cell.servers.get(name), "flag") is None]
+    if unknown:
+        out.line("  %s: the overhead above is of the --invariant arm over the --url arm, not "
+                 "verified flag-on over flag-off" % unverified_flags(unknown))
     if cell.under_load:
         cell.under_load.report(cell.compared_on, out)
     if cell.stopped_by:
@@ -6988,6 +7353,28 @@ def print_cost_report(cell: CostCell, labels: CellLabels, out: Out) -> None:
         out.line("  timed despite differences (--allow-mismatch): "
                  + ", ".join("%s %s vs %s" % (d.setting, d.side("off"), d.side("on"))
                              for d in cell.differences))
+
+
+# A piece of text a tokenizer makes at least one token of: a word, a digit (many tokenizers
+# split numbers digit by digit), any other visible character
+TOKEN_PIECE = re.compile(r"[A-Za-z]+|[0-9]|[^\sA-Za-z0-9]")
+
+
+def longest_cost_prompt(cfg: Config) -> Tuple[int, str]:
+    """The tokens, counted as TOKEN_PIECE counts them, of the longest prompt a cost run will
+    send (warm-up and trials alike), and what built it: the prefix's filler words are about a
+    token each, as --prefix-tokens promises; the preamble, the question and their numbers
+    count at least a token a piece, so a prompt that only just fits is not let through."""
+    options = cfg.cost
+    trials = [-1 - w for w in range(options.warmup)][-1:] + [options.trials - 1]
+    longest = max(len(TOKEN_PIECE.findall(prompt))
+                  for trial in trials
+                  for prompt in workload_prompts(options.workload, options.trial.prompts, trial,
+                                                 "0" * 8, options.prefix_tokens)[-1:])
+    if options.workload == "shared-prefix":
+        return longest, ("the built prompt (--prefix-tokens %d with the lab's preamble and "
+                         "question)" % options.prefix_tokens)
+    return longest, "the built prompt (the %s workload's)" % options.workload
 
 
 def run_cost(cfg: Config, out: Out) -> int:
@@ -7002,9 +7389,9 @@ def run_cost(cfg: Config, out: Out) -> int:
     cfg = resolve_engine(cfg, arms)
     off = Arm.open(cfg, "off", "--url", cfg.url)
     on = Arm.open(cfg, "on", "--invariant", cfg.cost.invariant)
-    shared = cfg.cost.prefix_tokens if cfg.cost.workload == "shared-prefix" else None
+    longest, what = longest_cost_prompt(cfg)
     for arm in (off, on):
-        refuse_what_cannot_fit(arm.facts, cfg.sampling.max_tokens, shared, "--prefix-tokens")
+        refuse_what_cannot_fit(arm.facts, cfg.sampling.max_tokens, longest, what)
     differences = check_arms(cfg, off, on, out)
     run_id = "%08x" % random.SystemRandom().getrandbits(32)  # no cache hit across runs either
     doc = copy.deepcopy(cfg.prior_save) if cfg.prior_save else {"schema": COST_SCHEMA, "cells": []}
@@ -7066,9 +7453,7 @@ def run_cost(cfg: Config, out: Out) -> int:
     if cfg.save and state == "complete":
         for old in (cfg.prior_save or {}).get("cells") or []:
             if isinstance(old, dict) and cell_key(old) == labels.identity:
-                out.warn("--save: this cell replaces the one saved %s in %s (%s)"
-                         % (fmt_opt(old.get("created"), "earlier"), cfg.save,
-                            labels.identity.text()))
+                out.warn(replaced_cell_line(old, record, cfg.save))
     if labels.tp is None and not cfg.json_out:
         out.warn("the arms do not report their TP degree, so the cell is labelled TP=?: give "
                  "--tp N to label it")

@@ -4,11 +4,15 @@
 
     python3 examples/compare.py before.json after.json     # two sweeps, or two cost files
 
-Sweeps: the servers' settings (only those that differ), the parameters, the summary and every
-batch size both measured. Cost files (or cells printed with --json): every cell either file
-holds, by TP, workload and trial shape, with the overhead, its interval and the change in
-points. Standard library only. Exit codes: 0 printed, 2 a file that is not a lab result, or two
-of different kinds.
+Sweeps: the servers' settings (only those that differ) and known hazards, the parameters, the
+summary with every check's verdict (the neighbour and observer checks' parts one by one) and
+the drift in nats, and every batch size both measured, with the requests the prefix cache
+served there. Cost files (or cells printed with --json): every cell either file holds, matched
+by everything it was measured under but the engine's release and the settings the arms
+reported (run.py's own CellIdentity), so that one cell before and after an engine upgrade is
+one row: its overhead, interval and significance, and each part of the identity that changed
+(the release among them). Standard library only. Exit codes: 0 printed, 2 a file that is not
+a lab result, or two of different kinds.
 """
 
 import io
@@ -19,13 +23,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import run  # noqa: E402  (run.py: what makes two cost cells the same measurement)
 
-SWEEP_SCHEMAS = ("batch-invariance-lab/sweep/1", "batch-invariance-lab/sweep/2")
-COST_SCHEMAS = ("batch-invariance-lab/cost/1",)
-SUMMARY_FIELDS = ("verdict", "unique_completions", "total_completions", "max_ulp",
-                  "batch1_repeatable", "first_moved", "served_sizes", "state",
+SWEEP_SCHEMAS = run.SWEEP_SCHEMAS_READ  # what the run.py beside it reads back
+COST_SCHEMAS = (run.COST_SCHEMA,)
+SUMMARY_FIELDS = ("verdict", "unique_completions", "total_completions", "max_ulp", "max_nats",
+                  "flip_risk", "batch1_repeatable", "first_moved", "served_sizes", "state",
                   "prefix_cache_bypass", "prefill_verdict", "prefill_max_ulp", "prefill_divergent",
                   "prefill_kl_mean")
-SIZE_FIELDS = ("max_ulp", "first_token_divergence", "distinct_in_batch", "same_as_baseline")
+SIZE_FIELDS = ("max_ulp", "max_nats", "first_token_divergence", "distinct_in_batch",
+               "same_as_baseline", "served", "cached_tokens")
 
 
 def read(path):
@@ -101,8 +106,10 @@ def compare_sweeps(a, b, out):
     pa, pb = a.get("params") or {}, b.get("params") or {}
     table("parameters", [(k, pa.get(k), pb.get(k)) for k in sorted(set(pa) | set(pb))], out)
     ma, mb = a.get("summary") or {}, b.get("summary") or {}
-    table("summary", [(k, ma.get(k), mb.get(k)) for k in SUMMARY_FIELDS if k in ma or k in mb], out)
-    sizes = lambda doc: {s["batch_size"]: s for s in first_prompt(doc).get("sizes") or []}
+    table("summary", [(k, ma.get(k), mb.get(k)) for k in summary_fields(ma, mb)], out)
+    table("checks, part by part", check_parts(ma, mb), out)
+    sizes = lambda doc: {s["batch_size"]: dict(s, served=served(s))
+                         for s in first_prompt(doc).get("sizes") or []}
     za, zb = sizes(a), sizes(b)
     rows = [("batch %d %s" % (n, k), za[n].get(k), zb[n].get(k))
             for n in sorted(set(za) & set(zb)) for k in SIZE_FIELDS]
@@ -112,12 +119,56 @@ def compare_sweeps(a, b, out):
         out.write("\nbatch sizes in one file only: %s\n" % ",".join(map(str, only)))
 
 
+def summary_fields(ma, mb):
+    """The summary's fields both files may hold, and every check's verdict either holds (each
+    check saves its own as <check>_verdict)."""
+    verdicts = [k for k in list(ma) + [k for k in mb if k not in ma]
+                if k.endswith("_verdict") and k not in SUMMARY_FIELDS]
+    return [k for k in SUMMARY_FIELDS + tuple(verdicts) if k in ma or k in mb]
+
+
+# The checks whose summary holds one part a row: (summary key, what names a part, its label)
+CHECK_PARTS = (("neighbours_lengths", "length", "neighbours of %s tokens"),
+               ("observer_settings", "logprobs", "observer, logprobs %s"))
+
+
+def check_parts(ma, mb):
+    """Rows of the neighbour and observer checks: each part's runs equal to the lone run, and
+    its drift where it saves one."""
+    rows = []
+    for key, name, label in CHECK_PARTS:
+        parts = [{p.get(name): p for p in (m.get(key) or []) if isinstance(p, dict)}
+                 for m in (ma, mb)]
+        for part in sorted(set(parts[0]) | set(parts[1]), key=str):
+            old, new = parts[0].get(part) or {}, parts[1].get(part) or {}
+            rows.append((label % part + " equal", equal_of(old), equal_of(new)))
+            if "max_nats" in old or "max_nats" in new:
+                rows.append((label % part + " max nats", old.get("max_nats"), new.get("max_nats")))
+    return rows
+
+
+def equal_of(part):
+    """"equal of runs" of a check's part, or None where the file has no such part."""
+    if "runs" not in part:
+        return None
+    return "%s of %s" % (part.get("equal"), part.get("runs"))
+
+
+def served(size):
+    """Requests the prefix cache served at a size, over its passes (None: none said so)."""
+    counts = [r.get("served") for r in size.get("runs") or [] if isinstance(r, dict)]
+    counts = [c for c in counts if isinstance(c, int) and not isinstance(c, bool)]
+    return sum(counts) if counts else None
+
+
 def hazard_names(server):
-    """The known hazards a server's settings met, by name (None: the server hid its settings)."""
+    """The known hazards a server's settings met, by the setting each is of (None: the server
+    hid its settings)."""
     hazards = server.get("hazards")
     if not isinstance(hazards, list):
         return None
-    return ",".join(str(h.get("name") if isinstance(h, dict) else h) for h in hazards) or "none"
+    return ",".join(str(h.get("setting") if isinstance(h, dict) else h)
+                    for h in hazards) or "none"
 
 
 def first_prompt(doc):
@@ -126,21 +177,30 @@ def first_prompt(doc):
     return prompts[0]
 
 
-def cell_name(cell):
-    """What tells two cells apart: everything they were measured under (run.py's own
-    CellIdentity), so that a burst and a Poisson cell, or two engines' cells, stay two."""
-    return run.cell_key(cell).text()
+def cells_by_key(doc):
+    """A cost document's cells, each by what matches it across files: its identity less the
+    release and the settings the arms reported (run.py's CellIdentity.across_releases), so
+    that one cell before and after an engine upgrade is one row. Two cells of one file that
+    match alike (one cell at two releases) are keyed by their whole identity instead, so that
+    neither hides the other."""
+    cells = [c for c in doc.get("cells") or [] if isinstance(c, dict)]
+    keys = [run.cell_key(c).across_releases() for c in cells]
+    return {(k if keys.count(k) == 1 else run.cell_key(c)): c for k, c in zip(keys, cells)}
 
 
 def compare_costs(a, b, out):
-    ca = {cell_name(c): c for c in a.get("cells") or [] if isinstance(c, dict)}
-    cb = {cell_name(c): c for c in b.get("cells") or [] if isinstance(c, dict)}
+    ca, cb = cells_by_key(a), cells_by_key(b)
     rows = []
-    for name in sorted(set(ca) | set(cb)):
-        old, new = ca.get(name) or {}, cb.get(name) or {}
+    for key in sorted(set(ca) | set(cb), key=lambda k: k.text(release=False)):
+        old, new = ca.get(key) or {}, cb.get(key) or {}
+        name = key.text(release=False)
         rows.append((name + " overhead %", old.get("overhead_pct"), new.get("overhead_pct")))
         rows.append((name + " 95% interval", old.get("ci95_pct"), new.get("ci95_pct")))
         rows.append((name + " significant", old.get("significant"), new.get("significant")))
+        if old and new:  # what changed between the two cells, the release among it
+            before, after = run.cell_key(old), run.cell_key(new)
+            rows.extend((name + " " + part, before.parts().get(part), after.parts().get(part))
+                        for part in before.differing(after))
     table("cost cells (a cell in one file only shows - on the other side)", rows, out)
 
 

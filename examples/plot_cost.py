@@ -7,14 +7,18 @@ table.
     python3 examples/plot_cost.py tp1.json tp2.json cell.json -o cost.png   # several runs together
 
 Cells are merged by what makes two cells the same measurement (run.py's CellIdentity: engine,
-release, model, TP, workload, trials, arrivals, length, mismatched arms): a later file's cell
-replaces an earlier one's, with a line saying so.
+release, model, TP, workload, trials, arrivals, length, mismatched arms, each arm's flag and
+reported settings): a later file's cell replaces an earlier one's, with a line saying so.
 
-One group of bars per TP degree (TP=1 and every other degree in the file), one bar per
+One panel per 2x2 table, as run.py prints them (run.cost_tables: one identity but for TP and
+the workload, so a burst and a Poisson-arrival cell of one shape, or two attention backends,
+are two panels), each titled with what tells it from the others (the arrival rate among
+it). In a panel, one group of bars per TP degree (TP=1 and every other degree), one bar per
 workload (cold, shared-prefix): the flag's overhead in percent with its 95% interval.
 A missing cell is drawn as an empty slot labelled "missing", because one cell alone is
-not a result. With several models, batches or lengths in the file, --model, --batch and
---max-tokens pick one (default: those of the newest cell).
+not a result. A bar whose whole interval lies below zero (the flag-on arm measured faster)
+is hatched and labelled, and what to check is said on stderr. --model, --batch and
+--max-tokens keep only the panels of that model, batch or length.
 
 Needs matplotlib (pip install matplotlib); run.py itself does not.
 """
@@ -63,72 +67,109 @@ def load(paths, say=lambda line: sys.stderr.write(line + "\n")):
     return {"schema": COST_SCHEMAS[0], "cells": list(merged.values())}
 
 
-def select(doc, model=None, batch=None, max_tokens=None):
-    """The cells of one 2x2 table: those that share the newest chosen cell's identity but for
-    TP and workload (run.py's CellIdentity: engine, release, model, trials, arrivals, length),
-    the choice narrowed by model, batch and length where given."""
-    chosen = [c for c in doc["cells"]
-              if (model is None or c.get("model") == model) and (batch is None or c.get("batch") == batch)
-              and (max_tokens is None or c.get("max_tokens") == max_tokens)]
-    if not chosen:
+def tables(doc, model=None, batch=None, max_tokens=None):
+    """Every 2x2 table of the cells, as run.py prints them (run.cost_tables: cells of one
+    identity but for TP and the workload, one prefix length a shared-prefix column), the
+    newest cell's first, narrowed by model, batch and length where given: [(heading, degrees,
+    slots)], slots mapping (TP, workload) to the slot's bar (None: missing)."""
+    records = {run.cell_key(c): c for c in doc["cells"]}
+    cells = [run.CellLabels.from_record(c) for c in doc["cells"]]
+    found = []
+    for group, prefix, same in run.cost_tables(cells):
+        if (model is not None and group.model != model) or \
+                (batch is not None and group.batch != batch) or \
+                (max_tokens is not None and group.max_tokens != max_tokens):
+            continue
+        degrees = run.table_degrees(same)
+        slots = {}
+        for tp in degrees:
+            for workload in WORKLOADS:
+                cell = run.table_slot(same, tp, workload)
+                slots[tp, workload] = None if cell is None else bar(cell, records[cell.identity])
+        found.append((run.table_heading(cells, group, prefix), degrees, slots))
+    if not found:
         raise ValueError("no cell of that model, batch and length")
-    newest = max(chosen, key=lambda c: str(c.get("created", "")))
-    group = run.cell_key(newest).table_group()
-    return group, [c for c in doc["cells"] if run.cell_key(c).table_group() == group]
+    return found
 
 
-def figure(doc, model=None, batch=None, max_tokens=None):
-    """The chart as a matplotlib figure. Value labels sit above each interval, inside limits
-    that leave room for them, and the legend sits outside the axes: no label can overlap the
-    title, the legend or another label, whatever the sign of the overheads."""
+def bar(cell, record):
+    """What a slot draws of a cell: its figure (None: no figure), interval, significance, and
+    what to check where the flag-on arm measured faster (run.flag_on_faster)."""
+    overhead = cell.overhead
+    value = overhead.pct if is_figure(overhead.pct) else None
+    interval = overhead.ci95_pct if value is not None and overhead.ci95_pct and all(
+        map(is_figure, overhead.ci95_pct)) else None
+    return {"value": value, "interval": interval, "significant": overhead.significant,
+            "faster": run.flag_on_faster(record)}
+
+
+def figure(doc, model=None, batch=None, max_tokens=None, say=lambda line: None):
+    """The chart as a matplotlib figure, one panel a table (tables()). Value labels sit above
+    each interval, inside limits that leave room for them, and the legend sits outside the
+    axes: no label can overlap the title, the legend or another label, whatever the sign of
+    the overheads. A bar whose flag-on arm measured faster is hatched and labelled so, and
+    what to check is said (say)."""
     plt = labplot.pyplot()
     from matplotlib.patches import Patch
 
-    group, cells = select(doc, model, batch, max_tokens)
-    others = sorted({c.get("tp") for c in cells if c.get("tp") != 1}, key=str)
-    tps = [1] + (others or ["k"])
-    fig, ax = plt.subplots(figsize=(8.5, 4.5))
+    found = tables(doc, model, batch, max_tokens)
+    fig, axes = plt.subplots(len(found), 1, figsize=(8.5, 4.5 * len(found)), squeeze=False)
     width = 0.36
-    measured = [c for c in cells if is_figure(c.get("overhead_pct"))]
-    bounds = [c["ci95_pct"] or [c["overhead_pct"]] * 2 for c in measured]  # no interval: the value
-    low = min([0.0] + [b[0] for b in bounds])
-    high = max([0.0] + [b[1] for b in bounds])
-    span = max(high - low, 1.0)
-    room = 0.22 * span  # above the highest interval: two lines of label
-    for w, workload in enumerate(WORKLOADS):
-        for t, tp in enumerate(tps):
-            x = t + (w - 0.5) * width
-            cell = next((c for c in cells if c.get("tp") == tp and c.get("workload") == workload), None)
-            if cell is None or not is_figure(cell.get("overhead_pct")):
-                # no cell, or a cell without a figure: drawn as missing, never as +0.0 %
-                ax.bar(x, 0, width, color="none", edgecolor="0.6", ls="--")
-                ax.text(x, 0.02 * span, "missing" if cell is None else "no figure", ha="center",
-                        va="bottom", fontsize=8, color="0.4", rotation=90)
-                continue
-            value = cell["overhead_pct"]
-            lo, hi = cell["ci95_pct"] or (value, value)
-            ax.bar(x, value, width, color="C%d" % w, alpha=0.85 if cell["significant"] else 0.35)
-            ax.errorbar(x, value, yerr=[[value - lo], [hi - value]], color="k", capsize=4, lw=1)
-            ax.text(x, max(hi, 0) + 0.03 * span, "%+.1f%%%s" % (value, "" if cell["significant"] else "\nn.s."),
-                    ha="center", va="bottom", fontsize=8)
-    ax.axhline(0, color="0.3", lw=0.8)
-    ax.set_xticks(range(len(tps)))
-    ax.set_xticklabels(["TP=%s" % ("?" if tp is None else tp) for tp in tps])
-    ax.set_ylabel("overhead of the flag (%), 95% interval")
-    ax.set_title("Cost of batch invariance: %s" % group.text(), fontsize=9)
+    faster_seen = False
+    for ax, (heading, tps, slots) in zip(axes[:, 0], found):
+        bars = [b for b in slots.values() if b and b["value"] is not None]
+        bounds = [b["interval"] or [b["value"]] * 2 for b in bars]  # no interval: the value
+        low = min([0.0] + [lo for lo, _ in bounds])
+        high = max([0.0] + [hi for _, hi in bounds])
+        span = max(high - low, 1.0)
+        room = 0.22 * span  # above the highest interval: two lines of label
+        panel_faster = any(b["faster"] for b in bars)
+        faster_seen = faster_seen or panel_faster
+        for w, workload in enumerate(WORKLOADS):
+            for t, tp in enumerate(tps):
+                x = t + (w - 0.5) * width
+                slot = slots[tp, workload]
+                if slot is None or slot["value"] is None:
+                    # no cell, or a cell without a figure: drawn as missing, never as +0.0 %
+                    ax.bar(x, 0, width, color="none", edgecolor="0.6", ls="--")
+                    ax.text(x, 0.02 * span, "missing" if slot is None else "no figure",
+                            ha="center", va="bottom", fontsize=8, color="0.4", rotation=90)
+                    continue
+                value = slot["value"]
+                lo, hi = slot["interval"] or (value, value)
+                ax.bar(x, value, width, color="C%d" % w, alpha=0.85 if slot["significant"] else 0.35,
+                       hatch="//" if slot["faster"] else None)
+                ax.errorbar(x, value, yerr=[[value - lo], [hi - value]], color="k", capsize=4, lw=1)
+                note = "\nn.s." if not slot["significant"] else ""
+                if slot["faster"]:
+                    note = "\non faster:\ncheck arms"
+                    say("plot_cost.py: TP=%s, %s, %s: %s" % (
+                        "?" if tp is None else tp, workload, heading, "; ".join(slot["faster"])))
+                ax.text(x, max(hi, 0) + 0.03 * span, "%+.1f%%%s" % (value, note),
+                        ha="center", va="bottom", fontsize=8)
+        ax.axhline(0, color="0.3", lw=0.8)
+        ax.set_xticks(range(len(tps)))
+        ax.set_xticklabels(["TP=%s" % ("?" if tp is None else tp) for tp in tps])
+        ax.set_ylabel("overhead of the flag (%), 95% interval")
+        ax.set_title("Cost of batch invariance: %s" % heading, fontsize=8, wrap=True)
+        ax.set_ylim(low - 0.08 * span, high + room + (0.15 * span if panel_faster else 0))
+        ax.set_xlim(-0.7, len(tps) - 0.3)
     handles = [Patch(color="C%d" % w, label=workload) for w, workload in enumerate(WORKLOADS)]
     handles.append(Patch(color="0.7", alpha=0.35, label="pale: not significant"))
-    ax.legend(handles=handles, fontsize=8, title="workload", title_fontsize=8, loc="upper left",
-              bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
-    ax.set_ylim(low - 0.08 * span, high + room)
-    ax.set_xlim(-0.7, len(tps) - 0.3)
+    if faster_seen:
+        handles.append(Patch(facecolor="white", edgecolor="k", hatch="//",
+                             label="hatched: flag on faster:\ncheck the arms' flags,\n"
+                             "warm-up, which URL is which"))
+    axes[0, 0].legend(handles=handles, fontsize=8, title="workload", title_fontsize=8,
+                      loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     return fig
 
 
 def plot(paths, out, model=None, batch=None, max_tokens=None):
     plt = labplot.pyplot()
-    fig = figure(load(paths), model, batch, max_tokens)
+    fig = figure(load(paths), model, batch, max_tokens,
+                 say=lambda line: sys.stderr.write(line + "\n"))
     fig.savefig(out, dpi=110)
     plt.close(fig)
 

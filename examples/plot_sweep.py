@@ -7,8 +7,10 @@
 Top: the largest float32 ULP distance from batch 1's logprobs, per batch size, on a log
 scale; a size whose logprobs matched bit for bit is drawn on the bottom line as an open
 marker labelled 0. Bottom: the first step whose token differed from batch 1's ("held"
-when none did). The CUDA-graph buckets reported by the first file's server are shaded:
-sizes in one band pad to the same graph; past the last band there is no graph.
+when none did). A size where the prefix cache served requests is drawn as a grey cross, not
+a point: what moved there compares the cache, not the batch. Each file's legend line ends
+with its saved verdict. The CUDA-graph buckets reported by the first file's server are
+shaded: sizes in one band pad to the same graph; past the last band there is no graph.
 
 Needs matplotlib (pip install matplotlib); run.py itself does not.
 """
@@ -19,27 +21,52 @@ import sys
 
 import labplot
 
-SWEEP_SCHEMAS = ("batch-invariance-lab/sweep/1", "batch-invariance-lab/sweep/2")  # both read alike
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import run  # noqa: E402  (run.py: the sweep files it writes)
+
+SWEEP_SCHEMAS = run.SWEEP_SCHEMAS_READ  # what the run.py beside it reads back
 ZERO_LINE = 0.5    # where "0 ULP" is drawn on the log axis
 
 
-def label(doc, path):
+def server_name(doc):
+    """Engine, release, model and flag of a sweep's server."""
     server = doc.get("server") or {}
     flag = {True: "flag on", False: "flag off"}.get(server.get("flag"), "flag unknown")
-    return "%s %s, %s, %s (%s)" % (doc.get("engine"), server.get("version") or "?", doc.get("model"), flag,
-                                   os.path.basename(path))
+    return "%s %s, %s, %s" % (doc.get("engine"), server.get("version") or "?", doc.get("model"),
+                              flag)
+
+
+def label(doc, path):
+    """A file's legend line: its server, its saved verdict, and the file."""
+    return "%s: %s (%s)" % (server_name(doc), verdict(doc), os.path.basename(path))
+
+
+def verdict(doc):
+    """The sweep's verdict as it saved it, with the sizes the cache served where any were."""
+    summary = doc.get("summary") or {}
+    said = str(summary.get("verdict") or "no verdict saved")
+    served_sizes = summary.get("served_sizes") or []
+    if served_sizes:
+        said += "; the cache served requests at %s" % ",".join(map(str, served_sizes))
+    return said
 
 
 def per_size(doc):
-    """(batch size, max ULP, first token divergence) over every prompt of the file."""
+    """(batch size, max ULP, first token divergence, requests the prefix cache served) over
+    every prompt of the file; a size the summary lists among the cache's counts as served
+    where its passes do not say how many."""
     rows = {}
+    listed = set((doc.get("summary") or {}).get("served_sizes") or [])
     for prompt in doc["prompts"]:
         for s in prompt["sizes"]:
-            ulp, div = rows.get(s["batch_size"], (0, None))
+            ulp, div, hits = rows.get(s["batch_size"], (0, None, 0))
             d = s["first_token_divergence"]
+            hits += sum(r.get("served") or 0 for r in s.get("runs") or [])
             rows[s["batch_size"]] = (max(ulp, s["max_ulp"]),
-                                     d if div is None else (div if d is None else min(div, d)))
-    return sorted((n, u, d) for n, (u, d) in rows.items())
+                                     d if div is None else (div if d is None else min(div, d)),
+                                     hits)
+    return sorted((n, u, d, hits or (1 if n in listed else 0))
+                  for n, (u, d, hits) in rows.items())
 
 
 def shade_buckets(ax, graph_sizes, top):
@@ -59,13 +86,21 @@ def figure(docs, paths):
 
     fig, (ax_ulp, ax_div) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True,
                                          gridspec_kw={"height_ratios": [3, 2]})
-    top = max(n for doc in docs for n, _, _ in per_size(doc))
+    top = max(n for doc in docs for n, _, _, _ in per_size(doc))
     for ax in (ax_ulp, ax_div):
         shade_buckets(ax, (docs[0].get("server") or {}).get("graph_sizes"), top)
     max_tokens = max(doc["params"]["max_tokens"] for doc in docs)
     for i, (doc, path) in enumerate(zip(docs, paths)):
         # Files side by side within a size, so one file's markers never hide another's.
-        rows = [(n + 0.22 * (i - (len(docs) - 1) / 2.0), u, d) for n, u, d in per_size(doc)]
+        shifted = [(n + 0.22 * (i - (len(docs) - 1) / 2.0), u, d, hits)
+                   for n, u, d, hits in per_size(doc)]
+        # a size the cache served is no batch effect: a grey cross, apart from the points
+        cached = [(n, u, d) for n, u, d, hits in shifted if hits]
+        rows = [(n, u, d) for n, u, d, hits in shifted if not hits]
+        ax_ulp.plot([n for n, _, _ in cached], [u if u > 0 else ZERO_LINE for _, u, _ in cached],
+                    "x", color="0.45", ms=8)
+        ax_div.plot([n for n, _, _ in cached], [max_tokens if d is None else d
+                                                for _, _, d in cached], "x", color="0.45", ms=8)
         colour = "C%d" % i
         sizes = [n for n, _, _ in rows]
         ulps = [u if u > 0 else ZERO_LINE for _, u, _ in rows]
@@ -88,12 +123,15 @@ def figure(docs, paths):
     ax_ulp.set_ylabel("max ULP vs batch 1 (float32, log scale;\nopen at the dotted line: 0)",
                       fontsize=9)
     fig.suptitle("Batch invariance sweep: logprob distance and token divergence per batch size", fontsize=11)
-    ax_ulp.set_ylim(ZERO_LINE / 1.5, max([2.0] + [u for doc in docs for _, u, _ in per_size(doc)]) * 2.5)
+    ax_ulp.set_ylim(ZERO_LINE / 1.5,
+                    max([2.0] + [u for doc in docs for _, u, _, _ in per_size(doc)]) * 2.5)
     fig.legend(*ax_ulp.get_legend_handles_labels(), fontsize=8, loc="lower center", frameon=False)
     ax_div.set_ylim(-2, max_tokens + 4)
     ax_div.set_ylabel("first token divergence (step;\nopen at the top: every token held)",
                       fontsize=9)
-    ax_div.set_xlabel("batch size (shaded: CUDA-graph buckets of %s)" % label(docs[0], paths[0]).split(" (")[0])
+    ax_div.set_xlabel("batch size (shaded: CUDA-graph buckets of %s)\ngrey x: the prefix cache "
+                      "served requests at that size, so it compares the cache, not the batch"
+                      % server_name(docs[0]), fontsize=9)
     fig.tight_layout(rect=(0, 0.035 * len(docs) + 0.01, 1, 1))
     return fig
 

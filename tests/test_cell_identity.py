@@ -91,6 +91,95 @@ class CellsKeptApart(unittest.TestCase):
         self.assertIn("model stub/tiny-f32", text)
 
 
+def set_setting(label, off_value, on_value=None):
+    """A change to a saved cell: both arms (or each) reporting another value of a setting."""
+    def change(cell):
+        for arm, value in (("off", off_value), ("on", off_value if on_value is None else on_value)):
+            cell["servers"][arm]["settings"][label] = value
+    return change
+
+
+# Each setting the lab compares between arms, as users change it to compare two cells
+COMPARED = {
+    "attention backend": set_setting("attention backend", "TritonAttentionBackend"),
+    "dtype": set_setting("dtype", "torch.float16"),
+    "quantization": set_setting("quantization", "fp8"),
+    "KV-cache dtype": set_setting("KV-cache dtype", "fp8"),
+    "max num seqs": set_setting("max num seqs", 128),
+    "TP reported": lambda c: [c["servers"][arm].update(tp=None) for arm in ("off", "on")],
+    "flag unknown": lambda c: c["servers"]["off"].update(flag=None),
+}
+
+
+class EverySettingComparedIsPartOfTheIdentity(unittest.TestCase):
+    def test_each_compared_setting_keeps_two_cells_apart(self):
+        base = saved_cell()
+        for name, change in COMPARED.items():
+            with self.subTest(setting=name):
+                other = variant(base, change)
+                self.assertNotEqual(run.cell_key(base), run.cell_key(other))
+                doc = run.add_cell({"schema": run.COST_SCHEMA, "cells": [base]}, other)
+                self.assertEqual(len(doc["cells"]), 2)
+
+    def test_the_parts_that_differ_are_named(self):
+        base = saved_cell()
+        other = variant(base, COMPARED["attention backend"])
+        self.assertEqual(run.cell_key(base).differing(run.cell_key(other)),
+                         ["setting attention backend"])
+        self.assertIn("attention backend TritonAttentionBackend", run.cell_key(other).text())
+
+    def test_a_release_alone_is_matched_across_by_the_rest(self):
+        base = saved_cell()
+        upgraded = variant(base, set_release("0.33.0"))
+        upgraded = variant(upgraded, set_setting("engine version", "0.33.0"))
+        self.assertNotEqual(run.cell_key(base), run.cell_key(upgraded))
+        self.assertEqual(run.cell_key(base).across_releases(),
+                         run.cell_key(upgraded).across_releases())
+
+
+def labels(cell):
+    return run.CellLabels.from_record(cell)
+
+
+class TheTableShowsThisRunsCells(unittest.TestCase):
+    def test_the_shared_prefix_column_holds_this_runs_prefix_length(self):
+        first = variant(saved_cell(), lambda c: c.update(workload="shared-prefix",
+                                                         prefix_tokens=64, overhead_pct=98.2))
+        second = variant(first, lambda c: c.update(prefix_tokens=400, overhead_pct=195.5))
+        lines = run.cost_table_lines([labels(first), labels(second)], labels(second))
+        self.assertIn("shared prefix of 400 tokens", lines[0])
+        row = next(line for line in lines if line.strip().startswith("TP=1 "))
+        self.assertIn("+195.5%", row)
+        self.assertNotIn("+98.2%", row)
+
+    def test_the_heading_names_the_setting_that_tells_two_tables_apart(self):
+        flash = saved_cell()
+        triton = variant(flash, lambda c: (COMPARED["attention backend"](c),
+                                           c.update(overhead_pct=50.0)))
+        cells = [labels(flash), labels(triton)]
+        lines = run.cost_table_lines(cells, labels(triton))
+        self.assertIn("attention backend TritonAttentionBackend", lines[0])
+        row = next(line for line in lines if line.strip().startswith("TP=1 "))
+        self.assertIn("+50.0%", row)
+
+
+class OverheadNamesTheArm(unittest.TestCase):
+    def test_a_flag_on_trial_of_no_tokens_is_named_as_the_flag_on_arms(self):
+        overhead = run.Overhead.of([0.01, 0.01], [0.01, float("inf")])
+        self.assertEqual(overhead.pct, None)
+        self.assertEqual(overhead.unmeasured, "a flag-on trial reported no output tokens")
+
+    def test_a_flag_off_trial_of_no_tokens_is_no_ratio_not_minus_100(self):
+        overhead = run.Overhead.of([float("inf")], [0.01])
+        self.assertIsNone(overhead.pct)
+        self.assertEqual(overhead.unmeasured, "a flag-off trial reported no output tokens")
+
+    def test_a_flag_off_trial_of_no_time_is_still_named_so(self):
+        overhead = run.Overhead.of([0.0], [0.01])
+        self.assertEqual(overhead.unmeasured,
+                         "a flag-off trial took no time the clock could measure")
+
+
 class ComparePy(unittest.TestCase):
     def names(self, cells):
         out = io.StringIO()
@@ -122,6 +211,46 @@ class CostRuns(TempDirTest):
         self.assertIn("--save: this cell replaces the one saved", second.stderr)
         self.assertIn("vllm 0.26.0", second.stderr)
         self.assertEqual(len(self.load("cost.json")["cells"]), 1)
+
+    def test_a_replaced_cell_names_what_the_two_share_and_what_differs(self):
+        path = self.path("cost.json")
+        with StubServer() as off, StubServer(StubConfig(invariant=True)) as on:
+            self.cost(off, on, "--save", path)
+        with StubServer() as off, StubServer(StubConfig(invariant=True)) as on:
+            second = self.cost(off, on, "--save", path)
+        line = next(line for line in second.stderr.splitlines() if "replaces" in line)
+        self.assertIn("both measured under vllm 0.26.0, model stub/tiny-f32, TP=1", line)
+        self.assertIn("attention backend FlashAttentionBackend", line)
+        self.assertRegex(line, r"the same \d+ settings on each arm")
+        self.assertRegex(line, r"what differs: .*flag-off URL http://127.0.0.1:\d+, now ")
+
+    def test_two_attention_backends_are_two_cells_and_the_table_shows_this_ones(self):
+        path = self.path("cost.json")
+        backends = ("vllm.v1.attention.backends.flash_attn.FlashAttentionBackend",
+                    "vllm.v1.attention.backends.triton_attn.TritonAttentionBackend")
+        runs = []
+        for backend in backends:
+            with StubServer(StubConfig(attention_backend=backend)) as off, \
+                    StubServer(StubConfig(invariant=True, attention_backend=backend)) as on:
+                runs.append(self.cost(off, on, "--save", path))
+        self.assertEqual([r.code for r in runs], [0, 0], runs[1])
+        self.assertNotIn("replaces", runs[1].stderr)
+        cells = self.load("cost.json")["cells"]
+        self.assertEqual([c["servers"]["off"]["attention_backend"] for c in cells],
+                         ["FlashAttentionBackend", "TritonAttentionBackend"])
+        heading = next(line for line in runs[1].stdout.splitlines()
+                       if line.startswith("cost cells for"))
+        self.assertIn("attention backend TritonAttentionBackend", heading)
+
+    def test_arms_that_do_not_say_their_flag_are_not_called_flag_off_and_on(self):
+        with StubServer(StubConfig(dev_mode=False)) as off, \
+                StubServer(StubConfig(invariant=True, dev_mode=False)) as on:
+            r = self.cost(off, on)
+        self.assertEqual(r.code, 0, r)
+        self.assertIn("the flags of the flag-off arm (--url) and the flag-on arm (--invariant) are "
+                      "unknown", r.stderr)
+        self.assertIn("the overhead above is of the --invariant arm over the --url arm, not "
+                      "verified flag-on over flag-off", r.stdout)
 
     def test_the_tp_asked_labels_the_cell(self):
         with StubServer(StubConfig(tp_size=2)) as off, \

@@ -126,6 +126,24 @@ class CostAgainstStubs(TempDirTest):
         self.assertEqual(len(cell["on"]["tokens_per_s"]), 8)
         self.assertAlmostEqual(cell["on"]["tokens_per_s"][0], 4 * TOKENS / cell["on"]["samples_s"][0], places=2)
 
+    def test_a_flag_on_arm_measured_faster_is_said_with_what_to_check(self):
+        r = self.timed(0.7)
+        self.assertEqual(r.code, 0, r)
+        lines = r.stdout.splitlines()
+        at = next(i for i, line in enumerate(lines) if line.lstrip().startswith("overhead -"))
+        said = [line.strip() for line in lines[at + 1:at + 5]]
+        self.assertTrue(said[0].startswith("the flag-on arm measured faster (the whole interval "
+                                           "lies below 0)"), said)
+        self.assertRegex(said[1], r"^check the flags as the lab read them: --url http://\S+: "
+                         r"flag off \(VLLM_BATCH_INVARIANT=false\); --invariant http://\S+: "
+                         r"flag on \(VLLM_BATCH_INVARIANT=true\)$")
+        self.assertTrue(said[2].startswith("check the warm-up: 1 request(s) an arm"), said)
+        self.assertTrue(said[3].startswith("check which URL is which"), said)
+
+    def test_a_slower_flag_on_arm_is_not_said_to_be_faster(self):
+        r = self.timed(1.3)
+        self.assertNotIn("measured faster", r.stdout)
+
     def test_identical_servers_are_not_significant(self):
         r = self.timed(1.0)
         self.assertEqual(r.code, 0, r)

@@ -392,3 +392,114 @@ class PlotScripts(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class ExampleToolsReadWhatTheLabSaves(unittest.TestCase):
+    """compare.py and the plots' data readers (no drawing: with or without matplotlib) read
+    the fields the lab saves today."""
+
+    @classmethod
+    def setUpClass(cls):
+        sys.path.insert(0, EXAMPLES)
+        import compare
+        import plot_cost
+        import plot_sweep
+        cls.compare, cls.plot_cost, cls.plot_sweep = compare, plot_cost, plot_sweep
+        with open(os.path.join(ROOT, "tests", "fixtures", "saved", "cost.json"),
+                  encoding="utf-8") as f:
+            cls.cell = json.load(f)["cells"][0]
+
+    def variant(self, **change):
+        cell = json.loads(json.dumps(self.cell))
+        cell.update(change)
+        return cell
+
+    def compared(self, kind, a, b):
+        import io
+        out = io.StringIO()
+        (self.compare.compare_sweeps if kind == "sweep" else self.compare.compare_costs)(a, b, out)
+        return out.getvalue().splitlines()
+
+    def sweep(self, summary=None, hazards=None, sizes=()):
+        return {"schema": run.SWEEP_SCHEMA, "server": {"hazards": hazards}, "params": {},
+                "summary": summary or {}, "prompts": [{"sizes": list(sizes)}]}
+
+    def row(self, lines, name):
+        return next(line for line in lines if line.strip().startswith(name + "  "))
+
+    def test_compare_names_each_hazard_by_its_setting(self):
+        hazard = {"setting": "attention backend", "why": "x", "refs": "y", "versions": "z"}
+        lines = self.compared("sweep", self.sweep(hazards=[hazard]), self.sweep(hazards=[]))
+        self.assertRegex(self.row(lines, "known hazards"),
+                         r"known hazards\s+attention backend\s+none\s+changed")
+
+    def test_compare_shows_the_neighbour_and_observer_checks_and_the_drift_in_nats(self):
+        summary = {"max_nats": 0.031, "neighbours_verdict": "moved beside a neighbour",
+                   "neighbours_lengths": [{"length": 64, "runs": 4, "equal": 0,
+                                           "max_nats": 0.031}],
+                   "observer_verdict": "the same text with and without logprobs",
+                   "observer_settings": [{"logprobs": 20, "runs": 3, "equal": 3}]}
+        lines = self.compared("sweep", self.sweep(summary), self.sweep({"max_nats": 0.0}))
+        self.assertRegex(self.row(lines, "max_nats"), r"max_nats\s+0\.031\s+0\s+")
+        self.assertIn("moved beside a neighbour", self.row(lines, "neighbours_verdict"))
+        self.assertIn("the same text with", self.row(lines, "observer_verdict"))
+        self.assertRegex(self.row(lines, "neighbours of 64 tokens equal"), r"0 of 4\s+-\s+old only")
+        self.assertRegex(self.row(lines, "observer, logprobs 20 equal"), r"3 of 3\s+-")
+
+    def test_compare_shows_the_requests_the_cache_served_at_each_size(self):
+        size = {"batch_size": 4, "max_ulp": 2, "runs": [{"served": 4}, {"served": 3}]}
+        cold = dict(size, runs=[{}])
+        lines = self.compared("sweep", self.sweep(sizes=[size]), self.sweep(sizes=[cold]))
+        self.assertRegex(self.row(lines, "batch 4 served"), r"batch 4 served\s+7\s+-")
+
+    def test_compare_matches_a_cell_across_an_engine_upgrade(self):
+        newer = self.variant(overhead_pct=12.5)
+        for arm in ("off", "on"):
+            newer["servers"][arm]["version"] = "0.33.0"
+            newer["servers"][arm]["settings"]["engine version"] = "0.33.0"
+            newer["servers"][arm]["settings"]["compilation mode"] = 0
+        lines = self.compared("cost", {"cells": [self.cell]}, {"cells": [newer]})
+        overheads = [line for line in lines if "overhead %" in line]
+        self.assertEqual(len(overheads), 1, lines)
+        self.assertNotIn("only", overheads[0])
+        release = next(line for line in lines if " release " in line)
+        self.assertRegex(release, r"0\.26\.0\s+0\.33\.0\s+changed")
+        self.assertTrue(any("setting compilation mode" in line for line in lines), lines)
+
+    def test_plot_sweep_reads_the_verdict_and_the_cache_served_sizes(self):
+        sizes = [{"batch_size": 1, "max_ulp": 0, "first_token_divergence": None, "runs": [{}]},
+                 {"batch_size": 4, "max_ulp": 9, "first_token_divergence": 3,
+                  "runs": [{"served": 4}]}]
+        doc = self.sweep({"verdict": run.CACHE_CONFOUNDED, "served_sizes": [4]}, sizes=sizes)
+        doc.update(engine="vllm", model="m")
+        self.assertEqual(self.plot_sweep.per_size(doc), [(1, 0, None, 0), (4, 9, 3, 4)])
+        self.assertIn(run.CACHE_CONFOUNDED + "; the cache served requests at 4",
+                      self.plot_sweep.label(doc, "/x/off.json"))
+
+    def test_plot_cost_draws_a_burst_and_a_poisson_cell_apart_naming_the_rate(self):
+        load = dict(batch=None, concurrency=4, requests=8)
+        burst = self.variant(arrivals="burst", **load)
+        poisson = self.variant(arrivals=run.Arrivals(100.0).describe(), **load)
+        doc = self.plot_cost.load([self.write(burst), self.write(poisson)], say=lambda line: None)
+        headings = [heading for heading, _, _ in self.plot_cost.tables(doc)]
+        self.assertEqual(len(headings), 2, headings)
+        self.assertIn("concurrency 4, 8 requests a trial, poisson at 100/s", headings[0])
+        self.assertIn("concurrency 4, 8 requests a trial, burst", headings[1])
+
+    def test_plot_cost_marks_a_flag_on_arm_measured_faster(self):
+        faster = self.variant(overhead_pct=-7.3, ci95_pct=[-15.8, -5.6], significant=True)
+        doc = self.plot_cost.load([self.write(faster)], say=lambda line: None)
+        (_, _, slots), = self.plot_cost.tables(doc)
+        bar = slots[1, "cold"]
+        self.assertEqual(bar["value"], -7.3)
+        self.assertTrue(bar["faster"][0].startswith("the flag-on arm measured faster"))
+        slower = self.plot_cost.load([self.write(self.cell)], say=lambda line: None)
+        self.assertEqual(self.plot_cost.tables(slower)[0][2][1, "cold"]["faster"], [])
+
+    def write(self, cell):
+        tmp = tempfile.mkdtemp()
+        self.addCleanup(lambda: __import__("shutil").rmtree(tmp))
+        path = os.path.join(tmp, "cell.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(cell, f)
+        return path

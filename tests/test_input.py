@@ -271,7 +271,19 @@ class TheServersLimits(TempDirTest):
                         "shared-prefix", "--prefix-tokens", 5000, "--max-tokens", 4)
             sent = off.generation_bodies() + on.generation_bodies()
         self.assertEqual(r.code, 2, r)
-        self.assertIn("--prefix-tokens of 5000 tokens", r.stderr)
+        self.assertIn("the built prompt (--prefix-tokens 5000 with the lab's preamble and "
+                      "question) of ", r.stderr)
+        self.assertEqual(sent, [])
+
+    def test_the_built_prompt_counts_its_preamble_and_question(self):
+        with StubServer() as off, StubServer(StubConfig(invariant=True)) as on:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--workload",
+                        "shared-prefix", "--prefix-tokens", 2000, "--max-tokens", 40)
+            sent = off.generation_bodies() + on.generation_bodies()
+        self.assertEqual(r.code, 2, r)
+        self.assertRegex(r.stderr, r"the built prompt \(--prefix-tokens 2000 with the lab's "
+                         r"preamble and question\) of 20[0-9][0-9] tokens and --max-tokens 40 "
+                         r"do not fit the server's maximum model length of 2048 tokens")
         self.assertEqual(sent, [])
 
     def test_what_fits_is_sent(self):

@@ -189,3 +189,96 @@ class StreamCounts(TempDirTest):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class EventsOverSeveralDataLines(unittest.TestCase):
+    """A stream whose events each span several `data:` lines (the SSE standard joins them with
+    a line break) is timed as any other: one event, one count."""
+
+    def test_a_load_trial_reads_them(self):
+        import types
+        from test_hostile import sse_server
+        events = [{"choices": [{"index": 0, "text": "a"}], "usage": {"completion_tokens": n}}
+                  for n in (1, 2)]
+        payload = b"".join(b"".join(b"data: " + line.encode() + b"\n"
+                                    for line in json.dumps(event, indent=1).splitlines()) + b"\n"
+                           for event in events) + b"data: [DONE]\n\n"
+        url = sse_server(payload)
+        facts = run.ServerFacts("vllm", "m", model_id="m")
+        arm = types.SimpleNamespace(client=run.HttpClient(url, None, 10, 1 << 20), facts=facts,
+                                    samples=[])
+        trials = run.LoadTrials(1, 1, run.Arrivals(None))
+        sampling = run.Sampling.of(0.0, 2, None, 0, ignore_eos=True)
+        seconds, tokens, timings = trials.run(arm, ["p"], run.ADAPTERS["vllm"], sampling)
+        self.assertEqual(tokens, 2)
+        self.assertEqual([t.progress_events for t in timings], [2])
+
+
+# The flat result names of `vllm bench serve --save-result` (vllm/benchmarks/serve.py, 0.34.0:
+# lines 1319-1328 and 1426-1432; tests/README.md quotes them)
+BENCH_SERVE_NAMES = (
+    "duration", "completed", "request_throughput", "output_throughput", "total_token_throughput",
+    "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p99_ttft_ms",
+    "mean_tpot_ms", "median_tpot_ms", "std_tpot_ms", "p99_tpot_ms",
+    "mean_itl_ms", "median_itl_ms", "std_itl_ms", "p99_itl_ms",
+    "mean_e2el_ms", "median_e2el_ms", "std_e2el_ms", "p99_e2el_ms")
+
+
+class BenchServeNames(TempDirTest):
+    def cost(self, *extra):
+        with StubServer() as off, StubServer(StubConfig(invariant=True)) as on:
+            return run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url,
+                           "--trials", 2, "--warmup", 0, "--max-tokens", 4, "--quiet", *extra)
+
+    def test_each_arm_is_saved_under_bench_serve_names_in_milliseconds(self):
+        r = self.cost("--concurrency", 2, "--requests", 3, "--result-filename",
+                      self.path("cost.json"))
+        self.assertEqual(r.code, 0, r)
+        cell = self.load("cost.json")["cells"][0]
+        for arm in ("off", "on"):
+            load, samples = cell["load"][arm], cell[arm]["samples_s"]
+            flat = load["bench_serve"]
+            self.assertEqual([name for name in BENCH_SERVE_NAMES if name not in flat], [])
+            self.assertEqual(flat["completed"], 6)
+            self.assertAlmostEqual(flat["duration"], sum(samples))
+            self.assertAlmostEqual(flat["request_throughput"], 6 / sum(samples))
+            self.assertAlmostEqual(flat["output_throughput"], 6 * 4 / sum(samples))
+            self.assertIsNone(flat["total_token_throughput"])  # no prompt count to add
+            latencies = [1000 * r["latency_s"] for trial in load["requests"] for r in trial]
+            self.assertAlmostEqual(flat["mean_e2el_ms"], sum(latencies) / 6)
+            self.assertEqual((flat["max_concurrency"], flat["num_prompts"],
+                              flat["request_rate"]), (2, 6, "inf"))
+            self.assertIn("p99_s", load["ttft"])  # the lab's own nested figures stay
+
+    def test_percentile_options_choose_the_figures_as_in_bench_serve(self):
+        r = self.cost("--concurrency", 2, "--percentile-metrics", "ttft,e2el",
+                      "--metric-percentiles", "50,99.9", "--json")
+        self.assertEqual(r.code, 0, r)
+        flat = r.json()["load"]["off"]["bench_serve"]
+        self.assertEqual(sorted(k for k in flat if k.endswith("_ms")),
+                         sorted("%s_%s_ms" % (stat, metric) for metric in ("ttft", "e2el")
+                                for stat in ("mean", "median", "std", "p50", "p99.9")))
+
+    def test_the_percentile_is_numpys_linear_one(self):
+        timings = [run.RequestTiming(t, 2 * t, 2, t, 2, [t]) for t in (0.001, 0.002, 0.004, 0.010)]
+        flat = run.BenchServeResult(("ttft",), (50.0, 90.0)).figures([timings], [1.0])
+        # np.percentile([1, 2, 4, 10], 50) == 3.0, and at 90: 4 + 0.7 * 6 == 8.2
+        self.assertAlmostEqual(flat["p50_ttft_ms"], 3.0)
+        self.assertAlmostEqual(flat["p90_ttft_ms"], 8.2)
+        self.assertAlmostEqual(flat["mean_ttft_ms"], 4.25)
+
+    def test_options_that_mean_nothing_here_are_refused_with_a_hint(self):
+        cases = {
+            ("--save-result",): "the lab saves with --save FILE, or --result-filename FILE",
+            ("--concurrency", 2, "--percentile-metrics", "client_queue_time"):
+                "--percentile-metrics: client_queue_time is not measured here",
+            ("--batch", 2, "--metric-percentiles", "50"):
+                "--metric-percentiles goes with --concurrency",
+            ("--concurrency", 2, "--metric-percentiles", "101"):
+                "--metric-percentiles: '101' is not a percentile from 0 to 100"}
+        for extra, said in cases.items():
+            with self.subTest(options=extra):
+                r = run_lab("--mode", "cost", "--url", "http://127.0.0.1:9", "--invariant",
+                            "http://127.0.0.1:10", *extra)
+                self.assertEqual(r.code, 2, r)
+                self.assertIn(said, r.stderr)

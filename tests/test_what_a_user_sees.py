@@ -48,7 +48,25 @@ class TheCodeIsNamed(TempDirTest):
         self.assertEqual(version_of(self.path("run.py")), (0, named))
         with open(self.path("run.py"), "a", encoding="utf-8") as f:
             f.write("\n# a local change\n")
-        self.assertEqual(version_of(self.path("run.py"))[1], named + "-dirty")
+        with open(self.path("run.py"), "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()[:12]
+        self.assertEqual(version_of(self.path("run.py"))[1],
+                         "%s-dirty, run.py sha256 %s" % (named, digest))
+
+    def test_two_clones_of_one_commit_with_other_edits_read_differently(self):
+        os.mkdir(self.path("a"))
+        shutil.copy(RUN_PY, os.path.join(self.path("a"), "run.py"))
+        git(self.path("a"), "init", "-q")
+        git(self.path("a"), "add", "run.py")
+        git(self.path("a"), "commit", "-q", "-m", "lab")
+        git(self.tmp, "clone", "-q", self.path("a"), self.path("b"))
+        names = []
+        for clone, edit in (("a", "# one change\n"), ("b", "# another change\n")):
+            with open(os.path.join(self.path(clone), "run.py"), "a", encoding="utf-8") as f:
+                f.write(edit)
+            names.append(version_of(os.path.join(self.path(clone), "run.py"))[1])
+        self.assertNotEqual(names[0], names[1])
+        self.assertTrue(all("-dirty, run.py sha256 " in name for name in names), names)
 
     def test_a_copy_outside_a_checkout_is_named_by_the_hash_of_its_bytes(self):
         shutil.copy(RUN_PY, self.path("run.py"))
