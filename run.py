@@ -1751,8 +1751,14 @@ class VllmAdapter:
         ("CUDA-graph mode", ("vllm_config", "compilation_config", "cudagraph_mode")),
         ("CUDA-graph sizes", ("vllm_config", "compilation_config", "cudagraph_capture_sizes")),
         ("compilation mode", ("vllm_config", "compilation_config", "mode")),
+        # 0.33.0's environment variable; from 0.34.0 BREAKABLE_RESOLVED holds the setting in force
         ("breakable CUDA graph", ("vllm_env", "VLLM_USE_BREAKABLE_CUDAGRAPH")),
         ("FlashInfer sampler", ("vllm_env", "VLLM_USE_FLASHINFER_SAMPLER"))]
+    # Where 0.34.0 keeps whether breakable CUDA graphs run: resolved at start-up from the
+    # environment variable, the architecture's default and the flag, stored in the config and
+    # no longer written back to the environment (vllm/config/vllm.py lines 810-834,
+    # vllm/config/compilation.py lines 735-746 of vLLM 0.34.0); null means unresolved.
+    BREAKABLE_RESOLVED = ("vllm_config", "compilation_config", "use_breakable_cudagraph")
     # With the flag on, vLLM turns prefix caching off for these backends itself.
     FLAG_COMPILES_EAGER_FROM = "0.33.0"  # the first release whose flag sets both (flag_sets)
     FLAG_DISABLES_PREFIX_CACHE = ("FlashInferBackend", "TritonMLABackend")
@@ -1810,6 +1816,9 @@ class VllmAdapter:
         if not isinstance(dig(info, "vllm_config"), dict):
             return facts  # the settings are hidden: only what /v1/models lists
         settings = dict(listed, **{label: dig(info, *path) for label, path in self.SETTINGS})
+        resolved = dig(info, *self.BREAKABLE_RESOLVED)
+        if isinstance(resolved, bool):  # 0.34.0 on: the config's value, not the environment's
+            settings["breakable CUDA graph"] = resolved
         settings["attention backend"] = backend = self.short_backend(settings["attention backend"])
         max_num_seqs = settings["max num seqs"]
         if isinstance(max_num_seqs, int):
@@ -1836,9 +1845,11 @@ class VllmAdapter:
         the flag-off arm there is the flag's, never a mismatch. Prefix caching goes off under
         FlashInfer and Triton-MLA; from vLLM 0.33.0 the flag turns on breakable CUDA graphs
         for the model shapes of its tile table, and they run without torch.compile
-        (compilation mode NONE, 0: vllm/config/vllm.py lines 842-869 of vLLM 0.33.0). A
-        release before 0.33.0, or one the server does not name, is granted neither: there
-        they are settings of the user's that differ between the arms."""
+        (compilation mode NONE, 0: vllm/config/vllm.py lines 842-869 of vLLM 0.33.0, where
+        it sets VLLM_USE_BREAKABLE_CUDAGRAPH; lines 810-834 of 0.34.0, where it sets
+        compilation_config.use_breakable_cudagraph). A release before 0.33.0, or one the
+        server does not name, is granted neither: there they are settings of the user's that
+        differ between the arms."""
         if flag is not True:
             return {}
         sets: Dict[str, Any] = {}

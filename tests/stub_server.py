@@ -291,7 +291,8 @@ class StubConfig:
                                              # another way (as a cached prefill's kernel may be)
     topk_edge_swap: bool = False             # above batch 1 the k-th top entry swaps with the (k+1)-th
     version: str = "0.26.0"                  # vLLM: the release it answers as; "0.33.0" reports the
-                                             # flag-on arm's compile settings as 0.33.0 does
+                                             # flag-on arm's compile settings as 0.33.0 does, "0.34.0"
+                                             # as 0.34.0 does (breakable graphs in the config)
     server_info_500: bool = False            # vLLM: /server_info answers HTTP 500, as real 0.26.0 and
                                              # 0.33.0 servers did when their environment report failed
     copies_split: int = 0                    # flag off: a request's prompts from this one on are
@@ -648,6 +649,11 @@ def vllm_server_info(config: StubConfig) -> Dict:
         # the real pair in fixtures/vllm-0.33.0/ reports (3 and false off, 0 and true on)
         info["vllm_env"]["VLLM_USE_BREAKABLE_CUDAGRAPH"] = config.invariant
         vc["compilation_config"]["mode"] = 0 if config.invariant else 3
+    if release(config.version) >= (0, 34):
+        # 0.34.0 keeps it in the config and leaves the environment variable false (vllm/config/
+        # vllm.py lines 810-834 of 0.34.0; the real arms' logs in fixtures/vllm-0.34.0/)
+        info["vllm_env"]["VLLM_USE_BREAKABLE_CUDAGRAPH"] = False
+        vc["compilation_config"]["use_breakable_cudagraph"] = config.invariant
     return overridden(info, config)
 
 
@@ -1192,7 +1198,8 @@ def main(argv=None) -> int:
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--no-dev-mode", action="store_true", help="vLLM: no /server_info")
     p.add_argument("--version", default="0.26.0", dest="vllm_version", help="vLLM: the release it "
-                   "answers as (0.33.0: the flag-on arm's compile settings as 0.33.0 reports them)")
+                   "answers as (0.33.0, 0.34.0: the flag-on arm's compile settings as that release "
+                   "reports them)")
     p.add_argument("--server-info-500", action="store_true", help="vLLM: /server_info answers "
                    "HTTP 500, as real servers did when vLLM's environment report failed")
     p.add_argument("--step-delay", type=float, default=0.0, help="seconds per decode step")
