@@ -2229,6 +2229,10 @@ class Hazard:
     checked: str = field(metadata=NOT_SAVED)  # what was read to keep this row
     # the first release with the fix (read in its source): not raised against it or later
     fixed_in: Optional[str] = field(default=None, metadata=NOT_SAVED)
+    # does the row concern this server at all, given its whole /server_info and its release
+    # (which model runner it runs, say)? An unknown release is not ruled out.
+    applies: Callable[[Any, Any], bool] = field(default=lambda info, version: True,
+                                                metadata=NOT_SAVED)
 
 
 # Release identifiers as Python's packaging orders them (PEP 440), enough for engines' versions
@@ -2277,6 +2281,50 @@ def _is_fp8(value: Any) -> bool:
     return isinstance(value, str) and value.lower().startswith("fp8")
 
 
+V2_RUNNER_DEFAULT_FROM = "0.33.0"  # vllm/config/vllm.py lines 731-767 of vLLM 0.33.0
+V1_RUNNER_REMOVED_IN = "0.34.0"  # vllm/platforms/interface.py lines 1481-1491 of vLLM 0.34.0
+
+
+def _v2_runner_chosen(info: Any) -> Any:
+    """VLLM_USE_V2_MODEL_RUNNER as the server reports it (vllm_env lists only variables set)."""
+    return dig(info, "vllm_env", "VLLM_USE_V2_MODEL_RUNNER")
+
+
+def vllm_v1_runner_may_run(info: Any, version: Any) -> bool:
+    """The old (V1) model runner: gone in 0.34.0; in 0.33.0 only when VLLM_USE_V2_MODEL_RUNNER
+    is 0 (or the model needs what V2 lacks, which /server_info does not show); before 0.33.0
+    and on an unknown release it may run."""
+    if has_release(version, V1_RUNNER_REMOVED_IN):
+        return False
+    if has_release(version, V2_RUNNER_DEFAULT_FROM):
+        return _v2_runner_chosen(info) is False
+    return True
+
+
+def vllm_v2_runner_may_run(info: Any, version: Any) -> bool:
+    """The V2 model runner: the only one from 0.34.0, the default in 0.33.0; before 0.33.0
+    only where the server says VLLM_USE_V2_MODEL_RUNNER is on; an unknown release may run it."""
+    if has_release(version, V1_RUNNER_REMOVED_IN) or release(version) is None:
+        return True
+    if has_release(version, V2_RUNNER_DEFAULT_FROM):
+        return _v2_runner_chosen(info) is not False
+    return _v2_runner_chosen(info) is True
+
+
+FLASH_ATTN_NAMES = ("FLASH_ATTN", "FlashAttentionBackend")  # as asked, and as /server_info says
+
+
+def _flag_on_sliding_window_flash_attn(info: Any) -> bool:
+    """A flag-on server whose KV cache is a sliding window (vLLM sets cache_config.sliding_window
+    for models whose every layer slides: vllm/engine/arg_utils.py lines 2322-2327 of 0.34.0),
+    on FLASH_ATTN or an attention backend left to vLLM."""
+    vc = dig(info, "vllm_config")
+    window = dig(vc, "cache_config", "sliding_window")
+    backend = dig(vc, "attention_config", "backend")
+    return (dig(info, "vllm_env", "VLLM_BATCH_INVARIANT") is True and is_count(window)
+            and (backend is None or str(backend).rsplit(".", 1)[-1] in FLASH_ATTN_NAMES))
+
+
 HAZARDS = [
     Hazard(
         "vllm", "sequence parallelism / async TP (pass_config.enable_sp or fuse_gemm_comms)",
@@ -2309,15 +2357,46 @@ HAZARDS = [
         "the issue's reproduction and the PR's diagnosis; the fix in 0.33.0's source",
         fixed_in="0.33.0"),
     Hazard(
-        "vllm", "FlashInfer sampler (VLLM_USE_FLASHINFER_SAMPLER on)",
+        "vllm", "FlashInfer sampler in the old (V1) model runner (VLLM_USE_FLASHINFER_SAMPLER "
+        "on)",
         ("vllm_env", "VLLM_USE_FLASHINFER_SAMPLER"), lambda on: on is True,
-        "0.33.0 and before: on CUDA the FlashInfer sampler is chosen without asking the flag "
+        "the V1 runner chooses the FlashInfer sampler on CUDA without asking the flag "
         "(vllm/v1/sample/ops/topk_topp_sampler.py lines 241-251 of 0.33.0; the XPU branch, "
-        "262-270, does ask)",
+        "262-270, does ask); 0.33.0 runs it only with VLLM_USE_V2_MODEL_RUNNER=0, 0.34.0 not "
+        "at all",
         "its top-k/top-p sampling is not one of the batch-invariant kernels: sampled (not "
         "greedy) completions of concurrent requests need not repeat from run to run with the "
         "flag on; greedy decoding does not sample",
-        "vllm-project/vllm#51187", "0.33.0's sampler selection, and the issue's report"),
+        "vllm-project/vllm#51187", "0.33.0's sampler selection, and the issue's report",
+        fixed_in=V1_RUNNER_REMOVED_IN, applies=vllm_v1_runner_may_run),
+    Hazard(
+        "vllm", "FlashInfer sampler in the V2 model runner, for unseeded sampling with top-p or "
+        "top-k (VLLM_USE_FLASHINFER_SAMPLER on)",
+        ("vllm_env", "VLLM_USE_FLASHINFER_SAMPLER"), lambda on: on is True,
+        "read in 0.33.0 (v1/worker/gpu/sample/sampler.py lines 304-315) and 0.34.0 (lines "
+        "301-312): the runner's FlashInfer sampler runs only for a step in which no request is "
+        "greedy or explicitly seeded; VLLM_USE_FLASHINFER_SAMPLER defaults to on "
+        "(vllm/envs.py lines 937-941 of 0.34.0)",
+        "flag on too, an unseeded request at temperature > 0 with top-p < 1 or top-k takes "
+        "FlashInfer's sampler or the runner's own depending on whether a neighbour in its step "
+        "is greedy or seeded. Greedy and seeded requests (every request the lab sends) never "
+        "take it; each unseeded request draws from a seed of its own (sample/states.py lines "
+        "54-58 of 0.34.0), not from a generator the batch shares",
+        "vllm-project/vllm#51187", "the V2 runner's sampler selection in 0.33.0 and 0.34.0",
+        applies=vllm_v2_runner_may_run),
+    Hazard(
+        "vllm", "sliding-window attention with the flag on FLASH_ATTN "
+        "(cache_config.sliding_window)",
+        (), _flag_on_sliding_window_flash_attn,
+        "reported on Hopper with Gemma-2; fixed in 0.34.0, whose flag fixes FLASH_ATTN's "
+        "max_seq_len at max_model_len (vllm/v1/attention/backends/flash_attn.py lines 834-835; "
+        "0.33.0 has no such line)",
+        "a sliding-window decode moved beside its neighbours' prefill chunks with the flag on: "
+        "a neighbour check (--neighbours) of such a model is expected to move before 0.34.0 "
+        "and hold from it. Models that mix sliding and global layers (Gemma-2, Gemma-3) leave "
+        "cache_config.sliding_window unset, so the lab cannot see them: check your model",
+        "vllm-project/vllm#65587", "the fix in 0.34.0's source against 0.33.0's",
+        fixed_in="0.34.0"),
     Hazard(
         "sglang", "FP8 KV cache (kv_cache_dtype)",
         ("kv_cache_dtype",), _is_fp8,
@@ -2337,6 +2416,47 @@ HAZARDS = [
         "sgl-project/sglang#34683", "the issue's cold/warm reproduction")]
 
 
+@dataclass(frozen=True)
+class ReleaseChange:
+    """A change between two releases of an engine that makes one kind of figure measured on
+    either side of it not comparable with the other side's."""
+
+    engine: str
+    first: str  # the first release with the change
+    figures: str  # which figures it concerns, in words
+    what: str  # the change, as a user reads it
+    read: str  # where it was read (or that it could not be)
+
+
+RELEASE_CHANGES = [
+    ReleaseChange(
+        "vllm", "0.34.0", "TP > 1 costs",
+        "the flag no longer forces the one-stage custom all-reduce (the two-stage kernel sums "
+        "ranks in a fixed order)",
+        "reported at csrc/custom_all_reduce.cuh lines 44-50 of 0.34.0, which the lab could "
+        "not read: that file is not in the wheel; the Python "
+        "side, which keeps the custom all-reduce at every size with the flag, is alike in "
+        "vllm/distributed/device_communicators/custom_all_reduce.py, 0.33.0 lines 509-510 "
+        "and 0.34.0 lines 513-514")]
+
+
+def tp_cost_release_notes(engine: Any, cells: Sequence[Tuple[Any, Any]]) -> List[str]:
+    """A line for each release change that TP > 1 cost cells of one engine straddle: cells is
+    (release, TP degree) of each cell shown together (a cell's releases as its arms reported
+    them). Cells of an unknown release or degree straddle nothing."""
+    lines = []
+    for change in RELEASE_CHANGES:
+        if change.engine != engine or "TP" not in change.figures:
+            continue
+        sides = {has_release(version, change.first) for version, tp in cells
+                 if is_count(tp) and tp > 1 and release(version) is not None}
+        if sides == {True, False}:
+            lines.append("Note: %s %s measured before %s and from it are not comparable: from %s "
+                         "%s." % (engine, change.figures, change.first, change.first,
+                                  change.what))
+    return lines
+
+
 # What reading a server's answer can raise when the answer is not what the engine sends.
 SHAPE_FAULTS = (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError,
                 OverflowError)
@@ -2349,7 +2469,7 @@ def hazards_in(engine: str, info: Any, version: Any) -> List[Dict[str, Any]]:
     found = []
     for h in HAZARDS:
         fixed = h.fixed_in is not None and has_release(version, h.fixed_in)
-        if h.engine == engine and not fixed:
+        if h.engine == engine and not fixed and h.applies(info, version):
             try:
                 if h.fires(dig(info, *h.path)):
                     found.append(as_record(h))
