@@ -1449,7 +1449,8 @@ class Sampling:
     def of(cls, temperature: float, max_tokens: int, logprobs: Optional[int], seed: int,
            ignore_eos: bool = False) -> "Sampling":
         """The seed is sent only when sampling: greedy needs none, and an unseeded sample
-        would draw from a generator the whole batch shares."""
+        would draw from a generator the whole batch shares (vLLM's old V1 runner) or, in
+        vLLM's V2 runner, may take another sampler depending on its neighbours (HAZARDS)."""
         return cls(temperature, DEFAULT_TOP_P, max_tokens, logprobs,
                    seed if temperature > 0 else None, ignore_eos)
 
@@ -2395,7 +2396,9 @@ HAZARDS = [
         "a neighbour check (--neighbours) of such a model is expected to move before 0.34.0 "
         "and hold from it. Models that mix sliding and global layers (Gemma-2, Gemma-3) leave "
         "cache_config.sliding_window unset, so the lab cannot see them: check your model",
-        "vllm-project/vllm#65587", "the fix in 0.34.0's source against 0.33.0's",
+        "vllm-project/vllm#65587",
+        "the fix in 0.34.0's source against 0.33.0's, and its regression test "
+        "(tests/v1/determinism/test_batch_invariance.py lines 1020-1022 of 0.34.0, Gemma-2)",
         fixed_in="0.34.0"),
     Hazard(
         "sglang", "FP8 KV cache (kv_cache_dtype)",
@@ -2433,11 +2436,10 @@ RELEASE_CHANGES = [
         "vllm", "0.34.0", "TP > 1 costs",
         "the flag no longer forces the one-stage custom all-reduce (the two-stage kernel sums "
         "ranks in a fixed order)",
-        "reported at csrc/custom_all_reduce.cuh lines 44-50 of 0.34.0, which the lab could "
-        "not read: that file is not in the wheel; the Python "
-        "side, which keeps the custom all-reduce at every size with the flag, is alike in "
-        "vllm/distributed/device_communicators/custom_all_reduce.py, 0.33.0 lines 509-510 "
-        "and 0.34.0 lines 513-514")]
+        "0.33.0's flag sets VLLM_CUSTOM_ALLREDUCE_ALGO=1stage (vllm/model_executor/"
+        "determinism/batch_invariant.py lines 1391-1394 of 0.33.0); 0.34.0's does not, and its "
+        "two-stage kernel reads the ranks in absolute order (csrc/custom_all_reduce.cuh lines "
+        "44-50 of the 0.34.0 source release)")]
 
 
 def tp_cost_release_notes(engine: Any, cells: Sequence[Tuple[Any, Any]]) -> List[str]:
@@ -6964,7 +6966,7 @@ def run_cost(cfg: Config, out: Out) -> int:
 # ----------------------------------------------------------------------------
 # --mode harness: the upstream harnesses, quoted, with what each one does not tell you
 
-VLLM_REV = "vLLM 0.33.0, its source release (read 2026-12-01)"
+VLLM_REV = "vLLM 0.34.0, its source release (read 2026-12-04; the same text in 0.33.0)"
 SGLANG_REV = "SGLang 0.5.23, its wheel (read 2026-12-01; same text and lines in 0.5.18-0.5.23)"
 
 
@@ -6990,8 +6992,8 @@ def enable_batch_invariant_mode(monkeypatch: pytest.MonkeyPatch):
         "test that needs the flag off has to switch it off itself, as the next one does."),
     Excerpt(
         "vllm", "the negative control that must see differences",
-        "tests/v1/determinism/test_batch_invariance.py, lines 509-522 (def 509-511, docstring "
-        "from 512, comment 520), " + VLLM_REV,
+        "tests/v1/determinism/test_batch_invariance.py, lines 507-520 (def 507-509, docstring "
+        "from 510, comment 518; 509-522 in 0.33.0), " + VLLM_REV,
         '''def test_logprobs_without_batch_invariance_should_fail(
     backend, monkeypatch: pytest.MonkeyPatch
 ):
@@ -7150,6 +7152,15 @@ read VLLM_TEST_TP_SIZE, the online and needle tests read VLLM_TP_SIZE. Set both
 (VLLM_TEST_TP_SIZE=2 VLLM_TP_SIZE=2) or one of them silently runs at TP=1.
 The last command is the performance harness: it prints an overhead, not a verdict.
 
+Where upstream CI runs these in vLLM 0.34.0 (.buildkite/test_areas/misc.yaml of its
+source release; in 0.33.0's the A100, H100 and B200 steps were commented out, lines
+848-990, and only the optional distributed nightly ran, 991-1010): the step
+":nvidia: (B200) Batch Invariance" (lines 994-1017) on every change to the flag's code
+or tests, the online test included (line 1017); "(H100) [Nightly] Batch Invariance"
+(944-963, optional) and "(H100) [Nightly] Batch Invariance (Distributed)" (1050-1070:
+TP 4, and the online test with data parallelism 4 and expert parallelism); AMD mirrors
+on MI250 (919-942), MI300 and MI355. None of them measures what the flag costs.
+
 What vLLM 0.33.0 changed, read in its source release: the flag's kernels moved to
 vllm/model_executor/determinism/ (batch_invariant.py, and a tile table in
 batch_invariant_configs.py). For bf16 models whose shapes are in that table the flag
@@ -7163,6 +7174,18 @@ besides the ones above, worth running on your hardware:
   pytest -v -s tests/v1/determinism/test_batch_invariance_vlm.py
   pytest -v -s tests/v1/determinism/test_lora_shrink_batch_invariant.py
   pytest -v -s tests/v1/determinism/test_matmul_batch_invariant.py
+
+What vLLM 0.34.0 changed, read in its release: the flag's breakable CUDA graphs are
+kept in compilation_config.use_breakable_cudagraph, no longer in the environment
+(vllm/config/vllm.py lines 810-834); the old model runner is gone (the V2 runner picks
+FlashInfer's sampler only for steps with no greedy or seeded request: see the known
+hazards); the flag no longer forces the one-stage custom all-reduce
+(csrc/custom_all_reduce.cuh lines 44-50), so TP > 1 costs of 0.33 and 0.34 are not
+comparable; with the flag FLASH_ATTN's max_seq_len is fixed at max_model_len
+(v1/attention/backends/flash_attn.py lines 834-835), after sliding-window decodes moved
+beside other requests' prefill chunks (test_sliding_window_logprobs_bitwise_alone_vs_
+mixed_batch, test_batch_invariance.py line 1020). gpu_memory_utilization defaults to
+all of the GPU: two servers on one GPU must each pass --gpu-memory-utilization.
 
 The same experiment with the lab, against two servers you start yourself:
 
@@ -7220,7 +7243,8 @@ def run_harness(cfg: Config, out: Out) -> int:
     lines = [
         "Upstream batch-invariance harnesses, quoted verbatim (Apache-2.0; see README), with "
         "what each one does not tell you. The lab itself was run against vLLM 0.26.0 and "
-        "0.33.0 and SGLang 0.5.17 and 0.5.23 on one H200 on 2026-12-01 (examples/real/).", ""]
+        "0.33.0 and SGLang 0.5.17 and 0.5.23 on one H200 on 2026-12-01, and against vLLM "
+        "0.34.0 on 2026-12-04 (examples/real/).", ""]
     parts = (("vllm", "vLLM", VLLM_COMMANDS), ("sglang", "SGLang", SGLANG_COMMANDS))
     for name, label, commands in parts:
         if cfg.engine not in (None, name):

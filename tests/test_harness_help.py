@@ -37,8 +37,8 @@ EXCERPT_LINES = {
 }
 PROVENANCE = {
     "vllm": [
-        "tests/v1/determinism/conftest.py, lines 8-12, vLLM 0.33.0",
-        "tests/v1/determinism/test_batch_invariance.py, lines 509-522",
+        "tests/v1/determinism/conftest.py, lines 8-12, vLLM 0.34.0",
+        "tests/v1/determinism/test_batch_invariance.py, lines 507-520",
         "tests/v1/determinism/utils.py, lines 43-44",
         "tests/v1/determinism/test_online_batch_invariance.py, lines 144-162",
         "tests/v1/determinism/test_online_batch_invariance.py, lines 126-133",
@@ -86,6 +86,9 @@ NOTES = [
     "A comparison hazard",
     "match none of the releases checked",
     "L1879-1883",
+    ".buildkite/test_areas/misc.yaml",
+    ":nvidia: (B200) Batch Invariance\" (lines 994-1017)",
+    "compilation_config.use_breakable_cudagraph",
 ]
 
 
