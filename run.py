@@ -1587,6 +1587,10 @@ class EngineAdapter(Protocol):
     def cached_tokens(self, answer: Any) -> Optional[int]:
         """Prompt tokens the server says it served from its prefix cache; None: it does not say."""
 
+    def prefix_cache_counters(self, client: HttpClient) -> Optional["CacheCounters"]:
+        """The server's own prefix-cache counters now (its /metrics), or None where it exposes
+        none; a missing, failing or malformed /metrics is None, never an error."""
+
     def stream_body(self, model: str, prompt: str, sampling: Sampling) -> Dict[str, Any]:
         """One prompt's generation request, streamed."""
 
@@ -1717,6 +1721,117 @@ def answer_or_none(client: HttpClient, path: str) -> Any:
         if err.kind == ServerError.NETWORK:
             raise
         return None
+
+
+@dataclass(frozen=True)
+class CacheCounters:
+    """A server's own prefix-cache counters at one moment, in prompt tokens since it started:
+    kept by its scheduler, apart from the cached-token count each answer reports."""
+
+    queried: int  # prompt tokens looked up in the prefix cache
+    served: int  # of them, tokens the cache served
+    source: str  # the metrics they were read from
+
+
+PROMETHEUS_SAMPLE = re.compile(  # name{labels} value [timestamp], Prometheus' text format
+    r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?[ \t]+(\S+)(?:[ \t]+\S+)?")
+PROMETHEUS_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def metric_sums(text: Any, name: str,
+                labels: Optional[Dict[str, Sequence[str]]] = None) -> Optional[float]:
+    """The sum of a metric's samples in a Prometheus text answer (one per engine or rank),
+    only those whose labels take one of the given values; 0 for a family declared with no
+    sample yet (a labelled counter shows none until first counted); None when the answer
+    holds no such metric or is not text. Malformed or non-finite samples are skipped."""
+    if not isinstance(text, str):
+        return None
+    declared, total = False, 0.0
+    for line in text.splitlines():
+        if line.startswith("#"):
+            words = line.split()
+            declared = declared or (len(words) >= 3 and words[1] in ("TYPE", "HELP")
+                                    and words[2] in (name, name[:-len("_total")]))
+            continue
+        found = PROMETHEUS_SAMPLE.fullmatch(line.strip())
+        if found is None or found.group(1) != name:
+            continue
+        declared = True
+        pairs = dict(PROMETHEUS_LABEL.findall(found.group(2) or ""))
+        if any(pairs.get(key) not in allowed for key, allowed in (labels or {}).items()):
+            continue
+        try:
+            value = float(found.group(3))
+        except ValueError:
+            continue
+        if math.isfinite(value) and 0 <= value <= MAX_SERVER_COUNT:
+            total += value
+    return total if declared else None
+
+
+def metrics_text(client: HttpClient) -> Optional[str]:
+    """GET /metrics as text, or None when the server does not answer it (any HTTP error, a
+    dropped or refused connection): the counters are evidence to add, never a reason to fail."""
+    try:
+        text = client.request("/metrics", as_text=True)
+    except ServerError:
+        return None
+    return text if isinstance(text, str) else None
+
+
+CACHE_COUNTED_AND_SERVED = "counted and served"
+CACHE_SERVED_NOT_COUNTED = "served but not counted"
+CACHE_NEITHER = "neither served nor counted"
+CACHE_EVIDENCE_UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class CacheEvidence:
+    """What the server's counters and its answers say together of one batch's prefix-cache
+    hits (cache_evidence)."""
+
+    verdict: str  # one of the four CACHE_* words above
+    served: Optional[int]  # prompt tokens the counters say the cache served during the batch
+    counted: Optional[int]  # cached tokens the batch's answers reported (None: none reported)
+    why: str  # the words behind the verdict
+
+
+def cache_evidence(before: Optional[CacheCounters], after: Optional[CacheCounters],
+                   reported: Sequence[Optional[int]],
+                   prompt_tokens: Optional[int] = None) -> CacheEvidence:
+    """Did the prefix cache serve a batch, by the server's own counters read before and after
+    it, and did the batch's answers count it? reported: each request's cached-token count
+    (None where an answer said nothing). prompt_tokens, when known: the batch's prompt tokens;
+    counters that queried more than that saw other clients' requests too, and say nothing of
+    this batch alone. Counters that went down (a restarted server), counters missing, and
+    answers that counted hits the counters did not see, are unknown."""
+    counts = [c for c in reported if isinstance(c, int) and not isinstance(c, bool)]
+    counted = sum(counts) if counts else None
+    if before is None or after is None:
+        return CacheEvidence(CACHE_EVIDENCE_UNKNOWN, None, counted,
+                             "the server exposes no prefix-cache counters")
+    served, queried = after.served - before.served, after.queried - before.queried
+    if served < 0 or queried < 0:
+        return CacheEvidence(CACHE_EVIDENCE_UNKNOWN, None, counted,
+                             "the counters went down (the server restarted?)")
+    if prompt_tokens is not None and queried > prompt_tokens:
+        return CacheEvidence(CACHE_EVIDENCE_UNKNOWN, served, counted,
+                             "the counters looked up %d prompt tokens, more than the batch's "
+                             "%d: other requests reached the server meanwhile"
+                             % (queried, prompt_tokens))
+    if served > 0 and counted:
+        return CacheEvidence(CACHE_COUNTED_AND_SERVED, served, counted,
+                             "the cache served %d prompt tokens and the answers counted %d"
+                             % (served, counted))
+    if served > 0:
+        return CacheEvidence(CACHE_SERVED_NOT_COUNTED, served, counted,
+                             "the cache served %d prompt tokens, and the answers reported %s"
+                             % (served, "none" if counted is None else "0 cached tokens"))
+    if counted:
+        return CacheEvidence(CACHE_EVIDENCE_UNKNOWN, served, counted,
+                             "the answers counted %d cached tokens the counters did not see"
+                             % counted)
+    return CacheEvidence(CACHE_NEITHER, 0, counted, "the cache served no prompt token")
 
 
 class VllmAdapter:
@@ -1959,6 +2074,21 @@ class VllmAdapter:
         # prompt's count (vllm/entrypoints/openai/completion/serving.py, 0.26.0, lines 608-616).
         value = dig(answer, "usage", "prompt_tokens_details", "cached_tokens")
         return server_count(value, "usage.prompt_tokens_details.cached_tokens")
+
+    # The scheduler's prefix-cache counters, one sample per engine (vllm/v1/metrics/loggers.py,
+    # 0.34.0 lines 661-679: counters vllm:prefix_cache_queries and vllm:prefix_cache_hits,
+    # which Prometheus writes with _total, as the real 0.26.0 answer in tests/fixtures shows).
+    COUNTER_QUERIES = "vllm:prefix_cache_queries_total"
+    COUNTER_HITS = "vllm:prefix_cache_hits_total"
+
+    def prefix_cache_counters(self, client: HttpClient) -> Optional[CacheCounters]:
+        text = metrics_text(client)
+        queried = metric_sums(text, self.COUNTER_QUERIES)
+        served = metric_sums(text, self.COUNTER_HITS)
+        if queried is None or served is None:
+            return None
+        return CacheCounters(int(queried), int(served),
+                             "%s, %s" % (self.COUNTER_QUERIES, self.COUNTER_HITS))
 
 
 class SglangAdapter:
@@ -2213,6 +2343,22 @@ class SglangAdapter:
                   if isinstance(item, dict)]
         counts = [server_count(c, "cached_tokens") for c in counts if c is not None]
         return sum(counts) if counts else None
+
+    # With --enable-metrics, the scheduler's own count of prefill tokens by where they came
+    # from (python/sglang/srt/observability/metrics_collector.py, 0.5.23 lines 1040-1046 and
+    # 1580-1596; counted in managers/scheduler_components/metrics_reporter.py lines 826-847).
+    # sglang:cached_tokens_total is only the answers' own cached_tokens summed, and
+    # sglang:cache_hit_rate the latest prefill's rate: neither is a second source.
+    COUNTER_PREFILL = "sglang:prefill_effective_tokens_total"
+    HIT_MODES = ("device_hit", "host_hit", "storage_hit")
+
+    def prefix_cache_counters(self, client: HttpClient) -> Optional[CacheCounters]:
+        text = metrics_text(client)
+        served = metric_sums(text, self.COUNTER_PREFILL, {"mode": self.HIT_MODES})
+        computed = metric_sums(text, self.COUNTER_PREFILL, {"mode": ("input",)})
+        if served is None or computed is None:
+            return None
+        return CacheCounters(int(served + computed), int(served), self.COUNTER_PREFILL)
 
 
 @dataclass(frozen=True)
