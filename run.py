@@ -2787,26 +2787,57 @@ class Out:
             self._write("stderr", "\r\033[K", raising=False)
 
 
+PROGRESS_MIN_ITEMS = 3  # no time-left estimate before this many steps are done ...
+PROGRESS_MIN_SHARE = 0.1  # ... and this share of the work: the first steps carry the start-up
+
+
 class Progress:
     """Where a long run stands, on stderr. On a terminal: one live line, rewritten before every
     step. Elsewhere (a log file, `| tee`): a plain line for the first finished step, then at most
-    one every PROGRESS_INTERVAL_S, and one for the last. Nothing with --quiet."""
+    one every PROGRESS_INTERVAL_S, and one for the last. Nothing with --quiet.
 
-    def __init__(self, out: Out, total: int, unit: str, quiet: bool = False):
+    The time left is estimated from the steps after the first (which carries connections,
+    warm caches and compiled kernels a later step does not pay for), once PROGRESS_MIN_ITEMS
+    steps and PROGRESS_MIN_SHARE of the work are done. work, when given, is the whole run's
+    work in completions, and each step's completions its share of it: a sweep's batch of 32
+    weighs 32 of batch 1. Without it every step weighs the same."""
+
+    def __init__(self, out: Out, total: int, unit: str, quiet: bool = False,
+                 work: Optional[int] = None, clock: Callable[[], float] = time.monotonic):
         self.out, self.total, self.unit = out, total, unit
         self.live = out.progress_on and not quiet
         self.plain = not out.progress_on and not quiet
         self.done = self.completions = 0
-        self.start = time.monotonic()
+        self.work = work if work is not None and work > 0 else None
+        self.clock = clock
+        self.start = clock()
+        self.first: Optional[Tuple[float, int]] = None  # (when, work done) at the first step's end
         self.last_line: Optional[float] = None
 
+    def work_done(self) -> int:
+        return self.completions if self.work else self.done
+
+    def left_s(self, now: float) -> Optional[float]:
+        """Seconds left at the pace of the steps since the first, or None while too little of
+        the run is done to say."""
+        total = self.work or self.total
+        done = self.work_done()
+        if self.first is None or not 0 < self.done < self.total:
+            return None
+        if self.done < PROGRESS_MIN_ITEMS or done < PROGRESS_MIN_SHARE * total:
+            return None
+        since, before = self.first
+        if done <= before or now <= since:
+            return None
+        return (now - since) / (done - before) * max(total - done, 0)
+
     def status(self) -> str:
-        elapsed = time.monotonic() - self.start
-        left = ""
-        if 0 < self.done < self.total:
-            left = " ~%s left" % fmt_duration(elapsed / self.done * (self.total - self.done))
+        now = self.clock()
+        left_s = self.left_s(now)
+        left = "" if left_s is None else " ~%s left" % fmt_duration(left_s)
         return "%d/%d %s, %d completions, %s elapsed%s" % (
-            self.done, self.total, self.unit, self.completions, fmt_duration(elapsed), left)
+            self.done, self.total, self.unit, self.completions, fmt_duration(now - self.start),
+            left)
 
     def running(self, what: str) -> None:
         if self.live:
@@ -2815,7 +2846,9 @@ class Progress:
     def finished(self, what: str, completions: int) -> None:
         self.done += 1
         self.completions += completions
-        now = time.monotonic()
+        now = self.clock()
+        if self.first is None:
+            self.first = (now, self.work_done())
         due = (self.last_line is None or now - self.last_line >= PROGRESS_INTERVAL_S
                or self.done == self.total)
         if self.plain and due:
@@ -6811,12 +6844,15 @@ def cell_key(record: Json) -> "CellIdentity":
 def print_cost_servers(off: ServerFacts, on: ServerFacts, differences: List[SettingDifference],
                        adapter: EngineAdapter, out: Out) -> None:
     differing = {d.setting for d in differences}
-    row = "%-24s %-26s %-26s%s"
+    labels = sorted(off.settings.keys() | on.settings.keys())
+    # the label column as wide as its longest label (the flag's own name included), never cut
+    width = max([24, len(adapter.flag_name)] + [len(label) for label in labels])
+    row = "%%-%ds %%-26s %%-26s%%s" % width
     show = {None: "unknown", True: "on", False: "off"}
     out.line(row % ("setting", "--url (flag off)", "--invariant (flag on)", ""))
-    out.line(row % (adapter.flag_name[:24], show.get(off.flag, str(off.flag)),
+    out.line(row % (adapter.flag_name, show.get(off.flag, str(off.flag)),
                     show.get(on.flag, str(on.flag)), ""))
-    for label in sorted(off.settings.keys() | on.settings.keys()):
+    for label in labels:
         a, b = off.settings.get(label), on.settings.get(label)
         if a is None and b is None:
             continue
