@@ -7551,10 +7551,18 @@ DECODE VERSUS PREFILL (--prefill-check)
   Upstream: SGLang's p_vs_d mode (test_deterministic.py), vLLM's
   test_decode_logprobs_match_prefill_logprobs (tests/v1/determinism/).
 
+THE CHECKS A SWEEP CAN RUN (each with its own verdict and --expect)
+  --prefill-check    does a prefill read back equal the decode's logprobs?  prefill-equal
+  --cache-check      does a prefix-cache hit equal its cold prefill?        cache-equal
+  --neighbours L,..  does batch 1 hold while others prefill L tokens in its steps?
+                                                                          neighbours-equal
+  --observer-check   does asking for logprobs leave the text unchanged?     observer-equal
+
 KNOWN HAZARDS
   Before measuring, the header lists the server settings that upstream reports say break
-  or weaken batch invariance (sequence parallelism, speculative decoding, FP8 MoE experts
-  on vLLM; an FP8 KV cache, a radix-cache hit on SGLang), each with its report. It is
+  or weaken batch invariance (sequence parallelism, speculative decoding, FP8 MoE experts,
+  FlashInfer's sampler, sliding windows before 0.34.0 on vLLM; an FP8 KV cache, a
+  radix-cache hit on SGLang), each with its report, for its release. It is
   read from the server's own settings, so it knows nothing when they are hidden (vLLM
   without VLLM_SERVER_DEV_MODE=1), and it knows only what has been reported and checked:
   "none known" is not "none". The README lists every row and its evidence.
@@ -7567,7 +7575,8 @@ WHAT THE COST MEANS
   cold workload sees neither. So measure four cells:
         TP=1 x cold    TP=1 x shared-prefix    TP=k x cold    TP=k x shared-prefix
   with --workload cold|shared-prefix at each TP degree, --save them to one file, and
-  report all four or none. The two arms must differ in the flag only: cost mode
+  report all four or none. TP costs of vLLM 0.33 and 0.34 are not comparable: 0.34.0 no
+  longer forces the one-stage all-reduce. The two arms must differ in the flag only: cost mode
   compares the servers' settings and refuses to time a mismatched pair.
 
 EXIT CODES
