@@ -1457,7 +1457,8 @@ class Sampling:
     def of(cls, temperature: float, max_tokens: int, logprobs: Optional[int], seed: int,
            ignore_eos: bool = False) -> "Sampling":
         """The seed is sent only when sampling: greedy needs none, and an unseeded sample
-        would draw from a generator the whole batch shares."""
+        would draw from a generator the whole batch shares (vLLM's old V1 runner) or, in
+        vLLM's V2 runner, may take another sampler depending on its neighbours (HAZARDS)."""
         return cls(temperature, DEFAULT_TOP_P, max_tokens, logprobs,
                    seed if temperature > 0 else None, ignore_eos)
 
@@ -1600,6 +1601,10 @@ class EngineAdapter(Protocol):
         """Each prompt's tokens served from the prefix cache, where the server's count can be
         that prompt's (None: not known for that prompt)."""
 
+    def prefix_cache_counters(self, client: HttpClient) -> Optional["CacheCounters"]:
+        """The server's own prefix-cache counters now (its /metrics), or None where it exposes
+        none; a missing, failing or malformed /metrics is None, never an error."""
+
     def stream_body(self, model: str, prompt: str, sampling: Sampling) -> Dict[str, Any]:
         """One prompt's generation request, streamed."""
 
@@ -1732,6 +1737,117 @@ def answer_or_none(client: HttpClient, path: str) -> Any:
         return None
 
 
+@dataclass(frozen=True)
+class CacheCounters:
+    """A server's own prefix-cache counters at one moment, in prompt tokens since it started:
+    kept by its scheduler, apart from the cached-token count each answer reports."""
+
+    queried: int  # prompt tokens looked up in the prefix cache
+    served: int  # of them, tokens the cache served
+    source: str  # the metrics they were read from
+
+
+PROMETHEUS_SAMPLE = re.compile(  # name{labels} value [timestamp], Prometheus' text format
+    r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?[ \t]+(\S+)(?:[ \t]+\S+)?")
+PROMETHEUS_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def metric_sums(text: Any, name: str,
+                labels: Optional[Dict[str, Sequence[str]]] = None) -> Optional[float]:
+    """The sum of a metric's samples in a Prometheus text answer (one per engine or rank),
+    only those whose labels take one of the given values; 0 for a family declared with no
+    sample yet (a labelled counter shows none until first counted); None when the answer
+    holds no such metric or is not text. Malformed or non-finite samples are skipped."""
+    if not isinstance(text, str):
+        return None
+    declared, total = False, 0.0
+    for line in text.splitlines():
+        if line.startswith("#"):
+            words = line.split()
+            declared = declared or (len(words) >= 3 and words[1] in ("TYPE", "HELP")
+                                    and words[2] in (name, name[:-len("_total")]))
+            continue
+        found = PROMETHEUS_SAMPLE.fullmatch(line.strip())
+        if found is None or found.group(1) != name:
+            continue
+        declared = True
+        pairs = dict(PROMETHEUS_LABEL.findall(found.group(2) or ""))
+        if any(pairs.get(key) not in allowed for key, allowed in (labels or {}).items()):
+            continue
+        try:
+            value = float(found.group(3))
+        except ValueError:
+            continue
+        if math.isfinite(value) and 0 <= value <= MAX_SERVER_COUNT:
+            total += value
+    return total if declared else None
+
+
+def metrics_text(client: HttpClient) -> Optional[str]:
+    """GET /metrics as text, or None when the server does not answer it (any HTTP error, a
+    dropped or refused connection): the counters are evidence to add, never a reason to fail."""
+    try:
+        text = client.request("/metrics", as_text=True)
+    except ServerError:
+        return None
+    return text if isinstance(text, str) else None
+
+
+CACHE_COUNTED_AND_SERVED = "counted and served"
+CACHE_SERVED_NOT_COUNTED = "served but not counted"
+CACHE_NEITHER = "neither served nor counted"
+CACHE_EVIDENCE_UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class CacheEvidence:
+    """What the server's counters and its answers say together of one batch's prefix-cache
+    hits (cache_evidence)."""
+
+    verdict: str  # one of the four CACHE_* words above
+    served: Optional[int]  # prompt tokens the counters say the cache served during the batch
+    counted: Optional[int]  # cached tokens the batch's answers reported (None: none reported)
+    why: str  # the words behind the verdict
+
+
+def cache_evidence(before: Optional[CacheCounters], after: Optional[CacheCounters],
+                   reported: Sequence[Optional[int]],
+                   prompt_tokens: Optional[int] = None) -> CacheEvidence:
+    """Did the prefix cache serve a batch, by the server's own counters read before and after
+    it, and did the batch's answers count it? reported: each request's cached-token count
+    (None where an answer said nothing). prompt_tokens, when known: the batch's prompt tokens;
+    counters that queried more than that saw other clients' requests too, and say nothing of
+    this batch alone. Counters that went down (a restarted server), counters missing, and
+    answers that counted hits the counters did not see, are unknown."""
+    counts = [c for c in reported if isinstance(c, int) and not isinstance(c, bool)]
+    counted = sum(counts) if counts else None
+    if before is None or after is None:
+        return CacheEvidence(CACHE_EVIDENCE_UNKNOWN, None, counted,
+                             "the server exposes no prefix-cache counters")
+    served, queried = after.served - before.served, after.queried - before.queried
+    if served < 0 or queried < 0:
+        return CacheEvidence(CACHE_EVIDENCE_UNKNOWN, None, counted,
+                             "the counters went down (the server restarted?)")
+    if prompt_tokens is not None and queried > prompt_tokens:
+        return CacheEvidence(CACHE_EVIDENCE_UNKNOWN, served, counted,
+                             "the counters looked up %d prompt tokens, more than the batch's "
+                             "%d: other requests reached the server meanwhile"
+                             % (queried, prompt_tokens))
+    if served > 0 and counted:
+        return CacheEvidence(CACHE_COUNTED_AND_SERVED, served, counted,
+                             "the cache served %d prompt tokens and the answers counted %d"
+                             % (served, counted))
+    if served > 0:
+        return CacheEvidence(CACHE_SERVED_NOT_COUNTED, served, counted,
+                             "the cache served %d prompt tokens, and the answers reported %s"
+                             % (served, "none" if counted is None else "0 cached tokens"))
+    if counted:
+        return CacheEvidence(CACHE_EVIDENCE_UNKNOWN, served, counted,
+                             "the answers counted %d cached tokens the counters did not see"
+                             % counted)
+    return CacheEvidence(CACHE_NEITHER, 0, counted, "the cache served no prompt token")
+
+
 class VllmAdapter:
     name = "vllm"
     label = "vLLM"
@@ -1765,8 +1881,14 @@ class VllmAdapter:
         ("CUDA-graph mode", ("vllm_config", "compilation_config", "cudagraph_mode")),
         ("CUDA-graph sizes", ("vllm_config", "compilation_config", "cudagraph_capture_sizes")),
         ("compilation mode", ("vllm_config", "compilation_config", "mode")),
+        # 0.33.0's environment variable; from 0.34.0 BREAKABLE_RESOLVED holds the setting in force
         ("breakable CUDA graph", ("vllm_env", "VLLM_USE_BREAKABLE_CUDAGRAPH")),
         ("FlashInfer sampler", ("vllm_env", "VLLM_USE_FLASHINFER_SAMPLER"))]
+    # Where 0.34.0 keeps whether breakable CUDA graphs run: resolved at start-up from the
+    # environment variable, the architecture's default and the flag, stored in the config and
+    # no longer written back to the environment (vllm/config/vllm.py lines 810-834,
+    # vllm/config/compilation.py lines 735-746 of vLLM 0.34.0); null means unresolved.
+    BREAKABLE_RESOLVED = ("vllm_config", "compilation_config", "use_breakable_cudagraph")
     # With the flag on, vLLM turns prefix caching off for these backends itself.
     FLAG_COMPILES_EAGER_FROM = "0.33.0"  # the first release whose flag sets both (flag_sets)
     FLAG_DISABLES_PREFIX_CACHE = ("FlashInferBackend", "TritonMLABackend")
@@ -1825,6 +1947,9 @@ class VllmAdapter:
             return facts  # the settings are hidden: only what /v1/models lists
         settings = dict(listed, **{label: dig(info, *path) for label, path in self.SETTINGS})
         facts.max_logprobs = dig(info, "vllm_config", "model_config", "max_logprobs")
+        resolved = dig(info, *self.BREAKABLE_RESOLVED)
+        if isinstance(resolved, bool):  # 0.34.0 on: the config's value, not the environment's
+            settings["breakable CUDA graph"] = resolved
         settings["attention backend"] = backend = self.short_backend(settings["attention backend"])
         max_num_seqs = settings["max num seqs"]
         if isinstance(max_num_seqs, int):
@@ -1851,9 +1976,11 @@ class VllmAdapter:
         the flag-off arm there is the flag's, never a mismatch. Prefix caching goes off under
         FlashInfer and Triton-MLA; from vLLM 0.33.0 the flag turns on breakable CUDA graphs
         for the model shapes of its tile table, and they run without torch.compile
-        (compilation mode NONE, 0: vllm/config/vllm.py lines 842-869 of vLLM 0.33.0). A
-        release before 0.33.0, or one the server does not name, is granted neither: there
-        they are settings of the user's that differ between the arms."""
+        (compilation mode NONE, 0: vllm/config/vllm.py lines 842-869 of vLLM 0.33.0, where
+        it sets VLLM_USE_BREAKABLE_CUDAGRAPH; lines 810-834 of 0.34.0, where it sets
+        compilation_config.use_breakable_cudagraph). A release before 0.33.0, or one the
+        server does not name, is granted neither: there they are settings of the user's that
+        differ between the arms."""
         if flag is not True:
             return {}
         sets: Dict[str, Any] = {}
@@ -1968,6 +2095,21 @@ class VllmAdapter:
         # that prompt is the same text (copies); for any other prompt it is not known
         count = self.cached_tokens(answer)
         return [count if p == prompts[-1] else None for p in prompts]
+
+    # The scheduler's prefix-cache counters, one sample per engine (vllm/v1/metrics/loggers.py,
+    # 0.34.0 lines 661-679: counters vllm:prefix_cache_queries and vllm:prefix_cache_hits,
+    # which Prometheus writes with _total, as the real 0.26.0 answer in tests/fixtures shows).
+    COUNTER_QUERIES = "vllm:prefix_cache_queries_total"
+    COUNTER_HITS = "vllm:prefix_cache_hits_total"
+
+    def prefix_cache_counters(self, client: HttpClient) -> Optional[CacheCounters]:
+        text = metrics_text(client)
+        queried = metric_sums(text, self.COUNTER_QUERIES)
+        served = metric_sums(text, self.COUNTER_HITS)
+        if queried is None or served is None:
+            return None
+        return CacheCounters(int(queried), int(served),
+                             "%s, %s" % (self.COUNTER_QUERIES, self.COUNTER_HITS))
 
 
 class SglangAdapter:
@@ -2231,6 +2373,22 @@ class SglangAdapter:
         return [server_count(dig(item, "meta_info", "cached_tokens"), "cached_tokens")
                 for item in items]
 
+    # With --enable-metrics, the scheduler's own count of prefill tokens by where they came
+    # from (python/sglang/srt/observability/metrics_collector.py, 0.5.23 lines 1040-1046 and
+    # 1580-1596; counted in managers/scheduler_components/metrics_reporter.py lines 826-847).
+    # sglang:cached_tokens_total is only the answers' own cached_tokens summed, and
+    # sglang:cache_hit_rate the latest prefill's rate: neither is a second source.
+    COUNTER_PREFILL = "sglang:prefill_effective_tokens_total"
+    HIT_MODES = ("device_hit", "host_hit", "storage_hit")
+
+    def prefix_cache_counters(self, client: HttpClient) -> Optional[CacheCounters]:
+        text = metrics_text(client)
+        served = metric_sums(text, self.COUNTER_PREFILL, {"mode": self.HIT_MODES})
+        computed = metric_sums(text, self.COUNTER_PREFILL, {"mode": ("input",)})
+        if served is None or computed is None:
+            return None
+        return CacheCounters(int(served + computed), int(served), self.COUNTER_PREFILL)
+
 
 @dataclass(frozen=True)
 class Hazard:
@@ -2247,6 +2405,10 @@ class Hazard:
     checked: str = field(metadata=NOT_SAVED)  # what was read to keep this row
     # the first release with the fix (read in its source): not raised against it or later
     fixed_in: Optional[str] = field(default=None, metadata=NOT_SAVED)
+    # does the row concern this server at all, given its whole /server_info and its release
+    # (which model runner it runs, say)? An unknown release is not ruled out.
+    applies: Callable[[Any, Any], bool] = field(default=lambda info, version: True,
+                                                metadata=NOT_SAVED)
 
 
 # Release identifiers as Python's packaging orders them (PEP 440), enough for engines' versions
@@ -2295,6 +2457,50 @@ def _is_fp8(value: Any) -> bool:
     return isinstance(value, str) and value.lower().startswith("fp8")
 
 
+V2_RUNNER_DEFAULT_FROM = "0.33.0"  # vllm/config/vllm.py lines 731-767 of vLLM 0.33.0
+V1_RUNNER_REMOVED_IN = "0.34.0"  # vllm/platforms/interface.py lines 1481-1491 of vLLM 0.34.0
+
+
+def _v2_runner_chosen(info: Any) -> Any:
+    """VLLM_USE_V2_MODEL_RUNNER as the server reports it (vllm_env lists only variables set)."""
+    return dig(info, "vllm_env", "VLLM_USE_V2_MODEL_RUNNER")
+
+
+def vllm_v1_runner_may_run(info: Any, version: Any) -> bool:
+    """The old (V1) model runner: gone in 0.34.0; in 0.33.0 only when VLLM_USE_V2_MODEL_RUNNER
+    is 0 (or the model needs what V2 lacks, which /server_info does not show); before 0.33.0
+    and on an unknown release it may run."""
+    if has_release(version, V1_RUNNER_REMOVED_IN):
+        return False
+    if has_release(version, V2_RUNNER_DEFAULT_FROM):
+        return _v2_runner_chosen(info) is False
+    return True
+
+
+def vllm_v2_runner_may_run(info: Any, version: Any) -> bool:
+    """The V2 model runner: the only one from 0.34.0, the default in 0.33.0; before 0.33.0
+    only where the server says VLLM_USE_V2_MODEL_RUNNER is on; an unknown release may run it."""
+    if has_release(version, V1_RUNNER_REMOVED_IN) or release(version) is None:
+        return True
+    if has_release(version, V2_RUNNER_DEFAULT_FROM):
+        return _v2_runner_chosen(info) is not False
+    return _v2_runner_chosen(info) is True
+
+
+FLASH_ATTN_NAMES = ("FLASH_ATTN", "FlashAttentionBackend")  # as asked, and as /server_info says
+
+
+def _flag_on_sliding_window_flash_attn(info: Any) -> bool:
+    """A flag-on server whose KV cache is a sliding window (vLLM sets cache_config.sliding_window
+    for models whose every layer slides: vllm/engine/arg_utils.py lines 2322-2327 of 0.34.0),
+    on FLASH_ATTN or an attention backend left to vLLM."""
+    vc = dig(info, "vllm_config")
+    window = dig(vc, "cache_config", "sliding_window")
+    backend = dig(vc, "attention_config", "backend")
+    return (dig(info, "vllm_env", "VLLM_BATCH_INVARIANT") is True and is_count(window)
+            and (backend is None or str(backend).rsplit(".", 1)[-1] in FLASH_ATTN_NAMES))
+
+
 HAZARDS = [
     Hazard(
         "vllm", "sequence parallelism / async TP (pass_config.enable_sp or fuse_gemm_comms)",
@@ -2327,15 +2533,48 @@ HAZARDS = [
         "the issue's reproduction and the PR's diagnosis; the fix in 0.33.0's source",
         fixed_in="0.33.0"),
     Hazard(
-        "vllm", "FlashInfer sampler (VLLM_USE_FLASHINFER_SAMPLER on)",
+        "vllm", "FlashInfer sampler in the old (V1) model runner (VLLM_USE_FLASHINFER_SAMPLER "
+        "on)",
         ("vllm_env", "VLLM_USE_FLASHINFER_SAMPLER"), lambda on: on is True,
-        "0.33.0 and before: on CUDA the FlashInfer sampler is chosen without asking the flag "
+        "the V1 runner chooses the FlashInfer sampler on CUDA without asking the flag "
         "(vllm/v1/sample/ops/topk_topp_sampler.py lines 241-251 of 0.33.0; the XPU branch, "
-        "262-270, does ask)",
+        "262-270, does ask); 0.33.0 runs it only with VLLM_USE_V2_MODEL_RUNNER=0, 0.34.0 not "
+        "at all",
         "its top-k/top-p sampling is not one of the batch-invariant kernels: sampled (not "
         "greedy) completions of concurrent requests need not repeat from run to run with the "
         "flag on; greedy decoding does not sample",
-        "vllm-project/vllm#51187", "0.33.0's sampler selection, and the issue's report"),
+        "vllm-project/vllm#51187", "0.33.0's sampler selection, and the issue's report",
+        fixed_in=V1_RUNNER_REMOVED_IN, applies=vllm_v1_runner_may_run),
+    Hazard(
+        "vllm", "FlashInfer sampler in the V2 model runner, for unseeded sampling with top-p or "
+        "top-k (VLLM_USE_FLASHINFER_SAMPLER on)",
+        ("vllm_env", "VLLM_USE_FLASHINFER_SAMPLER"), lambda on: on is True,
+        "read in 0.33.0 (v1/worker/gpu/sample/sampler.py lines 304-315) and 0.34.0 (lines "
+        "301-312): the runner's FlashInfer sampler runs only for a step in which no request is "
+        "greedy or explicitly seeded; VLLM_USE_FLASHINFER_SAMPLER defaults to on "
+        "(vllm/envs.py lines 937-941 of 0.34.0)",
+        "flag on too, an unseeded request at temperature > 0 with top-p < 1 or top-k takes "
+        "FlashInfer's sampler or the runner's own depending on whether a neighbour in its step "
+        "is greedy or seeded. Greedy and seeded requests (every request the lab sends) never "
+        "take it; each unseeded request draws from a seed of its own (sample/states.py lines "
+        "54-58 of 0.34.0), not from a generator the batch shares",
+        "vllm-project/vllm#51187", "the V2 runner's sampler selection in 0.33.0 and 0.34.0",
+        applies=vllm_v2_runner_may_run),
+    Hazard(
+        "vllm", "sliding-window attention with the flag on FLASH_ATTN "
+        "(cache_config.sliding_window)",
+        (), _flag_on_sliding_window_flash_attn,
+        "reported on Hopper with Gemma-2; fixed in 0.34.0, whose flag fixes FLASH_ATTN's "
+        "max_seq_len at max_model_len (vllm/v1/attention/backends/flash_attn.py lines 834-835; "
+        "0.33.0 has no such line)",
+        "a sliding-window decode moved beside its neighbours' prefill chunks with the flag on: "
+        "a neighbour check (--neighbours) of such a model is expected to move before 0.34.0 "
+        "and hold from it. Models that mix sliding and global layers (Gemma-2, Gemma-3) leave "
+        "cache_config.sliding_window unset, so the lab cannot see them: check your model",
+        "vllm-project/vllm#65587",
+        "the fix in 0.34.0's source against 0.33.0's, and its regression test "
+        "(tests/v1/determinism/test_batch_invariance.py lines 1020-1022 of 0.34.0, Gemma-2)",
+        fixed_in="0.34.0"),
     Hazard(
         "sglang", "FP8 KV cache (kv_cache_dtype)",
         ("kv_cache_dtype",), _is_fp8,
@@ -2355,6 +2594,46 @@ HAZARDS = [
         "sgl-project/sglang#34683", "the issue's cold/warm reproduction")]
 
 
+@dataclass(frozen=True)
+class ReleaseChange:
+    """A change between two releases of an engine that makes one kind of figure measured on
+    either side of it not comparable with the other side's."""
+
+    engine: str
+    first: str  # the first release with the change
+    figures: str  # which figures it concerns, in words
+    what: str  # the change, as a user reads it
+    read: str  # where it was read (or that it could not be)
+
+
+RELEASE_CHANGES = [
+    ReleaseChange(
+        "vllm", "0.34.0", "TP > 1 costs",
+        "the flag no longer forces the one-stage custom all-reduce (the two-stage kernel sums "
+        "ranks in a fixed order)",
+        "0.33.0's flag sets VLLM_CUSTOM_ALLREDUCE_ALGO=1stage (vllm/model_executor/"
+        "determinism/batch_invariant.py lines 1391-1394 of 0.33.0); 0.34.0's does not, and its "
+        "two-stage kernel reads the ranks in absolute order (csrc/custom_all_reduce.cuh lines "
+        "44-50 of the 0.34.0 source release)")]
+
+
+def tp_cost_release_notes(engine: Any, cells: Sequence[Tuple[Any, Any]]) -> List[str]:
+    """A line for each release change that TP > 1 cost cells of one engine straddle: cells is
+    (release, TP degree) of each cell shown together (a cell's releases as its arms reported
+    them). Cells of an unknown release or degree straddle nothing."""
+    lines = []
+    for change in RELEASE_CHANGES:
+        if change.engine != engine or "TP" not in change.figures:
+            continue
+        sides = {has_release(version, change.first) for version, tp in cells
+                 if is_count(tp) and tp > 1 and release(version) is not None}
+        if sides == {True, False}:
+            lines.append("Note: %s %s measured before %s and from it are not comparable: from %s "
+                         "%s." % (engine, change.figures, change.first, change.first,
+                                  change.what))
+    return lines
+
+
 # What reading a server's answer can raise when the answer is not what the engine sends.
 SHAPE_FAULTS = (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError,
                 OverflowError)
@@ -2367,7 +2646,7 @@ def hazards_in(engine: str, info: Any, version: Any) -> List[Dict[str, Any]]:
     found = []
     for h in HAZARDS:
         fixed = h.fixed_in is not None and has_release(version, h.fixed_in)
-        if h.engine == engine and not fixed:
+        if h.engine == engine and not fixed and h.applies(info, version):
             try:
                 if h.fires(dig(info, *h.path)):
                     found.append(as_record(h))
@@ -2537,26 +2816,57 @@ class Out:
             self._write("stderr", "\r\033[K", raising=False)
 
 
+PROGRESS_MIN_ITEMS = 3  # no time-left estimate before this many steps are done ...
+PROGRESS_MIN_SHARE = 0.1  # ... and this share of the work: the first steps carry the start-up
+
+
 class Progress:
     """Where a long run stands, on stderr. On a terminal: one live line, rewritten before every
     step. Elsewhere (a log file, `| tee`): a plain line for the first finished step, then at most
-    one every PROGRESS_INTERVAL_S, and one for the last. Nothing with --quiet."""
+    one every PROGRESS_INTERVAL_S, and one for the last. Nothing with --quiet.
 
-    def __init__(self, out: Out, total: int, unit: str, quiet: bool = False):
+    The time left is estimated from the steps after the first (which carries connections,
+    warm caches and compiled kernels a later step does not pay for), once PROGRESS_MIN_ITEMS
+    steps and PROGRESS_MIN_SHARE of the work are done. work, when given, is the whole run's
+    work in completions, and each step's completions its share of it: a sweep's batch of 32
+    weighs 32 of batch 1. Without it every step weighs the same."""
+
+    def __init__(self, out: Out, total: int, unit: str, quiet: bool = False,
+                 work: Optional[int] = None, clock: Callable[[], float] = time.monotonic):
         self.out, self.total, self.unit = out, total, unit
         self.live = out.progress_on and not quiet
         self.plain = not out.progress_on and not quiet
         self.done = self.completions = 0
-        self.start = time.monotonic()
+        self.work = work if work is not None and work > 0 else None
+        self.clock = clock
+        self.start = clock()
+        self.first: Optional[Tuple[float, int]] = None  # (when, work done) at the first step's end
         self.last_line: Optional[float] = None
 
+    def work_done(self) -> int:
+        return self.completions if self.work else self.done
+
+    def left_s(self, now: float) -> Optional[float]:
+        """Seconds left at the pace of the steps since the first, or None while too little of
+        the run is done to say."""
+        total = self.work or self.total
+        done = self.work_done()
+        if self.first is None or not 0 < self.done < self.total:
+            return None
+        if self.done < PROGRESS_MIN_ITEMS or done < PROGRESS_MIN_SHARE * total:
+            return None
+        since, before = self.first
+        if done <= before or now <= since:
+            return None
+        return (now - since) / (done - before) * max(total - done, 0)
+
     def status(self) -> str:
-        elapsed = time.monotonic() - self.start
-        left = ""
-        if 0 < self.done < self.total:
-            left = " ~%s left" % fmt_duration(elapsed / self.done * (self.total - self.done))
+        now = self.clock()
+        left_s = self.left_s(now)
+        left = "" if left_s is None else " ~%s left" % fmt_duration(left_s)
         return "%d/%d %s, %d completions, %s elapsed%s" % (
-            self.done, self.total, self.unit, self.completions, fmt_duration(elapsed), left)
+            self.done, self.total, self.unit, self.completions, fmt_duration(now - self.start),
+            left)
 
     def running(self, what: str) -> None:
         if self.live:
@@ -2565,7 +2875,9 @@ class Progress:
     def finished(self, what: str, completions: int) -> None:
         self.done += 1
         self.completions += completions
-        now = time.monotonic()
+        now = self.clock()
+        if self.first is None:
+            self.first = (now, self.work_done())
         due = (self.last_line is None or now - self.last_line >= PROGRESS_INTERVAL_S
                or self.done == self.total)
         if self.plain and due:
@@ -7029,12 +7341,15 @@ def cell_key(record: Json) -> "CellIdentity":
 def print_cost_servers(off: ServerFacts, on: ServerFacts, differences: List[SettingDifference],
                        adapter: EngineAdapter, out: Out) -> None:
     differing = {d.setting for d in differences}
-    row = "%-24s %-26s %-26s%s"
+    labels = sorted(off.settings.keys() | on.settings.keys())
+    # the label column as wide as its longest label (the flag's own name included), never cut
+    width = max([24, len(adapter.flag_name)] + [len(label) for label in labels])
+    row = "%%-%ds %%-26s %%-26s%%s" % width
     show = {None: "unknown", True: "on", False: "off"}
     out.line(row % ("setting", "--url (flag off)", "--invariant (flag on)", ""))
-    out.line(row % (adapter.flag_name[:24], show.get(off.flag, str(off.flag)),
+    out.line(row % (adapter.flag_name, show.get(off.flag, str(off.flag)),
                     show.get(on.flag, str(on.flag)), ""))
-    for label in sorted(off.settings.keys() | on.settings.keys()):
+    for label in labels:
         a, b = off.settings.get(label), on.settings.get(label)
         if a is None and b is None:
             continue
@@ -7472,7 +7787,7 @@ def run_cost(cfg: Config, out: Out) -> int:
 # ----------------------------------------------------------------------------
 # --mode harness: the upstream harnesses, quoted, with what each one does not tell you
 
-VLLM_REV = "vLLM 0.33.0, its source release (read 2026-12-01)"
+VLLM_REV = "vLLM 0.34.0, its source release (read 2026-12-04; the same text in 0.33.0)"
 SGLANG_REV = "SGLang 0.5.23, its wheel (read 2026-12-01; same text and lines in 0.5.18-0.5.23)"
 
 
@@ -7498,8 +7813,8 @@ def enable_batch_invariant_mode(monkeypatch: pytest.MonkeyPatch):
         "test that needs the flag off has to switch it off itself, as the next one does."),
     Excerpt(
         "vllm", "the negative control that must see differences",
-        "tests/v1/determinism/test_batch_invariance.py, lines 509-522 (def 509-511, docstring "
-        "from 512, comment 520), " + VLLM_REV,
+        "tests/v1/determinism/test_batch_invariance.py, lines 507-520 (def 507-509, docstring "
+        "from 510, comment 518; 509-522 in 0.33.0), " + VLLM_REV,
         '''def test_logprobs_without_batch_invariance_should_fail(
     backend, monkeypatch: pytest.MonkeyPatch
 ):
@@ -7658,6 +7973,15 @@ read VLLM_TEST_TP_SIZE, the online and needle tests read VLLM_TP_SIZE. Set both
 (VLLM_TEST_TP_SIZE=2 VLLM_TP_SIZE=2) or one of them silently runs at TP=1.
 The last command is the performance harness: it prints an overhead, not a verdict.
 
+Where upstream CI runs these in vLLM 0.34.0 (.buildkite/test_areas/misc.yaml of its
+source release; in 0.33.0's the A100, H100 and B200 steps were commented out, lines
+848-990, and only the optional distributed nightly ran, 991-1010): the step
+":nvidia: (B200) Batch Invariance" (lines 994-1017) on every change to the flag's code
+or tests, the online test included (line 1017); "(H100) [Nightly] Batch Invariance"
+(944-963, optional) and "(H100) [Nightly] Batch Invariance (Distributed)" (1050-1070:
+TP 4, and the online test with data parallelism 4 and expert parallelism); AMD mirrors
+on MI250 (919-942), MI300 and MI355. None of them measures what the flag costs.
+
 What vLLM 0.33.0 changed, read in its source release: the flag's kernels moved to
 vllm/model_executor/determinism/ (batch_invariant.py, and a tile table in
 batch_invariant_configs.py). For bf16 models whose shapes are in that table the flag
@@ -7671,6 +7995,18 @@ besides the ones above, worth running on your hardware:
   pytest -v -s tests/v1/determinism/test_batch_invariance_vlm.py
   pytest -v -s tests/v1/determinism/test_lora_shrink_batch_invariant.py
   pytest -v -s tests/v1/determinism/test_matmul_batch_invariant.py
+
+What vLLM 0.34.0 changed, read in its release: the flag's breakable CUDA graphs are
+kept in compilation_config.use_breakable_cudagraph, no longer in the environment
+(vllm/config/vllm.py lines 810-834); the old model runner is gone (the V2 runner picks
+FlashInfer's sampler only for steps with no greedy or seeded request: see the known
+hazards); the flag no longer forces the one-stage custom all-reduce
+(csrc/custom_all_reduce.cuh lines 44-50), so TP > 1 costs of 0.33 and 0.34 are not
+comparable; with the flag FLASH_ATTN's max_seq_len is fixed at max_model_len
+(v1/attention/backends/flash_attn.py lines 834-835), after sliding-window decodes moved
+beside other requests' prefill chunks (test_sliding_window_logprobs_bitwise_alone_vs_
+mixed_batch, test_batch_invariance.py line 1020). gpu_memory_utilization defaults to
+all of the GPU: two servers on one GPU must each pass --gpu-memory-utilization.
 
 The same experiment with the lab, against two servers you start yourself:
 
@@ -7728,7 +8064,8 @@ def run_harness(cfg: Config, out: Out) -> int:
     lines = [
         "Upstream batch-invariance harnesses, quoted verbatim (Apache-2.0; see README), with "
         "what each one does not tell you. The lab itself was run against vLLM 0.26.0 and "
-        "0.33.0 and SGLang 0.5.17 and 0.5.23 on one H200 on 2026-12-01 (examples/real/).", ""]
+        "0.33.0 and SGLang 0.5.17 and 0.5.23 on one H200 on 2026-12-01, and against vLLM "
+        "0.34.0 on 2026-12-04 (examples/real/).", ""]
     parts = (("vllm", "vLLM", VLLM_COMMANDS), ("sglang", "SGLang", SGLANG_COMMANDS))
     for name, label, commands in parts:
         if cfg.engine not in (None, name):
@@ -7853,10 +8190,18 @@ DECODE VERSUS PREFILL (--prefill-check)
   Upstream: SGLang's p_vs_d mode (test_deterministic.py), vLLM's
   test_decode_logprobs_match_prefill_logprobs (tests/v1/determinism/).
 
+THE CHECKS A SWEEP CAN RUN (each with its own verdict and --expect)
+  --prefill-check    does a prefill read back equal the decode's logprobs?  prefill-equal
+  --cache-check      does a prefix-cache hit equal its cold prefill?        cache-equal
+  --neighbours L,..  does batch 1 hold while others prefill L tokens in its steps?
+                                                                          neighbours-equal
+  --observer-check   does asking for logprobs leave the text unchanged?     observer-equal
+
 KNOWN HAZARDS
   Before measuring, the header lists the server settings that upstream reports say break
-  or weaken batch invariance (sequence parallelism, speculative decoding, FP8 MoE experts
-  on vLLM; an FP8 KV cache, a radix-cache hit on SGLang), each with its report. It is
+  or weaken batch invariance (sequence parallelism, speculative decoding, FP8 MoE experts,
+  FlashInfer's sampler, sliding windows before 0.34.0 on vLLM; an FP8 KV cache, a
+  radix-cache hit on SGLang), each with its report, for its release. It is
   read from the server's own settings, so it knows nothing when they are hidden (vLLM
   without VLLM_SERVER_DEV_MODE=1), and it knows only what has been reported and checked:
   "none known" is not "none". The README lists every row and its evidence.
@@ -7869,7 +8214,8 @@ WHAT THE COST MEANS
   cold workload sees neither. So measure four cells:
         TP=1 x cold    TP=1 x shared-prefix    TP=k x cold    TP=k x shared-prefix
   with --workload cold|shared-prefix at each TP degree, --save them to one file, and
-  report all four or none. The two arms must differ in the flag only: cost mode
+  report all four or none. TP costs of vLLM 0.33 and 0.34 are not comparable: 0.34.0 no
+  longer forces the one-stage all-reduce. The two arms must differ in the flag only: cost mode
   compares the servers' settings and refuses to time a mismatched pair.
 
 EXIT CODES

@@ -280,6 +280,9 @@ class StubConfig:
     logprobs_path_differs: bool = False  # a request with no logprobs asked is computed otherwise
     prompt_tokens_details: bool = False      # vLLM's --enable-prompt-tokens-details: cached-token counts
     prefix_caching: bool = True              # False: vLLM --no-enable-prefix-caching, SGLang --disable-radix-cache
+    uncounted_cache_hits: bool = False       # serve from the prefix cache, but report 0 cached tokens in
+                                             # the answer (its /metrics counters still count them)
+    enable_metrics: bool = False             # SGLang: serve /metrics (--enable-metrics); vLLM always does
     flush_refused: bool = False              # SGLang: answer /flush_cache as with requests in flight
     decode_graphs: bool = True               # SGLang: False reports decode graphs switched off
     prefill_agrees: bool = False             # prefill computes as a batch-1 decode step does
@@ -291,7 +294,8 @@ class StubConfig:
                                              # another way (as a cached prefill's kernel may be)
     topk_edge_swap: bool = False             # above batch 1 the k-th top entry swaps with the (k+1)-th
     version: str = "0.26.0"                  # vLLM: the release it answers as; "0.33.0" reports the
-                                             # flag-on arm's compile settings as 0.33.0 does
+                                             # flag-on arm's compile settings as 0.33.0 does, "0.34.0"
+                                             # as 0.34.0 does (breakable graphs in the config)
     server_info_500: bool = False            # vLLM: /server_info answers HTTP 500, as real 0.26.0 and
                                              # 0.33.0 servers did when their environment report failed
     copies_split: int = 0                    # flag off: a request's prompts from this one on are
@@ -400,6 +404,8 @@ class EngineState:
         self.served_requests = 0    # generation requests answered
         self.served_texts = set()   # every distinct completion text answered
         self.local = threading.local()  # per request thread: is it streamed
+        self.cache_queried = 0      # prompt tokens looked up in the prefix cache (/metrics)
+        self.cache_served = 0       # of them, tokens the cache served (/metrics)
 
     def cached_tokens(self, salt: Optional[str], prompt: str) -> int:
         """The prompt's tokens served from the prefix cache; the prompt is cached from now on."""
@@ -411,7 +417,15 @@ class EngineState:
             # request share it)
             hit = (salt, prompt) in self.prefix_cache or getattr(self.local, "forced_hit", False)
             self.prefix_cache.add((salt, prompt))
-        return prompt_token_count(prompt) - 1 if hit else 0
+            served = prompt_token_count(prompt) - 1 if hit else 0
+            self.cache_queried += prompt_token_count(prompt)
+            self.cache_served += served
+        return served
+
+    def counters(self) -> Tuple[int, int]:
+        """(prompt tokens looked up in the prefix cache, tokens it served) since the start."""
+        with self.lock:
+            return self.cache_queried, self.cache_served
 
     def flush(self) -> None:
         with self.lock:
@@ -614,12 +628,53 @@ def vllm_completions(config: StubConfig, body: Dict, state: EngineState) -> Dict
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
                   "completion_tokens": completion_tokens,
                   # as with --enable-prompt-tokens-details: the last prompt's count only
-                  "prompt_tokens_details": {"cached_tokens": cached[-1], "created_cache_tokens": None,
+                  "prompt_tokens_details": {"cached_tokens": reported_cached(config, cached[-1]),
+                                            "created_cache_tokens": None,
                                             "multimodal_tokens": None} if config.prompt_tokens_details else None},
         "kv_transfer_params": None,
         "ec_transfer_params": None,
         "metrics": None,
     }
+
+
+def reported_cached(config: StubConfig, served: int) -> int:
+    """The cached-token count an answer reports: what the cache served, or 0 for a server that
+    serves from its cache without counting it (--uncounted-cache-hits)."""
+    return 0 if config.uncounted_cache_hits else served
+
+
+def vllm_metrics(config: StubConfig, state: "EngineState") -> bytes:
+    """/metrics as vLLM writes its prefix-cache counters (the real 0.26.0 answer in
+    fixtures/vllm-0.26.0/metrics_excerpt.txt; the names in vllm/v1/metrics/loggers.py, 0.34.0
+    lines 661-679)."""
+    queried, served = state.counters()
+    labels = 'engine="0",model_name="%s"' % config.model
+    lines = []
+    for name, value, doc in (
+            ("vllm:prefix_cache_queries_total", queried,
+             "Prefix cache queries, in terms of number of queried tokens."),
+            ("vllm:prefix_cache_hits_total", served,
+             "Prefix cache hits, in terms of number of cached tokens.")):
+        lines += ["# HELP %s %s" % (name, doc), "# TYPE %s counter" % name,
+                  "%s{%s} %.1f" % (name, labels, value)]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def sglang_metrics(config: StubConfig, state: "EngineState") -> bytes:
+    """/metrics as SGLang 0.5.23 writes the scheduler's prefill-token counter (observability/
+    metrics_collector.py lines 1040-1046 and 1580-1596: a mode's line appears once it counts)."""
+    queried, served = state.counters()
+    name = "sglang:prefill_effective_tokens"
+    lines = ["# HELP %s Effective prefill tokens with retracted-request re-counts excluded, "
+             "updated on each log interval." % name, "# TYPE %s counter" % name]
+    for mode, value in (("input", queried - served), ("device_hit", served)):
+        if value > 0:
+            lines.append('%s_total{model_name="%s",mode="%s",tp_rank="0"} %.1f'
+                         % (name, config.model, mode, value))
+    lines += ["# HELP sglang:cache_hit_rate The prefix cache hit rate.",
+              "# TYPE sglang:cache_hit_rate gauge",
+              'sglang:cache_hit_rate{model_name="%s",tp_rank="0"} 0.0' % config.model]
+    return ("\n".join(lines) + "\n").encode()
 
 
 def vllm_server_info(config: StubConfig) -> Dict:
@@ -654,6 +709,11 @@ def vllm_server_info(config: StubConfig) -> Dict:
         # the real pair in fixtures/vllm-0.33.0/ reports (3 and false off, 0 and true on)
         info["vllm_env"]["VLLM_USE_BREAKABLE_CUDAGRAPH"] = config.invariant
         vc["compilation_config"]["mode"] = 0 if config.invariant else 3
+    if release(config.version) >= (0, 34):
+        # 0.34.0 keeps it in the config and leaves the environment variable false (vllm/config/
+        # vllm.py lines 810-834 of 0.34.0; the real arms' logs in fixtures/vllm-0.34.0/)
+        info["vllm_env"]["VLLM_USE_BREAKABLE_CUDAGRAPH"] = False
+        vc["compilation_config"]["use_breakable_cudagraph"] = config.invariant
     return overridden(info, config)
 
 
@@ -749,7 +809,7 @@ def sglang_generate(config: StubConfig, body: Dict, state: EngineState):
                               else {"type": "stop", "matched": EOS_ID}),
             "prompt_tokens": prompt_token_count(prompt),
             "completion_tokens": len(out["ids"]),
-            "cached_tokens": hit,
+            "cached_tokens": reported_cached(config, hit),
         }
         if with_logprobs:
             # logprob_start_len defaults to -1: no prompt positions, but the key is there. From a
@@ -815,6 +875,14 @@ class StubHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def send_text(self, status: int, data: bytes) -> None:
+        """Prometheus' text format, as both engines serve /metrics."""
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
     def send_error_body(self, err: BadRequest) -> None:
         if err.body is not None:
             payload = err.body
@@ -839,6 +907,9 @@ class StubHandler(BaseHTTPRequestHandler):
             return self.send_json(200, None, raw=b"")
         if path == "/stub/stats":
             return self.send_json(200, self.server.state.stats())
+        if path == "/metrics" and (self.config.engine == "vllm" or self.config.enable_metrics):
+            write = vllm_metrics if self.config.engine == "vllm" else sglang_metrics
+            return self.send_text(200, write(self.config, self.server.state))
         if self.config.engine == "vllm":
             routes = {"/version": lambda: {"version": self.config.version},
                       "/v1/models": lambda: models_list(self.config)}
@@ -1227,7 +1298,8 @@ def main(argv=None) -> int:
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--no-dev-mode", action="store_true", help="vLLM: no /server_info")
     p.add_argument("--version", default="0.26.0", dest="vllm_version", help="vLLM: the release it "
-                   "answers as (0.33.0: the flag-on arm's compile settings as 0.33.0 reports them)")
+                   "answers as (0.33.0, 0.34.0: the flag-on arm's compile settings as that release "
+                   "reports them)")
     p.add_argument("--server-info-500", action="store_true", help="vLLM: /server_info answers "
                    "HTTP 500, as real servers did when vLLM's environment report failed")
     p.add_argument("--step-delay", type=float, default=0.0, help="seconds per decode step")
@@ -1249,6 +1321,9 @@ def main(argv=None) -> int:
                    "more requests to join it (default 0.05; 0 runs every request alone)")
     p.add_argument("--prompt-tokens-details", action="store_true", help="vLLM: report cached prompt tokens")
     p.add_argument("--no-prefix-caching", action="store_true", help="no prefix (radix) cache")
+    p.add_argument("--uncounted-cache-hits", action="store_true", help="serve from the prefix cache "
+                   "but report 0 cached tokens in the answer (/metrics still counts the hits)")
+    p.add_argument("--enable-metrics", action="store_true", help="SGLang: serve /metrics (vLLM always does)")
     p.add_argument("--no-decode-graphs", action="store_true", help="SGLang: report decode CUDA graphs as off")
     p.add_argument("--prefill-agrees", action="store_true", help="prefill computes as a batch-1 decode step")
     p.add_argument("--fault", action="append", default=[], metavar="K=KIND")
@@ -1281,6 +1356,7 @@ def main(argv=None) -> int:
         prefill_agrees=args.prefill_agrees,
         cache_serves=args.cache_serves, ignore_seed=args.ignore_seed,
         max_logprobs=args.max_logprobs,
+        uncounted_cache_hits=args.uncounted_cache_hits, enable_metrics=args.enable_metrics,
         faults=parse_faults(args.fault))
     server = StubHTTPServer(config)
     print("stub %s server (flag %s) on http://%s:%d" % (

@@ -53,6 +53,13 @@ def post(url, body):
         return err.code, json.loads(err.read())
 
 
+def get(url, as_text=False):
+    """GET from a practice engine: the decoded JSON answer, or the text (as_text)."""
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        body = resp.read().decode()
+    return body if as_text else json.loads(body)
+
+
 def wait_for(condition, seconds, poll=0.02):
     """Poll condition() until it holds or the deadline passes; True if it held."""
     deadline = time.monotonic() + seconds

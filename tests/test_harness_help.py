@@ -37,8 +37,8 @@ EXCERPT_LINES = {
 }
 PROVENANCE = {
     "vllm": [
-        "tests/v1/determinism/conftest.py, lines 8-12, vLLM 0.33.0",
-        "tests/v1/determinism/test_batch_invariance.py, lines 509-522",
+        "tests/v1/determinism/conftest.py, lines 8-12, vLLM 0.34.0",
+        "tests/v1/determinism/test_batch_invariance.py, lines 507-520",
         "tests/v1/determinism/utils.py, lines 43-44",
         "tests/v1/determinism/test_online_batch_invariance.py, lines 144-162",
         "tests/v1/determinism/test_online_batch_invariance.py, lines 126-133",
@@ -86,6 +86,9 @@ NOTES = [
     "A comparison hazard",
     "match none of the releases checked",
     "L1879-1883",
+    ".buildkite/test_areas/misc.yaml",
+    ":nvidia: (B200) Batch Invariance\" (lines 994-1017)",
+    "compilation_config.use_breakable_cudagraph",
 ]
 
 
@@ -162,6 +165,31 @@ class HelpAndDefaults(unittest.TestCase):
             self.assertIn("\n%s:\n" % title, text)
         for code in ("0", "1", "2", "3", "130", "141"):
             self.assertRegex(text, r"\n  %s +\S" % code)
+
+    def test_the_guide_names_each_check_with_what_it_answers(self):
+        guide = run_lab("--mode", "help").stdout
+        section = guide[guide.index("THE CHECKS A SWEEP CAN RUN"):guide.index("KNOWN HAZARDS")]
+        for option, question, expect in (
+                ("--prefill-check", "does a prefill read back equal the decode's logprobs?",
+                 "prefill-equal"),
+                ("--cache-check", "does a prefix-cache hit equal its cold prefill?", "cache-equal"),
+                ("--neighbours L,..", "does batch 1 hold while others prefill L tokens",
+                 "neighbours-equal"),
+                ("--observer-check", "does asking for logprobs leave the text unchanged?",
+                 "observer-equal")):
+            with self.subTest(option=option):
+                entry = section[section.index("  " + option + " "):].split("\n  --")[0]
+                self.assertIn(question, entry)
+                self.assertIn(expect, entry)
+        for check in run.SWEEP_CHECKS:  # every check the sweep switches on is named there
+            option = getattr(check, "OPTION", "")
+            if option:
+                self.assertIn("  " + option + " ", section, option)
+
+    def test_the_guide_says_what_changes_between_vllm_releases(self):
+        guide = " ".join(run_lab("--mode", "help").stdout.split())
+        self.assertIn("TP costs of vLLM 0.33 and 0.34 are not comparable", guide)
+        self.assertIn("FlashInfer's sampler, sliding windows before 0.34.0 on vLLM", guide)
 
     def test_exit_codes_read_the_same_in_help_and_guide(self):
         guide = run_lab("--mode", "help").stdout

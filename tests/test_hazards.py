@@ -90,6 +90,99 @@ class ReleasesComparedAsReleases(unittest.TestCase):
                              {"compilation mode", "breakable CUDA graph"}, version)
 
 
+def with_settings(info, settings):
+    """A copy of a real /server_info answer with settings written in ({path: value})."""
+    info = copy.deepcopy(info)
+    for path, value in settings.items():
+        node = info
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return info
+
+
+FLASHINFER_ON = {("vllm_env", "VLLM_USE_FLASHINFER_SAMPLER"): True}
+V1_ROW, V2_ROW = "old (V1) model runner", "V2 model runner"
+
+
+class HazardsByRelease(unittest.TestCase):
+    """Rows re-read at vLLM 0.34.0, each present on one release and absent on another, on the
+    real 0.33.0 answers and on 0.34.0's (fixtures/vllm-0.34.0: the real arms' settings)."""
+
+    def setUp(self):
+        self.off_033 = fixture("server_info_flag_off.json", "vllm-0.33.0")
+        self.on_033 = fixture("server_info_flag_on.json", "vllm-0.33.0")
+
+    def rows(self, info, version):
+        return [h["setting"] for h in run.hazards_in("vllm", info, version)]
+
+    def test_the_flashinfer_sampler_by_model_runner(self):
+        info = with_settings(self.on_033, FLASHINFER_ON)
+        opted_out = with_settings(info, {("vllm_env", "VLLM_USE_V2_MODEL_RUNNER"): False})
+        cases = [("0.26.0", info, V1_ROW),  # before the V2 runner was the default
+                 ("0.33.0", info, V2_ROW),  # 0.33.0 runs V2 unless told not to
+                 ("0.33.0", opted_out, V1_ROW),
+                 ("0.34.0", info, V2_ROW),  # V1 is gone
+                 ("0.34.0", opted_out, V2_ROW)]
+        for version, server, row in cases:
+            with self.subTest(version=version, opted_out=server is opted_out):
+                rows = self.rows(server, version)
+                self.assertEqual(len(rows), 1, rows)
+                self.assertIn(row, rows[0])
+        self.assertEqual(len(self.rows(info, None)), 2)  # an unknown release: either may run
+        self.assertEqual(self.rows(self.on_033, "0.34.0"), [])  # the sampler switched off
+
+    def test_the_v2_row_says_who_it_concerns(self):
+        row = next(h for h in run.HAZARDS if V2_ROW in h.setting)
+        self.assertIn("unseeded", row.setting)
+        self.assertIn("flag on too", row.why)
+        self.assertIn("sampler.py lines 304-315", row.versions)
+        self.assertIn("301-312", row.versions)
+
+    def test_the_sliding_window_fix_from_0_34_0(self):
+        window = {("vllm_config", "cache_config", "sliding_window"): 4096}
+        on, off = with_settings(self.on_033, window), with_settings(self.off_033, window)
+        self.assertTrue(self.on_033["vllm_config"]["attention_config"]["backend"]
+                        .endswith(".FlashAttentionBackend"))
+        before = self.rows(on, "0.33.0")
+        self.assertEqual(len(before), 1, before)
+        self.assertIn("sliding-window", before[0])
+        self.assertEqual(self.rows(on, "0.34.0"), [])
+        self.assertEqual(self.rows(off, "0.33.0"), [])  # flag off: it moves anyway
+        triton = with_settings(on, {("vllm_config", "attention_config", "backend"):
+                                    "vllm.v1.attention.backends.triton_attn.TritonAttentionBackend"})
+        self.assertEqual(self.rows(triton, "0.33.0"), [])
+        self.assertEqual(self.rows(self.on_033, "0.33.0"), [])  # no sliding window
+
+    def test_through_the_practice_engine_serving_each_release(self):
+        raised = {}
+        for version in ("0.26.0", "0.33.0", "0.34.0"):
+            with StubServer(StubConfig(version=version, info_overrides=FLASHINFER_ON)) as stub:
+                r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2",
+                            "--max-tokens", 4, "--repeat", 1, "--json")
+            self.assertEqual(r.code, 0, r)
+            raised[version] = [h["setting"] for h in r.json()["server"]["hazards"]]
+        self.assertIn(V1_ROW, raised["0.26.0"][0])
+        self.assertIn(V2_ROW, raised["0.33.0"][0])
+        self.assertIn(V2_ROW, raised["0.34.0"][0])
+        self.assertEqual([len(rows) for rows in raised.values()], [1, 1, 1])
+
+
+class TpCostsAcrossTheAllReduceChange(unittest.TestCase):
+    def test_a_note_only_where_tp_cells_straddle_0_34_0(self):
+        straddle = run.tp_cost_release_notes("vllm", [("0.33.0", 2), ("0.34.0", 2), ("0.34.0", 1)])
+        self.assertEqual(len(straddle), 1, straddle)
+        self.assertIn("TP > 1 costs measured before 0.34.0 and from it are not comparable",
+                      straddle[0])
+        self.assertIn("one-stage custom all-reduce", straddle[0])
+        for cells in ([("0.33.0", 1), ("0.34.0", 1)],  # TP 1: no all-reduce
+                      [("0.34.0", 2), ("0.34.1", 4)],  # one side only
+                      [("0.33.0", 2), (None, 2), ("0.34.0", None)]):  # unknowns straddle nothing
+            with self.subTest(cells=cells):
+                self.assertEqual(run.tp_cost_release_notes("vllm", cells), [])
+        self.assertEqual(run.tp_cost_release_notes("sglang", [("0.33.0", 2), ("0.34.0", 2)]), [])
+
+
 class EachHazardOnItsOwn(TempDirTest):
     def test_one_at_a_time_in_the_header_and_the_saved_file(self):
         for i, (engine, path, value, words, ref) in enumerate(SWITCHES):

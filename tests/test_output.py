@@ -86,8 +86,48 @@ class Progress(TempDirTest):
             r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2,4", "--repeat", 2, "--max-tokens", 4)
         first, last = progress_lines(r.stderr)[0], progress_lines(r.stderr)[-1]
         self.assertIn("prompt 1/1, pass 1/2, batch 1 done | 1/6 batches, 1 completions", first)
-        self.assertIn("left", first)
+        self.assertNotIn("left", first)  # one batch is too little to tell the time left by
         self.assertIn("6/6 batches, 14 completions", last)
+
+    def test_the_time_left_is_not_told_by_the_first_step_alone(self):
+        # The real 0.34.0 sweep: 48 batches, the first done 3 s in (connections, warm-up), the
+        # step over in 29 s; the lab said "~2m 17s left" after its first batch.
+        now = [0.0]
+        lines = []
+        out = run.Out()
+        out.say = lambda text, **kw: lines.append(text)
+        out.progress_on = False
+        progress = run.Progress(out, 48, "batches", clock=lambda: now[0])
+        for done in range(1, 49):
+            now[0] = 3.0 + (done - 1) * 26.0 / 47  # the first at 3 s, then evenly to 29 s
+            progress.finished("batch %d" % done, 1)
+            left = progress.left_s(now[0])
+            if done < 5:  # fewer than 3 steps, or less than a tenth of the work
+                self.assertIsNone(left, done)
+            elif done < 48:
+                self.assertAlmostEqual(left, 29.0 - now[0], places=6)
+        self.assertNotIn("left", lines[0])
+
+    def test_steps_weighed_by_their_work(self):
+        # batch sizes 1..8 once each: batch n takes n seconds; with the work given, the pace is
+        # per completion, so the estimate after a few sizes is the true time left
+        now = [0.0]
+        sizes = list(range(1, 9))
+        progress = run.Progress(run.Out(), len(sizes), "batches", quiet=True, work=sum(sizes),
+                                clock=lambda: now[0])
+        for i, n in enumerate(sizes):
+            now[0] += n
+            progress.finished("batch %d" % n, n)
+            left = progress.left_s(now[0])
+            if i + 1 >= 3 and i + 1 < len(sizes):
+                self.assertAlmostEqual(left, sum(sizes[i + 1:]), places=6)
+        unweighed = run.Progress(run.Out(), len(sizes), "batches", quiet=True,
+                                 clock=lambda: now[0])
+        now[0] = 0.0
+        for n in sizes[:4]:
+            now[0] += n
+            unweighed.finished("batch %d" % n, n)
+        self.assertLess(unweighed.left_s(now[0]), sum(sizes[4:]))  # steps alike: too little
 
     def test_a_live_line_on_a_terminal(self):
         class Tty:

@@ -120,6 +120,22 @@ class EffectiveLimits(TempDirTest):
         self.assertEqual(run.ADAPTERS["sglang"].facts(info, None).max_num_seqs, 12)
 
 
+class CostHeaderLabels(unittest.TestCase):
+    def test_the_flag_s_row_names_it_whole_and_the_columns_stay_aligned(self):
+        with StubServer(StubConfig(engine="sglang")) as off, \
+                StubServer(StubConfig(engine="sglang", invariant=True)) as on:
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", 1,
+                        "--trials", 1, "--warmup", 0, "--max-tokens", 2)
+        self.assertEqual(r.code, 0, r)
+        lines = r.stdout.splitlines()
+        header = next(i for i, line in enumerate(lines) if line.startswith("setting "))
+        flag = lines[header + 1]
+        self.assertEqual(flag.split(), ["--enable-deterministic-inference", "off", "on"], flag)
+        column = lines[header].index("--url (flag off)")
+        self.assertEqual(flag.index(" off") + 1, column)
+        self.assertNotEqual(lines[header + 2][column], " ")  # the next row's value starts there
+
+
 class ClampValue(unittest.TestCase):
     def test_sglangs_clamp_counts_as_clamped_not_as_a_distance(self):
         clamps = run.ADAPTERS["sglang"].logprob_clamps
