@@ -2411,16 +2411,6 @@ def detect_engine(client: HttpClient) -> EngineAdapter:
     return found[0]
 
 
-def generate(client: HttpClient, adapter: EngineAdapter, model: str, prompts: List[str],
-             sampling: Sampling, isolate: bool = False,
-             cache_key: Optional[str] = None) -> Tuple[Any, float]:
-    """One request carrying every prompt, so that the engine schedules them as one batch."""
-    body = adapter.body(model, prompts, sampling, isolate, cache_key)
-    start = CLOCK()
-    answer = client.request(adapter.generate_path, body)
-    return answer, CLOCK() - start
-
-
 # ----------------------------------------------------------------------------
 # Shared by the modes: output, saving, stopping cleanly, server facts
 
@@ -3615,9 +3605,10 @@ class BatchTrials:
             sampling: Sampling) -> Tuple[float, int, None]:
         """One timed request: (seconds, output tokens, None). The answer's shape must hold even
         when timing."""
-        answer, seconds = generate(arm.client, adapter, arm.facts.model_id, prompts, sampling)
-        parsed("the answer", adapter.completions, answer, len(prompts), False)
-        return seconds, parsed("the answer", adapter.output_tokens, answer), None
+        # one request carrying every prompt, so that the engine schedules them as one batch
+        sent = send_requests(Executor(arm.client, adapter, arm.facts.model_id),
+                             [Request(tuple(prompts), sampling)], "the batch request")
+        return sent.seconds, sent.answers[0].output_tokens, None
 
     def cell_parts(self, arms: Sequence["Arm"], pairs: int,
                    primary: "Overhead") -> Tuple[int, None]:
@@ -3798,6 +3789,279 @@ class Overhead:
         return with_interval % (self.pct, lo, hi, "" if self.significant else not_significant)
 
 
+# ----------------------------------------------------------------------------
+# Requests as values, and the one executor that sends them: every generation request the lab
+# makes (a sweep's traffic shapes, its checks' requests, the neighbours beside a decode, the
+# cost mode's batch and load trials) is a Request handed to send_requests, the only place
+# that builds a generation request's body, opens its connection and starts its thread
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request: what it asks, its cache key, streamed or not, and when it goes
+    out."""
+
+    prompts: Tuple[str, ...]  # one request of these prompts (a stream: one)
+    sampling: Sampling
+    cache_key: Optional[str] = None  # None: a fresh one where the cache is bypassed
+    stream: bool = False  # streamed, and timed token by token (RequestTiming)
+    at: float = 0.0  # seconds after its list's start (Arrivals.schedule); 0: at once
+    # instead of prompts: a token-id prompt that prefills and writes one token, whose answer
+    # is not read (a neighbour beside a measured request)
+    ids: Optional[Tuple[int, ...]] = None
+
+    def body(self, adapter: EngineAdapter, model: str, isolate: bool) -> Dict[str, Any]:
+        """The one place a generation request's body is built (each engine's adapter writes
+        it in its own wire format)."""
+        if self.ids is not None:
+            return adapter.prefill_only_body(model, list(self.ids))
+        if self.stream:
+            return adapter.stream_body(model, self.prompts[0], self.sampling)
+        return adapter.body(model, list(self.prompts), self.sampling, isolate, self.cache_key)
+
+
+@dataclass
+class Answer:
+    """What one request brought back, and when."""
+
+    completions: List[Completion]  # one a prompt ([] for a stream or a neighbour)
+    cached_tokens: Optional[int]  # the request's count, as the server reports it
+    # per completion: its tokens served from the prefix cache, where the count can be its
+    # own (None: not known)
+    cached: List[Optional[int]]
+    sent: float  # CLOCK() as it went out
+    answered: float  # CLOCK() as its answer was in
+    output_tokens: Optional[int] = None  # as the server counts them (a batch trial's figure)
+    beside: Optional[int] = None  # other requests at the server with it (scheduled, or beside)
+    timing: Optional[RequestTiming] = None  # a streamed request's
+
+
+@dataclass
+class Sent:
+    """What a list of requests brought back: each request's answer, and the list's times."""
+
+    answers: List[Answer]
+    seconds: float  # from the first send (a burst: once every connection was open) to the last
+    in_flight: Optional[int] = None  # scheduled lists: the most of them at the server at once
+    background: int = 0  # requests sent beside the list (neighbours) that overlapped it
+
+
+@dataclass(frozen=True)
+class Executor:
+    """Sends lists of Requests to one server: send_requests is its only sending function."""
+
+    client: HttpClient
+    adapter: EngineAdapter
+    model: str
+    isolate: bool = False  # the cache policy: bypass (each body takes a fresh cache key)
+
+    def read(self, request: Request, post: Exchange, sent: float) -> Answer:
+        """One request's answer, parsed, from its open exchange."""
+        if request.stream:
+            timing = self.read_stream(request, post, sent)
+            return Answer([], None, [], sent, CLOCK(), timing.tokens, timing=timing)
+        return self.parse(request, post.answer(), sent, CLOCK())
+
+    def parse(self, request: Request, answer: Any, sent: float, answered: float) -> Answer:
+        """A whole answer, as the adapter reads it."""
+        adapter = self.adapter
+        if request.ids is not None:
+            return Answer([], None, [], sent, answered)
+        prompts = list(request.prompts)
+        logprobs = request.sampling.logprobs is not None
+        return Answer(parsed("the answer", adapter.completions, answer, len(prompts), logprobs),
+                      parsed("the answer", adapter.cached_tokens, answer),
+                      parsed("the answer", adapter.cached_per_prompt, answer, prompts),
+                      sent, answered, parsed("the answer", adapter.output_tokens, answer)
+                      if not logprobs else None)
+
+    def read_stream(self, request: Request, post: Exchange, start: float) -> RequestTiming:
+        """A streamed request, read event by event: time to first token, time per output
+        token after it, end-to-end latency."""
+        adapter, sampling = self.adapter, request.sampling
+        first = last = None
+        count = first_count = events = 0
+        gaps: List[float] = []
+        for event in post.events():
+            seen = parsed("a stream event", adapter.streamed_tokens, event)
+            if seen is not None and seen > count:
+                now = CLOCK()
+                if last is not None:
+                    gaps.append(now - last)
+                count, last, events = seen, now, events + 1
+                if first is None:
+                    first, first_count = last, seen
+        if first is None:
+            raise shape_error("the stream held no token")
+        if count > sampling.max_tokens:
+            raise shape_error(
+                "the stream reported %d output tokens, more than --max-tokens %d "
+                "allows" % (count, sampling.max_tokens))
+        ttft = tpot = None
+        if token_by_token(first_count, events, count):
+            ttft = first - start
+            tpot = (last - first) / (count - 1) if count > 1 else None
+        return RequestTiming(ttft, last - start, count, tpot, events, gaps)
+
+    def exchange(self, request: Request) -> Exchange:
+        return Exchange(self.client, "POST", self.adapter.generate_path,
+                        request.body(self.adapter, self.model, self.isolate))
+
+    def one(self, request: Request) -> Answer:
+        """A request in the calling thread, its whole answer read (a plain one through the
+        client's request, which refuses a POST's redirect)."""
+        sent = CLOCK()  # its connection's set-up is part of its time, as a client sees it
+        if not request.stream:
+            answer = self.client.request(self.adapter.generate_path,
+                                         request.body(self.adapter, self.model, self.isolate))
+            return self.parse(request, answer, sent, CLOCK())
+        post = self.exchange(request)
+        try:
+            post.connect()
+            post.send()
+            return self.read(request, post, sent)
+        finally:
+            post.close()  # whatever ended it, its connection goes with it
+
+
+def send_requests(executor: Executor, requests: Sequence[Request], what: str,
+                  concurrency: Optional[int] = None, arrivals: Optional[Arrivals] = None,
+                  beside: Optional[Callable[[], Request]] = None, streams: int = 0) -> Sent:
+    """Send a list of requests to one server, the one function that hands request threads to
+    in_threads, and return what each brought back (a failure is labelled with what, and the
+    worst one raised in the calling thread, a stop signal first):
+    - one request alone: in the calling thread;
+    - concurrency None: each request its own connection, opened first; then every request
+      written from the calling thread at its time (Request.at after the start: all at once,
+      a burst, so they reach the server within milliseconds; or on a schedule, each answer
+      read as soon as its request is out), so that the answers show which were at the
+      server together (Answer.beside, Sent.in_flight);
+    - concurrency C: at most C in flight, a closed loop (a request leaves, the next goes at
+      its time), and once one fails no other starts;
+    - beside: while the list's one request runs, streams clients keep sending beside()'s
+      requests (neighbours), and Sent.background counts those that overlapped it."""
+    wait = (arrivals or Arrivals()).wait_until
+    n = len(requests)
+    if beside is None and concurrency is None and n == 1:
+        start = CLOCK()
+        answer = executor.one(requests[0])
+        return Sent([answer], CLOCK() - start)
+    answers: List[Any] = [None] * n  # an Answer, or what failed
+    start = 0.0
+    jobs: List[Callable[[], Any]] = []
+    meanwhile: Optional[Callable[[], None]] = None
+    if beside is not None:  # the list's requests in the calling thread, neighbours beside
+        done = threading.Event()
+        spans: List[Tuple[float, float]] = []
+        lock = threading.Lock()
+
+        def background() -> None:
+            while not done.is_set() and not STOP.event.is_set():
+                with lock:
+                    request = beside()
+                sent = CLOCK()
+                executor.one(request)
+                with lock:
+                    spans.append((sent, CLOCK()))
+
+        def measured() -> None:
+            nonlocal start
+            try:
+                start = CLOCK()
+                for i, request in enumerate(requests):
+                    answers[i] = executor.one(request)
+            finally:
+                done.set()
+
+        jobs, meanwhile = [background] * streams, measured
+        failed_outcome(in_threads(jobs, meanwhile), what)
+        failed_outcome(answers, what)
+        first, last = answers[0].sent, answers[-1].answered
+        overlapped = sum(1 for a, b in spans if a < last and b > first)
+        for answer in answers:
+            answer.beside = overlapped
+        return Sent(answers, CLOCK() - start, background=overlapped)
+    if concurrency is not None:  # a closed loop
+        pending = list(enumerate(requests))[::-1]  # popped from the end
+        failed: List[BaseException] = []  # once a request fails, no worker starts another
+        lock = threading.Lock()
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    if not pending or failed:
+                        return
+                    i, request = pending.pop()
+                try:
+                    wait(start + request.at)
+                    answers[i] = executor.one(request)
+                except BaseException as err:  # raised in the calling thread, below
+                    answers[i] = err
+                    failed.append(err)
+
+        allow_open_files(concurrency)
+        start = CLOCK()
+        in_threads([worker] * min(concurrency, n))
+        seconds = CLOCK() - start
+        failed_outcome(answers, what)
+        return Sent(answers, seconds)
+    # each request its own connection, every one written from the calling thread
+    allow_open_files(n)
+    posts = [executor.exchange(r) for r in requests]
+    ready, all_sent = threading.Semaphore(0), threading.Event()
+    scheduled = any(r.at for r in requests) or bool(arrivals and arrivals.rate)
+    # A burst's threads wait for every request to be out; scheduled ones for their own
+    went = [threading.Event() for _ in range(n)] if scheduled else [all_sent] * n
+    sent_at: List[float] = [0.0] * n
+
+    def client_thread(i: int) -> None:
+        try:
+            posts[i].connect()
+        except BaseException as err:  # raised in the calling thread, by failed_outcome
+            answers[i] = err
+        ready.release()
+        went[i].wait()
+        if answers[i] is None:
+            try:
+                answers[i] = executor.read(requests[i], posts[i], sent_at[i])
+            except BaseException as err:
+                answers[i] = err
+            finally:
+                posts[i].close()
+
+    def send_all() -> None:
+        nonlocal start
+        try:
+            for _ in range(n):
+                ready.acquire()
+            start = CLOCK()
+            for i, post in enumerate(posts):
+                if answers[i] is None:
+                    try:
+                        wait(start + requests[i].at)
+                        sent_at[i] = CLOCK()
+                        post.send()
+                    except BaseException as err:
+                        answers[i] = err
+                went[i].set()
+        finally:
+            all_sent.set()  # even on a second stop signal: no thread waits for ever
+            for event in went:
+                event.set()
+
+    in_threads([functools.partial(client_thread, i) for i in range(n)], send_all)
+    seconds = CLOCK() - start
+    failed_outcome(answers, what)
+    for answer, sent in zip(answers, sent_at):  # a burst's readers may start before its send
+        answer.sent = sent
+    found = Sent(answers, seconds)
+    if scheduled:  # which requests were at the server together?
+        found.in_flight, beside_of = most_in_flight(sent_at, [a.answered for a in answers])
+        for answer, others in zip(answers, beside_of):
+            answer.beside = others
+    return found
+
+
 @dataclass(frozen=True)
 class LoadTrials:
     """--concurrency: a trial is --requests one-prompt streamed requests, at most
@@ -3846,67 +4110,16 @@ class LoadTrials:
         """A closed-loop load run: every prompt its own streamed request, at most concurrency
         in flight. Per request: time to first token, time per output token after it,
         end-to-end latency. Returns (seconds, output tokens, timings)."""
-        pending = list(enumerate(prompts))[::-1]  # popped from the end
-        timings: List[Any] = [None] * len(prompts)
-        lock = threading.Lock()
-
-        def stream_one(prompt: str) -> RequestTiming:
-            body = adapter.stream_body(arm.facts.model_id, prompt, sampling)
-            post = Exchange(arm.client, "POST", adapter.generate_path, body)
-            start = CLOCK()
-            first = last = None
-            count = first_count = events = 0
-            gaps: List[float] = []
-            try:
-                post.connect()
-                post.send()
-                for event in post.events():
-                    seen = parsed("a stream event", adapter.streamed_tokens, event)
-                    if seen is not None and seen > count:
-                        now = CLOCK()
-                        if last is not None:
-                            gaps.append(now - last)
-                        count, last, events = seen, now, events + 1
-                        if first is None:
-                            first, first_count = last, seen
-            finally:
-                post.close()  # whatever ended the stream, its connection goes with it
-            if first is None:
-                raise shape_error("the stream held no token")
-            if count > sampling.max_tokens:
-                raise shape_error(
-                    "the stream reported %d output tokens, more than --max-tokens %d "
-                    "allows" % (count, sampling.max_tokens))
-            ttft = tpot = None
-            if token_by_token(first_count, events, count):
-                ttft = first - start
-                tpot = (last - first) / (count - 1) if count > 1 else None
-            return RequestTiming(ttft, last - start, count, tpot, events, gaps)
-
         # Each trial's arrivals drawn from a seed of its own, the same on both arms
         arrivals = self.arrivals
         schedule = arrivals.schedule(len(prompts), DEFAULT_SEED + len(arm.samples))
-        failed: List[BaseException] = []  # once a request fails, no worker starts another
-
-        def worker() -> None:
-            while True:
-                with lock:
-                    if not pending or failed:
-                        return
-                    i, prompt = pending.pop()
-                try:
-                    arrivals.wait_until(start + schedule[i])
-                    timings[i] = stream_one(prompt)
-                except BaseException as err:  # raised in the main thread, by failed_outcome
-                    timings[i] = err
-                    failed.append(err)
-
-        allow_open_files(self.concurrency)
-        start = CLOCK()
-        in_threads([worker] * min(self.concurrency, len(prompts)))
-        seconds = CLOCK() - start
-        failed_outcome(timings, "streamed requests")
-        return seconds, sum(t.tokens for t in timings), timings
+        requests = [Request((prompt,), sampling, stream=True, at=at)
+                    for prompt, at in zip(prompts, schedule)]
+        sent = send_requests(Executor(arm.client, adapter, arm.facts.model_id), requests,
+                             "streamed requests", concurrency=self.concurrency,
+                             arrivals=arrivals)
+        timings = [answer.timing for answer in sent.answers]
+        return sent.seconds, sum(t.tokens for t in timings), timings
 
     def cell_parts(self, arms: Sequence["Arm"], pairs: int,
                    primary: "Overhead") -> Tuple[None, "LoadCell"]:
@@ -4057,13 +4270,16 @@ class Sender:
         """The sender of a traffic shape (TRAFFIC_SHAPES; what each measures: --mode help)."""
         return {"copies": self.copies, "concurrent": self.concurrent, "mixed": self.mixed}[traffic]
 
+    @property
+    def executor(self) -> Executor:
+        """What sends its requests, to its server, under its cache policy."""
+        return Executor(self.client, self.adapter, self.model, self.isolate)
+
     def one_request(self, prompts: List[str], cache_key: Optional[str] = None) -> SentBatch:
-        answer, seconds = generate(self.client, self.adapter, self.model, prompts, self.sampling,
-                                   self.isolate, cache_key)
-        completions = parsed("the answer", self.adapter.completions, answer, len(prompts), True)
-        return SentBatch(completions, seconds,
-                         parsed("the answer", self.adapter.cached_tokens, answer),
-                         parsed("the answer", self.adapter.cached_per_prompt, answer, prompts))
+        sent = send_requests(self.executor, [Request(tuple(prompts), self.sampling, cache_key)],
+                             "the request")
+        answer = sent.answers[0]
+        return SentBatch(answer.completions, sent.seconds, answer.cached_tokens, answer.cached)
 
     def copies(self, prompt: str, n: int, seed: int, cache_key: Optional[str] = None) -> SentBatch:
         """n copies of the prompt in one request (cache_key: see EngineAdapter.body), each with
@@ -4079,79 +4295,26 @@ class Sender:
                                    cached=[batch.cached[position]], beside=[n - 1])
 
     def concurrent(self, prompt: str, n: int, seed: int) -> SentBatch:
-        """n one-prompt requests in flight at once, as independent clients send them. A thread
-        per request opens its connection; once every one is ready (a barrier that only the
-        sender waits at, so no thread wakes while the requests go out), every request is
-        written in one loop, each a single prebuilt write, so they reach the server within
-        milliseconds; then each thread reads its own answer. With a --request-rate the
-        requests go out one by one on their schedule, each thread reading its answer as soon
-        as its request is out, so that the batch shows which requests were at the server
-        together (SentBatch.beside, in_flight). Each request keeps its own cached-token
-        count."""
+        """n one-prompt requests in flight at once, as independent clients send them: all at
+        once (a burst), or one by one on the --request-rate schedule, so that the batch shows
+        which requests were at the server together (SentBatch.beside, in_flight); see
+        send_requests. Each request keeps its own cached-token count."""
         if n == 1:
             return self.copies(prompt, 1, seed)
-        allow_open_files(n)
-        body = self.adapter.body  # a fresh body a request: each takes a cache key of its own
-        posts = [Exchange(self.client, "POST", self.adapter.generate_path,
-                          body(self.model, [prompt], self.sampling, self.isolate))
-                 for _ in range(n)]
-        outcomes: List[Any] = [None] * n  # what failed, or (completion, cached tokens)
-        ready, all_sent = threading.Semaphore(0), threading.Event()
-        # A burst's threads wait for every request to be out; scheduled ones for their own
-        went = [threading.Event() for _ in range(n)] if self.arrivals.rate else [all_sent] * n
-        sent_at: List[Optional[float]] = [None] * n
-        answered_at: List[Optional[float]] = [None] * n
-
-        def client_thread(i: int) -> None:
-            try:
-                posts[i].connect()
-            except BaseException as err:  # raised in the sending thread, by failed_outcome
-                outcomes[i] = err
-            ready.release()
-            went[i].wait()
-            if outcomes[i] is None:
-                try:
-                    answer = posts[i].answer()
-                    answered_at[i] = CLOCK()
-                    outcomes[i] = (
-                        parsed("the answer", self.adapter.completions, answer, 1, True)[0],
-                        parsed("the answer", self.adapter.cached_tokens, answer))
-                except BaseException as err:
-                    outcomes[i] = err
-
-        schedule = self.arrivals.schedule(n, seed + n)
-        start = 0.0
-
-        def send_all() -> None:
-            nonlocal start
-            try:
-                for _ in range(n):
-                    ready.acquire()
-                start = CLOCK()
-                for i, post in enumerate(posts):
-                    if outcomes[i] is None:
-                        try:
-                            self.arrivals.wait_until(start + schedule[i])
-                            sent_at[i] = CLOCK()
-                            post.send()
-                        except BaseException as err:
-                            outcomes[i] = err
-                    went[i].set()
-            finally:
-                all_sent.set()  # even on a second stop signal: no thread waits for ever
-                for event in went:
-                    event.set()
-
-        in_threads([functools.partial(client_thread, i) for i in range(n)], send_all)
-        seconds = CLOCK() - start
-        failed_outcome(outcomes, "concurrent requests")
-        cached = [o[1] for o in outcomes]
+        requests = [Request((prompt,), self.sampling, at=at)
+                    for at in self.arrivals.schedule(n, seed + n)]
+        sent = send_requests(self.executor, requests, "concurrent requests",
+                             arrivals=self.arrivals)
+        answers = sent.answers
+        cached = [answer.cached_tokens for answer in answers]
         counted = [c for c in cached if c is not None]
-        batch = SentBatch([o[0] for o in outcomes], seconds, sum(counted) if counted else None,
-                          cached, send_spread=round(sent_at[-1] - sent_at[0], 6))
+        batch = SentBatch([answer.completions[0] for answer in answers], sent.seconds,
+                          sum(counted) if counted else None, cached,
+                          send_spread=round(answers[-1].sent - answers[0].sent, 6))
         if self.arrivals.rate:  # which requests were at the server together?
-            batch.in_flight, batch.beside = most_in_flight(sent_at, answered_at)
-            batch.overlapped = batch.in_flight > 1
+            batch.in_flight = sent.in_flight
+            batch.beside = [answer.beside for answer in answers]
+            batch.overlapped = sent.in_flight > 1
         return batch
 
 
@@ -5343,42 +5506,19 @@ class NeighbourCheck(SweepCheck):
         """One run of the measured prompt beside neighbours of length tokens: its delta from
         the lone run (None: it compared nothing), how many neighbours overlapped it, and
         whether the cache served it."""
-        sender, done = run.sender, threading.Event()
-        window: List[float] = []  # the measured request's send and answer times
-        spans: List[Tuple[float, float]] = []  # each neighbour's, in the order answered
-        lock = threading.Lock()
-        model = sender.model
+        sender = run.sender
 
-        def neighbours() -> None:
-            while not done.is_set() and not STOP.event.is_set():
-                with lock:
-                    ids = [self.rng.randrange(*NEIGHBOUR_IDS) for _ in range(length)]
-                sent = CLOCK()
-                sender.client.request(sender.adapter.generate_path,
-                                      sender.adapter.prefill_only_body(model, ids))
-                with lock:
-                    spans.append((sent, CLOCK()))
+        def neighbour() -> Request:  # fresh random token ids, the same run to run
+            ids = tuple(self.rng.randrange(*NEIGHBOUR_IDS) for _ in range(length))
+            return Request((), sender.sampling, ids=ids)
 
-        def measured() -> Optional[SentBatch]:
-            try:
-                window.append(CLOCK())
-                batch = sender.copies(prompt, 1, run.cfg.sweep.seed)
-                window.append(CLOCK())
-                return batch
-            finally:
-                done.set()
-
-        found: List[Any] = [None]
-        outcomes = in_threads([neighbours] * NEIGHBOUR_STREAMS,
-                              lambda: found.__setitem__(0, measured()))
-        failed_outcome(outcomes, "neighbour requests")
-        batch = found[0]
-        start, end = window
-        overlapped = sum(1 for a, b in spans if a < end and b > start)
-        served = (batch.cached_tokens or 0) > 0
+        sent = send_requests(sender.executor, [Request((prompt,), sender.sampling)],
+                             "neighbour requests", beside=neighbour, streams=NEIGHBOUR_STREAMS)
+        answer, overlapped = sent.answers[0], sent.background
+        served = (answer.cached_tokens or 0) > 0
         if not overlapped or served:
             return None, overlapped, served
-        return compare_completions(lone, batch.completions[0],
+        return compare_completions(lone, answer.completions[0],
                                    sender.adapter.logprob_clamps), overlapped, served
 
     def control(self, run: SweepRun, prompt: str, lone: Completion) -> int:
@@ -5552,12 +5692,10 @@ class ObserverCheck(SwitchedCheck):
         self.allowed: Optional[int] = None  # the most top logprobs the server allows, if said
 
     def once(self, run: SweepRun, prompt: str, logprobs: Optional[int]) -> str:
-        sender = run.sender
         sampling = dataclasses.replace(run.cfg.sampling, logprobs=logprobs)
-        answer, _ = generate(sender.client, sender.adapter, sender.model, [prompt], sampling,
-                             sender.isolate)
-        found = parsed("the answer", sender.adapter.completions, answer, 1, logprobs is not None)
-        return found[0].text
+        sent = send_requests(run.sender.executor, [Request((prompt,), sampling)],
+                             "the observer check's request")
+        return sent.answers[0].completions[0].text
 
     def batch_part(self, run: SweepRun, prompt: str, n: int,
                    batch: SentBatch) -> Optional[ObserverRow]:
