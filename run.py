@@ -4231,6 +4231,9 @@ class SentBatch:
     # all in flight by construction, or one request)
     overlapped: Optional[bool] = None
     in_flight: Optional[int] = None  # scheduled: the most requests at the server at once
+    # one request's cache key (copies under the bypass): a repeat under it is served from
+    # the cache its prefill filled (the cache check)
+    cache_key: Optional[str] = None
 
     def evidence(self, deltas: List[Delta], baseline: Completion) -> List[Evidence]:
         n = len(self.completions)
@@ -4276,10 +4279,13 @@ class Sender:
         return Executor(self.client, self.adapter, self.model, self.isolate)
 
     def one_request(self, prompts: List[str], cache_key: Optional[str] = None) -> SentBatch:
+        if cache_key is None and self.isolate:
+            cache_key = fresh_cache_key()  # kept: a repeat under it is served from the cache
         sent = send_requests(self.executor, [Request(tuple(prompts), self.sampling, cache_key)],
                              "the request")
         answer = sent.answers[0]
-        return SentBatch(answer.completions, sent.seconds, answer.cached_tokens, answer.cached)
+        return SentBatch(answer.completions, sent.seconds, answer.cached_tokens, answer.cached,
+                         cache_key=cache_key)
 
     def copies(self, prompt: str, n: int, seed: int, cache_key: Optional[str] = None) -> SentBatch:
         """n copies of the prompt in one request (cache_key: see EngineAdapter.body), each with
@@ -4437,7 +4443,8 @@ class SizeResult:
         reached = [r.in_flight for r in runs if r.in_flight is not None]
         parts = {}
         for check in checks:
-            part = check.size_part([r.checks[check.NAME] for r in runs if check.NAME in r.checks])
+            part = check.summary_part([r.checks[check.NAME] for r in runs
+                                       if check.NAME in r.checks], None)
             if part is not None:
                 parts[check.NAME] = part
         return cls(batch_size=batch_size, bucket=bucket,
@@ -4710,8 +4717,9 @@ class SweepCheck:
     behind a prefix)."""
 
     NAME = ""  # the key its parts are kept under in rows, sizes and the summary
-    EXPECT: Tuple[str, ...] = ()  # the --expect values it answers
-    EXPECT_HELP = ""  # what --help says of them
+    # the --expect values it answers, each with what --help says of it; the host writes the
+    # expect line from its summary record (check_expectation)
+    EXPECT: Dict[str, str] = {}
 
     @classmethod
     def add_arguments(cls, group: argparse._ArgumentGroup) -> None:
@@ -4726,36 +4734,24 @@ class SweepCheck:
         """What the saved params hold of it."""
         return {}
 
-    def open(self, run: SweepRun) -> None:
+    def open(self, run: SweepRun) -> List[str]:
         """Once the server is known, before the first generation request: refuse
-        (UsageError) what the server's stated limits cannot serve."""
-
-    def header_lines(self, run: SweepRun) -> List[str]:
+        (UsageError) what the server's stated limits cannot serve; its lines in the header."""
         return []
-
-    def send(self, run: SweepRun, prompt: str, n: int) -> Optional[SentBatch]:
-        """Batch size n sent its way, taking over the traffic shape's send; None: not."""
-        return None
 
     def batch_part(self, run: SweepRun, prompt: str, n: int, batch: SentBatch) -> Any:
         """Its record of one pass of one batch size (None: nothing)."""
         return None
 
-    def size_part(self, parts: List[Any]) -> Any:
-        """Its record of a batch size over every pass, from the passes' parts."""
+    def summary_part(self, parts: List[Any], sizes: Optional[List[SizeResult]]) -> Any:
+        """Its summary record over some passes, from their parts: of the whole sweep (sizes:
+        every size so far), or of one batch size (sizes None; None: it keeps no such
+        record). The record has its verdict (worded by check_verdict), whether it held, what
+        it compared, its lines (lines(sizes)), and what the expect line says (WHAT,
+        evidence)."""
         return None
 
-    def summary_part(self, parts: List[Any], sizes: List[SizeResult]) -> Any:
-        """Its record of the whole sweep, from every pass's part."""
-        return None
 
-    def summary_lines(self, summary: SweepSummary, sizes: List[SizeResult]) -> List[str]:
-        """Its lines after the summary line (a Bold one states its verdict)."""
-        return []
-
-    def expectation(self, expect: str, summary: SweepSummary) -> Tuple[bool, str]:
-        """--expect of one of its EXPECT: (held, the line that says so)."""
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -5003,6 +4999,20 @@ class CacheSummary:
         they compared no hit are named in the verdict, and asked nothing of)."""
         return self.verdict.split(";")[0] == CACHE_EQUAL and self.verified > 0
 
+    WHAT: ClassVar[str] = "cache check"
+
+    @property
+    def evidence(self) -> str:
+        return "max ULP 0 over %d batches with a cold request" % self.verified
+
+    def lines(self, sizes: List["SizeResult"]) -> List[str]:
+        """Its lines after the sweep's summary line (a Bold one states its verdict)."""
+        part = self
+        return [Bold("cache check, over %d batches each sent again from the cache (%d with a "
+                     "cold request the cache did not serve): max ULP %s, first differing step "
+                     "%s: %s" % (part.batches, part.verified, fmt_opt(part.max_ulp, "?"),
+                                 fmt_opt(part.first_step), part.verdict))]
+
 
 class CacheCheck(SwitchedCheck):
     """--cache-check: every batch is sent cold with a cache key of its own, then at once again
@@ -5015,12 +5025,11 @@ class CacheCheck(SwitchedCheck):
     HELP = ("also send every batch again at once, with the cold request's cache key, so that "
             "the prefix cache serves it, and compare it with the cold one bitwise; the "
             "cached-token counts prove the hit (copies traffic, bypass)")
-    EXPECT = ("cache-equal",)
-    EXPECT_HELP = "(with --cache-check) a verified cache hit equals the cold prefill bitwise"
+    EXPECT = {"cache-equal": "(with --cache-check) a verified cache hit equals the cold prefill "
+              "bitwise"}
 
     def __init__(self, asked: bool = False):
         super().__init__(asked)
-        self.keys: Dict[int, str] = {}  # batch size -> the cache key its cold request took
         self.unseeded = False  # its runs sampled by a server that ignores the seed
 
     @classmethod
@@ -5029,13 +5038,6 @@ class CacheCheck(SwitchedCheck):
             raise UsageError("--cache-check goes with --traffic copies and --prefix-cache bypass "
                              "(its cold request must be cold)")
 
-    def send(self, run: SweepRun, prompt: str, n: int) -> Optional[SentBatch]:
-        """The batch, sent cold under a fresh cache key (kept for its repeat)."""
-        if not self.asked:
-            return None
-        self.keys[n] = fresh_cache_key()
-        return run.sender.copies(prompt, n, run.cfg.sweep.seed, self.keys[n])
-
     def batch_part(self, run: SweepRun, prompt: str, n: int,
                    batch: SentBatch) -> Optional[CacheComparison]:
         """The same batch again under the cold one's key, against the cold one."""
@@ -5043,35 +5045,20 @@ class CacheCheck(SwitchedCheck):
             return None
         self.unseeded = samples_unseeded(run.cfg.sampling, run.facts)
         try:
-            warm = run.sender.copies(prompt, n, run.cfg.sweep.seed, self.keys.pop(n))
+            warm = run.sender.copies(prompt, n, run.cfg.sweep.seed, batch.cache_key)
         except ServerError as err:
             raise ServerError("cache check at batch size %d: %s" % (n, err)) from None
         return CacheComparison.of(batch, warm, run.sender.adapter.logprob_clamps)
 
-    def summary_part(self, parts: List[Any], sizes: List[SizeResult]) -> Optional[CacheSummary]:
-        if not self.asked:
+    def summary_part(self, parts: List[Any],
+                     sizes: Optional[List[SizeResult]]) -> Optional[CacheSummary]:
+        if not self.asked or sizes is None:
             return None
         # the run-to-run control: batch 1 sent cold again in each pass (the same request alone)
         control_moved = any(s.batch_size == 1 and s.runs_matched < len(s.runs) for s in sizes)
         return CacheSummary.of(parts, self.unseeded, control_moved)
 
-    def summary_lines(self, summary: SweepSummary, sizes: List[SizeResult]) -> List[str]:
-        part = summary.checks.get(self.NAME)
-        if part is None:
-            return []
-        return [Bold("cache check, over %d batches each sent again from the cache (%d with a "
-                     "cold request the cache did not serve): max ULP %s, first differing step "
-                     "%s: %s" % (part.batches, part.verified, fmt_opt(part.max_ulp, "?"),
-                                 fmt_opt(part.first_step), part.verdict))]
 
-    def expectation(self, expect: str, summary: SweepSummary) -> Tuple[bool, str]:
-        """--expect cache-equal: (held, the line that says so)."""
-        part = summary.checks[self.NAME]
-        if not part.held:
-            return False, ("expectation failed: --expect cache-equal, but the cache check "
-                           "found: %s" % part.verdict)
-        return (True, "expect cache-equal: held (max ULP 0 over %d batches with a cold request)"
-                % part.verified)
 
 
 # ----------------------------------------------------------------------------
@@ -5150,6 +5137,34 @@ class PrefillSummary:
     def held(self) -> bool:
         return self.verdict == PREFILL_AGREE
 
+    WHAT: ClassVar[str] = "prefill check"
+
+    @property
+    def evidence(self) -> str:
+        return "max ULP 0 over %d tokens" % self.tokens
+
+    def lines(self, sizes: List["SizeResult"]) -> List[str]:
+        """Its lines after the sweep's summary line (a Bold one states its verdict)."""
+        part = self
+        per_size = ", ".join(
+            "%d: %s" % (size.batch_size, fmt_opt(size.checks.get(PrefillCheck.NAME)
+                                                 and size.checks[PrefillCheck.NAME].max_ulp, "?"))
+            for size in sizes)
+        lines = ["prefill check, max ULP per batch size: %s" % per_size]
+        margin = ""
+        if part.margin:
+            margin = " (there, the decode's runner-up was %s behind)" % margin_text(part.margin)
+        lines.append(Bold("prefill check: max ULP %s, first differing step %s%s: %s"
+                          % (fmt_opt(part.max_ulp, "?") + ("*" if part.notes else ""),
+                             fmt_opt(part.first_step), margin, part.verdict)))
+        if part.notes:
+            lines.append("  * %s" % "; ".join(ULP_NOTE_TEXT.get(n, n) for n in part.notes))
+        if part.divergent:
+            lines.append("prefill check, KL(decode || prefill), K3 estimate over the %d divergent "
+                         "of %d tokens: mean %.3g, max %.3g" %
+                         (part.divergent, part.tokens, part.kl_mean, part.kl_max))
+        return lines
+
 
 @dataclass
 class KlEstimate:
@@ -5210,8 +5225,7 @@ class PrefillCheck(SwitchedCheck):
     HELP = ("also read every distinct completion back as one token-id prompt and compare each "
             "token's decode-time logprob with its prefill-time one (what RL training on-policy "
             "needs; see --mode help)")
-    EXPECT = ("prefill-equal",)
-    EXPECT_HELP = "(with --prefill-check) decode and prefill agree bitwise"
+    EXPECT = {"prefill-equal": "(with --prefill-check) decode and prefill agree bitwise"}
 
     def __init__(self, asked: bool = False) -> None:
         super().__init__(asked)
@@ -5278,43 +5292,13 @@ class PrefillCheck(SwitchedCheck):
                           tokens=compared, divergent=kl.divergent, kl_sum=kl.total,
                           kl_max=kl.largest if kl.divergent else None)
 
-    def size_part(self, parts: List[Any]) -> Optional[PrefillSummary]:
-        return PrefillSummary.of(parts) if parts else None
-
     def summary_part(self, parts: List[Any],
-                     sizes: List[SizeResult]) -> Optional[PrefillSummary]:
+                     sizes: Optional[List[SizeResult]]) -> Optional[PrefillSummary]:
+        if sizes is None:  # a batch size's passes
+            return PrefillSummary.of(parts) if parts else None
         return PrefillSummary.of(parts).judged(self.failure) if self.asked else None
 
-    def summary_lines(self, summary: SweepSummary, sizes: List[SizeResult]) -> List[str]:
-        part = summary.checks.get(self.NAME)
-        if part is None:
-            return []
-        per_size = ", ".join(
-            "%d: %s" % (size.batch_size, fmt_opt(size.checks.get(self.NAME)
-                                                 and size.checks[self.NAME].max_ulp, "?"))
-            for size in sizes)
-        lines = ["prefill check, max ULP per batch size: %s" % per_size]
-        margin = ""
-        if part.margin:
-            margin = " (there, the decode's runner-up was %s behind)" % margin_text(part.margin)
-        lines.append(Bold("prefill check: max ULP %s, first differing step %s%s: %s"
-                          % (fmt_opt(part.max_ulp, "?") + ("*" if part.notes else ""),
-                             fmt_opt(part.first_step), margin, part.verdict)))
-        if part.notes:
-            lines.append("  * %s" % "; ".join(ULP_NOTE_TEXT.get(n, n) for n in part.notes))
-        if part.divergent:
-            lines.append("prefill check, KL(decode || prefill), K3 estimate over the %d divergent "
-                         "of %d tokens: mean %.3g, max %.3g" %
-                         (part.divergent, part.tokens, part.kl_mean, part.kl_max))
-        return lines
 
-    def expectation(self, expect: str, summary: SweepSummary) -> Tuple[bool, str]:
-        """--expect prefill-equal: (held, the line)."""
-        part = summary.checks[self.NAME]
-        if part.verdict != PREFILL_AGREE:
-            return False, ("expectation failed: --expect prefill-equal, but the prefill check "
-                           "found: %s" % part.verdict)
-        return True, "expect prefill-equal: held (max ULP 0 over %d tokens)" % part.tokens
 
 
 # ----------------------------------------------------------------------------
@@ -5424,6 +5408,32 @@ class NeighbourSummary:
     def held(self) -> bool:
         return self.verdict == NEIGHBOURS_HELD
 
+    WHAT: ClassVar[str] = "neighbour check"
+
+    @property
+    def evidence(self) -> str:
+        return "%d runs beside neighbours" % self.compared
+
+    def lines(self, sizes: List["SizeResult"]) -> List[str]:
+        """Its lines after the sweep's summary line (a Bold one states its verdict)."""
+        part = self
+        lines = []
+        if part.control_runs:
+            lines.append("neighbour check, control (the request alone, again): %d of %d runs "
+                         "equal to the lone run" % (part.control_equal, part.control_runs))
+        for p in part.lengths:
+            moved = "" if p.first_step is None else ", %s first moved at step %d" % (
+                p.first_moved or "logprobs", p.first_step)
+            lines.append("neighbour check, %d tokens beside: %d of %d runs equal to the lone run"
+                         "%s, max ULP %d, max %s nats%s%s"
+                         % (p.length, p.equal, p.runs, moved, p.max_ulp, fmt_nats(p.max_nats),
+                            " (%d run%s no neighbour overlapped: not compared)"
+                            % (p.alone, "" if p.alone == 1 else "s") if p.alone else "",
+                            " (%d run%s the cache served: not compared)"
+                            % (p.served, "" if p.served == 1 else "s") if p.served else ""))
+        lines.append(Bold("neighbour check: %s" % part.verdict))
+        return lines
+
 
 def parse_lengths(text: str) -> List[int]:
     """--neighbours: comma-separated prompt lengths, each a whole number of tokens."""
@@ -5455,8 +5465,8 @@ class NeighbourCheck(SweepCheck):
     neighbour overlapped, or that the cache served, compares nothing."""
 
     NAME = "neighbours"
-    EXPECT = ("neighbours-equal",)
-    EXPECT_HELP = "(with --neighbours) batch 1 held bitwise beside every neighbour length"
+    EXPECT = {"neighbours-equal": "(with --neighbours) batch 1 held bitwise beside every "
+              "neighbour length"}
 
     def __init__(self, lengths: Sequence[int] = ()):
         self.lengths = list(lengths)
@@ -5484,7 +5494,7 @@ class NeighbourCheck(SweepCheck):
         return {"neighbours": self.lengths, "neighbour_runs": NEIGHBOUR_RUNS,
                 "neighbour_streams": NEIGHBOUR_STREAMS}
 
-    def open(self, run: SweepRun) -> None:
+    def open(self, run: SweepRun) -> List[str]:
         """Every neighbour prompt, and the one token it writes, must fit the server."""
         limit = run.facts.max_model_len
         if self.lengths and is_count(limit) and max(self.lengths) + 1 > limit:
@@ -5493,8 +5503,6 @@ class NeighbourCheck(SweepCheck):
                 "server's maximum model length of %d tokens (%s): give lengths below %d"
                 % (max(self.lengths), limit, run.facts.max_model_len_source or "the server",
                    limit))
-
-    def header_lines(self, run: SweepRun) -> List[str]:
         if not self.lengths:
             return []
         return ["        neighbours: batch 1 again %d times beside %d clients prefilling "
@@ -5568,37 +5576,12 @@ class NeighbourCheck(SweepCheck):
         return NeighbourRow(parts, 1, control)
 
     def summary_part(self, parts: List[Any],
-                     sizes: List[SizeResult]) -> Optional[NeighbourSummary]:
-        return NeighbourSummary.of(parts, self.failure, self.unseeded) if self.lengths else None
+                     sizes: Optional[List[SizeResult]]) -> Optional[NeighbourSummary]:
+        if not self.lengths or sizes is None:
+            return None
+        return NeighbourSummary.of(parts, self.failure, self.unseeded)
 
-    def summary_lines(self, summary: SweepSummary, sizes: List[SizeResult]) -> List[str]:
-        part = summary.checks.get(self.NAME)
-        if part is None:
-            return []
-        lines = []
-        if part.control_runs:
-            lines.append("neighbour check, control (the request alone, again): %d of %d runs "
-                         "equal to the lone run" % (part.control_equal, part.control_runs))
-        for p in part.lengths:
-            moved = "" if p.first_step is None else ", %s first moved at step %d" % (
-                p.first_moved or "logprobs", p.first_step)
-            lines.append("neighbour check, %d tokens beside: %d of %d runs equal to the lone run"
-                         "%s, max ULP %d, max %s nats%s%s"
-                         % (p.length, p.equal, p.runs, moved, p.max_ulp, fmt_nats(p.max_nats),
-                            " (%d run%s no neighbour overlapped: not compared)"
-                            % (p.alone, "" if p.alone == 1 else "s") if p.alone else "",
-                            " (%d run%s the cache served: not compared)"
-                            % (p.served, "" if p.served == 1 else "s") if p.served else ""))
-        lines.append(Bold("neighbour check: %s" % part.verdict))
-        return lines
 
-    def expectation(self, expect: str, summary: SweepSummary) -> Tuple[bool, str]:
-        part = summary.checks[self.NAME]
-        if not part.held:
-            return False, ("expectation failed: --expect neighbours-equal, but the neighbour "
-                           "check found: %s" % part.verdict)
-        return True, ("expect neighbours-equal: held (%d runs beside neighbours)"
-                      % sum(p.runs for p in part.lengths))
 
 
 # ----------------------------------------------------------------------------
@@ -5671,6 +5654,23 @@ class ObserverSummary:
     def held(self) -> bool:
         return self.verdict == OBSERVER_HELD
 
+    WHAT: ClassVar[str] = "observer check"
+
+    @property
+    def evidence(self) -> str:
+        return "%d runs with logprobs" % self.compared
+
+    def lines(self, sizes: List["SizeResult"]) -> List[str]:
+        """Its lines after the sweep's summary line (a Bold one states its verdict)."""
+        part = self
+        held = ", ".join("top-%d %d/%d" % (s.logprobs, s.equal, s.runs) if s.runs else
+                         "top-%d not asked" % s.logprobs
+                         for s in part.settings if s.logprobs is not None)
+        control = ", control %d/%d" % next(((s.equal, s.runs) for s in part.settings
+                                            if s.logprobs is None), (0, 0))
+        return [Bold("observer check (runs whose text equals the one with no logprobs: %s%s): %s"
+                     % (held, control, part.verdict))]
+
 
 class ObserverCheck(SwitchedCheck):
     """--observer-check: in every pass, batch 1's prompt is sent once with no logprobs asked,
@@ -5682,8 +5682,8 @@ class ObserverCheck(SwitchedCheck):
     OPTION = "--observer-check"
     HELP = ("also send batch 1 with no logprobs asked, then with top-0, 5 and 20 lists, and "
             "compare what is generated: asking for logprobs must not change it")
-    EXPECT = ("observer-equal",)
-    EXPECT_HELP = "(with --observer-check) the text held with and without logprobs"
+    EXPECT = {"observer-equal": "(with --observer-check) the text held with and without "
+              "logprobs"}
 
     def __init__(self, asked: bool = False):
         super().__init__(asked)
@@ -5724,29 +5724,12 @@ class ObserverCheck(SwitchedCheck):
         return ObserverRow(settings)
 
     def summary_part(self, parts: List[Any],
-                     sizes: List[SizeResult]) -> Optional[ObserverSummary]:
-        return (ObserverSummary.of(parts, self.failure, self.unseeded, self.allowed)
-                if self.asked else None)
+                     sizes: Optional[List[SizeResult]]) -> Optional[ObserverSummary]:
+        if not self.asked or sizes is None:
+            return None
+        return ObserverSummary.of(parts, self.failure, self.unseeded, self.allowed)
 
-    def summary_lines(self, summary: SweepSummary, sizes: List[SizeResult]) -> List[str]:
-        part = summary.checks.get(self.NAME)
-        if part is None:
-            return []
-        held = ", ".join("top-%d %d/%d" % (s.logprobs, s.equal, s.runs) if s.runs else
-                         "top-%d not asked" % s.logprobs
-                         for s in part.settings if s.logprobs is not None)
-        control = ", control %d/%d" % next(((s.equal, s.runs) for s in part.settings
-                                            if s.logprobs is None), (0, 0))
-        return [Bold("observer check (runs whose text equals the one with no logprobs: %s%s): %s"
-                     % (held, control, part.verdict))]
 
-    def expectation(self, expect: str, summary: SweepSummary) -> Tuple[bool, str]:
-        part = summary.checks[self.NAME]
-        if not part.held:
-            return False, ("expectation failed: --expect observer-equal, but the observer "
-                           "check found: %s" % part.verdict)
-        return True, "expect observer-equal: held (%d runs with logprobs)" % sum(
-            s.runs for s in part.settings if s.logprobs is not None)
 
 
 # ----------------------------------------------------------------------------
@@ -6086,7 +6069,8 @@ class SweepOptions:
             "own tokenizer counts N within a few, instead of --prompt (to cross the "
             "chunked-prefill budget)")
         expects = dict(SWEEP_EXPECT_HELP)
-        expects.update((e, kind.EXPECT_HELP) for kind in SWEEP_CHECKS for e in kind.EXPECT)
+        for kind in SWEEP_CHECKS:
+            expects.update(kind.EXPECT)
         group.add_argument(
             "--expect", choices=tuple(expects),
             help="exit 1 unless " + "; ".join("%s: %s" % item for item in expects.items()))
@@ -6364,7 +6348,8 @@ class SweepTable:
         self.rows: Dict[int, Set[int]] = {}  # prompt number -> batch sizes whose rows are out
         self.closed: Set[int] = set()  # prompt numbers whose closing line is out
 
-    def header(self, run: SweepRun, sizes: List[int]) -> None:
+    def header(self, run: SweepRun, sizes: List[int], header: List[str]) -> None:
+        """header: the checks' own lines (SweepCheck.open)."""
         cfg, options, out, facts = self.cfg, self.options, self.out, run.facts
         for line in server_lines(as_record(facts), cfg.adapter, cfg.engine_detected):
             out.line(line)
@@ -6382,9 +6367,8 @@ class SweepTable:
                   options.cache.choice))
         for line in options.baseline_source.header_lines():
             out.line(line)
-        for check in options.checks:
-            for line in check.header_lines(run):
-                out.line(line)
+        for line in header:
+            out.line(line)
         long_prompt = options.long_prompt
         if long_prompt:
             budget, chunks = long_prompt.budget, long_prompt.chunks
@@ -6443,7 +6427,8 @@ class SweepTable:
         for line in options.baseline_source.summary_lines():
             out.line(line)
         for check in options.checks:
-            for line in check.summary_lines(summary, sizes):
+            part = summary.checks.get(check.NAME)
+            for line in part.lines(sizes) if part is not None else []:
                 if isinstance(line, Bold):
                     out.bold(line)
                 else:
@@ -6483,6 +6468,10 @@ def sweep_advice(flag: Optional[bool], hazards: Optional[List[Json]], expect: Op
     if sweep_verdict in VERDICT_ADVICE:
         text("")
         text(VERDICT_ADVICE[sweep_verdict])
+    elif unmeasured and sizes == [1] and any(k != CachePolicy.NAME for k in summary.checks):
+        text("")
+        text("Batch 1 only: this sweep ran for its checks, whose verdicts are above; it compared "
+             "no batch with batch 1 (give --sizes with larger batches to compare batching).")
     elif unmeasured:
         text("")
         if sweep_verdict == NO_DATA:
@@ -6550,12 +6539,23 @@ SWEEP_EXPECTATIONS: Dict[str, Callable[[SweepSummary], Tuple[bool, str]]] = {
     "variant": expect_variant}
 
 
+def check_expectation(check: SweepCheck, expect: str, summary: SweepSummary) -> Tuple[bool, str]:
+    """--expect of a check's: held where its summary record says (held), the line written
+    here from the record's words (WHAT it is, its evidence)."""
+    part = summary.checks.get(check.NAME)
+    if part is None or not part.held:
+        return False, ("expectation failed: --expect %s, but the %s found: %s"
+                       % (expect, part.WHAT if part else check.NAME,
+                          part.verdict if part else NO_DATA))
+    return True, "expect %s: held (%s)" % (expect, part.evidence)
+
+
 def expectation(options: SweepOptions, summary: SweepSummary) -> Tuple[bool, str]:
     """--expect: the sweep's own rule, or the rule of the check that answers it."""
     if options.expect in SWEEP_EXPECTATIONS:
         return SWEEP_EXPECTATIONS[options.expect](summary)
     check = next(c for c in options.checks if options.expect in c.EXPECT)
-    return check.expectation(options.expect, summary)
+    return check_expectation(check, options.expect, summary)
 
 
 def run_sweep(cfg: Config, out: Out) -> int:
@@ -6590,8 +6590,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
     run = SweepRun(cfg, facts, sender, out)
     options.cache.open(adapter)
     options.baseline_source.open(run)
-    for check in options.checks:
-        check.open(run)
+    header = [line for check in options.checks for line in check.open(run)]
     send = sender.shape(options.traffic)
     sweeps: List[PromptSweep] = []
 
@@ -6602,7 +6601,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
                         len(options.prompts) * options.repeat * len(sizes), "batches", cfg.quiet)
     table = None if cfg.json_out else SweepTable(cfg, out)
     if table:
-        table.header(run, sizes)
+        table.header(run, sizes, header)
 
     def save(path: str, state: str) -> None:
         summary = sweep_summary(options, sweeps, state)
@@ -6615,10 +6614,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
         prompt = sweep.prompt
         try:
             adapter.before_batch(client, isolate)
-            taken = (check.send(run, prompt, n) for check in options.checks)
-            batch = next((b for b in taken if b is not None), None)
-            if batch is None:
-                batch = send(prompt, n, options.seed)
+            batch = send(prompt, n, options.seed)
         except ServerError as err:
             raise ServerError("batch size %d%s: %s" % (n, where, err)) from None
         if n == 1 and sweep.baseline is None:  # the baseline is batch 1's, never another's

@@ -123,10 +123,31 @@ class PartsThatComparedNothing(unittest.TestCase):
         summary = run.NeighbourSummary.of(rows, None)
         self.assertNotEqual(summary.verdict, "held beside every neighbour length")
         self.assertIn("64 tokens: nothing compared", summary.verdict)
-        held, line = run.NeighbourCheck([16, 64]).expectation(
-            "neighbours-equal", types.SimpleNamespace(checks={"neighbours": summary}))
+        check = run.NeighbourCheck([16, 64])
+        expect = types.SimpleNamespace(checks={"neighbours": summary})
+        found = (run.check_expectation(check, "neighbours-equal", expect)
+                 if hasattr(run, "check_expectation") else check.expectation("neighbours-equal", expect))
+        held, line = found
         self.assertFalse(held)
         self.assertIn("expectation failed", line)
+
+
+class ASweepForItsChecks(TempDirTest):
+    def test_batch_1_alone_with_checks_reads_as_a_run_of_its_checks(self):
+        with StubServer(StubConfig(invariant=True, scheduler_window=0.05)) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1", "--repeat", 1,
+                        "--max-tokens", 8, "--neighbours", "16", "--observer-check")
+        self.assertEqual(r.code, 0, r)
+        self.assertNotIn("No verdict on invariance can be given", r.stdout)
+        self.assertIn("this sweep ran for its checks", r.stdout)
+        self.assertIn("neighbour check: held beside every neighbour length", r.stdout)
+
+
+class TheCheckInterface(unittest.TestCase):
+    def test_it_has_at_most_eight_members(self):
+        members = [name for name, value in vars(run.SweepCheck).items()
+                   if not name.startswith("__")]
+        self.assertLessEqual(len(members), 8, members)
 
 
 class FirstMovedSaysWhat(TempDirTest):
