@@ -672,7 +672,8 @@ SERVED_ONLY = "nothing compared: the cache served every request above batch 1"
 CACHE_UNKNOWN = ("nothing compared: the cache was kept, and whether it served a request above "
                  "batch 1 is not known")
 BATCH_EFFECTS = (TOKENS_DIVERGED, LOGPROBS_MOVED)  # verdicts batching explains
-UNMEASURED_VERDICTS = (NO_DATA, NOTHING_COMPARED, SERVED_ONLY, CACHE_UNKNOWN)  # they claim nothing either way
+# they claim nothing either way
+UNMEASURED_VERDICTS = (NO_DATA, NOTHING_COMPARED, SERVED_ONLY, CACHE_UNKNOWN)
 MOVED_NOTES = ("clamped", "non-finite", "top-k changed")  # notes that count as moved, ULPs or not
 
 ULP_NOTE_TEXT = {
@@ -2800,7 +2801,7 @@ class SavesFirst(DeferredInterrupt):
 
     def code(self) -> int:
         """The exit code of the signal that came while saving (0: none came)."""
-        return 0 if self.signum is None else ending(Stopped(self.signum))[0]
+        return 0 if self.signum is None else STOP_SIGNALS[signal.Signals(self.signum).name][0]
 
 
 class StopsAtOnce:
@@ -3588,32 +3589,11 @@ class Arrivals:
 SHARED_OPTIONS.append(Arrivals.add_arguments)
 
 
-@dataclass(frozen=True)
-class BatchTrials:
-    """--batch: a trial is one request of --batch prompts, timed from its sending to its last
-    byte (the default)."""
-
-    prompts: int  # --batch: prompts in one request
-
-    @staticmethod
-    def add_arguments(group: argparse._ArgumentGroup) -> None:
-        group.add_argument("--batch", type=whole_number(1, MAX_BATCH_SIZE),
-                           help="prompts per timed request (default %d; not with --concurrency)"
-                           % DEFAULT_BATCH)
-
-    def run(self, arm: "Arm", prompts: List[str], adapter: EngineAdapter,
-            sampling: Sampling) -> Tuple[float, int, None]:
-        """One timed request: (seconds, output tokens, None). The answer's shape must hold even
-        when timing."""
-        # one request carrying every prompt, so that the engine schedules them as one batch
-        sent = send_requests(Executor(arm.client, adapter, arm.facts.model_id),
-                             [Request(tuple(prompts), sampling)], "the batch request")
-        return sent.seconds, sent.answers[0].output_tokens, None
-
-    def cell_parts(self, arms: Sequence["Arm"], pairs: int,
-                   primary: "Overhead") -> Tuple[int, None]:
-        """What the cell holds of its trials: their batch size, and nothing under load."""
-        return self.prompts, None
+# ----------------------------------------------------------------------------
+# Requests as values, and the one executor that sends them: every generation request the lab
+# makes (a sweep's traffic shapes, its checks' requests, the neighbours beside a decode, the
+# cost mode's batch and load trials) is a Request handed to send_requests, the only place
+# that builds a generation request's body, opens its connection and starts its thread
 
 
 @dataclass(frozen=True)
@@ -3630,70 +3610,6 @@ class RequestTiming:
     itl_s: List[float] = field(default_factory=list, metadata=NOT_SAVED)
 
 
-LOAD_FIGURES = ("latency", "ttft", "tpot")  # what each request of a load trial is timed on
-UNMEASURED_STREAM = (
-    "the stream does not report its progress token by token (its first event carries several "
-    "tokens, or most tokens arrive together), so neither the first token's arrival nor the time "
-    "between tokens can be seen: latency and throughput stand")
-
-
-@dataclass(frozen=True)
-class Spread:
-    """A figure over every request of an arm (every gap between tokens, for ITL): mean,
-    median, 90th and 99th percentile, the four `vllm bench serve` prints."""
-
-    mean_s: float
-    median_s: float
-    p90_s: float
-    p99_s: float
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Optional["Spread"]:
-        if not values:
-            return None
-        return cls(statistics.fmean(values), statistics.median(values),
-                   percentile(values, 0.90), percentile(values, 0.99))
-
-    def text(self) -> str:
-        """The four in milliseconds, as a load report's row shows them."""
-        return "/".join("%.1f" % (1000 * value) for value in
-                        (self.mean_s, self.median_s, self.p90_s, self.p99_s))
-
-
-@dataclass(frozen=True)
-class LoadStats:
-    """One cost arm under load: the Spread of every request's latency, TTFT and TPOT and of
-    every inter-token gap (ITL), the medians of the trials' throughputs, and every request's
-    timing."""
-
-    latency: Optional[Spread]
-    ttft: Optional[Spread]
-    tpot: Optional[Spread]
-    itl: Optional[Spread] = field(metadata=saved(omit_none=True))  # None: a token-less stream
-    unmeasured: Optional[str] = field(metadata=saved(omit_none=True))  # why there is no TTFT
-    median_tokens_per_s: Optional[float]
-    median_requests_per_s: Optional[float]
-    requests: List[List[RequestTiming]]  # trial by trial
-
-    @classmethod
-    def of(cls, requests: List[List[RequestTiming]], samples_s: List[float],
-           output_tokens: List[int]) -> "LoadStats":
-        spreads = {}
-        for figure in LOAD_FIGURES:
-            found = (getattr(r, figure + "_s") for trial in requests for r in trial)
-            spreads[figure] = Spread.of([v for v in found if v is not None])
-        # only streams whose tokens came one by one (a TTFT was seen) have gaps that mean ITL
-        spreads["itl"] = Spread.of([gap for trial in requests for r in trial
-                                    if r.ttft_s is not None for gap in r.itl_s])
-        # A trial shorter than the clock's resolution has no rate: it is left out.
-        timed = [t for t in zip(requests, output_tokens, samples_s) if t[2] > 0]
-        tokens_per_s = statistics.median(n / s for _, n, s in timed) if timed else None
-        requests_per_s = statistics.median(len(r) / s for r, _, s in timed) if timed else None
-        return cls(unmeasured=None if spreads["ttft"] else UNMEASURED_STREAM,
-                   median_tokens_per_s=tokens_per_s, median_requests_per_s=requests_per_s,
-                   requests=requests, **spreads)
-
-
 def token_by_token(first_count: int, events: int, count: int) -> bool:
     """Does a stream report its progress token by token, so that its first token's arrival
     and the time between tokens mean something? Its first progress event must report one
@@ -3702,98 +3618,18 @@ def token_by_token(first_count: int, events: int, count: int) -> bool:
     return first_count == 1 and 2 * events >= count
 
 
-@dataclass(frozen=True)
-class LoadCell:
-    """What a cost cell of load trials holds beyond a batch cell's fields (saved among them)."""
-
-    concurrency: int
-    requests: int  # a trial
-    primary: str  # the overhead the cell reports first: throughput
-    arrivals: str  # Arrivals.describe()
-    load: Dict[str, LoadStats]  # each arm's
-    overheads: Dict[str, "Overhead"]  # throughput, then LOAD_FIGURES
-
-    def report(self, compared_on: str, out: Out) -> None:
-        """Each arm's throughput and latencies, and what the flag costs in each."""
-
-        for name, stats in self.load.items():
-            out.line("  flag %-3s %s tokens/s, %s requests/s" % (
-                name, fmt_opt(stats.median_tokens_per_s, "?", "%.1f"),
-                fmt_opt(stats.median_requests_per_s, "?", "%.2f")))
-            shown = ("%s %s" % (label, spread.text() if spread else "unmeasured")
-                     for label, spread in (("TTFT", stats.ttft), ("TPOT", stats.tpot),
-                                           ("ITL", stats.itl), ("E2E", stats.latency)))
-            out.line("           mean/median/p90/p99 ms: %s" % ", ".join(shown))
-        for figure in LOAD_FIGURES:
-            overhead = self.overheads[figure]
-            label = figure.upper() if figure != "latency" else "latency"
-            if overhead.unmeasured:
-                out.line("  %-8s unmeasured: %s" % (label, overhead.unmeasured))
-                continue
-            shown = overhead.text("%+.1f%% [%+.1f%%, %+.1f%%]%s", "%+.1f%% (no interval)", " n.s.")
-            out.line("  %-8s overhead %s" % (label, shown))
-        if compared_on != "time per trial":
-            out.line("  compared on %s" % compared_on)
-
-
-def per_trial_medians(arm: "Arm", figure: str) -> List[float]:
-    """Each trial's median of a figure ("latency", "ttft" or "tpot"); NaN where none has it."""
-    medians = []
-    for trial in arm.timings:
-        values = [getattr(r, figure + "_s") for r in trial]
-        medians.append(statistics.median([v for v in values if v is not None] or [math.nan]))
-    return medians
-
-
-@dataclass(frozen=True)
-class Overhead:
-    """What the flag costs by one measure, from paired trials: the median on/off ratio - 1 in
-    per cent, with its 95% interval (none, and never significant, below
-    MIN_PAIRS_FOR_INTERVAL pairs), or why it could not be measured."""
-
-    pct: Optional[float] = field(metadata=saved("overhead_pct"))
-    ci95_pct: Optional[List[float]]
-    significant: bool
-    ratios: List[float] = field(default_factory=list, metadata=NOT_SAVED)  # on/off, by pair
-    unmeasured: Optional[str] = field(default=None, metadata=saved(omit_none=True))
-
-    @classmethod
-    def of(cls, off_s: Sequence[float], on_s: Sequence[float]) -> "Overhead":
-        ratios = [b / a if a > 0 else math.inf for a, b in zip(off_s, on_s)]
-        rounded = [round(r, 6) for r in ratios]
-        if len(ratios) < MIN_PAIRS_FOR_INTERVAL or not all(map(math.isfinite, ratios)):
-            median = statistics.median(ratios) if ratios else math.nan
-            pct = round((median - 1.0) * 100.0, 3) if math.isfinite(median) else None
-            why = None
-            if pct is None and ratios:  # pairs there are, but no ratio of them means anything
-                why = "a flag-off trial took no time the clock could measure"
-            return cls(pct, None, False, rounded, why)
-        lo, hi = bootstrap_median_ci(ratios)
-        ci = [round((lo - 1.0) * 100.0, 3), round((hi - 1.0) * 100.0, 3)]
-        pct = round((statistics.median(ratios) - 1.0) * 100.0, 3)
-        return cls(pct, ci, not (ci[0] <= 0.0 <= ci[1]), rounded)
-
-    @classmethod
-    def from_record(cls, record: Json) -> "Overhead":
-        return cls(record.get("overhead_pct"), record.get("ci95_pct"),
-                   bool(record.get("significant")), unmeasured=record.get("unmeasured"))
-
-    def text(self, with_interval: str, without: str, not_significant: str) -> str:
-        """with_interval % (value, low, high, mark), mark being not_significant when the
-        interval contains 0; without % value when there are too few pairs for one."""
-        if self.pct is None:
-            return "no overhead (%s)" % (self.unmeasured or "no complete trial pair")
-        if self.ci95_pct is None:
-            return without % self.pct
-        lo, hi = self.ci95_pct
-        return with_interval % (self.pct, lo, hi, "" if self.significant else not_significant)
-
-
-# ----------------------------------------------------------------------------
-# Requests as values, and the one executor that sends them: every generation request the lab
-# makes (a sweep's traffic shapes, its checks' requests, the neighbours beside a decode, the
-# cost mode's batch and load trials) is a Request handed to send_requests, the only place
-# that builds a generation request's body, opens its connection and starts its thread
+def most_in_flight(sent: Sequence[float], answered: Sequence[float]) -> Tuple[int, List[int]]:
+    """From each request's send and answer times: the most requests at the server at once,
+    and how many others each one had beside it."""
+    events = sorted([(t, 1) for t in sent] + [(t, -1) for t in answered],
+                    key=lambda e: (e[0], e[1]))
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    beside = [sum(1 for j in range(len(sent)) if j != i and sent[j] < answered[i]
+                  and sent[i] < answered[j]) for i in range(len(sent))]
+    return most, beside
 
 
 @dataclass(frozen=True)
@@ -4062,6 +3898,195 @@ def send_requests(executor: Executor, requests: Sequence[Request], what: str,
     return found
 
 
+# ----------------------------------------------------------------------------
+# The cost trials, continued: a batch request, or streamed requests under load
+
+
+@dataclass(frozen=True)
+class BatchTrials:
+    """--batch: a trial is one request of --batch prompts, timed from its sending to its last
+    byte (the default)."""
+
+    prompts: int  # --batch: prompts in one request
+
+    @staticmethod
+    def add_arguments(group: argparse._ArgumentGroup) -> None:
+        group.add_argument("--batch", type=whole_number(1, MAX_BATCH_SIZE),
+                           help="prompts per timed request (default %d; not with --concurrency)"
+                           % DEFAULT_BATCH)
+
+    def run(self, arm: "Arm", prompts: List[str], adapter: EngineAdapter,
+            sampling: Sampling) -> Tuple[float, int, None]:
+        """One timed request: (seconds, output tokens, None). The answer's shape must hold even
+        when timing."""
+        # one request carrying every prompt, so that the engine schedules them as one batch
+        sent = send_requests(Executor(arm.client, adapter, arm.facts.model_id),
+                             [Request(tuple(prompts), sampling)], "the batch request")
+        return sent.seconds, sent.answers[0].output_tokens, None
+
+    def cell_parts(self, arms: Sequence["Arm"], pairs: int,
+                   primary: "Overhead") -> Tuple[int, None]:
+        """What the cell holds of its trials: their batch size, and nothing under load."""
+        return self.prompts, None
+
+
+
+
+
+LOAD_FIGURES = ("latency", "ttft", "tpot")  # what each request of a load trial is timed on
+UNMEASURED_STREAM = (
+    "the stream does not report its progress token by token (its first event carries several "
+    "tokens, or most tokens arrive together), so neither the first token's arrival nor the time "
+    "between tokens can be seen: latency and throughput stand")
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A figure over every request of an arm (every gap between tokens, for ITL): mean,
+    median, 90th and 99th percentile, the four `vllm bench serve` prints."""
+
+    mean_s: float
+    median_s: float
+    p90_s: float
+    p99_s: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Optional["Spread"]:
+        if not values:
+            return None
+        return cls(statistics.fmean(values), statistics.median(values),
+                   percentile(values, 0.90), percentile(values, 0.99))
+
+    def text(self) -> str:
+        """The four in milliseconds, as a load report's row shows them."""
+        return "/".join("%.1f" % (1000 * value) for value in
+                        (self.mean_s, self.median_s, self.p90_s, self.p99_s))
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    """One cost arm under load: the Spread of every request's latency, TTFT and TPOT and of
+    every inter-token gap (ITL), the medians of the trials' throughputs, and every request's
+    timing."""
+
+    latency: Optional[Spread]
+    ttft: Optional[Spread]
+    tpot: Optional[Spread]
+    itl: Optional[Spread] = field(metadata=saved(omit_none=True))  # None: a token-less stream
+    unmeasured: Optional[str] = field(metadata=saved(omit_none=True))  # why there is no TTFT
+    median_tokens_per_s: Optional[float]
+    median_requests_per_s: Optional[float]
+    requests: List[List[RequestTiming]]  # trial by trial
+
+    @classmethod
+    def of(cls, requests: List[List[RequestTiming]], samples_s: List[float],
+           output_tokens: List[int]) -> "LoadStats":
+        spreads = {}
+        for figure in LOAD_FIGURES:
+            found = (getattr(r, figure + "_s") for trial in requests for r in trial)
+            spreads[figure] = Spread.of([v for v in found if v is not None])
+        # only streams whose tokens came one by one (a TTFT was seen) have gaps that mean ITL
+        spreads["itl"] = Spread.of([gap for trial in requests for r in trial
+                                    if r.ttft_s is not None for gap in r.itl_s])
+        # A trial shorter than the clock's resolution has no rate: it is left out.
+        timed = [t for t in zip(requests, output_tokens, samples_s) if t[2] > 0]
+        tokens_per_s = statistics.median(n / s for _, n, s in timed) if timed else None
+        requests_per_s = statistics.median(len(r) / s for r, _, s in timed) if timed else None
+        return cls(unmeasured=None if spreads["ttft"] else UNMEASURED_STREAM,
+                   median_tokens_per_s=tokens_per_s, median_requests_per_s=requests_per_s,
+                   requests=requests, **spreads)
+
+
+
+
+
+@dataclass(frozen=True)
+class LoadCell:
+    """What a cost cell of load trials holds beyond a batch cell's fields (saved among them)."""
+
+    concurrency: int
+    requests: int  # a trial
+    primary: str  # the overhead the cell reports first: throughput
+    arrivals: str  # Arrivals.describe()
+    load: Dict[str, LoadStats]  # each arm's
+    overheads: Dict[str, "Overhead"]  # throughput, then LOAD_FIGURES
+
+    def report(self, compared_on: str, out: Out) -> None:
+        """Each arm's throughput and latencies, and what the flag costs in each."""
+
+        for name, stats in self.load.items():
+            out.line("  flag %-3s %s tokens/s, %s requests/s" % (
+                name, fmt_opt(stats.median_tokens_per_s, "?", "%.1f"),
+                fmt_opt(stats.median_requests_per_s, "?", "%.2f")))
+            shown = ("%s %s" % (label, spread.text() if spread else "unmeasured")
+                     for label, spread in (("TTFT", stats.ttft), ("TPOT", stats.tpot),
+                                           ("ITL", stats.itl), ("E2E", stats.latency)))
+            out.line("           mean/median/p90/p99 ms: %s" % ", ".join(shown))
+        for figure in LOAD_FIGURES:
+            overhead = self.overheads[figure]
+            label = figure.upper() if figure != "latency" else "latency"
+            if overhead.unmeasured:
+                out.line("  %-8s unmeasured: %s" % (label, overhead.unmeasured))
+                continue
+            shown = overhead.text("%+.1f%% [%+.1f%%, %+.1f%%]%s", "%+.1f%% (no interval)", " n.s.")
+            out.line("  %-8s overhead %s" % (label, shown))
+        if compared_on != "time per trial":
+            out.line("  compared on %s" % compared_on)
+
+
+def per_trial_medians(arm: "Arm", figure: str) -> List[float]:
+    """Each trial's median of a figure ("latency", "ttft" or "tpot"); NaN where none has it."""
+    medians = []
+    for trial in arm.timings:
+        values = [getattr(r, figure + "_s") for r in trial]
+        medians.append(statistics.median([v for v in values if v is not None] or [math.nan]))
+    return medians
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """What the flag costs by one measure, from paired trials: the median on/off ratio - 1 in
+    per cent, with its 95% interval (none, and never significant, below
+    MIN_PAIRS_FOR_INTERVAL pairs), or why it could not be measured."""
+
+    pct: Optional[float] = field(metadata=saved("overhead_pct"))
+    ci95_pct: Optional[List[float]]
+    significant: bool
+    ratios: List[float] = field(default_factory=list, metadata=NOT_SAVED)  # on/off, by pair
+    unmeasured: Optional[str] = field(default=None, metadata=saved(omit_none=True))
+
+    @classmethod
+    def of(cls, off_s: Sequence[float], on_s: Sequence[float]) -> "Overhead":
+        ratios = [b / a if a > 0 else math.inf for a, b in zip(off_s, on_s)]
+        rounded = [round(r, 6) for r in ratios]
+        if len(ratios) < MIN_PAIRS_FOR_INTERVAL or not all(map(math.isfinite, ratios)):
+            median = statistics.median(ratios) if ratios else math.nan
+            pct = round((median - 1.0) * 100.0, 3) if math.isfinite(median) else None
+            why = None
+            if pct is None and ratios:  # pairs there are, but no ratio of them means anything
+                why = "a flag-off trial took no time the clock could measure"
+            return cls(pct, None, False, rounded, why)
+        lo, hi = bootstrap_median_ci(ratios)
+        ci = [round((lo - 1.0) * 100.0, 3), round((hi - 1.0) * 100.0, 3)]
+        pct = round((statistics.median(ratios) - 1.0) * 100.0, 3)
+        return cls(pct, ci, not (ci[0] <= 0.0 <= ci[1]), rounded)
+
+    @classmethod
+    def from_record(cls, record: Json) -> "Overhead":
+        return cls(record.get("overhead_pct"), record.get("ci95_pct"),
+                   bool(record.get("significant")), unmeasured=record.get("unmeasured"))
+
+    def text(self, with_interval: str, without: str, not_significant: str) -> str:
+        """with_interval % (value, low, high, mark), mark being not_significant when the
+        interval contains 0; without % value when there are too few pairs for one."""
+        if self.pct is None:
+            return "no overhead (%s)" % (self.unmeasured or "no complete trial pair")
+        if self.ci95_pct is None:
+            return without % self.pct
+        lo, hi = self.ci95_pct
+        return with_interval % (self.pct, lo, hi, "" if self.significant else not_significant)
+
+
 @dataclass(frozen=True)
 class LoadTrials:
     """--concurrency: a trial is --requests one-prompt streamed requests, at most
@@ -4244,18 +4269,7 @@ class SentBatch:
                 for c, d, k, b in zip(self.completions, deltas, cached, beside)]
 
 
-def most_in_flight(sent: Sequence[float], answered: Sequence[float]) -> Tuple[int, List[int]]:
-    """From each request's send and answer times: the most requests at the server at once,
-    and how many others each one had beside it."""
-    events = sorted([(t, 1) for t in sent] + [(t, -1) for t in answered],
-                    key=lambda e: (e[0], e[1]))
-    most = now = 0
-    for _, step in events:
-        now += step
-        most = max(most, now)
-    beside = [sum(1 for j in range(len(sent)) if j != i and sent[j] < answered[i]
-                  and sent[i] < answered[j]) for i in range(len(sent))]
-    return most, beside
+
 
 
 @dataclass
@@ -4652,6 +4666,11 @@ class SweepRun:
     facts: ServerFacts
     sender: Sender  # to the server under test
     out: Out
+
+
+def samples_unseeded(sampling: Sampling, facts: ServerFacts) -> bool:
+    """Sampling that the server does not seed: its differences may be plain sampling noise."""
+    return sampling.temperature > 0 and facts.seed_honoured is False
 
 
 # The rules no check's verdict may break, kept here and nowhere else: every check's verdict
@@ -5068,6 +5087,15 @@ PREFILL_AGREE = "decode and prefill agree bitwise"  # the prefill check's verdic
 PREFILL_DIFFER = "decode and prefill differ"
 
 
+def margin_text(margin: Optional[Margin]) -> str:
+    """A near-tie margin as the table shows it."""
+    if not margin:
+        return "-"
+    if margin.note:
+        return margin.note
+    return "%s ULP" % fmt_opt(margin.ulp, "?")
+
+
 @dataclass(frozen=True)
 class PrefillRow:
     """The prefill check of one batch: each distinct completion's decoded logprobs against
@@ -5093,6 +5121,7 @@ class PrefillSummary:
     behind "prefill_")."""
 
     SAVED_AS: ClassVar[Dict[str, Any]] = saved(flat="prefill_")
+    KEY: ClassVar[str] = "prefill"  # PrefillCheck.NAME: where each size keeps its record
 
     checked: int = field(metadata=NOT_SAVED)  # batches the check ran on
     max_ulp: Optional[int]
@@ -5147,8 +5176,8 @@ class PrefillSummary:
         """Its lines after the sweep's summary line (a Bold one states its verdict)."""
         part = self
         per_size = ", ".join(
-            "%d: %s" % (size.batch_size, fmt_opt(size.checks.get(PrefillCheck.NAME)
-                                                 and size.checks[PrefillCheck.NAME].max_ulp, "?"))
+            "%d: %s" % (size.batch_size, fmt_opt(size.checks.get(self.KEY)
+                                                 and size.checks[self.KEY].max_ulp, "?"))
             for size in sizes)
         lines = ["prefill check, max ULP per batch size: %s" % per_size]
         margin = ""
@@ -5203,13 +5232,7 @@ def runner_up_margin(c: Completion, step: int, clamps: Sequence[float] = ()) -> 
     return Margin(logprob=top[chosen] - best, ulp=ulp)
 
 
-def margin_text(margin: Optional[Margin]) -> str:
-    """A near-tie margin as the table shows it."""
-    if not margin:
-        return "-"
-    if margin.note:
-        return margin.note
-    return "%s ULP" % fmt_opt(margin.ulp, "?")
+
 
 
 class PrefillCheck(SwitchedCheck):
@@ -5220,7 +5243,7 @@ class PrefillCheck(SwitchedCheck):
     cost is one request per distinct sequence (plus one per prompt to learn its ids), not one
     per completion."""
 
-    NAME = "prefill"
+    NAME = PrefillSummary.KEY
     OPTION = "--prefill-check"
     HELP = ("also read every distinct completion back as one token-id prompt and compare each "
             "token's decode-time logprob with its prefill-time one (what RL training on-policy "
@@ -5311,6 +5334,11 @@ MAX_NEIGHBOUR_TOKENS = 100000  # a neighbour prompt longer than this fits no con
 NEIGHBOURS_HELD = "held beside every neighbour length"
 
 
+def fmt_nats(nats: float) -> str:
+    """A drift in nats as the table shows it: 0 where nothing moved, else two figures."""
+    return "0" if not nats else "%.2g" % nats
+
+
 @dataclass(frozen=True)
 class NeighbourLength:
     """The measured prompt's runs while neighbours of one prompt length prefilled beside it,
@@ -5342,7 +5370,8 @@ class NeighbourLength:
         """Why none of its runs compared anything."""
         why = []
         if self.served:
-            why.append("the cache served %d run%s" % (self.served, "" if self.served == 1 else "s"))
+            why.append("the cache served %d run%s"
+                       % (self.served, "" if self.served == 1 else "s"))
         if self.alone:
             why.append("no neighbour overlapped %d run%s"
                        % (self.alone, "" if self.alone == 1 else "s"))
@@ -5450,9 +5479,7 @@ def parse_lengths(text: str) -> List[int]:
     return lengths
 
 
-def fmt_nats(nats: float) -> str:
-    """A drift in nats as the table shows it: 0 where nothing moved, else two figures."""
-    return "0" if not nats else "%.2g" % nats
+
 
 
 class NeighbourCheck(SweepCheck):
@@ -6237,9 +6264,7 @@ def sweep_document(cfg: Config, facts: ServerFacts, prompts: List[Json], sizes: 
         "lab": dict(cfg.provenance, ended=None if summary.state == "running" else now_stamp())}
 
 
-def samples_unseeded(sampling: Sampling, facts: ServerFacts) -> bool:
-    """Sampling that the server does not seed: its differences may be plain sampling noise."""
-    return sampling.temperature > 0 and facts.seed_honoured is False
+
 
 
 def sweep_warnings(facts: ServerFacts, sizes: List[int], ladder_to: Optional[int],

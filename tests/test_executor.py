@@ -61,5 +61,42 @@ class OneExecutor(unittest.TestCase):
         self.assertEqual(outside, set())
 
 
+def used_above_definition(tree):
+    """run.py's module-level names loaded on a line above their definition, annotations aside
+    (they are not evaluated: from __future__ import annotations)."""
+    defined = {}
+    for node in tree.body:
+        names = []
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, ast.Assign):
+            names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names = [node.target.id]
+        for name in names:
+            defined.setdefault(name, node.lineno)
+    annotations = set()
+    for node in ast.walk(tree):
+        found = []
+        if isinstance(node, ast.FunctionDef):
+            args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            found = [a.annotation for a in args if a.annotation] + [node.returns]
+            found += [a.annotation for a in (node.args.vararg, node.args.kwarg) if a is not None]
+        elif isinstance(node, ast.AnnAssign):
+            found = [node.annotation]
+        annotations.update(id(sub) for a in found if a is not None for sub in ast.walk(a))
+    return {node.id for node in ast.walk(tree)
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
+            and id(node) not in annotations and node.id in defined
+            and node.lineno < defined[node.id]}
+
+
+class ReadingOrder(unittest.TestCase):
+    def test_few_names_are_used_above_their_definition(self):
+        with open(RUN_PY, encoding="utf-8") as f:
+            above = used_above_definition(ast.parse(f.read()))
+        self.assertLessEqual(len(above), 15, sorted(above))
+
+
 if __name__ == "__main__":
     unittest.main()
