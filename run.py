@@ -6037,7 +6037,8 @@ class LongPrompt:
 
 # --expect NAME of the sweep's own verdict, and what --help says of it
 SWEEP_EXPECT_HELP = {
-    "invariant": "the result is invariant (flag on)",
+    "invariant": "the result is invariant (flag on; needs --repeat 2 or more: batch 1 "
+    "repeated is its control)",
     "variant": "it shows a difference (flag off, the negative control)"}
 
 
