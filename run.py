@@ -4437,7 +4437,8 @@ class SizeResult:
     seconds: float
     runs_matched: int
     cached_tokens: Optional[int]  # over every pass, where the server says
-    checks: Dict[str, Any] = field(metadata=saved(parts=True))  # SweepCheck.size_part
+    # each check's record over the size's passes (SweepCheck.summary_part, sizes None)
+    checks: Dict[str, Any] = field(metadata=saved(parts=True))
     distinct_texts: List[str]
     runs: List[BatchRow]
     # scheduled concurrent traffic: False when no pass's requests were ever in flight together
@@ -4726,10 +4727,16 @@ def check_verdict(found: CheckFinding) -> str:
 
 
 class SweepCheck:
-    """One check a sweep runs beside its comparison of every batch with batch 1. Each check
-    is one section below, and one entry of SWEEP_CHECKS; the sweep calls these hooks in
-    order and names no check. Every hook has a default that does nothing, so a check defines
-    what it uses; its state while it runs is kept in the check, never in the options.
+    """One check a sweep runs beside its comparison of every batch with batch 1: its name and
+    --expect values, its options (add_arguments, from_args, params), what the server's
+    limits refuse before the first request (open), the requests it adds for a prompt and
+    batch and what it reads of their answers (batch_part), and its summary record
+    (summary_part). Each check is one section below, and one entry of SWEEP_CHECKS; the
+    sweep names no check. Every member has a default that does nothing, so a check defines
+    what it uses; its state while it runs is kept in the check, never in the options. The
+    host writes the --expect line, the check's lines and the saved params from what these
+    give (check_expectation; the summary record's lines), and every verdict is worded by
+    check_verdict.
 
     Its records (a batch's part, a size's part, the summary's part) are saved where the core
     saves its parts, each as its own class's SAVED_AS says (saved(): under a name, or flat
@@ -6306,7 +6313,7 @@ def control_text(repeatable: Optional[bool], repeat: int, sweeps: List[PromptSwe
     return "no run-to-run control (batch 1's logprobs hold NaN, which compares to nothing)"
 
 
-def size_notes(size: SizeResult, checks: Sequence[SweepCheck], cache: CachePolicy) -> str:
+def size_notes(size: SizeResult, cache: CachePolicy) -> str:
     notes = []
     if size.overlapped is False:
         notes.append("requests never in flight together: not compared")
@@ -6330,7 +6337,7 @@ def fmt_share(share: Optional[float]) -> str:
     return "%.0f%%" % (100 * share)
 
 
-def size_row(s: SizeResult, checks: Sequence[SweepCheck], cache: CachePolicy) -> str:
+def size_row(s: SizeResult, cache: CachePolicy) -> str:
     """One batch size's row of the table."""
     ulp = str(s.max_ulp) + ("*" if s.ulp_notes else "")
     row = "  %5d  %6s  %8d  %8s  %12s  %11s  %10s  %7s  %8s  %9s  %14s  %7.2f  %s" % (
@@ -6338,7 +6345,7 @@ def size_row(s: SizeResult, checks: Sequence[SweepCheck], cache: CachePolicy) ->
         "%d/%d" % (s.same_as_baseline, s.completions), "%d/%d" % (s.runs_matched, len(s.runs)),
         fmt_opt(s.first_token_divergence), margin_text(s.divergence_margin), ulp,
         fmt_nats(s.max_nats), fmt_share(s.flip_risk), fmt_opt(s.first_ulp_step), s.seconds,
-        size_notes(s, checks, cache))
+        size_notes(s, cache))
     return row.rstrip()
 
 
@@ -6417,7 +6424,7 @@ class SweepTable:
                           % (number, total, shown, sweep.baseline_source))
             self.out.line(SWEEP_COLUMNS)
         self.rows[number].add(n)
-        self.out.line(size_row(sweep.size(n), self.options.checks, self.options.cache))
+        self.out.line(size_row(sweep.size(n), self.options.cache))
 
     def prompt_done(self, number: int, sweep: PromptSweep) -> None:
         self.closed.add(number)
@@ -6586,11 +6593,11 @@ def expectation(options: SweepOptions, summary: SweepSummary) -> Tuple[bool, str
 
 def run_sweep(cfg: Config, out: Out) -> int:
     """--mode sweep: learn the server's facts, open the checks, then for every prompt and pass
-    send each batch size in the traffic shape asked for (Sender.shape, or a check's own send),
-    compare it with the baseline request by request (compare_batch) and add each check's
-    part, printing each size's row and saving as it goes; then the summary (sweep_summary),
-    the saved document (sweep_document), the advice (sweep_advice) and the --expect rule.
-    Returns the exit code."""
+    send batch 1, then each other batch size, in the traffic shape asked for (Sender.shape),
+    compare it with the baseline request by request (compare_batch), keep the row, then add
+    each check's part, printing each size's row and saving as it goes; then the summary
+    (sweep_summary), the saved document (sweep_document), the advice (sweep_advice) and the
+    --expect rule. Returns the exit code."""
     options = cfg.sweep
     servers = [(cfg.url, "the server")] + options.baseline_source.servers()
     wait_until_ready(cfg, servers, out)
