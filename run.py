@@ -4719,11 +4719,13 @@ def check_verdict(found: CheckFinding) -> str:
         return CONTROL_MOVED
     if found.moved:
         verdict = found.moved
-    elif found.uncompared:
-        verdict = found.held_where_compared or found.held.replace("every", "each compared")
+    elif found.uncompared or found.failure:
+        verdict = found.held_where_compared or found.held
     else:
         return found.held
-    return verdict + "".join("; %s" % part for part in found.uncompared)
+    stopped = ["then stopped: the server could not serve it (%s)" % found.failure
+               ] if found.failure else []
+    return verdict + "".join("; %s" % part for part in list(found.uncompared) + stopped)
 
 
 class SweepCheck:
@@ -4984,9 +4986,10 @@ class CacheSummary:
 
     @classmethod
     def of(cls, checked: Sequence[CacheComparison], unseeded: bool = False,
-           control_moved: bool = False) -> "CacheSummary":
+           control_moved: bool = False, failure: Optional[str] = None) -> "CacheSummary":
         """unseeded: sampled at temperature > 0 by a server that ignores the seed;
-        control_moved: the run-to-run control (batch 1's passes, each cold) moved."""
+        control_moved: the run-to-run control (batch 1's passes, each cold) moved; failure:
+        why the server could not serve it, if it could not."""
         verified = [c for c in checked if c.cold_cached_tokens == 0 and (c.cached_tokens or 0) > 0]
         # a batch compares a hit with a cold prefill unless its counts show it did not: its
         # repeat not served (0), or its cold request served; without counts it is unverified
@@ -5010,7 +5013,8 @@ class CacheSummary:
                             "count 0)", "their repeat was not served from the cache")
             + part(cold_hit, "every cold request was itself served from the cache",
                    "their cold request was itself served from the cache"),
-            compares_runs=True, control_moved=control_moved, unseeded=unseeded))
+            failure=failure, compares_runs=True, control_moved=control_moved,
+            unseeded=unseeded))
         steps = [c.first_step for c in checked if c.first_step is not None]
         return cls(verdict, len(checked), max((c.max_ulp for c in checked), default=None),
                    min(steps) if steps else None, len(verified))
@@ -5057,6 +5061,7 @@ class CacheCheck(SwitchedCheck):
     def __init__(self, asked: bool = False):
         super().__init__(asked)
         self.unseeded = False  # its runs sampled by a server that ignores the seed
+        self.failure: Optional[str] = None  # why the server could not serve it
 
     @classmethod
     def refuse(cls, args: argparse.Namespace, asked: SweepAsked) -> None:
@@ -5067,13 +5072,18 @@ class CacheCheck(SwitchedCheck):
     def batch_part(self, run: SweepRun, prompt: str, n: int,
                    batch: SentBatch) -> Optional[CacheComparison]:
         """The same batch again under the cold one's key, against the cold one."""
-        if not self.asked:
+        if not self.asked or self.failure is not None:
             return None
         self.unseeded = samples_unseeded(run.cfg.sampling, run.facts)
         try:
             warm = run.sender.copies(prompt, n, run.cfg.sweep.seed, batch.cache_key)
         except ServerError as err:
-            raise ServerError("cache check at batch size %d: %s" % (n, err)) from None
+            if err.kind == ServerError.NETWORK:  # the server itself is gone: the sweep stops
+                raise ServerError("cache check at batch size %d: %s" % (n, err)) from None
+            self.failure = str(err)
+            run.out.warn("the cache check stops at batch size %d, the sweep goes on: %s"
+                         % (n, err))
+            return None
         return CacheComparison.of(batch, warm, run.sender.adapter.logprob_clamps)
 
     def summary_part(self, parts: List[Any],
@@ -5082,7 +5092,7 @@ class CacheCheck(SwitchedCheck):
             return None
         # the run-to-run control: batch 1 sent cold again in each pass (the same request alone)
         control_moved = any(s.batch_size == 1 and s.runs_matched < len(s.runs) for s in sizes)
-        return CacheSummary.of(parts, self.unseeded, control_moved)
+        return CacheSummary.of(parts, self.unseeded, control_moved, self.failure)
 
 
 
