@@ -3746,12 +3746,15 @@ class Executor:
     def one(self, request: Request) -> Answer:
         """A request in the calling thread, its whole answer read (a plain one through the
         client's request, which refuses a POST's redirect)."""
-        sent = CLOCK()  # its connection's set-up is part of its time, as a client sees it
+        # its body is built before its time starts; its connection's set-up is part of its
+        # time, as a client sees it
         if not request.stream:
-            answer = self.client.request(self.adapter.generate_path,
-                                         request.body(self.adapter, self.model, self.isolate))
+            body = request.body(self.adapter, self.model, self.isolate)
+            sent = CLOCK()
+            answer = self.client.request(self.adapter.generate_path, body)
             return self.parse(request, answer, sent, CLOCK())
         post = self.exchange(request)
+        sent = CLOCK()
         try:
             post.connect()
             post.send()
@@ -3779,9 +3782,8 @@ def send_requests(executor: Executor, requests: Sequence[Request], what: str,
     wait = (arrivals or Arrivals()).wait_until
     n = len(requests)
     if beside is None and concurrency is None and n == 1:
-        start = CLOCK()
         answer = executor.one(requests[0])
-        return Sent([answer], CLOCK() - start)
+        return Sent([answer], answer.answered - answer.sent)
     answers: List[Any] = [None] * n  # an Answer, or what failed
     start = 0.0
     jobs: List[Callable[[], Any]] = []
