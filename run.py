@@ -672,7 +672,8 @@ SERVED_ONLY = "nothing compared: the cache served every request above batch 1"
 CACHE_UNKNOWN = ("nothing compared: the cache was kept, and whether it served a request above "
                  "batch 1 is not known")
 BATCH_EFFECTS = (TOKENS_DIVERGED, LOGPROBS_MOVED)  # verdicts batching explains
-UNMEASURED_VERDICTS = (NO_DATA, NOTHING_COMPARED, SERVED_ONLY, CACHE_UNKNOWN)  # they claim nothing either way
+# they claim nothing either way
+UNMEASURED_VERDICTS = (NO_DATA, NOTHING_COMPARED, SERVED_ONLY, CACHE_UNKNOWN)
 MOVED_NOTES = ("clamped", "non-finite", "top-k changed")  # notes that count as moved, ULPs or not
 
 ULP_NOTE_TEXT = {
@@ -2690,16 +2691,6 @@ def detect_engine(client: HttpClient) -> EngineAdapter:
     return found[0]
 
 
-def generate(client: HttpClient, adapter: EngineAdapter, model: str, prompts: List[str],
-             sampling: Sampling, isolate: bool = False,
-             cache_key: Optional[str] = None) -> Tuple[Any, float]:
-    """One request carrying every prompt, so that the engine schedules them as one batch."""
-    body = adapter.body(model, prompts, sampling, isolate, cache_key)
-    start = CLOCK()
-    answer = client.request(adapter.generate_path, body)
-    return answer, CLOCK() - start
-
-
 # ----------------------------------------------------------------------------
 # Shared by the modes: output, saving, stopping cleanly, server facts
 
@@ -3122,7 +3113,7 @@ class SavesFirst(DeferredInterrupt):
 
     def code(self) -> int:
         """The exit code of the signal that came while saving (0: none came)."""
-        return 0 if self.signum is None else ending(Stopped(self.signum))[0]
+        return 0 if self.signum is None else STOP_SIGNALS[signal.Signals(self.signum).name][0]
 
 
 class StopsAtOnce:
@@ -3931,6 +3922,321 @@ class Arrivals:
 SHARED_OPTIONS.append(Arrivals.add_arguments)
 
 
+# ----------------------------------------------------------------------------
+# Requests as values, and the one executor that sends them: every generation request the lab
+# makes (a sweep's traffic shapes, its checks' requests, the neighbours beside a decode, the
+# cost mode's batch and load trials) is a Request handed to send_requests, the only place
+# that builds a generation request's body, opens its connection and starts its thread
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """One streamed request of a load trial."""
+
+    ttft_s: Optional[float]  # time to first token; None where the stream does not show it
+    latency_s: float  # from sending to the last token
+    tokens: int  # output tokens
+    tpot_s: Optional[float]  # time per output token after the first
+    progress_events: int  # stream events that reported more tokens
+    # the gaps between those events, as `vllm bench serve` counts inter-token latency: kept
+    # for the arm's ITL figures, not saved request by request
+    itl_s: List[float] = field(default_factory=list, metadata=NOT_SAVED)
+
+
+def token_by_token(first_count: int, events: int, count: int) -> bool:
+    """Does a stream report its progress token by token, so that its first token's arrival
+    and the time between tokens mean something? Its first progress event must report one
+    token, and at least half its tokens must arrive in events of their own (an engine may
+    coalesce a few under load); a stream that reports its count only at the end does not."""
+    return first_count == 1 and 2 * events >= count
+
+
+def most_in_flight(sent: Sequence[float], answered: Sequence[float]) -> Tuple[int, List[int]]:
+    """From each request's send and answer times: the most requests at the server at once,
+    and how many others each one had beside it."""
+    events = sorted([(t, 1) for t in sent] + [(t, -1) for t in answered],
+                    key=lambda e: (e[0], e[1]))
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    beside = [sum(1 for j in range(len(sent)) if j != i and sent[j] < answered[i]
+                  and sent[i] < answered[j]) for i in range(len(sent))]
+    return most, beside
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request: what it asks, its cache key, streamed or not, and when it goes
+    out."""
+
+    prompts: Tuple[str, ...]  # one request of these prompts (a stream: one)
+    sampling: Sampling
+    cache_key: Optional[str] = None  # None: a fresh one where the cache is bypassed
+    stream: bool = False  # streamed, and timed token by token (RequestTiming)
+    at: float = 0.0  # seconds after its list's start (Arrivals.schedule); 0: at once
+    # instead of prompts: a token-id prompt that prefills and writes one token, whose answer
+    # is not read (a neighbour beside a measured request)
+    ids: Optional[Tuple[int, ...]] = None
+
+    def body(self, adapter: EngineAdapter, model: str, isolate: bool) -> Dict[str, Any]:
+        """The one place a generation request's body is built (each engine's adapter writes
+        it in its own wire format)."""
+        if self.ids is not None:
+            return adapter.prefill_only_body(model, list(self.ids))
+        if self.stream:
+            return adapter.stream_body(model, self.prompts[0], self.sampling)
+        return adapter.body(model, list(self.prompts), self.sampling, isolate, self.cache_key)
+
+
+@dataclass
+class Answer:
+    """What one request brought back, and when."""
+
+    completions: List[Completion]  # one a prompt ([] for a stream or a neighbour)
+    cached_tokens: Optional[int]  # the request's count, as the server reports it
+    # per completion: its tokens served from the prefix cache, where the count can be its
+    # own (None: not known)
+    cached: List[Optional[int]]
+    sent: float  # CLOCK() as it went out
+    answered: float  # CLOCK() as its answer was in
+    output_tokens: Optional[int] = None  # as the server counts them (a batch trial's figure)
+    beside: Optional[int] = None  # other requests at the server with it (scheduled, or beside)
+    timing: Optional[RequestTiming] = None  # a streamed request's
+
+
+@dataclass
+class Sent:
+    """What a list of requests brought back: each request's answer, and the list's times."""
+
+    answers: List[Answer]
+    seconds: float  # from the first send (a burst: once every connection was open) to the last
+    in_flight: Optional[int] = None  # scheduled lists: the most of them at the server at once
+    background: int = 0  # requests sent beside the list (neighbours) that overlapped it
+
+
+@dataclass(frozen=True)
+class Executor:
+    """Sends lists of Requests to one server: send_requests is its only sending function."""
+
+    client: HttpClient
+    adapter: EngineAdapter
+    model: str
+    isolate: bool = False  # the cache policy: bypass (each body takes a fresh cache key)
+
+    def read(self, request: Request, post: Exchange, sent: float) -> Answer:
+        """One request's answer, parsed, from its open exchange."""
+        if request.stream:
+            timing = self.read_stream(request, post, sent)
+            return Answer([], None, [], sent, CLOCK(), timing.tokens, timing=timing)
+        return self.parse(request, post.answer(), sent, CLOCK())
+
+    def parse(self, request: Request, answer: Any, sent: float, answered: float) -> Answer:
+        """A whole answer, as the adapter reads it."""
+        adapter = self.adapter
+        if request.ids is not None:
+            return Answer([], None, [], sent, answered)
+        prompts = list(request.prompts)
+        logprobs = request.sampling.logprobs is not None
+        return Answer(parsed("the answer", adapter.completions, answer, len(prompts), logprobs),
+                      parsed("the answer", adapter.cached_tokens, answer),
+                      parsed("the answer", adapter.cached_per_prompt, answer, prompts),
+                      sent, answered, parsed("the answer", adapter.output_tokens, answer)
+                      if not logprobs else None)
+
+    def read_stream(self, request: Request, post: Exchange, start: float) -> RequestTiming:
+        """A streamed request, read event by event: time to first token, time per output
+        token after it, end-to-end latency."""
+        adapter, sampling = self.adapter, request.sampling
+        first = last = None
+        count = first_count = events = 0
+        gaps: List[float] = []
+        for event in post.events():
+            seen = parsed("a stream event", adapter.streamed_tokens, event)
+            if seen is not None and seen > count:
+                now = CLOCK()
+                if last is not None:
+                    gaps.append(now - last)
+                count, last, events = seen, now, events + 1
+                if first is None:
+                    first, first_count = last, seen
+        if first is None:
+            raise shape_error("the stream held no token")
+        if count > sampling.max_tokens:
+            raise shape_error(
+                "the stream reported %d output tokens, more than --max-tokens %d "
+                "allows" % (count, sampling.max_tokens))
+        ttft = tpot = None
+        if token_by_token(first_count, events, count):
+            ttft = first - start
+            tpot = (last - first) / (count - 1) if count > 1 else None
+        return RequestTiming(ttft, last - start, count, tpot, events, gaps)
+
+    def exchange(self, request: Request) -> Exchange:
+        return Exchange(self.client, "POST", self.adapter.generate_path,
+                        request.body(self.adapter, self.model, self.isolate))
+
+    def one(self, request: Request) -> Answer:
+        """A request in the calling thread, its whole answer read (a plain one through the
+        client's request, which refuses a POST's redirect)."""
+        # its body is built before its time starts; its connection's set-up is part of its
+        # time, as a client sees it
+        if not request.stream:
+            body = request.body(self.adapter, self.model, self.isolate)
+            sent = CLOCK()
+            answer = self.client.request(self.adapter.generate_path, body)
+            return self.parse(request, answer, sent, CLOCK())
+        post = self.exchange(request)
+        sent = CLOCK()
+        try:
+            post.connect()
+            post.send()
+            return self.read(request, post, sent)
+        finally:
+            post.close()  # whatever ended it, its connection goes with it
+
+
+def send_requests(executor: Executor, requests: Sequence[Request], what: str,
+                  concurrency: Optional[int] = None, arrivals: Optional[Arrivals] = None,
+                  beside: Optional[Callable[[], Request]] = None, streams: int = 0) -> Sent:
+    """Send a list of requests to one server, the one function that hands request threads to
+    in_threads, and return what each brought back (a failure is labelled with what, and the
+    worst one raised in the calling thread, a stop signal first):
+    - one request alone: in the calling thread;
+    - concurrency None: each request its own connection, opened first; then every request
+      written from the calling thread at its time (Request.at after the start: all at once,
+      a burst, so they reach the server within milliseconds; or on a schedule, each answer
+      read as soon as its request is out), so that the answers show which were at the
+      server together (Answer.beside, Sent.in_flight);
+    - concurrency C: at most C in flight, a closed loop (a request leaves, the next goes at
+      its time), and once one fails no other starts;
+    - beside: while the list's one request runs, streams clients keep sending beside()'s
+      requests (neighbours), and Sent.background counts those that overlapped it."""
+    wait = (arrivals or Arrivals()).wait_until
+    n = len(requests)
+    if beside is None and concurrency is None and n == 1:
+        answer = executor.one(requests[0])
+        return Sent([answer], answer.answered - answer.sent)
+    answers: List[Any] = [None] * n  # an Answer, or what failed
+    start = 0.0
+    jobs: List[Callable[[], Any]] = []
+    meanwhile: Optional[Callable[[], None]] = None
+    if beside is not None:  # the list's requests in the calling thread, neighbours beside
+        done = threading.Event()
+        spans: List[Tuple[float, float]] = []
+        lock = threading.Lock()
+
+        def background() -> None:
+            while not done.is_set() and not STOP.event.is_set():
+                with lock:
+                    request = beside()
+                sent = CLOCK()
+                executor.one(request)
+                with lock:
+                    spans.append((sent, CLOCK()))
+
+        def measured() -> None:
+            nonlocal start
+            try:
+                start = CLOCK()
+                for i, request in enumerate(requests):
+                    answers[i] = executor.one(request)
+            finally:
+                done.set()
+
+        jobs, meanwhile = [background] * streams, measured
+        failed_outcome(in_threads(jobs, meanwhile), what)
+        failed_outcome(answers, what)
+        first, last = answers[0].sent, answers[-1].answered
+        overlapped = sum(1 for a, b in spans if a < last and b > first)
+        for answer in answers:
+            answer.beside = overlapped
+        return Sent(answers, CLOCK() - start, background=overlapped)
+    if concurrency is not None:  # a closed loop
+        pending = list(enumerate(requests))[::-1]  # popped from the end
+        failed: List[BaseException] = []  # once a request fails, no worker starts another
+        lock = threading.Lock()
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    if not pending or failed:
+                        return
+                    i, request = pending.pop()
+                try:
+                    wait(start + request.at)
+                    answers[i] = executor.one(request)
+                except BaseException as err:  # raised in the calling thread, below
+                    answers[i] = err
+                    failed.append(err)
+
+        allow_open_files(concurrency)
+        start = CLOCK()
+        in_threads([worker] * min(concurrency, n))
+        seconds = CLOCK() - start
+        failed_outcome(answers, what)
+        return Sent(answers, seconds)
+    # each request its own connection, every one written from the calling thread
+    allow_open_files(n)
+    posts = [executor.exchange(r) for r in requests]
+    ready, all_sent = threading.Semaphore(0), threading.Event()
+    scheduled = any(r.at for r in requests) or bool(arrivals and arrivals.rate)
+    # A burst's threads wait for every request to be out; scheduled ones for their own
+    went = [threading.Event() for _ in range(n)] if scheduled else [all_sent] * n
+    sent_at: List[float] = [0.0] * n
+
+    def client_thread(i: int) -> None:
+        try:
+            posts[i].connect()
+        except BaseException as err:  # raised in the calling thread, by failed_outcome
+            answers[i] = err
+        ready.release()
+        went[i].wait()
+        if answers[i] is None:
+            try:
+                answers[i] = executor.read(requests[i], posts[i], sent_at[i])
+            except BaseException as err:
+                answers[i] = err
+            finally:
+                posts[i].close()
+
+    def send_all() -> None:
+        nonlocal start
+        try:
+            for _ in range(n):
+                ready.acquire()
+            start = CLOCK()
+            for i, post in enumerate(posts):
+                if answers[i] is None:
+                    try:
+                        wait(start + requests[i].at)
+                        sent_at[i] = CLOCK()
+                        post.send()
+                    except BaseException as err:
+                        answers[i] = err
+                went[i].set()
+        finally:
+            all_sent.set()  # even on a second stop signal: no thread waits for ever
+            for event in went:
+                event.set()
+
+    in_threads([functools.partial(client_thread, i) for i in range(n)], send_all)
+    seconds = CLOCK() - start
+    failed_outcome(answers, what)
+    for answer, sent in zip(answers, sent_at):  # a burst's readers may start before its send
+        answer.sent = sent
+    found = Sent(answers, seconds)
+    if scheduled:  # which requests were at the server together?
+        found.in_flight, beside_of = most_in_flight(sent_at, [a.answered for a in answers])
+        for answer, others in zip(answers, beside_of):
+            answer.beside = others
+    return found
+
+
+# ----------------------------------------------------------------------------
+# The cost trials, continued: a batch request, or streamed requests under load
+
+
 @dataclass(frozen=True)
 class BatchTrials:
     """--batch: a trial is one request of --batch prompts, timed from its sending to its last
@@ -3948,9 +4254,10 @@ class BatchTrials:
             sampling: Sampling) -> Tuple[float, int, None]:
         """One timed request: (seconds, output tokens, None). The answer's shape must hold even
         when timing."""
-        answer, seconds = generate(arm.client, adapter, arm.facts.model_id, prompts, sampling)
-        parsed("the answer", adapter.completions, answer, len(prompts), False)
-        return seconds, parsed("the answer", adapter.output_tokens, answer), None
+        # one request carrying every prompt, so that the engine schedules them as one batch
+        sent = send_requests(Executor(arm.client, adapter, arm.facts.model_id),
+                             [Request(tuple(prompts), sampling)], "the batch request")
+        return sent.seconds, sent.answers[0].output_tokens, None
 
     def cell_parts(self, arms: Sequence["Arm"], pairs: int,
                    primary: "Overhead") -> Tuple[int, None]:
@@ -3958,18 +4265,7 @@ class BatchTrials:
         return self.prompts, None
 
 
-@dataclass(frozen=True)
-class RequestTiming:
-    """One streamed request of a load trial."""
 
-    ttft_s: Optional[float]  # time to first token; None where the stream does not show it
-    latency_s: float  # from sending to the last token
-    tokens: int  # output tokens
-    tpot_s: Optional[float]  # time per output token after the first
-    progress_events: int  # stream events that reported more tokens
-    # the gaps between those events, as `vllm bench serve` counts inter-token latency: kept
-    # for the arm's ITL figures, not saved request by request
-    itl_s: List[float] = field(default_factory=list, metadata=NOT_SAVED)
 
 
 LOAD_FIGURES = ("latency", "ttft", "tpot")  # what each request of a load trial is timed on
@@ -4143,12 +4439,7 @@ class BenchServeResult:
         return result
 
 
-def token_by_token(first_count: int, events: int, count: int) -> bool:
-    """Does a stream report its progress token by token, so that its first token's arrival
-    and the time between tokens mean something? Its first progress event must report one
-    token, and at least half its tokens must arrive in events of their own (an engine may
-    coalesce a few under load); a stream that reports its count only at the end does not."""
-    return first_count == 1 and 2 * events >= count
+
 
 
 @dataclass(frozen=True)
@@ -4312,67 +4603,16 @@ class LoadTrials:
         """A closed-loop load run: every prompt its own streamed request, at most concurrency
         in flight. Per request: time to first token, time per output token after it,
         end-to-end latency. Returns (seconds, output tokens, timings)."""
-        pending = list(enumerate(prompts))[::-1]  # popped from the end
-        timings: List[Any] = [None] * len(prompts)
-        lock = threading.Lock()
-
-        def stream_one(prompt: str) -> RequestTiming:
-            body = adapter.stream_body(arm.facts.model_id, prompt, sampling)
-            post = Exchange(arm.client, "POST", adapter.generate_path, body)
-            start = CLOCK()
-            first = last = None
-            count = first_count = events = 0
-            gaps: List[float] = []
-            try:
-                post.connect()
-                post.send()
-                for event in post.events():
-                    seen = parsed("a stream event", adapter.streamed_tokens, event)
-                    if seen is not None and seen > count:
-                        now = CLOCK()
-                        if last is not None:
-                            gaps.append(now - last)
-                        count, last, events = seen, now, events + 1
-                        if first is None:
-                            first, first_count = last, seen
-            finally:
-                post.close()  # whatever ended the stream, its connection goes with it
-            if first is None:
-                raise shape_error("the stream held no token")
-            if count > sampling.max_tokens:
-                raise shape_error(
-                    "the stream reported %d output tokens, more than --max-tokens %d "
-                    "allows" % (count, sampling.max_tokens))
-            ttft = tpot = None
-            if token_by_token(first_count, events, count):
-                ttft = first - start
-                tpot = (last - first) / (count - 1) if count > 1 else None
-            return RequestTiming(ttft, last - start, count, tpot, events, gaps)
-
         # Each trial's arrivals drawn from a seed of its own, the same on both arms
         arrivals = self.arrivals
         schedule = arrivals.schedule(len(prompts), DEFAULT_SEED + len(arm.samples))
-        failed: List[BaseException] = []  # once a request fails, no worker starts another
-
-        def worker() -> None:
-            while True:
-                with lock:
-                    if not pending or failed:
-                        return
-                    i, prompt = pending.pop()
-                try:
-                    arrivals.wait_until(start + schedule[i])
-                    timings[i] = stream_one(prompt)
-                except BaseException as err:  # raised in the main thread, by failed_outcome
-                    timings[i] = err
-                    failed.append(err)
-
-        allow_open_files(self.concurrency)
-        start = CLOCK()
-        in_threads([worker] * min(self.concurrency, len(prompts)))
-        seconds = CLOCK() - start
-        failed_outcome(timings, "streamed requests")
-        return seconds, sum(t.tokens for t in timings), timings
+        requests = [Request((prompt,), sampling, stream=True, at=at)
+                    for prompt, at in zip(prompts, schedule)]
+        sent = send_requests(Executor(arm.client, adapter, arm.facts.model_id), requests,
+                             "streamed requests", concurrency=self.concurrency,
+                             arrivals=arrivals)
+        timings = [answer.timing for answer in sent.answers]
+        return sent.seconds, sum(t.tokens for t in timings), timings
 
     def cell_parts(self, arms: Sequence["Arm"], pairs: int,
                    primary: "Overhead") -> Tuple[None, "LoadCell"]:
@@ -4485,6 +4725,9 @@ class SentBatch:
     # all in flight by construction, or one request)
     overlapped: Optional[bool] = None
     in_flight: Optional[int] = None  # scheduled: the most requests at the server at once
+    # one request's cache key (copies under the bypass): a repeat under it is served from
+    # the cache its prefill filled (the cache check)
+    cache_key: Optional[str] = None
 
     def evidence(self, deltas: List[Delta], baseline: Completion) -> List[Evidence]:
         n = len(self.completions)
@@ -4495,18 +4738,7 @@ class SentBatch:
                 for c, d, k, b in zip(self.completions, deltas, cached, beside)]
 
 
-def most_in_flight(sent: Sequence[float], answered: Sequence[float]) -> Tuple[int, List[int]]:
-    """From each request's send and answer times: the most requests at the server at once,
-    and how many others each one had beside it."""
-    events = sorted([(t, 1) for t in sent] + [(t, -1) for t in answered],
-                    key=lambda e: (e[0], e[1]))
-    most = now = 0
-    for _, step in events:
-        now += step
-        most = max(most, now)
-    beside = [sum(1 for j in range(len(sent)) if j != i and sent[j] < answered[i]
-                  and sent[i] < answered[j]) for i in range(len(sent))]
-    return most, beside
+
 
 
 @dataclass
@@ -4524,13 +4756,19 @@ class Sender:
         """The sender of a traffic shape (TRAFFIC_SHAPES; what each measures: --mode help)."""
         return {"copies": self.copies, "concurrent": self.concurrent, "mixed": self.mixed}[traffic]
 
+    @property
+    def executor(self) -> Executor:
+        """What sends its requests, to its server, under its cache policy."""
+        return Executor(self.client, self.adapter, self.model, self.isolate)
+
     def one_request(self, prompts: List[str], cache_key: Optional[str] = None) -> SentBatch:
-        answer, seconds = generate(self.client, self.adapter, self.model, prompts, self.sampling,
-                                   self.isolate, cache_key)
-        completions = parsed("the answer", self.adapter.completions, answer, len(prompts), True)
-        return SentBatch(completions, seconds,
-                         parsed("the answer", self.adapter.cached_tokens, answer),
-                         parsed("the answer", self.adapter.cached_per_prompt, answer, prompts))
+        if cache_key is None and self.isolate:
+            cache_key = fresh_cache_key()  # kept: a repeat under it is served from the cache
+        sent = send_requests(self.executor, [Request(tuple(prompts), self.sampling, cache_key)],
+                             "the request")
+        answer = sent.answers[0]
+        return SentBatch(answer.completions, sent.seconds, answer.cached_tokens, answer.cached,
+                         cache_key=cache_key)
 
     def copies(self, prompt: str, n: int, seed: int, cache_key: Optional[str] = None) -> SentBatch:
         """n copies of the prompt in one request (cache_key: see EngineAdapter.body), each with
@@ -4546,79 +4784,26 @@ class Sender:
                                    cached=[batch.cached[position]], beside=[n - 1])
 
     def concurrent(self, prompt: str, n: int, seed: int) -> SentBatch:
-        """n one-prompt requests in flight at once, as independent clients send them. A thread
-        per request opens its connection; once every one is ready (a barrier that only the
-        sender waits at, so no thread wakes while the requests go out), every request is
-        written in one loop, each a single prebuilt write, so they reach the server within
-        milliseconds; then each thread reads its own answer. With a --request-rate the
-        requests go out one by one on their schedule, each thread reading its answer as soon
-        as its request is out, so that the batch shows which requests were at the server
-        together (SentBatch.beside, in_flight). Each request keeps its own cached-token
-        count."""
+        """n one-prompt requests in flight at once, as independent clients send them: all at
+        once (a burst), or one by one on the --request-rate schedule, so that the batch shows
+        which requests were at the server together (SentBatch.beside, in_flight); see
+        send_requests. Each request keeps its own cached-token count."""
         if n == 1:
             return self.copies(prompt, 1, seed)
-        allow_open_files(n)
-        body = self.adapter.body  # a fresh body a request: each takes a cache key of its own
-        posts = [Exchange(self.client, "POST", self.adapter.generate_path,
-                          body(self.model, [prompt], self.sampling, self.isolate))
-                 for _ in range(n)]
-        outcomes: List[Any] = [None] * n  # what failed, or (completion, cached tokens)
-        ready, all_sent = threading.Semaphore(0), threading.Event()
-        # A burst's threads wait for every request to be out; scheduled ones for their own
-        went = [threading.Event() for _ in range(n)] if self.arrivals.rate else [all_sent] * n
-        sent_at: List[Optional[float]] = [None] * n
-        answered_at: List[Optional[float]] = [None] * n
-
-        def client_thread(i: int) -> None:
-            try:
-                posts[i].connect()
-            except BaseException as err:  # raised in the sending thread, by failed_outcome
-                outcomes[i] = err
-            ready.release()
-            went[i].wait()
-            if outcomes[i] is None:
-                try:
-                    answer = posts[i].answer()
-                    answered_at[i] = CLOCK()
-                    outcomes[i] = (
-                        parsed("the answer", self.adapter.completions, answer, 1, True)[0],
-                        parsed("the answer", self.adapter.cached_tokens, answer))
-                except BaseException as err:
-                    outcomes[i] = err
-
-        schedule = self.arrivals.schedule(n, seed + n)
-        start = 0.0
-
-        def send_all() -> None:
-            nonlocal start
-            try:
-                for _ in range(n):
-                    ready.acquire()
-                start = CLOCK()
-                for i, post in enumerate(posts):
-                    if outcomes[i] is None:
-                        try:
-                            self.arrivals.wait_until(start + schedule[i])
-                            sent_at[i] = CLOCK()
-                            post.send()
-                        except BaseException as err:
-                            outcomes[i] = err
-                    went[i].set()
-            finally:
-                all_sent.set()  # even on a second stop signal: no thread waits for ever
-                for event in went:
-                    event.set()
-
-        in_threads([functools.partial(client_thread, i) for i in range(n)], send_all)
-        seconds = CLOCK() - start
-        failed_outcome(outcomes, "concurrent requests")
-        cached = [o[1] for o in outcomes]
+        requests = [Request((prompt,), self.sampling, at=at)
+                    for at in self.arrivals.schedule(n, seed + n)]
+        sent = send_requests(self.executor, requests, "concurrent requests",
+                             arrivals=self.arrivals)
+        answers = sent.answers
+        cached = [answer.cached_tokens for answer in answers]
         counted = [c for c in cached if c is not None]
-        batch = SentBatch([o[0] for o in outcomes], seconds, sum(counted) if counted else None,
-                          cached, send_spread=round(sent_at[-1] - sent_at[0], 6))
+        batch = SentBatch([answer.completions[0] for answer in answers], sent.seconds,
+                          sum(counted) if counted else None, cached,
+                          send_spread=round(answers[-1].sent - answers[0].sent, 6))
         if self.arrivals.rate:  # which requests were at the server together?
-            batch.in_flight, batch.beside = most_in_flight(sent_at, answered_at)
-            batch.overlapped = batch.in_flight > 1
+            batch.in_flight = sent.in_flight
+            batch.beside = [answer.beside for answer in answers]
+            batch.overlapped = sent.in_flight > 1
         return batch
 
 
@@ -4721,7 +4906,8 @@ class SizeResult:
     seconds: float
     runs_matched: int
     cached_tokens: Optional[int]  # over every pass, where the server says
-    checks: Dict[str, Any] = field(metadata=saved(parts=True))  # SweepCheck.size_part
+    # each check's record over the size's passes (SweepCheck.summary_part, sizes None)
+    checks: Dict[str, Any] = field(metadata=saved(parts=True))
     distinct_texts: List[str]
     runs: List[BatchRow]
     # scheduled concurrent traffic: False when no pass's requests were ever in flight together
@@ -4741,7 +4927,8 @@ class SizeResult:
         reached = [r.in_flight for r in runs if r.in_flight is not None]
         parts = {}
         for check in checks:
-            part = check.size_part([r.checks[check.NAME] for r in runs if check.NAME in r.checks])
+            part = check.summary_part([r.checks[check.NAME] for r in runs
+                                       if check.NAME in r.checks], None)
             if part is not None:
                 parts[check.NAME] = part
         return cls(batch_size=batch_size, bucket=bucket,
@@ -4951,6 +5138,11 @@ class SweepRun:
     out: Out
 
 
+def samples_unseeded(sampling: Sampling, facts: ServerFacts) -> bool:
+    """Sampling that the server does not seed: its differences may be plain sampling noise."""
+    return sampling.temperature > 0 and facts.seed_honoured is False
+
+
 # The rules no check's verdict may break, kept here and nowhere else: every check's verdict
 # is worded by check_verdict from what it found (CheckFinding), and tests/test_check_rules.py
 # runs every entry of SWEEP_CHECKS against the practice engine's faults to hold them to it
@@ -4996,26 +5188,35 @@ def check_verdict(found: CheckFinding) -> str:
         return CONTROL_MOVED
     if found.moved:
         verdict = found.moved
-    elif found.uncompared:
-        verdict = found.held_where_compared or found.held.replace("every", "each compared")
+    elif found.uncompared or found.failure:
+        verdict = found.held_where_compared or found.held
     else:
         return found.held
-    return verdict + "".join("; %s" % part for part in found.uncompared)
+    stopped = ["then stopped: the server could not serve it (%s)" % found.failure
+               ] if found.failure else []
+    return verdict + "".join("; %s" % part for part in list(found.uncompared) + stopped)
 
 
 class SweepCheck:
-    """One check a sweep runs beside its comparison of every batch with batch 1. Each check
-    is one section below, and one entry of SWEEP_CHECKS; the sweep calls these hooks in
-    order and names no check. Every hook has a default that does nothing, so a check defines
-    what it uses; its state while it runs is kept in the check, never in the options.
+    """One check a sweep runs beside its comparison of every batch with batch 1: its name and
+    --expect values, its options (add_arguments, from_args, params), what the server's
+    limits refuse before the first request (open), the requests it adds for a prompt and
+    batch and what it reads of their answers (batch_part), and its summary record
+    (summary_part). Each check is one section below, and one entry of SWEEP_CHECKS; the
+    sweep names no check. Every member has a default that does nothing, so a check defines
+    what it uses; its state while it runs is kept in the check, never in the options. The
+    host writes the --expect line, the check's lines and the saved params from what these
+    give (check_expectation; the summary record's lines), and every verdict is worded by
+    check_verdict.
 
     Its records (a batch's part, a size's part, the summary's part) are saved where the core
     saves its parts, each as its own class's SAVED_AS says (saved(): under a name, or flat
     behind a prefix)."""
 
     NAME = ""  # the key its parts are kept under in rows, sizes and the summary
-    EXPECT: Tuple[str, ...] = ()  # the --expect values it answers
-    EXPECT_HELP = ""  # what --help says of them
+    # the --expect values it answers, each with what --help says of it; the host writes the
+    # expect line from its summary record (check_expectation)
+    EXPECT: Dict[str, str] = {}
 
     @classmethod
     def add_arguments(cls, group: argparse._ArgumentGroup) -> None:
@@ -5030,36 +5231,24 @@ class SweepCheck:
         """What the saved params hold of it."""
         return {}
 
-    def open(self, run: SweepRun) -> None:
+    def open(self, run: SweepRun) -> List[str]:
         """Once the server is known, before the first generation request: refuse
-        (UsageError) what the server's stated limits cannot serve."""
-
-    def header_lines(self, run: SweepRun) -> List[str]:
+        (UsageError) what the server's stated limits cannot serve; its lines in the header."""
         return []
-
-    def send(self, run: SweepRun, prompt: str, n: int) -> Optional[SentBatch]:
-        """Batch size n sent its way, taking over the traffic shape's send; None: not."""
-        return None
 
     def batch_part(self, run: SweepRun, prompt: str, n: int, batch: SentBatch) -> Any:
         """Its record of one pass of one batch size (None: nothing)."""
         return None
 
-    def size_part(self, parts: List[Any]) -> Any:
-        """Its record of a batch size over every pass, from the passes' parts."""
+    def summary_part(self, parts: List[Any], sizes: Optional[List[SizeResult]]) -> Any:
+        """Its summary record over some passes, from their parts: of the whole sweep (sizes:
+        every size so far), or of one batch size (sizes None; None: it keeps no such
+        record). The record has its verdict (worded by check_verdict), whether it held, what
+        it compared, its lines (lines(sizes)), and what the expect line says (WHAT,
+        evidence)."""
         return None
 
-    def summary_part(self, parts: List[Any], sizes: List[SizeResult]) -> Any:
-        """Its record of the whole sweep, from every pass's part."""
-        return None
 
-    def summary_lines(self, summary: SweepSummary, sizes: List[SizeResult]) -> List[str]:
-        """Its lines after the summary line (a Bold one states its verdict)."""
-        return []
-
-    def expectation(self, expect: str, summary: SweepSummary) -> Tuple[bool, str]:
-        """--expect of one of its EXPECT: (held, the line that says so)."""
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -5266,9 +5455,10 @@ class CacheSummary:
 
     @classmethod
     def of(cls, checked: Sequence[CacheComparison], unseeded: bool = False,
-           control_moved: bool = False) -> "CacheSummary":
+           control_moved: bool = False, failure: Optional[str] = None) -> "CacheSummary":
         """unseeded: sampled at temperature > 0 by a server that ignores the seed;
-        control_moved: the run-to-run control (batch 1's passes, each cold) moved."""
+        control_moved: the run-to-run control (batch 1's passes, each cold) moved; failure:
+        why the server could not serve it, if it could not."""
         verified = [c for c in checked if c.cold_cached_tokens == 0 and (c.cached_tokens or 0) > 0]
         # a batch compares a hit with a cold prefill unless its counts show it did not: its
         # repeat not served (0), or its cold request served; without counts it is unverified
@@ -5292,7 +5482,8 @@ class CacheSummary:
                             "count 0)", "their repeat was not served from the cache")
             + part(cold_hit, "every cold request was itself served from the cache",
                    "their cold request was itself served from the cache"),
-            compares_runs=True, control_moved=control_moved, unseeded=unseeded))
+            failure=failure, compares_runs=True, control_moved=control_moved,
+            unseeded=unseeded))
         steps = [c.first_step for c in checked if c.first_step is not None]
         return cls(verdict, len(checked), max((c.max_ulp for c in checked), default=None),
                    min(steps) if steps else None, len(verified))
@@ -5307,6 +5498,20 @@ class CacheSummary:
         they compared no hit are named in the verdict, and asked nothing of)."""
         return self.verdict.split(";")[0] == CACHE_EQUAL and self.verified > 0
 
+    WHAT: ClassVar[str] = "cache check"
+
+    @property
+    def evidence(self) -> str:
+        return "max ULP 0 over %d batches with a cold request" % self.verified
+
+    def lines(self, sizes: List["SizeResult"]) -> List[str]:
+        """Its lines after the sweep's summary line (a Bold one states its verdict)."""
+        part = self
+        return [Bold("cache check, over %d batches each sent again from the cache (%d with a "
+                     "cold request the cache did not serve): max ULP %s, first differing step "
+                     "%s: %s" % (part.batches, part.verified, fmt_opt(part.max_ulp, "?"),
+                                 fmt_opt(part.first_step), part.verdict))]
+
 
 class CacheCheck(SwitchedCheck):
     """--cache-check: every batch is sent cold with a cache key of its own, then at once again
@@ -5319,13 +5524,13 @@ class CacheCheck(SwitchedCheck):
     HELP = ("also send every batch again at once, with the cold request's cache key, so that "
             "the prefix cache serves it, and compare it with the cold one bitwise; the "
             "cached-token counts prove the hit (copies traffic, bypass)")
-    EXPECT = ("cache-equal",)
-    EXPECT_HELP = "(with --cache-check) a verified cache hit equals the cold prefill bitwise"
+    EXPECT = {"cache-equal": "(with --cache-check) a verified cache hit equals the cold prefill "
+              "bitwise"}
 
     def __init__(self, asked: bool = False):
         super().__init__(asked)
-        self.keys: Dict[int, str] = {}  # batch size -> the cache key its cold request took
         self.unseeded = False  # its runs sampled by a server that ignores the seed
+        self.failure: Optional[str] = None  # why the server could not serve it
 
     @classmethod
     def refuse(cls, args: argparse.Namespace, asked: SweepAsked) -> None:
@@ -5333,49 +5538,32 @@ class CacheCheck(SwitchedCheck):
             raise UsageError("--cache-check goes with --traffic copies and --prefix-cache bypass "
                              "(its cold request must be cold)")
 
-    def send(self, run: SweepRun, prompt: str, n: int) -> Optional[SentBatch]:
-        """The batch, sent cold under a fresh cache key (kept for its repeat)."""
-        if not self.asked:
-            return None
-        self.keys[n] = fresh_cache_key()
-        return run.sender.copies(prompt, n, run.cfg.sweep.seed, self.keys[n])
-
     def batch_part(self, run: SweepRun, prompt: str, n: int,
                    batch: SentBatch) -> Optional[CacheComparison]:
         """The same batch again under the cold one's key, against the cold one."""
-        if not self.asked:
+        if not self.asked or self.failure is not None:
             return None
         self.unseeded = samples_unseeded(run.cfg.sampling, run.facts)
         try:
-            warm = run.sender.copies(prompt, n, run.cfg.sweep.seed, self.keys.pop(n))
+            warm = run.sender.copies(prompt, n, run.cfg.sweep.seed, batch.cache_key)
         except ServerError as err:
-            raise ServerError("cache check at batch size %d: %s" % (n, err)) from None
+            if err.kind == ServerError.NETWORK:  # the server itself is gone: the sweep stops
+                raise ServerError("cache check at batch size %d: %s" % (n, err)) from None
+            self.failure = str(err)
+            run.out.warn("the cache check stops at batch size %d, the sweep goes on: %s"
+                         % (n, err))
+            return None
         return CacheComparison.of(batch, warm, run.sender.adapter.logprob_clamps)
 
-    def summary_part(self, parts: List[Any], sizes: List[SizeResult]) -> Optional[CacheSummary]:
-        if not self.asked:
+    def summary_part(self, parts: List[Any],
+                     sizes: Optional[List[SizeResult]]) -> Optional[CacheSummary]:
+        if not self.asked or sizes is None:
             return None
         # the run-to-run control: batch 1 sent cold again in each pass (the same request alone)
         control_moved = any(s.batch_size == 1 and s.runs_matched < len(s.runs) for s in sizes)
-        return CacheSummary.of(parts, self.unseeded, control_moved)
+        return CacheSummary.of(parts, self.unseeded, control_moved, self.failure)
 
-    def summary_lines(self, summary: SweepSummary, sizes: List[SizeResult]) -> List[str]:
-        part = summary.checks.get(self.NAME)
-        if part is None:
-            return []
-        return [Bold("cache check, over %d batches each sent again from the cache (%d with a "
-                     "cold request the cache did not serve): max ULP %s, first differing step "
-                     "%s: %s" % (part.batches, part.verified, fmt_opt(part.max_ulp, "?"),
-                                 fmt_opt(part.first_step), part.verdict))]
 
-    def expectation(self, expect: str, summary: SweepSummary) -> Tuple[bool, str]:
-        """--expect cache-equal: (held, the line that says so)."""
-        part = summary.checks[self.NAME]
-        if not part.held:
-            return False, ("expectation failed: --expect cache-equal, but the cache check "
-                           "found: %s" % part.verdict)
-        return (True, "expect cache-equal: held (max ULP 0 over %d batches with a cold request)"
-                % part.verified)
 
 
 # ----------------------------------------------------------------------------
@@ -5383,6 +5571,15 @@ class CacheCheck(SwitchedCheck):
 
 PREFILL_AGREE = "decode and prefill agree bitwise"  # the prefill check's verdict, kept apart
 PREFILL_DIFFER = "decode and prefill differ"
+
+
+def margin_text(margin: Optional[Margin]) -> str:
+    """A near-tie margin as the table shows it."""
+    if not margin:
+        return "-"
+    if margin.note:
+        return margin.note
+    return "%s ULP" % fmt_opt(margin.ulp, "?")
 
 
 @dataclass(frozen=True)
@@ -5410,6 +5607,7 @@ class PrefillSummary:
     behind "prefill_")."""
 
     SAVED_AS: ClassVar[Dict[str, Any]] = saved(flat="prefill_")
+    KEY: ClassVar[str] = "prefill"  # PrefillCheck.NAME: where each size keeps its record
 
     checked: int = field(metadata=NOT_SAVED)  # batches the check ran on
     max_ulp: Optional[int]
@@ -5454,6 +5652,34 @@ class PrefillSummary:
     def held(self) -> bool:
         return self.verdict == PREFILL_AGREE
 
+    WHAT: ClassVar[str] = "prefill check"
+
+    @property
+    def evidence(self) -> str:
+        return "max ULP 0 over %d tokens" % self.tokens
+
+    def lines(self, sizes: List["SizeResult"]) -> List[str]:
+        """Its lines after the sweep's summary line (a Bold one states its verdict)."""
+        part = self
+        per_size = ", ".join(
+            "%d: %s" % (size.batch_size, fmt_opt(size.checks.get(self.KEY)
+                                                 and size.checks[self.KEY].max_ulp, "?"))
+            for size in sizes)
+        lines = ["prefill check, max ULP per batch size: %s" % per_size]
+        margin = ""
+        if part.margin:
+            margin = " (there, the decode's runner-up was %s behind)" % margin_text(part.margin)
+        lines.append(Bold("prefill check: max ULP %s, first differing step %s%s: %s"
+                          % (fmt_opt(part.max_ulp, "?") + ("*" if part.notes else ""),
+                             fmt_opt(part.first_step), margin, part.verdict)))
+        if part.notes:
+            lines.append("  * %s" % "; ".join(ULP_NOTE_TEXT.get(n, n) for n in part.notes))
+        if part.divergent:
+            lines.append("prefill check, KL(decode || prefill), K3 estimate over the %d divergent "
+                         "of %d tokens: mean %.3g, max %.3g" %
+                         (part.divergent, part.tokens, part.kl_mean, part.kl_max))
+        return lines
+
 
 @dataclass
 class KlEstimate:
@@ -5492,13 +5718,7 @@ def runner_up_margin(c: Completion, step: int, clamps: Sequence[float] = ()) -> 
     return Margin(logprob=top[chosen] - best, ulp=ulp)
 
 
-def margin_text(margin: Optional[Margin]) -> str:
-    """A near-tie margin as the table shows it."""
-    if not margin:
-        return "-"
-    if margin.note:
-        return margin.note
-    return "%s ULP" % fmt_opt(margin.ulp, "?")
+
 
 
 class PrefillCheck(SwitchedCheck):
@@ -5509,13 +5729,12 @@ class PrefillCheck(SwitchedCheck):
     cost is one request per distinct sequence (plus one per prompt to learn its ids), not one
     per completion."""
 
-    NAME = "prefill"
+    NAME = PrefillSummary.KEY
     OPTION = "--prefill-check"
     HELP = ("also read every distinct completion back as one token-id prompt and compare each "
             "token's decode-time logprob with its prefill-time one (what RL training on-policy "
             "needs; see --mode help)")
-    EXPECT = ("prefill-equal",)
-    EXPECT_HELP = "(with --prefill-check) decode and prefill agree bitwise"
+    EXPECT = {"prefill-equal": "(with --prefill-check) decode and prefill agree bitwise"}
 
     def __init__(self, asked: bool = False) -> None:
         super().__init__(asked)
@@ -5582,43 +5801,13 @@ class PrefillCheck(SwitchedCheck):
                           tokens=compared, divergent=kl.divergent, kl_sum=kl.total,
                           kl_max=kl.largest if kl.divergent else None)
 
-    def size_part(self, parts: List[Any]) -> Optional[PrefillSummary]:
-        return PrefillSummary.of(parts) if parts else None
-
     def summary_part(self, parts: List[Any],
-                     sizes: List[SizeResult]) -> Optional[PrefillSummary]:
+                     sizes: Optional[List[SizeResult]]) -> Optional[PrefillSummary]:
+        if sizes is None:  # a batch size's passes
+            return PrefillSummary.of(parts) if parts else None
         return PrefillSummary.of(parts).judged(self.failure) if self.asked else None
 
-    def summary_lines(self, summary: SweepSummary, sizes: List[SizeResult]) -> List[str]:
-        part = summary.checks.get(self.NAME)
-        if part is None:
-            return []
-        per_size = ", ".join(
-            "%d: %s" % (size.batch_size, fmt_opt(size.checks.get(self.NAME)
-                                                 and size.checks[self.NAME].max_ulp, "?"))
-            for size in sizes)
-        lines = ["prefill check, max ULP per batch size: %s" % per_size]
-        margin = ""
-        if part.margin:
-            margin = " (there, the decode's runner-up was %s behind)" % margin_text(part.margin)
-        lines.append(Bold("prefill check: max ULP %s, first differing step %s%s: %s"
-                          % (fmt_opt(part.max_ulp, "?") + ("*" if part.notes else ""),
-                             fmt_opt(part.first_step), margin, part.verdict)))
-        if part.notes:
-            lines.append("  * %s" % "; ".join(ULP_NOTE_TEXT.get(n, n) for n in part.notes))
-        if part.divergent:
-            lines.append("prefill check, KL(decode || prefill), K3 estimate over the %d divergent "
-                         "of %d tokens: mean %.3g, max %.3g" %
-                         (part.divergent, part.tokens, part.kl_mean, part.kl_max))
-        return lines
 
-    def expectation(self, expect: str, summary: SweepSummary) -> Tuple[bool, str]:
-        """--expect prefill-equal: (held, the line)."""
-        part = summary.checks[self.NAME]
-        if part.verdict != PREFILL_AGREE:
-            return False, ("expectation failed: --expect prefill-equal, but the prefill check "
-                           "found: %s" % part.verdict)
-        return True, "expect prefill-equal: held (max ULP 0 over %d tokens)" % part.tokens
 
 
 # ----------------------------------------------------------------------------
@@ -5629,6 +5818,11 @@ NEIGHBOUR_STREAMS = 3  # clients that keep neighbours coming while it decodes
 NEIGHBOUR_IDS = (100, 1000)  # a neighbour's fresh random token ids: inside any vocabulary
 MAX_NEIGHBOUR_TOKENS = 100000  # a neighbour prompt longer than this fits no context
 NEIGHBOURS_HELD = "held beside every neighbour length"
+
+
+def fmt_nats(nats: float) -> str:
+    """A drift in nats as the table shows it: 0 where nothing moved, else two figures."""
+    return "0" if not nats else "%.2g" % nats
 
 
 @dataclass(frozen=True)
@@ -5662,7 +5856,8 @@ class NeighbourLength:
         """Why none of its runs compared anything."""
         why = []
         if self.served:
-            why.append("the cache served %d run%s" % (self.served, "" if self.served == 1 else "s"))
+            why.append("the cache served %d run%s"
+                       % (self.served, "" if self.served == 1 else "s"))
         if self.alone:
             why.append("no neighbour overlapped %d run%s"
                        % (self.alone, "" if self.alone == 1 else "s"))
@@ -5728,6 +5923,32 @@ class NeighbourSummary:
     def held(self) -> bool:
         return self.verdict == NEIGHBOURS_HELD
 
+    WHAT: ClassVar[str] = "neighbour check"
+
+    @property
+    def evidence(self) -> str:
+        return "%d runs beside neighbours" % self.compared
+
+    def lines(self, sizes: List["SizeResult"]) -> List[str]:
+        """Its lines after the sweep's summary line (a Bold one states its verdict)."""
+        part = self
+        lines = []
+        if part.control_runs:
+            lines.append("neighbour check, control (the request alone, again): %d of %d runs "
+                         "equal to the lone run" % (part.control_equal, part.control_runs))
+        for p in part.lengths:
+            moved = "" if p.first_step is None else ", %s first moved at step %d" % (
+                p.first_moved or "logprobs", p.first_step)
+            lines.append("neighbour check, %d tokens beside: %d of %d runs equal to the lone run"
+                         "%s, max ULP %d, max %s nats%s%s"
+                         % (p.length, p.equal, p.runs, moved, p.max_ulp, fmt_nats(p.max_nats),
+                            " (%d run%s no neighbour overlapped: not compared)"
+                            % (p.alone, "" if p.alone == 1 else "s") if p.alone else "",
+                            " (%d run%s the cache served: not compared)"
+                            % (p.served, "" if p.served == 1 else "s") if p.served else ""))
+        lines.append(Bold("neighbour check: %s" % part.verdict))
+        return lines
+
 
 def parse_lengths(text: str) -> List[int]:
     """--neighbours: comma-separated prompt lengths, each a whole number of tokens."""
@@ -5744,9 +5965,7 @@ def parse_lengths(text: str) -> List[int]:
     return lengths
 
 
-def fmt_nats(nats: float) -> str:
-    """A drift in nats as the table shows it: 0 where nothing moved, else two figures."""
-    return "0" if not nats else "%.2g" % nats
+
 
 
 class NeighbourCheck(SweepCheck):
@@ -5759,8 +5978,8 @@ class NeighbourCheck(SweepCheck):
     neighbour overlapped, or that the cache served, compares nothing."""
 
     NAME = "neighbours"
-    EXPECT = ("neighbours-equal",)
-    EXPECT_HELP = "(with --neighbours) batch 1 held bitwise beside every neighbour length"
+    EXPECT = {"neighbours-equal": "(with --neighbours) batch 1 held bitwise beside every "
+              "neighbour length"}
 
     def __init__(self, lengths: Sequence[int] = ()):
         self.lengths = list(lengths)
@@ -5788,7 +6007,7 @@ class NeighbourCheck(SweepCheck):
         return {"neighbours": self.lengths, "neighbour_runs": NEIGHBOUR_RUNS,
                 "neighbour_streams": NEIGHBOUR_STREAMS}
 
-    def open(self, run: SweepRun) -> None:
+    def open(self, run: SweepRun) -> List[str]:
         """Every neighbour prompt, and the one token it writes, must fit the server."""
         limit = run.facts.max_model_len
         if self.lengths and is_count(limit) and max(self.lengths) + 1 > limit:
@@ -5797,8 +6016,6 @@ class NeighbourCheck(SweepCheck):
                 "server's maximum model length of %d tokens (%s): give lengths below %d"
                 % (max(self.lengths), limit, run.facts.max_model_len_source or "the server",
                    limit))
-
-    def header_lines(self, run: SweepRun) -> List[str]:
         if not self.lengths:
             return []
         return ["        neighbours: batch 1 again %d times beside %d clients prefilling "
@@ -5810,42 +6027,19 @@ class NeighbourCheck(SweepCheck):
         """One run of the measured prompt beside neighbours of length tokens: its delta from
         the lone run (None: it compared nothing), how many neighbours overlapped it, and
         whether the cache served it."""
-        sender, done = run.sender, threading.Event()
-        window: List[float] = []  # the measured request's send and answer times
-        spans: List[Tuple[float, float]] = []  # each neighbour's, in the order answered
-        lock = threading.Lock()
-        model = sender.model
+        sender = run.sender
 
-        def neighbours() -> None:
-            while not done.is_set() and not STOP.event.is_set():
-                with lock:
-                    ids = [self.rng.randrange(*NEIGHBOUR_IDS) for _ in range(length)]
-                sent = CLOCK()
-                sender.client.request(sender.adapter.generate_path,
-                                      sender.adapter.prefill_only_body(model, ids))
-                with lock:
-                    spans.append((sent, CLOCK()))
+        def neighbour() -> Request:  # fresh random token ids, the same run to run
+            ids = tuple(self.rng.randrange(*NEIGHBOUR_IDS) for _ in range(length))
+            return Request((), sender.sampling, ids=ids)
 
-        def measured() -> Optional[SentBatch]:
-            try:
-                window.append(CLOCK())
-                batch = sender.copies(prompt, 1, run.cfg.sweep.seed)
-                window.append(CLOCK())
-                return batch
-            finally:
-                done.set()
-
-        found: List[Any] = [None]
-        outcomes = in_threads([neighbours] * NEIGHBOUR_STREAMS,
-                              lambda: found.__setitem__(0, measured()))
-        failed_outcome(outcomes, "neighbour requests")
-        batch = found[0]
-        start, end = window
-        overlapped = sum(1 for a, b in spans if a < end and b > start)
-        served = (batch.cached_tokens or 0) > 0
+        sent = send_requests(sender.executor, [Request((prompt,), sender.sampling)],
+                             "neighbour requests", beside=neighbour, streams=NEIGHBOUR_STREAMS)
+        answer, overlapped = sent.answers[0], sent.background
+        served = (answer.cached_tokens or 0) > 0
         if not overlapped or served:
             return None, overlapped, served
-        return compare_completions(lone, batch.completions[0],
+        return compare_completions(lone, answer.completions[0],
                                    sender.adapter.logprob_clamps), overlapped, served
 
     def control(self, run: SweepRun, prompt: str, lone: Completion) -> int:
@@ -5895,37 +6089,12 @@ class NeighbourCheck(SweepCheck):
         return NeighbourRow(parts, 1, control)
 
     def summary_part(self, parts: List[Any],
-                     sizes: List[SizeResult]) -> Optional[NeighbourSummary]:
-        return NeighbourSummary.of(parts, self.failure, self.unseeded) if self.lengths else None
+                     sizes: Optional[List[SizeResult]]) -> Optional[NeighbourSummary]:
+        if not self.lengths or sizes is None:
+            return None
+        return NeighbourSummary.of(parts, self.failure, self.unseeded)
 
-    def summary_lines(self, summary: SweepSummary, sizes: List[SizeResult]) -> List[str]:
-        part = summary.checks.get(self.NAME)
-        if part is None:
-            return []
-        lines = []
-        if part.control_runs:
-            lines.append("neighbour check, control (the request alone, again): %d of %d runs "
-                         "equal to the lone run" % (part.control_equal, part.control_runs))
-        for p in part.lengths:
-            moved = "" if p.first_step is None else ", %s first moved at step %d" % (
-                p.first_moved or "logprobs", p.first_step)
-            lines.append("neighbour check, %d tokens beside: %d of %d runs equal to the lone run"
-                         "%s, max ULP %d, max %s nats%s%s"
-                         % (p.length, p.equal, p.runs, moved, p.max_ulp, fmt_nats(p.max_nats),
-                            " (%d run%s no neighbour overlapped: not compared)"
-                            % (p.alone, "" if p.alone == 1 else "s") if p.alone else "",
-                            " (%d run%s the cache served: not compared)"
-                            % (p.served, "" if p.served == 1 else "s") if p.served else ""))
-        lines.append(Bold("neighbour check: %s" % part.verdict))
-        return lines
 
-    def expectation(self, expect: str, summary: SweepSummary) -> Tuple[bool, str]:
-        part = summary.checks[self.NAME]
-        if not part.held:
-            return False, ("expectation failed: --expect neighbours-equal, but the neighbour "
-                           "check found: %s" % part.verdict)
-        return True, ("expect neighbours-equal: held (%d runs beside neighbours)"
-                      % sum(p.runs for p in part.lengths))
 
 
 # ----------------------------------------------------------------------------
@@ -5998,6 +6167,23 @@ class ObserverSummary:
     def held(self) -> bool:
         return self.verdict == OBSERVER_HELD
 
+    WHAT: ClassVar[str] = "observer check"
+
+    @property
+    def evidence(self) -> str:
+        return "%d runs with logprobs" % self.compared
+
+    def lines(self, sizes: List["SizeResult"]) -> List[str]:
+        """Its lines after the sweep's summary line (a Bold one states its verdict)."""
+        part = self
+        held = ", ".join("top-%d %d/%d" % (s.logprobs, s.equal, s.runs) if s.runs else
+                         "top-%d not asked" % s.logprobs
+                         for s in part.settings if s.logprobs is not None)
+        control = ", control %d/%d" % next(((s.equal, s.runs) for s in part.settings
+                                            if s.logprobs is None), (0, 0))
+        return [Bold("observer check (runs whose text equals the one with no logprobs: %s%s): %s"
+                     % (held, control, part.verdict))]
+
 
 class ObserverCheck(SwitchedCheck):
     """--observer-check: in every pass, batch 1's prompt is sent once with no logprobs asked,
@@ -6009,8 +6195,8 @@ class ObserverCheck(SwitchedCheck):
     OPTION = "--observer-check"
     HELP = ("also send batch 1 with no logprobs asked, then with top-0, 5 and 20 lists, and "
             "compare what is generated: asking for logprobs must not change it")
-    EXPECT = ("observer-equal",)
-    EXPECT_HELP = "(with --observer-check) the text held with and without logprobs"
+    EXPECT = {"observer-equal": "(with --observer-check) the text held with and without "
+              "logprobs"}
 
     def __init__(self, asked: bool = False):
         super().__init__(asked)
@@ -6019,12 +6205,10 @@ class ObserverCheck(SwitchedCheck):
         self.allowed: Optional[int] = None  # the most top logprobs the server allows, if said
 
     def once(self, run: SweepRun, prompt: str, logprobs: Optional[int]) -> str:
-        sender = run.sender
         sampling = dataclasses.replace(run.cfg.sampling, logprobs=logprobs)
-        answer, _ = generate(sender.client, sender.adapter, sender.model, [prompt], sampling,
-                             sender.isolate)
-        found = parsed("the answer", sender.adapter.completions, answer, 1, logprobs is not None)
-        return found[0].text
+        sent = send_requests(run.sender.executor, [Request((prompt,), sampling)],
+                             "the observer check's request")
+        return sent.answers[0].completions[0].text
 
     def batch_part(self, run: SweepRun, prompt: str, n: int,
                    batch: SentBatch) -> Optional[ObserverRow]:
@@ -6053,29 +6237,12 @@ class ObserverCheck(SwitchedCheck):
         return ObserverRow(settings)
 
     def summary_part(self, parts: List[Any],
-                     sizes: List[SizeResult]) -> Optional[ObserverSummary]:
-        return (ObserverSummary.of(parts, self.failure, self.unseeded, self.allowed)
-                if self.asked else None)
+                     sizes: Optional[List[SizeResult]]) -> Optional[ObserverSummary]:
+        if not self.asked or sizes is None:
+            return None
+        return ObserverSummary.of(parts, self.failure, self.unseeded, self.allowed)
 
-    def summary_lines(self, summary: SweepSummary, sizes: List[SizeResult]) -> List[str]:
-        part = summary.checks.get(self.NAME)
-        if part is None:
-            return []
-        held = ", ".join("top-%d %d/%d" % (s.logprobs, s.equal, s.runs) if s.runs else
-                         "top-%d not asked" % s.logprobs
-                         for s in part.settings if s.logprobs is not None)
-        control = ", control %d/%d" % next(((s.equal, s.runs) for s in part.settings
-                                            if s.logprobs is None), (0, 0))
-        return [Bold("observer check (runs whose text equals the one with no logprobs: %s%s): %s"
-                     % (held, control, part.verdict))]
 
-    def expectation(self, expect: str, summary: SweepSummary) -> Tuple[bool, str]:
-        part = summary.checks[self.NAME]
-        if not part.held:
-            return False, ("expectation failed: --expect observer-equal, but the observer "
-                           "check found: %s" % part.verdict)
-        return True, "expect observer-equal: held (%d runs with logprobs)" % sum(
-            s.runs for s in part.settings if s.logprobs is not None)
 
 
 # ----------------------------------------------------------------------------
@@ -6356,7 +6523,8 @@ class LongPrompt:
 
 # --expect NAME of the sweep's own verdict, and what --help says of it
 SWEEP_EXPECT_HELP = {
-    "invariant": "the result is invariant (flag on)",
+    "invariant": "the result is invariant (flag on; needs --repeat 2 or more: batch 1 "
+    "repeated is its control)",
     "variant": "it shows a difference (flag off, the negative control)"}
 
 
@@ -6415,7 +6583,8 @@ class SweepOptions:
             "own tokenizer counts N within a few, instead of --prompt (to cross the "
             "chunked-prefill budget)")
         expects = dict(SWEEP_EXPECT_HELP)
-        expects.update((e, kind.EXPECT_HELP) for kind in SWEEP_CHECKS for e in kind.EXPECT)
+        for kind in SWEEP_CHECKS:
+            expects.update(kind.EXPECT)
         group.add_argument(
             "--expect", choices=tuple(expects),
             help="exit 1 unless " + "; ".join("%s: %s" % item for item in expects.items()))
@@ -6582,9 +6751,7 @@ def sweep_document(cfg: Config, facts: ServerFacts, prompts: List[Json], sizes: 
         "lab": dict(cfg.provenance, ended=None if summary.state == "running" else now_stamp())}
 
 
-def samples_unseeded(sampling: Sampling, facts: ServerFacts) -> bool:
-    """Sampling that the server does not seed: its differences may be plain sampling noise."""
-    return sampling.temperature > 0 and facts.seed_honoured is False
+
 
 
 def sweep_warnings(facts: ServerFacts, sizes: List[int], ladder_to: Optional[int],
@@ -6625,7 +6792,7 @@ def control_text(repeatable: Optional[bool], repeat: int, sweeps: List[PromptSwe
     return "no run-to-run control (batch 1's logprobs hold NaN, which compares to nothing)"
 
 
-def size_notes(size: SizeResult, checks: Sequence[SweepCheck], cache: CachePolicy) -> str:
+def size_notes(size: SizeResult, cache: CachePolicy) -> str:
     notes = []
     if size.overlapped is False:
         notes.append("requests never in flight together: not compared")
@@ -6649,7 +6816,7 @@ def fmt_share(share: Optional[float]) -> str:
     return "%.0f%%" % (100 * share)
 
 
-def size_row(s: SizeResult, checks: Sequence[SweepCheck], cache: CachePolicy) -> str:
+def size_row(s: SizeResult, cache: CachePolicy) -> str:
     """One batch size's row of the table."""
     ulp = str(s.max_ulp) + ("*" if s.ulp_notes else "")
     row = "  %5d  %6s  %8d  %8s  %12s  %11s  %10s  %7s  %8s  %9s  %14s  %7.2f  %s" % (
@@ -6657,7 +6824,7 @@ def size_row(s: SizeResult, checks: Sequence[SweepCheck], cache: CachePolicy) ->
         "%d/%d" % (s.same_as_baseline, s.completions), "%d/%d" % (s.runs_matched, len(s.runs)),
         fmt_opt(s.first_token_divergence), margin_text(s.divergence_margin), ulp,
         fmt_nats(s.max_nats), fmt_share(s.flip_risk), fmt_opt(s.first_ulp_step), s.seconds,
-        size_notes(s, checks, cache))
+        size_notes(s, cache))
     return row.rstrip()
 
 
@@ -6693,7 +6860,8 @@ class SweepTable:
         self.rows: Dict[int, Set[int]] = {}  # prompt number -> batch sizes whose rows are out
         self.closed: Set[int] = set()  # prompt numbers whose closing line is out
 
-    def header(self, run: SweepRun, sizes: List[int]) -> None:
+    def header(self, run: SweepRun, sizes: List[int], header: List[str]) -> None:
+        """header: the checks' own lines (SweepCheck.open)."""
         cfg, options, out, facts = self.cfg, self.options, self.out, run.facts
         for line in server_lines(as_record(facts), cfg.adapter, cfg.engine_detected):
             out.line(line)
@@ -6711,9 +6879,8 @@ class SweepTable:
                   options.cache.choice))
         for line in options.baseline_source.header_lines():
             out.line(line)
-        for check in options.checks:
-            for line in check.header_lines(run):
-                out.line(line)
+        for line in header:
+            out.line(line)
         long_prompt = options.long_prompt
         if long_prompt:
             budget, chunks = long_prompt.budget, long_prompt.chunks
@@ -6736,7 +6903,7 @@ class SweepTable:
                           % (number, total, shown, sweep.baseline_source))
             self.out.line(SWEEP_COLUMNS)
         self.rows[number].add(n)
-        self.out.line(size_row(sweep.size(n), self.options.checks, self.options.cache))
+        self.out.line(size_row(sweep.size(n), self.options.cache))
 
     def prompt_done(self, number: int, sweep: PromptSweep) -> None:
         self.closed.add(number)
@@ -6772,7 +6939,8 @@ class SweepTable:
         for line in options.baseline_source.summary_lines():
             out.line(line)
         for check in options.checks:
-            for line in check.summary_lines(summary, sizes):
+            part = summary.checks.get(check.NAME)
+            for line in part.lines(sizes) if part is not None else []:
                 if isinstance(line, Bold):
                     out.bold(line)
                 else:
@@ -6812,6 +6980,10 @@ def sweep_advice(flag: Optional[bool], hazards: Optional[List[Json]], expect: Op
     if sweep_verdict in VERDICT_ADVICE:
         text("")
         text(VERDICT_ADVICE[sweep_verdict])
+    elif unmeasured and sizes == [1] and any(k != CachePolicy.NAME for k in summary.checks):
+        text("")
+        text("Batch 1 only: this sweep ran for its checks, whose verdicts are above; it compared "
+             "no batch with batch 1 (give --sizes with larger batches to compare batching).")
     elif unmeasured:
         text("")
         if sweep_verdict == NO_DATA:
@@ -6879,21 +7051,32 @@ SWEEP_EXPECTATIONS: Dict[str, Callable[[SweepSummary], Tuple[bool, str]]] = {
     "variant": expect_variant}
 
 
+def check_expectation(check: SweepCheck, expect: str, summary: SweepSummary) -> Tuple[bool, str]:
+    """--expect of a check's: held where its summary record says (held), the line written
+    here from the record's words (WHAT it is, its evidence)."""
+    part = summary.checks.get(check.NAME)
+    if part is None or not part.held:
+        return False, ("expectation failed: --expect %s, but the %s found: %s"
+                       % (expect, part.WHAT if part else check.NAME,
+                          part.verdict if part else NO_DATA))
+    return True, "expect %s: held (%s)" % (expect, part.evidence)
+
+
 def expectation(options: SweepOptions, summary: SweepSummary) -> Tuple[bool, str]:
     """--expect: the sweep's own rule, or the rule of the check that answers it."""
     if options.expect in SWEEP_EXPECTATIONS:
         return SWEEP_EXPECTATIONS[options.expect](summary)
     check = next(c for c in options.checks if options.expect in c.EXPECT)
-    return check.expectation(options.expect, summary)
+    return check_expectation(check, options.expect, summary)
 
 
 def run_sweep(cfg: Config, out: Out) -> int:
     """--mode sweep: learn the server's facts, open the checks, then for every prompt and pass
-    send each batch size in the traffic shape asked for (Sender.shape, or a check's own send),
-    compare it with the baseline request by request (compare_batch) and add each check's
-    part, printing each size's row and saving as it goes; then the summary (sweep_summary),
-    the saved document (sweep_document), the advice (sweep_advice) and the --expect rule.
-    Returns the exit code."""
+    send batch 1, then each other batch size, in the traffic shape asked for (Sender.shape),
+    compare it with the baseline request by request (compare_batch), keep the row, then add
+    each check's part, printing each size's row and saving as it goes; then the summary
+    (sweep_summary), the saved document (sweep_document), the advice (sweep_advice) and the
+    --expect rule. Returns the exit code."""
     options = cfg.sweep
     servers = [(cfg.url, "the server")] + options.baseline_source.servers()
     wait_until_ready(cfg, servers, out)
@@ -6919,8 +7102,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
     run = SweepRun(cfg, facts, sender, out)
     options.cache.open(adapter)
     options.baseline_source.open(run)
-    for check in options.checks:
-        check.open(run)
+    header = [line for check in options.checks for line in check.open(run)]
     send = sender.shape(options.traffic)
     sweeps: List[PromptSweep] = []
 
@@ -6931,7 +7113,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
                         len(options.prompts) * options.repeat * len(sizes), "batches", cfg.quiet)
     table = None if cfg.json_out else SweepTable(cfg, out)
     if table:
-        table.header(run, sizes)
+        table.header(run, sizes, header)
 
     def save(path: str, state: str) -> None:
         summary = sweep_summary(options, sweeps, state)
@@ -6944,10 +7126,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
         prompt = sweep.prompt
         try:
             adapter.before_batch(client, isolate)
-            taken = (check.send(run, prompt, n) for check in options.checks)
-            batch = next((b for b in taken if b is not None), None)
-            if batch is None:
-                batch = send(prompt, n, options.seed)
+            batch = send(prompt, n, options.seed)
         except ServerError as err:
             raise ServerError("batch size %d%s: %s" % (n, where, err)) from None
         if n == 1 and sweep.baseline is None:  # the baseline is batch 1's, never another's

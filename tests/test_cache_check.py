@@ -64,7 +64,8 @@ class CacheCheck(TempDirTest):
         every_cold_hit = run.CacheSummary.of([compared(19, 19), compared(19, 19)])
         self.assertEqual(every_cold_hit.verdict,
                          "nothing compared: every cold request was itself served from the cache")
-        held, line = run.CacheCheck(True).expectation("cache-equal", types.SimpleNamespace(checks={"cache_check": every_cold_hit}))
+        held, line = run.check_expectation(run.CacheCheck(True), "cache-equal",
+                                           types.SimpleNamespace(checks={"cache_check": every_cold_hit}))
         self.assertFalse(held)
         one_cold = run.CacheSummary.of([compared(0, 19), compared(19, 19)])
         self.assertEqual((one_cold.verdict, one_cold.verified),

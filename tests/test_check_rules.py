@@ -90,6 +90,25 @@ class EveryCheckKeepsTheRules(TempDirTest):
                     self.assertEqual(broken_rules(record, unseeded), [], r.stdout[-2000:])
 
 
+class ACheckTheServerRefuses(TempDirTest):
+    def test_every_check_ends_with_its_reason_and_the_sweep_goes_on(self):
+        # the first request after batch 1's is each check's own: the server answers it 500
+        for kind in run.SWEEP_CHECKS:
+            with self.subTest(check=kind.NAME), StubServer(StubConfig(
+                    scheduler_window=0.05, prompt_tokens_details=True, faults={2: "http500"})) as stub:
+                r, summary = summaries_of(
+                    ["--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--repeat", 1,
+                     "--max-tokens", 8, "--save", self.path(kind.NAME + ".json"),
+                     *SWITCHED_ON[kind.NAME]])
+                self.assertEqual(r.code, 0, r)
+                doc = self.load(kind.NAME + ".json")
+                self.assertEqual([s["batch_size"] for s in doc["prompts"][0]["sizes"]], [1, 2])
+                record = summary.checks[kind.NAME]
+                self.assertIn("the server could not serve it", record.verdict)
+                self.assertFalse(record.held)
+                self.assertIn("stops", r.stderr)
+
+
 class RunsComparedWithTheirControl(TempDirTest):
     def test_a_server_that_ignores_the_seed_is_named_not_the_neighbours_nor_logprobs(self):
         # SGLang, flag off, ignores sampling_seed (the lab warns): runs differ by sampling
@@ -123,10 +142,31 @@ class PartsThatComparedNothing(unittest.TestCase):
         summary = run.NeighbourSummary.of(rows, None)
         self.assertNotEqual(summary.verdict, "held beside every neighbour length")
         self.assertIn("64 tokens: nothing compared", summary.verdict)
-        held, line = run.NeighbourCheck([16, 64]).expectation(
-            "neighbours-equal", types.SimpleNamespace(checks={"neighbours": summary}))
+        check = run.NeighbourCheck([16, 64])
+        expect = types.SimpleNamespace(checks={"neighbours": summary})
+        found = (run.check_expectation(check, "neighbours-equal", expect)
+                 if hasattr(run, "check_expectation") else check.expectation("neighbours-equal", expect))
+        held, line = found
         self.assertFalse(held)
         self.assertIn("expectation failed", line)
+
+
+class ASweepForItsChecks(TempDirTest):
+    def test_batch_1_alone_with_checks_reads_as_a_run_of_its_checks(self):
+        with StubServer(StubConfig(invariant=True, scheduler_window=0.05)) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1", "--repeat", 1,
+                        "--max-tokens", 8, "--neighbours", "16", "--observer-check")
+        self.assertEqual(r.code, 0, r)
+        self.assertNotIn("No verdict on invariance can be given", r.stdout)
+        self.assertIn("this sweep ran for its checks", r.stdout)
+        self.assertIn("neighbour check: held beside every neighbour length", r.stdout)
+
+
+class TheCheckInterface(unittest.TestCase):
+    def test_it_has_at_most_eight_members(self):
+        members = [name for name, value in vars(run.SweepCheck).items()
+                   if not name.startswith("__")]
+        self.assertLessEqual(len(members), 8, members)
 
 
 class FirstMovedSaysWhat(TempDirTest):
