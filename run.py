@@ -3945,8 +3945,8 @@ class LoadTrials:
                                  "trials" % given[0])
             return None
         chosen = BenchServeResult.from_args(args)
-        bench_serve = dataclasses.replace(
-            chosen, max_concurrency=concurrency, request_rate=arrivals.rate if arrivals.rate else "inf")
+        bench_serve = dataclasses.replace(chosen, max_concurrency=concurrency,
+                                          request_rate=arrivals.rate or "inf")
         return cls(concurrency, requests, arrivals, bench_serve)
 
     def run(self, arm: "Arm", prompts: List[str], adapter: EngineAdapter,

@@ -94,7 +94,8 @@ class CellsKeptApart(unittest.TestCase):
 def set_setting(label, off_value, on_value=None):
     """A change to a saved cell: both arms (or each) reporting another value of a setting."""
     def change(cell):
-        for arm, value in (("off", off_value), ("on", off_value if on_value is None else on_value)):
+        on = off_value if on_value is None else on_value
+        for arm, value in (("off", off_value), ("on", on)):
             cell["servers"][arm]["settings"][label] = value
     return change
 
@@ -247,8 +248,8 @@ class CostRuns(TempDirTest):
                 StubServer(StubConfig(invariant=True, dev_mode=False)) as on:
             r = self.cost(off, on)
         self.assertEqual(r.code, 0, r)
-        self.assertIn("the flags of the flag-off arm (--url) and the flag-on arm (--invariant) are "
-                      "unknown", r.stderr)
+        self.assertIn("the flags of the flag-off arm (--url) and the flag-on arm (--invariant) "
+                      "are unknown", r.stderr)
         self.assertIn("the overhead above is of the --invariant arm over the --url arm, not "
                       "verified flag-on over flag-off", r.stdout)
 
