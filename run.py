@@ -55,7 +55,8 @@ Sections, in the order they appear:
                        name, the parser, URL and file checks, configure(argv)
   Arrivals and trials  when concurrent requests go out (--request-rate), and what one timed
                        cost trial is (--batch, --concurrency): each owns its options, step,
-                       records and report lines
+                       records and report lines (BenchServeResult: a load arm's figures
+                       under `vllm bench serve`'s result names)
   The sweep's core     Evidence (what each completion showed, and what it can show), the
                        Sender of every traffic shape, BatchRow, SizeResult, SweepSummary,
                        PromptSweep (the verdict read request by request), and SweepCheck, the
@@ -70,7 +71,7 @@ Sections, in the order they appear:
                        run_sweep: the core and the checks composed
   --mode cost          CostOptions, ArmStats, CellIdentity (everything a cell was measured
                        under), CostCell, the arms and their settings check, warm-up, the cost
-                       file, the 2x2 table, run_cost
+                       file, the 2x2 tables (cost_tables, which plot_cost.py draws), run_cost
   --mode harness       the quoted upstream excerpts, their provenance, the commands
   --mode help          the guide
   main                 main(argv) -> exit code
