@@ -6903,7 +6903,7 @@ def cost_table_lines(cells: List[CellLabels], current: CellLabels) -> List[str]:
     group, prefix, same = table_cells(cells, current)
     lines = ["cost cells for %s (from the saved file):" % table_heading(cells, group, prefix),
              "  %-8s %-28s %-28s" % ("", *WORKLOADS)]
-    filled = 0
+    filled = marked = 0
     for tp in table_degrees(same):
         row = []
         for workload in WORKLOADS:
@@ -6914,8 +6914,15 @@ def cost_table_lines(cells: List[CellLabels], current: CellLabels) -> List[str]:
                 continue
             overhead = cell.overhead.text("%+.1f%% [%+.1f, %+.1f]%s", "%+.1f%% (no interval)",
                                           " n.s.")
-            row.append(overhead + ("" if cell.state == "complete" else " partial"))
+            ci = cell.overhead.ci95_pct
+            faster = bool(ci) and ci[1] < 0  # flag_on_faster: the whole interval below 0
+            marked += faster
+            row.append(overhead + (" *" if faster else "")
+                       + ("" if cell.state == "complete" else " partial"))
         lines.append("  %-8s %-28s %-28s" % ("TP=%s" % ("?" if tp is None else tp), *row))
+    if marked:
+        lines.append("* the flag-on arm measured faster: check the arms' flags as the lab read "
+                     "them, the warm-up, and which URL is which")
     if filled < 4:
         lines.append("One cell alone is not a result: report all four (TP=1 and your real TP, "
                      "cold and shared-prefix), or none.")

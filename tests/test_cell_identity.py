@@ -164,6 +164,15 @@ class TheTableShowsThisRunsCells(unittest.TestCase):
         self.assertIn("+50.0%", row)
 
 
+    def test_a_cell_whose_flag_on_arm_measured_faster_is_marked(self):
+        faster = variant(saved_cell(), lambda c: c.update(overhead_pct=-7.3, significant=True,
+                                                          ci95_pct=[-15.8, -5.6]))
+        lines = run.cost_table_lines([labels(faster)], labels(faster))
+        row = next(line for line in lines if line.strip().startswith("TP=1 "))
+        self.assertIn("-7.3% [-15.8, -5.6] *", row)
+        self.assertIn("* the flag-on arm measured faster: check the arms' flags", lines[-2])
+
+
 class OverheadNamesTheArm(unittest.TestCase):
     def test_a_flag_on_trial_of_no_tokens_is_named_as_the_flag_on_arms(self):
         overhead = run.Overhead.of([0.01, 0.01], [0.01, float("inf")])
