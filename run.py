@@ -6600,7 +6600,9 @@ class CellIdentity:
         servers = record.get("servers") if isinstance(record.get("servers"), dict) else {}
         arms = [servers.get(arm) if isinstance(servers.get(arm), dict) else {}
                 for arm in ("off", "on")]
-        releases = tuple(label_of(arm, "version") for arm in arms)
+        # a release as any label: text or a number kept, anything else in words (hashable)
+        releases = tuple(v if v is None or isinstance(v, (str, int, float)) else repr(v)
+                         for v in (label_of(arm, "version") for arm in arms))
         flags = tuple(arm.get("flag") if isinstance(arm.get("flag"), bool) else None
                       for arm in arms)
         tp_reported = tuple(arm.get("tp") if is_count(arm.get("tp")) else None for arm in arms)
@@ -6627,6 +6629,14 @@ class CellIdentity:
         return dataclasses.replace(
             self, tp=None, workload=None, prefix_tokens=None, tp_reported=(None, None),
             settings=tuple(s for s in self.settings if s[0] not in TP_SETTINGS))
+
+    def within(self, read: Optional[Set[str]]) -> "CellIdentity":
+        """The identity holding only the settings in read (settings_read_by_all: those every
+        cell of its file was saved with), all of them where read is None."""
+        if read is None:
+            return self
+        return dataclasses.replace(self, settings=tuple(s for s in self.settings
+                                                        if s[0] in read))
 
     def across_releases(self) -> "CellIdentity":
         """The identity less what an engine upgrade changes by itself (the release and the
@@ -6708,10 +6718,11 @@ class CellLabels:
     overhead: Overhead  # the primary one
 
     @classmethod
-    def from_record(cls, record: Json) -> "CellLabels":
+    def from_record(cls, record: Json, among: Optional[Sequence[Any]] = None) -> "CellLabels":
+        """among: the cells of its file, with it (cell_key)."""
         return cls(record.get("tp"), record["workload"], TrialLabels.from_record(record),
                    record["max_tokens"], record["model"], record.get("state"),
-                   Overhead.from_record(record), CellIdentity.of(record))
+                   Overhead.from_record(record), cell_key(record, among))
 
     identity: "CellIdentity"  # everything it was measured under
 
@@ -6768,9 +6779,36 @@ class Arm:
         return cfg.cost.trial.run(self, prompts, cfg.adapter, cfg.sampling)
 
 
-def cell_key(record: Json) -> "CellIdentity":
-    """What makes two saved cells the same measurement (CellIdentity)."""
-    return CellIdentity.of(record)
+def settings_read_by_all(records: Sequence[Any]) -> Dict[Any, Set[str]]:
+    """Per engine, the settings that every arm of records that showed its settings reported:
+    a setting a cell's record does not hold (the lab read it only from a later release on, or
+    that server does not report it) is unknown there, never a difference, so the identities
+    of one file's cells hold only these (cell_key's among). Arms that hid their settings are
+    left out: they hold a few labels only and are told apart by their unknown flag."""
+    read: Dict[Any, Set[str]] = {}
+    for record in records:
+        if not isinstance(record, dict):
+            continue
+        engine = CellIdentity.of(record).engine
+        servers = label_of(record, "servers")
+        for arm in ("off", "on"):
+            facts = label_of(servers, arm)
+            reported = label_of(facts, "settings")
+            if label_of(facts, "info_source") is None or not isinstance(reported, dict):
+                continue
+            labels = {str(name) for name in reported}
+            read[engine] = read[engine] & labels if engine in read else labels
+    return read
+
+
+def cell_key(record: Json, among: Optional[Sequence[Any]] = None) -> "CellIdentity":
+    """What makes two saved cells the same measurement (CellIdentity); among: every cell the
+    record is told apart from (its file's, with it), whose settings read by all
+    (settings_read_by_all) are the ones the identity holds."""
+    identity = CellIdentity.of(record)
+    if among is None:
+        return identity
+    return identity.within(settings_read_by_all(among).get(identity.engine))
 
 
 def print_cost_servers(off: ServerFacts, on: ServerFacts, differences: List[SettingDifference],
@@ -6999,19 +7037,22 @@ def cost_cell(cfg: Config, arms: Tuple[Arm, Arm], differences: List[SettingDiffe
 def add_cell(doc: Json, cell: Json) -> Json:
     """Put a cell's record in the cost file, replacing the one with the same key; an
     unfinished run never replaces a finished cell (it is kept under "incomplete_cells")."""
-    key = cell_key(cell)
     doc.setdefault("cells", [])
-    finished = any(cell_key(c) == key and c.get("state") == "complete" for c in doc["cells"])
+    among = doc["cells"] + (doc.get("incomplete_cells") or []) + [cell]
+    key = cell_key(cell, among)
+    finished = any(cell_key(c, among) == key and c.get("state") == "complete"
+                   for c in doc["cells"])
     section = "incomplete_cells" if finished and cell["state"] != "complete" else "cells"
-    doc[section] = [c for c in doc.get(section, []) if cell_key(c) != key] + [cell]
+    doc[section] = [c for c in doc.get(section, []) if cell_key(c, among) != key] + [cell]
     return doc
 
 
-def replaced_cell_line(old: Json, new: Json, path: str) -> str:
+def replaced_cell_line(old: Json, new: Json, path: str,
+                       among: Optional[Sequence[Any]] = None) -> str:
     """What a user reads when a cell replaces a saved one: what the two share (their
     identity, every compared setting of both arms) and what differs (when, by which code,
-    on which servers, and what they measured)."""
-    identity = cell_key(new)
+    on which servers, and what they measured); among: the file's cells (cell_key)."""
+    identity = cell_key(new, among)
     changed = []
     for what, value in (("overhead", lambda c: fmt_opt(label_of(c, "overhead_pct"), "none",
                                                       "%+.1f%%")),
@@ -7205,9 +7246,11 @@ def run_cost(cfg: Config, out: Out) -> int:
     doc = saves.write(lambda path: save_cell(path, record)) or add_cell(doc, record)
     labels = CellLabels.from_record(record)  # read as any cell of the file is
     if cfg.save and state == "complete":
-        for old in (cfg.prior_save or {}).get("cells") or []:
-            if isinstance(old, dict) and cell_key(old) == labels.identity:
-                out.warn(replaced_cell_line(old, record, cfg.save))
+        prior = [c for c in (cfg.prior_save or {}).get("cells") or [] if isinstance(c, dict)]
+        among = prior + [record]
+        for old in prior:
+            if cell_key(old, among) == cell_key(record, among):
+                out.warn(replaced_cell_line(old, record, cfg.save, among))
     if labels.tp is None and not cfg.json_out:
         out.warn("the arms do not report their TP degree, so the cell is labelled TP=?: give "
                  "--tp N to label it")
@@ -7217,8 +7260,8 @@ def run_cost(cfg: Config, out: Out) -> int:
         print_cost_report(cell, labels, out)
         if cfg.save:
             out.line("")
-            cells = [CellLabels.from_record(c) for c in doc["cells"]]
-            for line in cost_table_lines(cells, labels):
+            cells = [CellLabels.from_record(c, doc["cells"]) for c in doc["cells"]]
+            for line in cost_table_lines(cells, CellLabels.from_record(record, doc["cells"])):
                 out.line(line)
     return report_save(cfg, saves, code, out)
 

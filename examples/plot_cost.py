@@ -47,7 +47,7 @@ def is_cell(doc):
 
 def load(paths, say=lambda line: sys.stderr.write(line + "\n")):
     """One cost document holding every cell of paths (cost files, or cells run.py --json printed)."""
-    merged, origin = {}, {}
+    merged, origin, found = {}, {}, []
     for path in paths:
         doc = labplot.read(path)
         if is_cell(doc):
@@ -57,11 +57,14 @@ def load(paths, say=lambda line: sys.stderr.write(line + "\n")):
         for cell in cells:
             if not isinstance(cell, dict) or not is_cell(cell):
                 raise ValueError("%s holds something that is not a cost cell" % path)
-            key = run.cell_key(cell)  # the lab's own rule for one measurement
-            if key in merged:
-                say("plot_cost.py: the cell of %s replaces the one of %s (%s)" % (
-                    path, origin[key], key.text()))
-            merged[key], origin[key] = cell, path
+            found.append((path, cell))
+    among = [cell for _, cell in found]  # settings an earlier lab did not read: unknown
+    for path, cell in found:
+        key = run.cell_key(cell, among)  # the lab's own rule for one measurement
+        if key in merged:
+            say("plot_cost.py: the cell of %s replaces the one of %s (%s)" % (
+                path, origin[key], key.text()))
+        merged[key], origin[key] = cell, path
     if not merged:
         raise ValueError("%s: no cell yet" % ", ".join(paths))
     return {"schema": COST_SCHEMAS[0], "cells": list(merged.values())}
@@ -72,8 +75,8 @@ def tables(doc, model=None, batch=None, max_tokens=None):
     identity but for TP and the workload, one prefix length a shared-prefix column), the
     newest cell's first, narrowed by model, batch and length where given: [(heading, degrees,
     slots)], slots mapping (TP, workload) to the slot's bar (None: missing)."""
-    records = {run.cell_key(c): c for c in doc["cells"]}
-    cells = [run.CellLabels.from_record(c) for c in doc["cells"]]
+    records = {run.cell_key(c, doc["cells"]): c for c in doc["cells"]}
+    cells = [run.CellLabels.from_record(c, doc["cells"]) for c in doc["cells"]]
     found = []
     for group, prefix, same in run.cost_tables(cells):
         if (model is not None and group.model != model) or \

@@ -330,3 +330,92 @@ class ExampleToolsReadAnyFile(TempDirTest):
             r = self.compare(c, c, stdout=full)
         self.assertEqual(r.returncode, 74, r.stderr)
         self.assertEqual(len(r.stderr.splitlines()), 1, r.stderr)
+
+
+def without_settings(*names):
+    """A change to a saved cell: saved by a lab that did not read these settings yet."""
+    def change(cell):
+        for arm in ("off", "on"):
+            for name in names:
+                cell["servers"][arm]["settings"].pop(name, None)
+    return change
+
+
+# examples/sample_cost.json was saved before the lab read these two (20 settings, now 22)
+EARLIER_LAB = without_settings("compilation mode", "breakable CUDA graph")
+
+
+class CellsOfAnEarlierLab(unittest.TestCase):
+    """A setting a cell's record does not hold is unknown there, never a difference: cells
+    saved by a lab that read fewer settings are one measurement with today's."""
+
+    def test_the_same_measurement_replaces_a_cell_saved_before_a_setting_was_read(self):
+        old = variant(saved_cell(), EARLIER_LAB)
+        newer = variant(saved_cell(), lambda c: c.update(created="later"))
+        doc = run.add_cell({"cells": [old]}, newer)
+        self.assertEqual([c["created"] for c in doc["cells"]], ["later"])
+
+    def test_the_table_shows_the_earlier_labs_cells_beside_this_runs(self):
+        old = variant(saved_cell(), lambda c: (EARLIER_LAB(c), c.update(overhead_pct=11.0)))
+        new = variant(saved_cell(), lambda c: c.update(workload="shared-prefix", tp=1,
+                                                       prefix_tokens=1000, overhead_pct=22.0))
+        cells = [old, new]
+        lines = run.cost_table_lines([run.CellLabels.from_record(c, cells) for c in cells],
+                                     run.CellLabels.from_record(new, cells))
+        row = next(line for line in lines if line.strip().startswith("TP=1 "))
+        self.assertRegex(row, r"\+11\.0% .*\+22\.0%")
+        self.assertNotIn("compilation mode", lines[0])
+
+    def test_a_compared_setting_still_keeps_cells_apart_beside_an_earlier_labs_cell(self):
+        old = variant(saved_cell(), EARLIER_LAB)
+        triton = variant(saved_cell(), COMPARED["attention backend"])
+        self.assertEqual(len(run.add_cell({"cells": [old]}, triton)["cells"]), 2)
+
+    def test_arms_that_hid_their_settings_do_not_merge_two_backends(self):
+        def hide(cell):
+            for arm in ("off", "on"):
+                cell["servers"][arm].update(info_source=None, flag=None,
+                                            settings={"max model length": 2048})
+        hidden, flash = variant(saved_cell(), hide), saved_cell()
+        triton = variant(flash, COMPARED["attention backend"])
+        self.assertEqual(len(run.add_cell({"cells": [hidden, flash]}, triton)["cells"]), 3)
+
+    def test_a_release_saved_as_no_text_is_read_without_raising(self):
+        odd = variant(saved_cell(), set_release({"major": 0}))
+        cells = [labels(odd), labels(saved_cell())]
+        lines = run.cost_table_lines(cells, cells[1])
+        self.assertIn("vllm 0.26.0", lines[0])
+        self.assertIn("{'major': 0}", run.cell_key(odd).text())
+
+
+class CompareAcrossAnUpgradeOfTwoBackends(unittest.TestCase):
+    """compare.py matches each backend's cell before and after an engine upgrade, though
+    each file holds two cells alike but for their settings."""
+
+    def rows(self, old_cells, new_cells):
+        return compare.matched_cells({"cells": old_cells}, {"cells": new_cells})
+
+    def test_each_backend_meets_its_own_across_the_release(self):
+        flash = saved_cell()
+        triton = variant(flash, COMPARED["attention backend"])
+        upgrade = set_release("0.33.0")
+        rows = self.rows([flash, triton], [variant(triton, upgrade), variant(flash, upgrade)])
+        self.assertEqual(len(rows), 2, rows)
+        for _, old, new in rows:
+            self.assertEqual(run.cell_key(old).settings, run.cell_key(
+                variant(new, set_release("0.26.0"))).settings)
+
+    def test_one_backend_before_meets_its_own_of_two_after(self):
+        flash = saved_cell()
+        upgrade = set_release("0.33.0")
+        triton = variant(variant(flash, COMPARED["attention backend"]), upgrade)
+        rows = self.rows([flash], [triton, variant(flash, upgrade)])
+        both = [(old, new) for _, old, new in rows if old and new]
+        self.assertEqual(len(both), 1, rows)
+        self.assertEqual(run.cell_key(both[0][1]).parts()["setting attention backend"],
+                         run.cell_key(flash).parts()["setting attention backend"])
+        out = io.StringIO()
+        compare.compare_costs({"cells": [flash]}, {"cells": [triton, variant(flash, upgrade)]},
+                              out)
+        self.assertEqual(len([line for line in out.getvalue().splitlines()
+                              if "overhead %" in line and "only" not in line]), 1)

@@ -496,6 +496,18 @@ class ExampleToolsReadWhatTheLabSaves(unittest.TestCase):
         slower = self.plot_cost.load([self.write(self.cell)], say=lambda line: None)
         self.assertEqual(self.plot_cost.tables(slower)[0][2][1, "cold"]["faster"], [])
 
+    def test_plot_cost_draws_an_earlier_labs_cell_in_the_panel_of_todays(self):
+        earlier = self.variant(overhead_pct=11.0)
+        for arm in ("off", "on"):  # saved before the lab read these two settings
+            for name in ("compilation mode", "breakable CUDA graph"):
+                del earlier["servers"][arm]["settings"][name]
+        today = self.variant(workload="shared-prefix", prefix_tokens=1000, overhead_pct=22.0)
+        doc = self.plot_cost.load([self.write(earlier), self.write(today)], say=lambda line: None)
+        (heading, _, slots), = self.plot_cost.tables(doc)
+        self.assertEqual((slots[1, "cold"]["value"], slots[1, "shared-prefix"]["value"]),
+                         (11.0, 22.0))
+        self.assertNotIn("compilation mode", heading)
+
     def write(self, cell):
         tmp = tempfile.mkdtemp()
         self.addCleanup(lambda: __import__("shutil").rmtree(tmp))
