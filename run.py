@@ -3067,8 +3067,14 @@ class _Parser(argparse.ArgumentParser):
         mode = next((word for word in words if word in MODES), None)
         if mode is not None:  # `run.py sweep`: a mode is an option's value here, not a command
             message += " (a mode is chosen with --mode: run.py --mode %s ...)" % mode
-        hint = next((BENCH_SERVE_HINTS[w.split("=")[0]] for w in words
-                     if w.split("=")[0] in BENCH_SERVE_HINTS), None)
+        hint = None
+        for word in words:
+            name = word.split("=")[0]
+            # in any spelling bench serve's own parser takes: abbreviated, with "="
+            meant = [o for o in BENCH_SERVE_HINTS if len(name) > 2 and o.startswith(name)]
+            if name.startswith("--") and len(meant) == 1:
+                hint = BENCH_SERVE_HINTS[meant[0]]
+                break
         if hint is not None:
             message += " (%s)" % hint
         raise UsageError(message)
@@ -3172,6 +3178,20 @@ class ShowVersion(argparse.Action):
         parser.exit()
 
 
+class OneSavePath(argparse.Action):
+    """--save, or `vllm bench serve`'s --result-filename for it: one file a run. A second,
+    other path is refused, not one of the two dropped without a word (nothing would be where
+    the user looks)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = getattr(namespace, self.dest, None)  # None, or a mark (given_options)
+        if isinstance(given, str) and given != values:
+            parser.error("%s: the result is already to be saved in %s; a run saves to one file "
+                         "(--save and --result-filename name the same one)"
+                         % (option_string, given))
+        setattr(namespace, self.dest, values)
+
+
 def provenance(argv: Sequence[str], options: Sequence[str]) -> Dict[str, Any]:
     """What a saved result records of how it was made: the lab's version and the code's own
     name (lab_code), the command line with any key replaced where it stands (options: every
@@ -3226,7 +3246,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-tokens", type=whole_number(1, MAX_TOKENS), help="tokens per completion (default: "
         "sweep %d, cost %d)" % (DEFAULT_SWEEP_TOKENS, DEFAULT_COST_TOKENS))
     sweep_cost.add_argument(
-        "--save", "--result-filename", metavar="PATH", help="write the result as JSON (sweep: "
+        "--save", "--result-filename", metavar="PATH", action=OneSavePath,
+        help="write the result as JSON (sweep: "
         "rewritten after every batch size; cost: adds its cell to the file)")
     sweep_cost.add_argument("--json", action="store_true", dest="json_out",
                             help="print the result as JSON, not a table")
@@ -3727,8 +3748,10 @@ class BenchServeResult:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "BenchServeResult":
-        metrics = tuple(m.strip() for m in (args.percentile_metrics or ",".join(
-            BENCH_SERVE_METRICS)).split(",") if m.strip())
+        # given empty is refused below, not taken for the default
+        chosen = (",".join(BENCH_SERVE_METRICS) if args.percentile_metrics is None
+                  else args.percentile_metrics)
+        metrics = tuple(m.strip() for m in chosen.split(",") if m.strip())
         for metric in metrics:
             if metric in BENCH_SERVE_NOT_MEASURED:
                 raise UsageError(
@@ -3742,7 +3765,8 @@ class BenchServeResult:
             raise UsageError("--percentile-metrics: give some of %s"
                              % ",".join(BENCH_SERVE_METRICS))
         percentiles = []
-        for text in (args.metric_percentiles or "99").split(","):
+        for text in ("99" if args.metric_percentiles is None
+                     else args.metric_percentiles).split(","):
             try:
                 value = float(text)
             except ValueError:
@@ -6475,7 +6499,8 @@ class CostOptions:
         group.add_argument("--trials", type=whole_number(1, MAX_TRIALS), default=DEFAULT_TRIALS,
                            help="timed requests per arm (default %d)" % DEFAULT_TRIALS)
         group.add_argument("--warmup", type=whole_number(0, MAX_TRIALS), default=DEFAULT_WARMUP,
-                           help="discarded requests per arm (default %d)" % DEFAULT_WARMUP)
+                           help="discarded requests per arm (under load: whole trials of "
+                           "--requests requests) (default %d)" % DEFAULT_WARMUP)
         group.add_argument(
             "--workload", choices=WORKLOADS, default="cold",
             help="cold: no prefix can be cached; shared-prefix: one long prefix for all")
@@ -7110,11 +7135,15 @@ def flag_on_faster(cell: Json) -> List[str]:
         read = describe_flag(flag, adapter) if adapter else fmt_opt(flag, "flag unknown",
                                                                         "flag %s")
         flags.append("%s %s: %s" % (option, fmt_opt(label_of(arm, "url"), "?"), read))
+    warmup = fmt_opt(label_of(cell, "warmup"), "?")
+    # a batch trial is one request; under load a warm-up is a whole trial of --requests
+    discarded = ("%s warm-up trial(s) of %s requests an arm were" % (warmup, fmt_opt(
+        label_of(cell, "requests"), "?")) if label_of(cell, "concurrency") else
+        "%s request(s) an arm were" % warmup)
     return ["the flag-on arm measured faster (the whole interval lies below 0): on a GPU that "
             "has meant swapped arms, a flag that is not on, or one arm warm and the other cold",
             "check the flags as the lab read them: " + "; ".join(flags),
-            "check the warm-up: %s request(s) an arm were discarded (--warmup); a cold arm is "
-            "slower" % fmt_opt(label_of(cell, "warmup"), "?"),
+            "check the warm-up: %s discarded (--warmup); a cold arm is slower" % discarded,
             "check which URL is which: --url is the flag-off server, --invariant the flag-on"]
 
 

@@ -419,3 +419,19 @@ class CompareAcrossAnUpgradeOfTwoBackends(unittest.TestCase):
                               out)
         self.assertEqual(len([line for line in out.getvalue().splitlines()
                               if "overhead %" in line and "only" not in line]), 1)
+
+
+class WhatToCheckCountsTheWarmUpAsItRan(unittest.TestCase):
+    def faster(self, cell):
+        cell.update(warmup=2, overhead_pct=-3.0, ci95_pct=[-5.0, -2.0], significant=True)
+        return run.flag_on_faster(cell)
+
+    def test_a_load_cells_warm_up_is_whole_trials_of_its_requests(self):
+        said = self.faster(variant(saved_cell(), load_cell(None)))
+        self.assertEqual(said[2], "check the warm-up: 2 warm-up trial(s) of 8 requests an arm "
+                                  "were discarded (--warmup); a cold arm is slower")
+
+    def test_a_batch_cells_warm_up_is_one_request_a_trial(self):
+        said = self.faster(saved_cell())
+        self.assertEqual(said[2], "check the warm-up: 2 request(s) an arm were discarded "
+                                  "(--warmup); a cold arm is slower")
