@@ -476,6 +476,15 @@ class ExampleToolsReadWhatTheLabSaves(unittest.TestCase):
         self.assertIn(run.CACHE_CONFOUNDED + "; the cache served requests at 4",
                       self.plot_sweep.label(doc, "/x/off.json"))
 
+    def test_plot_sweep_names_a_check_that_moved_beside_sizes_that_held(self):
+        # examples/real/neighbours-1xH200-vllm-0.33.0/neighbours_off.json: sizes held, the
+        # neighbour check moved (flag off)
+        doc = self.sweep({"verdict": run.INVARIANT,
+                          "neighbours_verdict": "moved beside neighbours of 64 tokens"})
+        doc.update(engine="vllm", model="m")
+        self.assertIn(run.INVARIANT + "; neighbours check: moved beside neighbours of 64 tokens",
+                      self.plot_sweep.label(doc, "/x/off.json"))
+
     def test_plot_cost_draws_a_burst_and_a_poisson_cell_apart_naming_the_rate(self):
         load = dict(batch=None, concurrency=4, requests=8)
         burst = self.variant(arrivals="burst", **load)
