@@ -6743,11 +6743,12 @@ class CellLabels:
     overhead: Overhead  # the primary one
 
     @classmethod
-    def from_record(cls, record: Json, among: Optional[Sequence[Any]] = None) -> "CellLabels":
-        """among: the cells of its file, with it (cell_key)."""
+    def from_record(cls, record: Json,
+                    read: Optional[Dict[Any, Set[str]]] = None) -> "CellLabels":
+        """read: the settings its file's cells were all saved with (cell_key)."""
         return cls(record.get("tp"), record["workload"], TrialLabels.from_record(record),
                    record["max_tokens"], record["model"], record.get("state"),
-                   Overhead.from_record(record), cell_key(record, among))
+                   Overhead.from_record(record), cell_key(record, read))
 
     identity: "CellIdentity"  # everything it was measured under
 
@@ -6808,7 +6809,7 @@ def settings_read_by_all(records: Sequence[Any]) -> Dict[Any, Set[str]]:
     """Per engine, the settings that every arm of records that showed its settings reported:
     a setting a cell's record does not hold (the lab read it only from a later release on, or
     that server does not report it) is unknown there, never a difference, so the identities
-    of one file's cells hold only these (cell_key's among). Arms that hid their settings are
+    of one file's cells hold only these (cell_key's read). Arms that hid their settings are
     left out: they hold a few labels only and are told apart by their unknown flag."""
     read: Dict[Any, Set[str]] = {}
     for record in records:
@@ -6826,14 +6827,14 @@ def settings_read_by_all(records: Sequence[Any]) -> Dict[Any, Set[str]]:
     return read
 
 
-def cell_key(record: Json, among: Optional[Sequence[Any]] = None) -> "CellIdentity":
-    """What makes two saved cells the same measurement (CellIdentity); among: every cell the
-    record is told apart from (its file's, with it), whose settings read by all
-    (settings_read_by_all) are the ones the identity holds."""
+def cell_key(record: Json, read: Optional[Dict[Any, Set[str]]] = None) -> "CellIdentity":
+    """What makes two saved cells the same measurement (CellIdentity); read: the settings
+    that every cell the record is told apart from (its file's, with it) holds
+    (settings_read_by_all), the only ones the identity then holds."""
     identity = CellIdentity.of(record)
-    if among is None:
+    if read is None:
         return identity
-    return identity.within(settings_read_by_all(among).get(identity.engine))
+    return identity.within(read.get(identity.engine))
 
 
 def print_cost_servers(off: ServerFacts, on: ServerFacts, differences: List[SettingDifference],
@@ -7063,21 +7064,21 @@ def add_cell(doc: Json, cell: Json) -> Json:
     """Put a cell's record in the cost file, replacing the one with the same key; an
     unfinished run never replaces a finished cell (it is kept under "incomplete_cells")."""
     doc.setdefault("cells", [])
-    among = doc["cells"] + (doc.get("incomplete_cells") or []) + [cell]
-    key = cell_key(cell, among)
-    finished = any(cell_key(c, among) == key and c.get("state") == "complete"
+    read = settings_read_by_all(doc["cells"] + (doc.get("incomplete_cells") or []) + [cell])
+    key = cell_key(cell, read)
+    finished = any(cell_key(c, read) == key and c.get("state") == "complete"
                    for c in doc["cells"])
     section = "incomplete_cells" if finished and cell["state"] != "complete" else "cells"
-    doc[section] = [c for c in doc.get(section, []) if cell_key(c, among) != key] + [cell]
+    doc[section] = [c for c in doc.get(section, []) if cell_key(c, read) != key] + [cell]
     return doc
 
 
 def replaced_cell_line(old: Json, new: Json, path: str,
-                       among: Optional[Sequence[Any]] = None) -> str:
+                       read: Optional[Dict[Any, Set[str]]] = None) -> str:
     """What a user reads when a cell replaces a saved one: what the two share (their
     identity, every compared setting of both arms) and what differs (when, by which code,
-    on which servers, and what they measured); among: the file's cells (cell_key)."""
-    identity = cell_key(new, among)
+    on which servers, and what they measured); read: as cell_key's."""
+    identity = cell_key(new, read)
     changed = []
     for what, value in (("overhead", lambda c: fmt_opt(label_of(c, "overhead_pct"), "none",
                                                       "%+.1f%%")),
@@ -7276,10 +7277,10 @@ def run_cost(cfg: Config, out: Out) -> int:
     labels = CellLabels.from_record(record)  # read as any cell of the file is
     if cfg.save and state == "complete":
         prior = [c for c in (cfg.prior_save or {}).get("cells") or [] if isinstance(c, dict)]
-        among = prior + [record]
+        read = settings_read_by_all(prior + [record])
         for old in prior:
-            if cell_key(old, among) == cell_key(record, among):
-                out.warn(replaced_cell_line(old, record, cfg.save, among))
+            if cell_key(old, read) == cell_key(record, read):
+                out.warn(replaced_cell_line(old, record, cfg.save, read))
     if labels.tp is None and not cfg.json_out:
         out.warn("the arms do not report their TP degree, so the cell is labelled TP=?: give "
                  "--tp N to label it")
@@ -7289,8 +7290,9 @@ def run_cost(cfg: Config, out: Out) -> int:
         print_cost_report(cell, labels, out)
         if cfg.save:
             out.line("")
-            cells = [CellLabels.from_record(c, doc["cells"]) for c in doc["cells"]]
-            for line in cost_table_lines(cells, CellLabels.from_record(record, doc["cells"])):
+            read = settings_read_by_all(doc["cells"])
+            cells = [CellLabels.from_record(c, read) for c in doc["cells"]]
+            for line in cost_table_lines(cells, CellLabels.from_record(record, read)):
                 out.line(line)
     return report_save(cfg, saves, code, out)
 

@@ -196,10 +196,11 @@ def matched_cells(a, b):
     (run.CellIdentity.across_releases), where that leaves one cell a side. A cell matched by
     none is a row of its own: no cell hides another."""
     left = [[c for c in doc.get("cells") or [] if isinstance(c, dict)] for doc in (a, b)]
-    among = left[0] + left[1]  # settings an earlier lab did not read are unknown, not changed
+    # settings an earlier lab did not read are unknown, not changed
+    read = run.settings_read_by_all(left[0] + left[1])
     rows = []
-    for level in (lambda c: run.cell_key(c, among),
-                  lambda c: with_key_settings(run.cell_key(c, among)),
+    for level in (lambda c: run.cell_key(c, read),
+                  lambda c: with_key_settings(run.cell_key(c, read)),
                   lambda c: run.cell_key(c).across_releases()):
         keys = [[level(c) for c in side] for side in left]
         pairs = [(old, new) for old, k in zip(left[0], keys[0]) for new, m in zip(left[1], keys[1])
@@ -212,7 +213,7 @@ def matched_cells(a, b):
     namings = (lambda k: k.across_releases().text(release=False),
                lambda k: with_key_settings(k).text(release=False),
                lambda k: k.text(sorted({s[0] for s in k.settings})))
-    keys = [run.cell_key(new if new is not None else old, among) for old, new in rows]
+    keys = [run.cell_key(new if new is not None else old, read) for old, new in rows]
     names = [namings[0](k) for k in keys]
     for naming in namings[1:]:
         names = [naming(k) if names.count(name) > 1 else name for k, name in zip(keys, names)]
@@ -228,8 +229,8 @@ def compare_costs(a, b, out):
         rows.append((name + " 95% interval", old.get("ci95_pct"), new.get("ci95_pct")))
         rows.append((name + " significant", old.get("significant"), new.get("significant")))
         if old and new:  # what changed between the two cells, the release among it
-            among = [old, new]
-            before, after = run.cell_key(old, among), run.cell_key(new, among)
+            read = run.settings_read_by_all([old, new])
+            before, after = run.cell_key(old, read), run.cell_key(new, read)
             rows.extend((name + " " + part, before.parts().get(part), after.parts().get(part))
                         for part in before.differing(after))
     table("cost cells (a cell in one file only shows - on the other side)", rows, out)

@@ -58,9 +58,10 @@ def load(paths, say=lambda line: sys.stderr.write(line + "\n")):
             if not isinstance(cell, dict) or not is_cell(cell):
                 raise ValueError("%s holds something that is not a cost cell" % path)
             found.append((path, cell))
-    among = [cell for _, cell in found]  # settings an earlier lab did not read: unknown
+    # a setting an earlier lab did not read is unknown, not a difference
+    read = run.settings_read_by_all([cell for _, cell in found])
     for path, cell in found:
-        key = run.cell_key(cell, among)  # the lab's own rule for one measurement
+        key = run.cell_key(cell, read)  # the lab's own rule for one measurement
         if key in merged:
             say("plot_cost.py: the cell of %s replaces the one of %s (%s)" % (
                 path, origin[key], key.text()))
@@ -75,8 +76,9 @@ def tables(doc, model=None, batch=None, max_tokens=None):
     identity but for TP and the workload, one prefix length a shared-prefix column), the
     newest cell's first, narrowed by model, batch and length where given: [(heading, degrees,
     slots)], slots mapping (TP, workload) to the slot's bar (None: missing)."""
-    records = {run.cell_key(c, doc["cells"]): c for c in doc["cells"]}
-    cells = [run.CellLabels.from_record(c, doc["cells"]) for c in doc["cells"]]
+    read = run.settings_read_by_all(doc["cells"])
+    records = {run.cell_key(c, read): c for c in doc["cells"]}
+    cells = [run.CellLabels.from_record(c, read) for c in doc["cells"]]
     found = []
     for group, prefix, same in run.cost_tables(cells):
         if (model is not None and group.model != model) or \

@@ -360,8 +360,9 @@ class CellsOfAnEarlierLab(unittest.TestCase):
         new = variant(saved_cell(), lambda c: c.update(workload="shared-prefix", tp=1,
                                                        prefix_tokens=1000, overhead_pct=22.0))
         cells = [old, new]
-        lines = run.cost_table_lines([run.CellLabels.from_record(c, cells) for c in cells],
-                                     run.CellLabels.from_record(new, cells))
+        read = run.settings_read_by_all(cells)
+        lines = run.cost_table_lines([run.CellLabels.from_record(c, read) for c in cells],
+                                     run.CellLabels.from_record(new, read))
         row = next(line for line in lines if line.strip().startswith("TP=1 "))
         self.assertRegex(row, r"\+11\.0% .*\+22\.0%")
         self.assertNotIn("compilation mode", lines[0])
