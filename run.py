@@ -6571,6 +6571,11 @@ def label_of(record: Any, name: str) -> Any:
 KEY_SETTINGS = ("attention backend", "dtype", "quantization", "KV-cache dtype", "max num seqs",
                 "max running requests")
 TP_SETTINGS = ("TP size",)  # what differs between the rows of one 2x2 table
+# SGLang sizes its decode CUDA graphs by the TP degree where it is not told their size (on an
+# H200 up to 256 below TP 4, 512 from TP 4: python/sglang/srt/arg_groups/memory_hook.py,
+# 0.5.23 lines 147-159), so there they go with the table's rows as the degree does
+TP_SETTINGS_OF = {"sglang": TP_SETTINGS + ("CUDA-graph sizes", "CUDA-graph max bs",
+                                           "CUDA-graph max bs (old)")}
 
 
 def setting_text(value: Any) -> str:
@@ -6653,7 +6658,8 @@ class CellIdentity:
         and the settings that go with the TP degree."""
         return dataclasses.replace(
             self, tp=None, workload=None, prefix_tokens=None, tp_reported=(None, None),
-            settings=tuple(s for s in self.settings if s[0] not in TP_SETTINGS))
+            settings=tuple(s for s in self.settings
+                           if s[0] not in TP_SETTINGS_OF.get(self.engine, TP_SETTINGS)))
 
     def within(self, read: Optional[Set[str]]) -> "CellIdentity":
         """The identity holding only the settings in read (settings_read_by_all: those every

@@ -436,3 +436,32 @@ class WhatToCheckCountsTheWarmUpAsItRan(unittest.TestCase):
         said = self.faster(saved_cell())
         self.assertEqual(said[2], "check the warm-up: 2 request(s) an arm were discarded "
                                   "(--warmup); a cold arm is slower")
+
+
+class SGLangGraphsFollowTheDegree(unittest.TestCase):
+    """SGLang sizes its decode CUDA graphs by the TP degree where it is not told (256 below
+    TP 4, 512 from it, on an H200): TP=1 and TP=4 cells of one shape share one table."""
+
+    def sglang_cell(self, tp, top, overhead):
+        def change(cell):
+            cell.update(engine="sglang", tp=tp, overhead_pct=overhead)
+            for arm in ("off", "on"):
+                cell["servers"][arm].update(tp=tp)
+                cell["servers"][arm]["settings"].update(
+                    {"TP size": tp, "CUDA-graph sizes": [1, 2, 4, top]})
+        return variant(saved_cell(), change)
+
+    def test_tp_1_and_tp_4_share_the_table(self):
+        one, four = self.sglang_cell(1, 256, 11.0), self.sglang_cell(4, 512, 44.0)
+        cells = [labels(one), labels(four)]
+        lines = run.cost_table_lines(cells, cells[1])
+        rows = [line for line in lines if line.strip().startswith("TP=")]
+        self.assertIn("+11.0%", rows[0])
+        self.assertIn("+44.0%", rows[1])
+
+    def test_they_stay_two_cells_and_vllms_graphs_still_tell_tables_apart(self):
+        one, four = self.sglang_cell(1, 256, 11.0), self.sglang_cell(4, 512, 44.0)
+        self.assertEqual(len(run.add_cell({"cells": [one]}, four)["cells"]), 2)
+        vllm = variant(saved_cell(), set_setting("CUDA-graph sizes", [1, 2, 4]))
+        self.assertNotEqual(labels(vllm).identity.table_group(),
+                            labels(saved_cell()).identity.table_group())
