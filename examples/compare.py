@@ -8,10 +8,10 @@ Sweeps: the servers' settings (only those that differ) and known hazards, the pa
 summary with every check's verdict (the neighbour and observer checks' parts one by one) and
 the drift in nats, and every batch size both measured, with the requests the prefix cache
 served there. Cost files (or cells printed with --json): every cell either file holds, matched
-by everything it was measured under but the engine's release and the settings the arms
-reported (run.py's own CellIdentity), so that one cell before and after an engine upgrade is
-one row: its overhead, interval and significance, and each part of the identity that changed
-(the release among them). Standard library only. Exit codes: 0 printed, 2 a file that is not
+by everything it was measured under (run.py's own CellIdentity), else by all but the engine's
+release and the settings it changes by itself, so that one cell before and after an engine
+upgrade is one row, each of two backends its own (matched_cells): its overhead, interval and
+significance, and each part of the identity that changed (the release among them). Standard library only. Exit codes: 0 printed, 2 a file that is not
 a lab result, or two of different kinds.
 """
 
