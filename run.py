@@ -6826,7 +6826,9 @@ def settings_read_by_all(records: Sequence[Any]) -> Dict[Any, Set[str]]:
         for arm in ("off", "on"):
             facts = label_of(servers, arm)
             reported = label_of(facts, "settings")
-            if label_of(facts, "info_source") is None or not isinstance(reported, dict):
+            hidden = isinstance(facts, dict) and "info_source" in facts and \
+                facts["info_source"] is None  # a file older than info_source did not hide
+            if hidden or not isinstance(reported, dict) or not reported:
                 continue
             labels = {str(name) for name in reported}
             read[engine] = read[engine] & labels if engine in read else labels

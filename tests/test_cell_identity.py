@@ -465,3 +465,15 @@ class SGLangGraphsFollowTheDegree(unittest.TestCase):
         vllm = variant(saved_cell(), set_setting("CUDA-graph sizes", [1, 2, 4]))
         self.assertNotEqual(labels(vllm).identity.table_group(),
                             labels(saved_cell()).identity.table_group())
+
+
+class CellsOfALabThatSavedNoInfoSource(unittest.TestCase):
+    def test_a_cell_without_info_source_counts_its_settings_as_read(self):
+        def older(cell):  # saved before the lab named where settings came from
+            EARLIER_LAB(cell)
+            for arm in ("off", "on"):
+                del cell["servers"][arm]["info_source"]
+        old = variant(saved_cell(), older)
+        newer = variant(saved_cell(), lambda c: c.update(created="later"))
+        self.assertEqual([c["created"] for c in run.add_cell({"cells": [old]}, newer)["cells"]],
+                         ["later"])
