@@ -11,8 +11,9 @@ served there. Cost files (or cells printed with --json): every cell either file 
 by everything it was measured under (run.py's own CellIdentity), else by all but the engine's
 release and the settings it changes by itself, so that one cell before and after an engine
 upgrade is one row, each of two backends its own (matched_cells): its overhead, interval and
-significance, and each part of the identity that changed (the release among them). Standard library only. Exit codes: 0 printed, 2 a file that is not
-a lab result, or two of different kinds.
+significance, and each part of the identity that changed (the release among them). Standard
+library only. Exit codes: 0 printed, 2 a file that is not a lab result, or two of different
+kinds.
 """
 
 import dataclasses
