@@ -6812,16 +6812,18 @@ class Arm:
 
 
 def settings_read_by_all(records: Sequence[Any]) -> Dict[Any, Set[str]]:
-    """Per engine, the settings that every arm of records that showed its settings reported:
-    a setting a cell's record does not hold (the lab read it only from a later release on, or
-    that server does not report it) is unknown there, never a difference, so the identities
-    of one file's cells hold only these (cell_key's read). Arms that hid their settings are
-    left out: they hold a few labels only and are told apart by their unknown flag."""
+    """Per engine and releases, the settings that every arm of records that showed its
+    settings reported: a setting a cell's record does not hold (the lab read it only from a
+    later version on) is unknown there, never a difference, so the identities of one file's
+    cells hold only these (cell_key's read). Per release, so that a release that reports
+    fewer settings never merges two cells of another; arms that hid their settings are left
+    out: they hold a few labels only and are told apart by their unknown flag."""
     read: Dict[Any, Set[str]] = {}
     for record in records:
         if not isinstance(record, dict):
             continue
-        engine = CellIdentity.of(record).engine
+        identity = CellIdentity.of(record)
+        engine = (identity.engine, identity.releases)
         servers = label_of(record, "servers")
         for arm in ("off", "on"):
             facts = label_of(servers, arm)
@@ -6842,7 +6844,7 @@ def cell_key(record: Json, read: Optional[Dict[Any, Set[str]]] = None) -> "CellI
     identity = CellIdentity.of(record)
     if read is None:
         return identity
-    return identity.within(read.get(identity.engine))
+    return identity.within(read.get((identity.engine, identity.releases)))
 
 
 def print_cost_servers(off: ServerFacts, on: ServerFacts, differences: List[SettingDifference],

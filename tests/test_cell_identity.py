@@ -467,7 +467,7 @@ class SGLangGraphsFollowTheDegree(unittest.TestCase):
                             labels(saved_cell()).identity.table_group())
 
 
-class CellsOfALabThatSavedNoInfoSource(unittest.TestCase):
+class WhichSettingsCountAsRead(unittest.TestCase):
     def test_a_cell_without_info_source_counts_its_settings_as_read(self):
         def older(cell):  # saved before the lab named where settings came from
             EARLIER_LAB(cell)
@@ -477,3 +477,11 @@ class CellsOfALabThatSavedNoInfoSource(unittest.TestCase):
         newer = variant(saved_cell(), lambda c: c.update(created="later"))
         self.assertEqual([c["created"] for c in run.add_cell({"cells": [old]}, newer)["cells"]],
                          ["later"])
+
+    def test_a_release_that_reports_fewer_settings_never_merges_two_backends_of_another(self):
+        sparse = variant(saved_cell(), set_release("0.20.0"))
+        for arm in ("off", "on"):
+            sparse["servers"][arm]["settings"] = {"max model length": 2048}
+        flash = saved_cell()
+        triton = variant(flash, COMPARED["attention backend"])
+        self.assertEqual(len(run.add_cell({"cells": [sparse, flash]}, triton)["cells"]), 3)
