@@ -3080,8 +3080,20 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-# `vllm bench serve` saving options the lab has no use for, and what it does instead
+# `vllm bench serve` options the lab does not take, and what it does instead: its saving
+# options, and of its common load options those that are not the lab's own aliases
+# (--base-url, --max-concurrency, --num-prompts, --request-rate are): vllm/benchmarks/
+# serve.py, 0.34.0 lines 1755 (--burstiness), 1832 (--ignore-eos); datasets/datasets.py,
+# lines 1593 (--dataset-name), 1889 (--random-input-len), 1895 (--random-output-len)
 BENCH_SERVE_HINTS = {
+    "--random-output-len": "--max-tokens N: every completion of a trial runs to it",
+    "--ignore-eos": "a cost trial asks every completion for --max-tokens tokens already",
+    "--burstiness": "--request-rate R sends Poisson arrivals (bench serve's burstiness 1, "
+                    "its default); other arrival shapes are not offered",
+    "--dataset-name": "a cost trial's prompts are its workload's: --workload cold or "
+                      "shared-prefix",
+    "--random-input-len": "a cost trial's prompts are its workload's: --workload "
+                          "shared-prefix --prefix-tokens N sets their length",
     "--save-result": "the lab saves with --save FILE, or --result-filename FILE; under load "
                      "each arm's figures are there under bench serve's names too",
     "--result-dir": "give the folder in --save's path",

@@ -288,7 +288,10 @@ class BenchServeNames(TempDirTest):
 
     def test_an_abbreviated_bench_serve_option_gets_its_hint(self):
         for given, said in (("--save-res", "the lab saves with --save FILE"),
-                            ("--result-d=/tmp", "give the folder in --save's path")):
+                            ("--result-d=/tmp", "give the folder in --save's path"),
+                            ("--random-output-len=64", "--max-tokens N: every completion"),
+                            ("--ignore-eos", "asks every completion for --max-tokens tokens"),
+                            ("--burstiness=0.5", "--request-rate R sends Poisson arrivals")):
             with self.subTest(option=given):
                 r = run_lab("--mode", "cost", "--url", "http://127.0.0.1:9", "--invariant",
                             "http://127.0.0.1:10", given)
