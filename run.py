@@ -6849,6 +6849,17 @@ def settings_read_by_all(records: Sequence[Any]) -> Dict[Any, Set[str]]:
     return read
 
 
+def same_measurement(record: Json, other: Json, read: Dict[Any, Set[str]]) -> bool:
+    """Whether a saved cell is the measurement another repeats, so that one replaces the
+    other: one key (cell_key with read), and every setting both records hold alike (a
+    setting only one holds is unknown on the other; two values are two measurements, even
+    where a third cell of the file that lacks the setting leaves it out of the key)."""
+    if cell_key(record, read) != cell_key(other, read):
+        return False
+    theirs = {s[0]: s[1:] for s in cell_key(other).settings}
+    return all(theirs.get(s[0], s[1:]) == s[1:] for s in cell_key(record).settings)
+
+
 def cell_key(record: Json, read: Optional[Dict[Any, Set[str]]] = None) -> "CellIdentity":
     """What makes two saved cells the same measurement (CellIdentity); read: the settings
     that every cell the record is told apart from (its file's, with it) holds
@@ -7087,11 +7098,11 @@ def add_cell(doc: Json, cell: Json) -> Json:
     unfinished run never replaces a finished cell (it is kept under "incomplete_cells")."""
     doc.setdefault("cells", [])
     read = settings_read_by_all(doc["cells"] + (doc.get("incomplete_cells") or []) + [cell])
-    key = cell_key(cell, read)
-    finished = any(cell_key(c, read) == key and c.get("state") == "complete"
+    finished = any(same_measurement(c, cell, read) and c.get("state") == "complete"
                    for c in doc["cells"])
     section = "incomplete_cells" if finished and cell["state"] != "complete" else "cells"
-    doc[section] = [c for c in doc.get(section, []) if cell_key(c, read) != key] + [cell]
+    doc[section] = [c for c in doc.get(section, [])
+                    if not same_measurement(c, cell, read)] + [cell]
     return doc
 
 
@@ -7301,7 +7312,7 @@ def run_cost(cfg: Config, out: Out) -> int:
         prior = [c for c in (cfg.prior_save or {}).get("cells") or [] if isinstance(c, dict)]
         read = settings_read_by_all(prior + [record])
         for old in prior:
-            if cell_key(old, read) == cell_key(record, read):
+            if same_measurement(old, record, read):
                 out.warn(replaced_cell_line(old, record, cfg.save, read))
     if labels.tp is None and not cfg.json_out:
         out.warn("the arms do not report their TP degree, so the cell is labelled TP=?: give "

@@ -485,3 +485,11 @@ class WhichSettingsCountAsRead(unittest.TestCase):
         flash = saved_cell()
         triton = variant(flash, COMPARED["attention backend"])
         self.assertEqual(len(run.add_cell({"cells": [sparse, flash]}, triton)["cells"]), 3)
+
+    def test_a_cell_of_another_value_is_kept_though_an_earlier_labs_cell_lacks_the_setting(self):
+        old = variant(saved_cell(), EARLIER_LAB)  # holds no compilation mode
+        eager = variant(saved_cell(), lambda c: (set_setting("compilation mode", 0)(c),
+                                                 c.update(created="eager")))
+        newer = variant(saved_cell(), lambda c: c.update(created="later"))  # mode 3
+        doc = run.add_cell({"cells": [old, eager]}, newer)
+        self.assertEqual(sorted(c["created"] for c in doc["cells"]), ["eager", "later"])
