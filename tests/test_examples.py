@@ -517,6 +517,20 @@ class ExampleToolsReadWhatTheLabSaves(unittest.TestCase):
                          (11.0, 22.0))
         self.assertNotIn("compilation mode", heading)
 
+    def test_plot_cost_keeps_two_values_of_a_setting_an_earlier_labs_cell_lacks(self):
+        earlier = self.variant(overhead_pct=11.0)
+        for arm in ("off", "on"):
+            del earlier["servers"][arm]["settings"]["compilation mode"]
+        eager = self.variant(overhead_pct=22.0)
+        for arm in ("off", "on"):
+            eager["servers"][arm]["settings"]["compilation mode"] = 0
+        said = []
+        doc = self.plot_cost.load([self.write(c) for c in (earlier, eager, self.cell)],
+                                  say=said.append)
+        self.assertEqual(sorted(c["overhead_pct"] for c in doc["cells"]),
+                         sorted([22.0, self.cell["overhead_pct"]]))
+        self.assertEqual(len(said), 1, said)
+
     def write(self, cell):
         tmp = tempfile.mkdtemp()
         self.addCleanup(lambda: __import__("shutil").rmtree(tmp))
