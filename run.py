@@ -3193,9 +3193,12 @@ class ShowVersion(argparse.Action):
 class OneSavePath(argparse.Action):
     """--save, or `vllm bench serve`'s --result-filename for it: one file a run. A second,
     other path is refused, not one of the two dropped without a word (nothing would be where
-    the user looks)."""
+    the user looks), and so is an empty one (it would save nothing)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
+        if not values.strip():  # `--save "$OUT"` with OUT unset: nothing would be saved
+            parser.error("%s: an empty path; give the file to save the result in"
+                         % option_string)
         given = getattr(namespace, self.dest, None)  # None, or a mark (given_options)
         if isinstance(given, str) and given != values:
             parser.error("%s: the result is already to be saved in %s; a run saves to one file "

@@ -277,6 +277,15 @@ class BenchServeNames(TempDirTest):
                 self.assertRegex(r.stderr, r"the result is already to be saved in [ab]\.json; "
                                  r"a run saves to one file")
 
+    def test_an_empty_save_path_is_refused_not_taken_for_no_save(self):
+        for given in (("--save", ""), ("--result-filename=",), ("--mode", "sweep", "--save=")):
+            with self.subTest(options=given):
+                r = run_lab("--mode", "cost", "--url", "http://127.0.0.1:9", "--invariant",
+                            "http://127.0.0.1:10", *given) if "sweep" not in given else \
+                    run_lab("--url", "http://127.0.0.1:9", *given)
+                self.assertEqual(r.code, 2, r)
+                self.assertIn("an empty path; give the file to save the result in", r.stderr)
+
     def test_percentile_options_given_empty_are_refused_not_taken_for_the_default(self):
         for given, said in (("--metric-percentiles=", "'' is not a percentile"),
                             ("--percentile-metrics=", "--percentile-metrics: give some of")):
