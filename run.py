@@ -6838,7 +6838,7 @@ def settings_read_by_all(records: Sequence[Any]) -> Dict[Any, Set[str]]:
         if not isinstance(record, dict):
             continue
         identity = CellIdentity.of(record)
-        engine = (identity.engine, identity.releases)
+        engine_release = (identity.engine, identity.releases)
         servers = label_of(record, "servers")
         for arm in ("off", "on"):
             facts = label_of(servers, arm)
@@ -6848,7 +6848,8 @@ def settings_read_by_all(records: Sequence[Any]) -> Dict[Any, Set[str]]:
             if hidden or not isinstance(reported, dict) or not reported:
                 continue
             labels = {str(name) for name in reported}
-            read[engine] = read[engine] & labels if engine in read else labels
+            read[engine_release] = (read[engine_release] & labels if engine_release in read
+                                    else labels)
     return read
 
 
