@@ -3077,7 +3077,28 @@ class _Parser(argparse.ArgumentParser):
                 break
         if hint is not None:
             message += " (%s)" % hint
-        raise UsageError(message)
+        raise UsageError(key_free_message(message, words))
+
+
+# Words in an option's name that say its value may be a key (--apikey, --token, --api_key)
+KEY_LIKE = ("key", "token", "secret", "password")
+
+
+def key_free_message(message: str, unknown: Sequence[str]) -> str:
+    """A parser's complaint as it may be printed: the value of an option the lab does not
+    know but whose name says it holds a key (--apikey K, --token=K) hidden where it stands,
+    as key_free_command hides --api-key's, and $OPENAI_API_KEY's value wherever it shows."""
+    for i, word in enumerate(unknown):
+        name = word.split("=", 1)[0]
+        if not (name.startswith("-") and any(k in name.lower() for k in KEY_LIKE)):
+            continue
+        if "=" in word:
+            message = message.replace(word, name + "=[api key]")
+        elif i + 1 < len(unknown) and not unknown[i + 1].startswith("-"):
+            message = message.replace("%s %s" % (word, unknown[i + 1]), word + " [api key]")
+    key = os.environ.get("OPENAI_API_KEY") or ""
+    # a key too short to tell from text is not searched for (Secrets)
+    return message.replace(key, "[api key]") if len(key) >= SHORT_SECRET else message
 
 
 # `vllm bench serve` options the lab does not take, and what it does instead: its saving

@@ -307,6 +307,18 @@ class BenchServeNames(TempDirTest):
                 self.assertEqual(r.code, 2, r)
                 self.assertIn(said, r.stderr)
 
+    def test_a_key_given_to_an_option_the_lab_does_not_know_is_not_printed(self):
+        secret = "sk-hostile-0123456789"
+        for given in (("--apikey", secret), ("--api_key=" + secret,), ("--token", secret),
+                      (secret,), ("--save-result", secret)):
+            with self.subTest(options=given):
+                r = run_lab("--mode", "cost", "--url", "http://127.0.0.1:9", "--invariant",
+                            "http://127.0.0.1:10", *given,
+                            env={"OPENAI_API_KEY": secret})
+                self.assertEqual(r.code, 2, r)
+                self.assertIn("unrecognized arguments", r.stderr)
+                self.assertNotIn(secret, r.stderr + r.stdout)
+
     def test_options_that_mean_nothing_here_are_refused_with_a_hint(self):
         cases = {
             ("--save-result",): "the lab saves with --save FILE, or --result-filename FILE",
