@@ -55,7 +55,8 @@ Sections, in the order they appear:
                        name, the parser, URL and file checks, configure(argv)
   Arrivals and trials  when concurrent requests go out (--request-rate), and what one timed
                        cost trial is (--batch, --concurrency): each owns its options, step,
-                       records and report lines
+                       records and report lines (BenchServeResult: a load arm's figures
+                       under `vllm bench serve`'s result names)
   The sweep's core     Evidence (what each completion showed, and what it can show), the
                        Sender of every traffic shape, BatchRow, SizeResult, SweepSummary,
                        PromptSweep (the verdict read request by request), and SweepCheck, the
@@ -70,7 +71,7 @@ Sections, in the order they appear:
                        run_sweep: the core and the checks composed
   --mode cost          CostOptions, ArmStats, CellIdentity (everything a cell was measured
                        under), CostCell, the arms and their settings check, warm-up, the cost
-                       file, the 2x2 table, run_cost
+                       file, the 2x2 tables (cost_tables, which plot_cost.py draws), run_cost
   --mode harness       the quoted upstream excerpts, their provenance, the commands
   --mode help          the guide
   main                 main(argv) -> exit code
@@ -3415,15 +3416,54 @@ class _Parser(argparse.ArgumentParser):
         mode = next((word for word in words if word in MODES), None)
         if mode is not None:  # `run.py sweep`: a mode is an option's value here, not a command
             message += " (a mode is chosen with --mode: run.py --mode %s ...)" % mode
-        hint = next((BENCH_SERVE_HINTS[w.split("=")[0]] for w in words
-                     if w.split("=")[0] in BENCH_SERVE_HINTS), None)
+        hint = None
+        for word in words:
+            name = word.split("=")[0]
+            # in any spelling bench serve's own parser takes: abbreviated, with "="
+            meant = [o for o in BENCH_SERVE_HINTS if len(name) > 2 and o.startswith(name)]
+            if name.startswith("--") and len(meant) == 1:
+                hint = BENCH_SERVE_HINTS[meant[0]]
+                break
         if hint is not None:
             message += " (%s)" % hint
-        raise UsageError(message)
+        raise UsageError(key_free_message(message, words))
 
 
-# `vllm bench serve` saving options the lab has no use for, and what it does instead
+# Words in an option's name that say its value may be a key (--apikey, --token, --api_key)
+KEY_LIKE = ("key", "token", "secret", "password")
+
+
+def key_free_message(message: str, unknown: Sequence[str]) -> str:
+    """A parser's complaint as it may be printed: the value of an option the lab does not
+    know but whose name says it holds a key (--apikey K, --token=K) hidden where it stands,
+    as key_free_command hides --api-key's, and $OPENAI_API_KEY's value wherever it shows."""
+    for i, word in enumerate(unknown):
+        name = word.split("=", 1)[0]
+        if not (name.startswith("-") and any(k in name.lower() for k in KEY_LIKE)):
+            continue
+        if "=" in word:
+            message = message.replace(word, name + "=[api key]")
+        elif i + 1 < len(unknown) and not unknown[i + 1].startswith("-"):
+            message = message.replace("%s %s" % (word, unknown[i + 1]), word + " [api key]")
+    key = os.environ.get("OPENAI_API_KEY") or ""
+    # a key too short to tell from text is not searched for (Secrets)
+    return message.replace(key, "[api key]") if len(key) >= SHORT_SECRET else message
+
+
+# `vllm bench serve` options the lab does not take, and what it does instead: its saving
+# options, and of its common load options those that are not the lab's own aliases
+# (--base-url, --max-concurrency, --num-prompts, --request-rate are): vllm/benchmarks/
+# serve.py, 0.34.0 lines 1755 (--burstiness), 1832 (--ignore-eos); datasets/datasets.py,
+# lines 1593 (--dataset-name), 1889 (--random-input-len), 1895 (--random-output-len)
 BENCH_SERVE_HINTS = {
+    "--random-output-len": "--max-tokens N: every completion of a trial runs to it",
+    "--ignore-eos": "a cost trial asks every completion for --max-tokens tokens already",
+    "--burstiness": "--request-rate R sends Poisson arrivals (bench serve's burstiness 1, "
+                    "its default); other arrival shapes are not offered",
+    "--dataset-name": "a cost trial's prompts are its workload's: --workload cold or "
+                      "shared-prefix",
+    "--random-input-len": "a cost trial's prompts are its workload's: --workload "
+                          "shared-prefix --prefix-tokens N sets their length",
     "--save-result": "the lab saves with --save FILE, or --result-filename FILE; under load "
                      "each arm's figures are there under bench serve's names too",
     "--result-dir": "give the folder in --save's path",
@@ -3520,6 +3560,23 @@ class ShowVersion(argparse.Action):
         parser.exit()
 
 
+class OneSavePath(argparse.Action):
+    """--save, or `vllm bench serve`'s --result-filename for it: one file a run. A second,
+    other path is refused, not one of the two dropped without a word (nothing would be where
+    the user looks), and so is an empty one (it would save nothing)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if not values.strip():  # `--save "$OUT"` with OUT unset: nothing would be saved
+            parser.error("%s: an empty path; give the file to save the result in"
+                         % option_string)
+        given = getattr(namespace, self.dest, None)  # None, or a mark (given_options)
+        if isinstance(given, str) and given != values:
+            parser.error("%s: the result is already to be saved in %s; a run saves to one file "
+                         "(--save and --result-filename name the same one)"
+                         % (option_string, given))
+        setattr(namespace, self.dest, values)
+
+
 def provenance(argv: Sequence[str], options: Sequence[str]) -> Dict[str, Any]:
     """What a saved result records of how it was made: the lab's version and the code's own
     name (lab_code), the command line with any key replaced where it stands (options: every
@@ -3574,7 +3631,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-tokens", type=whole_number(1, MAX_TOKENS), help="tokens per completion (default: "
         "sweep %d, cost %d)" % (DEFAULT_SWEEP_TOKENS, DEFAULT_COST_TOKENS))
     sweep_cost.add_argument(
-        "--save", "--result-filename", metavar="PATH", help="write the result as JSON (sweep: "
+        "--save", "--result-filename", metavar="PATH", action=OneSavePath,
+        help="write the result as JSON (sweep: "
         "rewritten after every batch size; cost: adds its cell to the file)")
     sweep_cost.add_argument("--json", action="store_true", dest="json_out",
                             help="print the result as JSON, not a table")
@@ -4380,8 +4438,10 @@ class BenchServeResult:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "BenchServeResult":
-        metrics = tuple(m.strip() for m in (args.percentile_metrics or ",".join(
-            BENCH_SERVE_METRICS)).split(",") if m.strip())
+        # given empty is refused below, not taken for the default
+        chosen = (",".join(BENCH_SERVE_METRICS) if args.percentile_metrics is None
+                  else args.percentile_metrics)
+        metrics = tuple(m.strip() for m in chosen.split(",") if m.strip())
         for metric in metrics:
             if metric in BENCH_SERVE_NOT_MEASURED:
                 raise UsageError(
@@ -4395,7 +4455,8 @@ class BenchServeResult:
             raise UsageError("--percentile-metrics: give some of %s"
                              % ",".join(BENCH_SERVE_METRICS))
         percentiles = []
-        for text in (args.metric_percentiles or "99").split(","):
+        for text in ("99" if args.metric_percentiles is None
+                     else args.metric_percentiles).split(","):
             try:
                 value = float(text)
             except ValueError:
@@ -4594,8 +4655,8 @@ class LoadTrials:
                                  "trials" % given[0])
             return None
         chosen = BenchServeResult.from_args(args)
-        bench_serve = dataclasses.replace(
-            chosen, max_concurrency=concurrency, request_rate=arrivals.rate if arrivals.rate else "inf")
+        bench_serve = dataclasses.replace(chosen, max_concurrency=concurrency,
+                                          request_rate=arrivals.rate or "inf")
         return cls(concurrency, requests, arrivals, bench_serve)
 
     def run(self, arm: "Arm", prompts: List[str], adapter: EngineAdapter,
@@ -7219,7 +7280,8 @@ class CostOptions:
         group.add_argument("--trials", type=whole_number(1, MAX_TRIALS), default=DEFAULT_TRIALS,
                            help="timed requests per arm (default %d)" % DEFAULT_TRIALS)
         group.add_argument("--warmup", type=whole_number(0, MAX_TRIALS), default=DEFAULT_WARMUP,
-                           help="discarded requests per arm (default %d)" % DEFAULT_WARMUP)
+                           help="discarded requests per arm (under load: whole trials of "
+                           "--requests requests) (default %d)" % DEFAULT_WARMUP)
         group.add_argument(
             "--workload", choices=WORKLOADS, default="cold",
             help="cold: no prefix can be cached; shared-prefix: one long prefix for all")
@@ -7290,6 +7352,11 @@ def label_of(record: Any, name: str) -> Any:
 KEY_SETTINGS = ("attention backend", "dtype", "quantization", "KV-cache dtype", "max num seqs",
                 "max running requests")
 TP_SETTINGS = ("TP size",)  # what differs between the rows of one 2x2 table
+# SGLang sizes its decode CUDA graphs by the TP degree where it is not told their size (on an
+# H200 up to 256 below TP 4, 512 from TP 4: python/sglang/srt/arg_groups/memory_hook.py,
+# 0.5.23 lines 147-159), so there they go with the table's rows as the degree does
+TP_SETTINGS_OF = {"sglang": TP_SETTINGS + ("CUDA-graph sizes", "CUDA-graph max bs",
+                                           "CUDA-graph max bs (old)")}
 
 
 def setting_text(value: Any) -> str:
@@ -7344,7 +7411,9 @@ class CellIdentity:
         servers = record.get("servers") if isinstance(record.get("servers"), dict) else {}
         arms = [servers.get(arm) if isinstance(servers.get(arm), dict) else {}
                 for arm in ("off", "on")]
-        releases = tuple(label_of(arm, "version") for arm in arms)
+        # a release as any label: text or a number kept, anything else in words (hashable)
+        releases = tuple(v if v is None or isinstance(v, (str, int, float)) else repr(v)
+                         for v in (label_of(arm, "version") for arm in arms))
         flags = tuple(arm.get("flag") if isinstance(arm.get("flag"), bool) else None
                       for arm in arms)
         tp_reported = tuple(arm.get("tp") if is_count(arm.get("tp")) else None for arm in arms)
@@ -7370,7 +7439,16 @@ class CellIdentity:
         and the settings that go with the TP degree."""
         return dataclasses.replace(
             self, tp=None, workload=None, prefix_tokens=None, tp_reported=(None, None),
-            settings=tuple(s for s in self.settings if s[0] not in TP_SETTINGS))
+            settings=tuple(s for s in self.settings
+                           if s[0] not in TP_SETTINGS_OF.get(self.engine, TP_SETTINGS)))
+
+    def within(self, read: Optional[Set[str]]) -> "CellIdentity":
+        """The identity holding only the settings in read (settings_read_by_all: those every
+        cell of its file was saved with), all of them where read is None."""
+        if read is None:
+            return self
+        return dataclasses.replace(self, settings=tuple(s for s in self.settings
+                                                        if s[0] in read))
 
     def across_releases(self) -> "CellIdentity":
         """The identity less what an engine upgrade changes by itself (the release and the
@@ -7452,10 +7530,12 @@ class CellLabels:
     overhead: Overhead  # the primary one
 
     @classmethod
-    def from_record(cls, record: Json) -> "CellLabels":
+    def from_record(cls, record: Json,
+                    read: Optional[Dict[Any, Set[str]]] = None) -> "CellLabels":
+        """read: the settings its file's cells were all saved with (cell_key)."""
         return cls(record.get("tp"), record["workload"], TrialLabels.from_record(record),
                    record["max_tokens"], record["model"], record.get("state"),
-                   Overhead.from_record(record), CellIdentity.of(record))
+                   Overhead.from_record(record), cell_key(record, read))
 
     identity: "CellIdentity"  # everything it was measured under
 
@@ -7512,9 +7592,52 @@ class Arm:
         return cfg.cost.trial.run(self, prompts, cfg.adapter, cfg.sampling)
 
 
-def cell_key(record: Json) -> "CellIdentity":
-    """What makes two saved cells the same measurement (CellIdentity)."""
-    return CellIdentity.of(record)
+def settings_read_by_all(records: Sequence[Any]) -> Dict[Any, Set[str]]:
+    """Per engine and releases, the settings that every arm of records that showed its
+    settings reported: a setting a cell's record does not hold (the lab read it only from a
+    later version on) is unknown there, never a difference, so the identities of one file's
+    cells hold only these (cell_key's read). Per release, so that a release that reports
+    fewer settings never merges two cells of another; arms that hid their settings are left
+    out: they hold a few labels only and are told apart by their unknown flag."""
+    read: Dict[Any, Set[str]] = {}
+    for record in records:
+        if not isinstance(record, dict):
+            continue
+        identity = CellIdentity.of(record)
+        engine_release = (identity.engine, identity.releases)
+        servers = label_of(record, "servers")
+        for arm in ("off", "on"):
+            facts = label_of(servers, arm)
+            reported = label_of(facts, "settings")
+            hidden = isinstance(facts, dict) and "info_source" in facts and \
+                facts["info_source"] is None  # a file older than info_source did not hide
+            if hidden or not isinstance(reported, dict) or not reported:
+                continue
+            labels = {str(name) for name in reported}
+            read[engine_release] = (read[engine_release] & labels if engine_release in read
+                                    else labels)
+    return read
+
+
+def same_measurement(record: Json, other: Json, read: Dict[Any, Set[str]]) -> bool:
+    """Whether a saved cell is the measurement another repeats, so that one replaces the
+    other: one key (cell_key with read), and every setting both records hold alike (a
+    setting only one holds is unknown on the other; two values are two measurements, even
+    where a third cell of the file that lacks the setting leaves it out of the key)."""
+    if cell_key(record, read) != cell_key(other, read):
+        return False
+    theirs = {s[0]: s[1:] for s in cell_key(other).settings}
+    return all(theirs.get(s[0], s[1:]) == s[1:] for s in cell_key(record).settings)
+
+
+def cell_key(record: Json, read: Optional[Dict[Any, Set[str]]] = None) -> "CellIdentity":
+    """What makes two saved cells the same measurement (CellIdentity); read: the settings
+    that every cell the record is told apart from (its file's, with it) holds
+    (settings_read_by_all), the only ones the identity then holds."""
+    identity = CellIdentity.of(record)
+    if read is None:
+        return identity
+    return identity.within(read.get((identity.engine, identity.releases)))
 
 
 def print_cost_servers(off: ServerFacts, on: ServerFacts, differences: List[SettingDifference],
@@ -7650,7 +7773,7 @@ def cost_table_lines(cells: List[CellLabels], current: CellLabels) -> List[str]:
     group, prefix, same = table_cells(cells, current)
     lines = ["cost cells for %s (from the saved file):" % table_heading(cells, group, prefix),
              "  %-8s %-28s %-28s" % ("", *WORKLOADS)]
-    filled = 0
+    filled = marked = 0
     for tp in table_degrees(same):
         row = []
         for workload in WORKLOADS:
@@ -7661,8 +7784,15 @@ def cost_table_lines(cells: List[CellLabels], current: CellLabels) -> List[str]:
                 continue
             overhead = cell.overhead.text("%+.1f%% [%+.1f, %+.1f]%s", "%+.1f%% (no interval)",
                                           " n.s.")
-            row.append(overhead + ("" if cell.state == "complete" else " partial"))
+            ci = cell.overhead.ci95_pct
+            faster = bool(ci) and ci[1] < 0  # flag_on_faster: the whole interval below 0
+            marked += faster
+            row.append(overhead + (" *" if faster else "")
+                       + ("" if cell.state == "complete" else " partial"))
         lines.append("  %-8s %-28s %-28s" % ("TP=%s" % ("?" if tp is None else tp), *row))
+    if marked:
+        lines.append("* the flag-on arm measured faster: check the arms' flags as the lab read "
+                     "them, the warm-up, and which URL is which")
     if filled < 4:
         lines.append("One cell alone is not a result: report all four (TP=1 and your real TP, "
                      "cold and shared-prefix), or none.")
@@ -7739,19 +7869,22 @@ def cost_cell(cfg: Config, arms: Tuple[Arm, Arm], differences: List[SettingDiffe
 def add_cell(doc: Json, cell: Json) -> Json:
     """Put a cell's record in the cost file, replacing the one with the same key; an
     unfinished run never replaces a finished cell (it is kept under "incomplete_cells")."""
-    key = cell_key(cell)
     doc.setdefault("cells", [])
-    finished = any(cell_key(c) == key and c.get("state") == "complete" for c in doc["cells"])
+    read = settings_read_by_all(doc["cells"] + (doc.get("incomplete_cells") or []) + [cell])
+    finished = any(same_measurement(c, cell, read) and c.get("state") == "complete"
+                   for c in doc["cells"])
     section = "incomplete_cells" if finished and cell["state"] != "complete" else "cells"
-    doc[section] = [c for c in doc.get(section, []) if cell_key(c) != key] + [cell]
+    doc[section] = [c for c in doc.get(section, [])
+                    if not same_measurement(c, cell, read)] + [cell]
     return doc
 
 
-def replaced_cell_line(old: Json, new: Json, path: str) -> str:
+def replaced_cell_line(old: Json, new: Json, path: str,
+                       read: Optional[Dict[Any, Set[str]]] = None) -> str:
     """What a user reads when a cell replaces a saved one: what the two share (their
     identity, every compared setting of both arms) and what differs (when, by which code,
-    on which servers, and what they measured)."""
-    identity = cell_key(new)
+    on which servers, and what they measured); read: as cell_key's."""
+    identity = cell_key(new, read)
     changed = []
     for what, value in (("overhead", lambda c: fmt_opt(label_of(c, "overhead_pct"), "none",
                                                       "%+.1f%%")),
@@ -7809,11 +7942,15 @@ def flag_on_faster(cell: Json) -> List[str]:
         read = describe_flag(flag, adapter) if adapter else fmt_opt(flag, "flag unknown",
                                                                         "flag %s")
         flags.append("%s %s: %s" % (option, fmt_opt(label_of(arm, "url"), "?"), read))
+    warmup = fmt_opt(label_of(cell, "warmup"), "?")
+    # a batch trial is one request; under load a warm-up is a whole trial of --requests
+    discarded = ("%s warm-up trial(s) of %s requests an arm were" % (warmup, fmt_opt(
+        label_of(cell, "requests"), "?")) if label_of(cell, "concurrency") else
+        "%s request(s) an arm were" % warmup)
     return ["the flag-on arm measured faster (the whole interval lies below 0): on a GPU that "
             "has meant swapped arms, a flag that is not on, or one arm warm and the other cold",
             "check the flags as the lab read them: " + "; ".join(flags),
-            "check the warm-up: %s request(s) an arm were discarded (--warmup); a cold arm is "
-            "slower" % fmt_opt(label_of(cell, "warmup"), "?"),
+            "check the warm-up: %s discarded (--warmup); a cold arm is slower" % discarded,
             "check which URL is which: --url is the flag-off server, --invariant the flag-on"]
 
 
@@ -7945,9 +8082,11 @@ def run_cost(cfg: Config, out: Out) -> int:
     doc = saves.write(lambda path: save_cell(path, record)) or add_cell(doc, record)
     labels = CellLabels.from_record(record)  # read as any cell of the file is
     if cfg.save and state == "complete":
-        for old in (cfg.prior_save or {}).get("cells") or []:
-            if isinstance(old, dict) and cell_key(old) == labels.identity:
-                out.warn(replaced_cell_line(old, record, cfg.save))
+        prior = [c for c in (cfg.prior_save or {}).get("cells") or [] if isinstance(c, dict)]
+        read = settings_read_by_all(prior + [record])
+        for old in prior:
+            if same_measurement(old, record, read):
+                out.warn(replaced_cell_line(old, record, cfg.save, read))
     if labels.tp is None and not cfg.json_out:
         out.warn("the arms do not report their TP degree, so the cell is labelled TP=?: give "
                  "--tp N to label it")
@@ -7957,8 +8096,9 @@ def run_cost(cfg: Config, out: Out) -> int:
         print_cost_report(cell, labels, out)
         if cfg.save:
             out.line("")
-            cells = [CellLabels.from_record(c) for c in doc["cells"]]
-            for line in cost_table_lines(cells, labels):
+            read = settings_read_by_all(doc["cells"])
+            cells = [CellLabels.from_record(c, read) for c in doc["cells"]]
+            for line in cost_table_lines(cells, CellLabels.from_record(record, read)):
                 out.line(line)
     return report_save(cfg, saves, code, out)
 

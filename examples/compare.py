@@ -8,13 +8,15 @@ Sweeps: the servers' settings (only those that differ) and known hazards, the pa
 summary with every check's verdict (the neighbour and observer checks' parts one by one) and
 the drift in nats, and every batch size both measured, with the requests the prefix cache
 served there. Cost files (or cells printed with --json): every cell either file holds, matched
-by everything it was measured under but the engine's release and the settings the arms
-reported (run.py's own CellIdentity), so that one cell before and after an engine upgrade is
-one row: its overhead, interval and significance, and each part of the identity that changed
-(the release among them). Standard library only. Exit codes: 0 printed, 2 a file that is not
-a lab result, or two of different kinds.
+by everything it was measured under (run.py's own CellIdentity), else by all but the engine's
+release and the settings it changes by itself, so that one cell before and after an engine
+upgrade is one row, each of two backends its own (matched_cells): its overhead, interval and
+significance, and each part of the identity that changed (the release among them). Standard
+library only. Exit codes: 0 printed, 2 a file that is not a lab result, or two of different
+kinds.
 """
 
+import dataclasses
 import io
 import json
 import os
@@ -177,28 +179,59 @@ def first_prompt(doc):
     return prompts[0]
 
 
-def cells_by_key(doc):
-    """A cost document's cells, each by what matches it across files: its identity less the
-    release and the settings the arms reported (run.py's CellIdentity.across_releases), so
-    that one cell before and after an engine upgrade is one row. Two cells of one file that
-    match alike (one cell at two releases) are keyed by their whole identity instead, so that
-    neither hides the other."""
-    cells = [c for c in doc.get("cells") or [] if isinstance(c, dict)]
-    keys = [run.cell_key(c).across_releases() for c in cells]
-    return {(k if keys.count(k) == 1 else run.cell_key(c)): c for k, c in zip(keys, cells)}
+def with_key_settings(identity):
+    """An identity less the releases, holding of the reported settings only those users
+    compare cells on (run.KEY_SETTINGS: attention backend, dtype, ...): what tells two cells
+    of one file apart across an engine upgrade, which changes the other settings by itself."""
+    return dataclasses.replace(
+        identity.across_releases(),
+        settings=tuple(s for s in identity.settings if s[0] in run.KEY_SETTINGS))
+
+
+def matched_cells(a, b):
+    """The cells of two cost documents as rows [(name, old cell or None, new cell or None)].
+    A cell is matched by its whole identity (cells of one release); then, across an engine
+    upgrade, by its identity less the release with the settings users compare
+    (with_key_settings), so that each of two backends measured before and after an upgrade
+    meets its own; then by the identity less the release and every reported setting
+    (run.CellIdentity.across_releases), where that leaves one cell a side. A cell matched by
+    none is a row of its own: no cell hides another."""
+    left = [[c for c in doc.get("cells") or [] if isinstance(c, dict)] for doc in (a, b)]
+    # settings an earlier lab did not read are unknown, not changed
+    read = run.settings_read_by_all(left[0] + left[1])
+    rows = []
+    for level in (lambda c: run.cell_key(c, read),
+                  lambda c: with_key_settings(run.cell_key(c, read)),
+                  lambda c: run.cell_key(c).across_releases()):
+        keys = [[level(c) for c in side] for side in left]
+        pairs = [(old, new) for old, k in zip(left[0], keys[0]) for new, m in zip(left[1], keys[1])
+                 if k == m and keys[0].count(k) == 1 and keys[1].count(k) == 1]
+        rows.extend(pairs)
+        left = [[c for c in left[0] if all(c is not old for old, _ in pairs)],
+                [c for c in left[1] if all(c is not new for _, new in pairs)]]
+    rows.extend([(c, None) for c in left[0]] + [(None, c) for c in left[1]])
+    # each row named by the least that tells it from the others
+    namings = (lambda k: k.across_releases().text(release=False),
+               lambda k: with_key_settings(k).text(release=False),
+               lambda k: k.text(sorted({s[0] for s in k.settings})))
+    keys = [run.cell_key(new if new is not None else old, read) for old, new in rows]
+    names = [namings[0](k) for k in keys]
+    for naming in namings[1:]:
+        names = [naming(k) if names.count(name) > 1 else name for k, name in zip(keys, names)]
+    return sorted(zip(names, (old for old, _ in rows), (new for _, new in rows)),
+                  key=lambda row: row[0])
 
 
 def compare_costs(a, b, out):
-    ca, cb = cells_by_key(a), cells_by_key(b)
     rows = []
-    for key in sorted(set(ca) | set(cb), key=lambda k: k.text(release=False)):
-        old, new = ca.get(key) or {}, cb.get(key) or {}
-        name = key.text(release=False)
+    for name, old, new in matched_cells(a, b):
+        old, new = old or {}, new or {}
         rows.append((name + " overhead %", old.get("overhead_pct"), new.get("overhead_pct")))
         rows.append((name + " 95% interval", old.get("ci95_pct"), new.get("ci95_pct")))
         rows.append((name + " significant", old.get("significant"), new.get("significant")))
         if old and new:  # what changed between the two cells, the release among it
-            before, after = run.cell_key(old), run.cell_key(new)
+            read = run.settings_read_by_all([old, new])
+            before, after = run.cell_key(old, read), run.cell_key(new, read)
             rows.extend((name + " " + part, before.parts().get(part), after.parts().get(part))
                         for part in before.differing(after))
     table("cost cells (a cell in one file only shows - on the other side)", rows, out)

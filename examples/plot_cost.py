@@ -47,7 +47,7 @@ def is_cell(doc):
 
 def load(paths, say=lambda line: sys.stderr.write(line + "\n")):
     """One cost document holding every cell of paths (cost files, or cells run.py --json printed)."""
-    merged, origin = {}, {}
+    merged, found = [], []  # merged: [cell, path] in the order first seen
     for path in paths:
         doc = labplot.read(path)
         if is_cell(doc):
@@ -57,14 +57,21 @@ def load(paths, say=lambda line: sys.stderr.write(line + "\n")):
         for cell in cells:
             if not isinstance(cell, dict) or not is_cell(cell):
                 raise ValueError("%s holds something that is not a cost cell" % path)
-            key = run.cell_key(cell)  # the lab's own rule for one measurement
-            if key in merged:
-                say("plot_cost.py: the cell of %s replaces the one of %s (%s)" % (
-                    path, origin[key], key.text()))
-            merged[key], origin[key] = cell, path
+            found.append((path, cell))
+    # a setting an earlier lab did not read is unknown, not a difference
+    read = run.settings_read_by_all([cell for _, cell in found])
+    for path, cell in found:
+        # the lab's own rule for one measurement
+        earlier = next((m for m in merged if run.same_measurement(m[0], cell, read)), None)
+        if earlier is None:
+            merged.append([cell, path])
+            continue
+        say("plot_cost.py: the cell of %s replaces the one of %s (%s)" % (
+            path, earlier[1], run.cell_key(cell, read).text()))
+        earlier[:] = [cell, path]
     if not merged:
         raise ValueError("%s: no cell yet" % ", ".join(paths))
-    return {"schema": COST_SCHEMAS[0], "cells": list(merged.values())}
+    return {"schema": COST_SCHEMAS[0], "cells": [cell for cell, _ in merged]}
 
 
 def tables(doc, model=None, batch=None, max_tokens=None):
@@ -72,8 +79,12 @@ def tables(doc, model=None, batch=None, max_tokens=None):
     identity but for TP and the workload, one prefix length a shared-prefix column), the
     newest cell's first, narrowed by model, batch and length where given: [(heading, degrees,
     slots)], slots mapping (TP, workload) to the slot's bar (None: missing)."""
-    records = {run.cell_key(c): c for c in doc["cells"]}
-    cells = [run.CellLabels.from_record(c) for c in doc["cells"]]
+    read = run.settings_read_by_all(doc["cells"])
+    cells = [run.CellLabels.from_record(c, read) for c in doc["cells"]]
+
+    def record_of(labels):  # the record a table's cell was read from
+        return next(r for c, r in zip(cells, doc["cells"]) if c is labels)
+
     found = []
     for group, prefix, same in run.cost_tables(cells):
         if (model is not None and group.model != model) or \
@@ -85,7 +96,7 @@ def tables(doc, model=None, batch=None, max_tokens=None):
         for tp in degrees:
             for workload in WORKLOADS:
                 cell = run.table_slot(same, tp, workload)
-                slots[tp, workload] = None if cell is None else bar(cell, records[cell.identity])
+                slots[tp, workload] = None if cell is None else bar(cell, record_of(cell))
         found.append((run.table_heading(cells, group, prefix), degrees, slots))
     if not found:
         raise ValueError("no cell of that model, batch and length")

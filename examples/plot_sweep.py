@@ -42,12 +42,17 @@ def label(doc, path):
 
 
 def verdict(doc):
-    """The sweep's verdict as it saved it, with the sizes the cache served where any were."""
+    """The sweep's verdict as it saved it, with the sizes the cache served where any were,
+    then each check's own verdict (<check>_verdict): a flag-off sweep whose sizes held but
+    whose neighbour check moved is not drawn as plainly invariant."""
     summary = doc.get("summary") or {}
     said = str(summary.get("verdict") or "no verdict saved")
     served_sizes = summary.get("served_sizes") or []
     if served_sizes:
         said += "; the cache served requests at %s" % ",".join(map(str, served_sizes))
+    for key in sorted(k for k in summary if isinstance(k, str) and k.endswith("_verdict")):
+        if summary[key] is not None:
+            said += "; %s check: %s" % (key[:-len("_verdict")].replace("_", " "), summary[key])
     return said
 
 

@@ -94,7 +94,8 @@ class CellsKeptApart(unittest.TestCase):
 def set_setting(label, off_value, on_value=None):
     """A change to a saved cell: both arms (or each) reporting another value of a setting."""
     def change(cell):
-        for arm, value in (("off", off_value), ("on", off_value if on_value is None else on_value)):
+        on = off_value if on_value is None else on_value
+        for arm, value in (("off", off_value), ("on", on)):
             cell["servers"][arm]["settings"][label] = value
     return change
 
@@ -161,6 +162,15 @@ class TheTableShowsThisRunsCells(unittest.TestCase):
         self.assertIn("attention backend TritonAttentionBackend", lines[0])
         row = next(line for line in lines if line.strip().startswith("TP=1 "))
         self.assertIn("+50.0%", row)
+
+
+    def test_a_cell_whose_flag_on_arm_measured_faster_is_marked(self):
+        faster = variant(saved_cell(), lambda c: c.update(overhead_pct=-7.3, significant=True,
+                                                          ci95_pct=[-15.8, -5.6]))
+        lines = run.cost_table_lines([labels(faster)], labels(faster))
+        row = next(line for line in lines if line.strip().startswith("TP=1 "))
+        self.assertIn("-7.3% [-15.8, -5.6] *", row)
+        self.assertIn("* the flag-on arm measured faster: check the arms' flags", lines[-2])
 
 
 class OverheadNamesTheArm(unittest.TestCase):
@@ -247,8 +257,8 @@ class CostRuns(TempDirTest):
                 StubServer(StubConfig(invariant=True, dev_mode=False)) as on:
             r = self.cost(off, on)
         self.assertEqual(r.code, 0, r)
-        self.assertIn("the flags of the flag-off arm (--url) and the flag-on arm (--invariant) are "
-                      "unknown", r.stderr)
+        self.assertIn("the flags of the flag-off arm (--url) and the flag-on arm (--invariant) "
+                      "are unknown", r.stderr)
         self.assertIn("the overhead above is of the --invariant arm over the --url arm, not "
                       "verified flag-on over flag-off", r.stdout)
 
@@ -320,3 +330,166 @@ class ExampleToolsReadAnyFile(TempDirTest):
             r = self.compare(c, c, stdout=full)
         self.assertEqual(r.returncode, 74, r.stderr)
         self.assertEqual(len(r.stderr.splitlines()), 1, r.stderr)
+
+
+def without_settings(*names):
+    """A change to a saved cell: saved by a lab that did not read these settings yet."""
+    def change(cell):
+        for arm in ("off", "on"):
+            for name in names:
+                cell["servers"][arm]["settings"].pop(name, None)
+    return change
+
+
+# examples/sample_cost.json was saved before the lab read these two (20 settings, now 22)
+EARLIER_LAB = without_settings("compilation mode", "breakable CUDA graph")
+
+
+class CellsOfAnEarlierLab(unittest.TestCase):
+    """A setting a cell's record does not hold is unknown there, never a difference: cells
+    saved by a lab that read fewer settings are one measurement with today's."""
+
+    def test_the_same_measurement_replaces_a_cell_saved_before_a_setting_was_read(self):
+        old = variant(saved_cell(), EARLIER_LAB)
+        newer = variant(saved_cell(), lambda c: c.update(created="later"))
+        doc = run.add_cell({"cells": [old]}, newer)
+        self.assertEqual([c["created"] for c in doc["cells"]], ["later"])
+
+    def test_the_table_shows_the_earlier_labs_cells_beside_this_runs(self):
+        old = variant(saved_cell(), lambda c: (EARLIER_LAB(c), c.update(overhead_pct=11.0)))
+        new = variant(saved_cell(), lambda c: c.update(workload="shared-prefix", tp=1,
+                                                       prefix_tokens=1000, overhead_pct=22.0))
+        cells = [old, new]
+        read = run.settings_read_by_all(cells)
+        lines = run.cost_table_lines([run.CellLabels.from_record(c, read) for c in cells],
+                                     run.CellLabels.from_record(new, read))
+        row = next(line for line in lines if line.strip().startswith("TP=1 "))
+        self.assertRegex(row, r"\+11\.0% .*\+22\.0%")
+        self.assertNotIn("compilation mode", lines[0])
+
+    def test_a_compared_setting_still_keeps_cells_apart_beside_an_earlier_labs_cell(self):
+        old = variant(saved_cell(), EARLIER_LAB)
+        triton = variant(saved_cell(), COMPARED["attention backend"])
+        self.assertEqual(len(run.add_cell({"cells": [old]}, triton)["cells"]), 2)
+
+    def test_arms_that_hid_their_settings_do_not_merge_two_backends(self):
+        def hide(cell):
+            for arm in ("off", "on"):
+                cell["servers"][arm].update(info_source=None, flag=None,
+                                            settings={"max model length": 2048})
+        hidden, flash = variant(saved_cell(), hide), saved_cell()
+        triton = variant(flash, COMPARED["attention backend"])
+        self.assertEqual(len(run.add_cell({"cells": [hidden, flash]}, triton)["cells"]), 3)
+
+    def test_a_release_saved_as_no_text_is_read_without_raising(self):
+        odd = variant(saved_cell(), set_release({"major": 0}))
+        cells = [labels(odd), labels(saved_cell())]
+        lines = run.cost_table_lines(cells, cells[1])
+        self.assertIn("vllm 0.26.0", lines[0])
+        self.assertIn("{'major': 0}", run.cell_key(odd).text())
+
+
+class CompareAcrossAnUpgradeOfTwoBackends(unittest.TestCase):
+    """compare.py matches each backend's cell before and after an engine upgrade, though
+    each file holds two cells alike but for their settings."""
+
+    def rows(self, old_cells, new_cells):
+        return compare.matched_cells({"cells": old_cells}, {"cells": new_cells})
+
+    def test_each_backend_meets_its_own_across_the_release(self):
+        flash = saved_cell()
+        triton = variant(flash, COMPARED["attention backend"])
+        upgrade = set_release("0.33.0")
+        rows = self.rows([flash, triton], [variant(triton, upgrade), variant(flash, upgrade)])
+        self.assertEqual(len(rows), 2, rows)
+        for _, old, new in rows:
+            self.assertEqual(run.cell_key(old).settings, run.cell_key(
+                variant(new, set_release("0.26.0"))).settings)
+
+    def test_one_backend_before_meets_its_own_of_two_after(self):
+        flash = saved_cell()
+        upgrade = set_release("0.33.0")
+        triton = variant(variant(flash, COMPARED["attention backend"]), upgrade)
+        rows = self.rows([flash], [triton, variant(flash, upgrade)])
+        both = [(old, new) for _, old, new in rows if old and new]
+        self.assertEqual(len(both), 1, rows)
+        self.assertEqual(run.cell_key(both[0][1]).parts()["setting attention backend"],
+                         run.cell_key(flash).parts()["setting attention backend"])
+        out = io.StringIO()
+        compare.compare_costs({"cells": [flash]}, {"cells": [triton, variant(flash, upgrade)]},
+                              out)
+        self.assertEqual(len([line for line in out.getvalue().splitlines()
+                              if "overhead %" in line and "only" not in line]), 1)
+
+
+class WhatToCheckCountsTheWarmUpAsItRan(unittest.TestCase):
+    def faster(self, cell):
+        cell.update(warmup=2, overhead_pct=-3.0, ci95_pct=[-5.0, -2.0], significant=True)
+        return run.flag_on_faster(cell)
+
+    def test_a_load_cells_warm_up_is_whole_trials_of_its_requests(self):
+        said = self.faster(variant(saved_cell(), load_cell(None)))
+        self.assertEqual(said[2], "check the warm-up: 2 warm-up trial(s) of 8 requests an arm "
+                                  "were discarded (--warmup); a cold arm is slower")
+
+    def test_a_batch_cells_warm_up_is_one_request_a_trial(self):
+        said = self.faster(saved_cell())
+        self.assertEqual(said[2], "check the warm-up: 2 request(s) an arm were discarded "
+                                  "(--warmup); a cold arm is slower")
+
+
+class SGLangGraphsFollowTheDegree(unittest.TestCase):
+    """SGLang sizes its decode CUDA graphs by the TP degree where it is not told (256 below
+    TP 4, 512 from it, on an H200): TP=1 and TP=4 cells of one shape share one table."""
+
+    def sglang_cell(self, tp, top, overhead):
+        def change(cell):
+            cell.update(engine="sglang", tp=tp, overhead_pct=overhead)
+            for arm in ("off", "on"):
+                cell["servers"][arm].update(tp=tp)
+                cell["servers"][arm]["settings"].update(
+                    {"TP size": tp, "CUDA-graph sizes": [1, 2, 4, top]})
+        return variant(saved_cell(), change)
+
+    def test_tp_1_and_tp_4_share_the_table(self):
+        one, four = self.sglang_cell(1, 256, 11.0), self.sglang_cell(4, 512, 44.0)
+        cells = [labels(one), labels(four)]
+        lines = run.cost_table_lines(cells, cells[1])
+        rows = [line for line in lines if line.strip().startswith("TP=")]
+        self.assertIn("+11.0%", rows[0])
+        self.assertIn("+44.0%", rows[1])
+
+    def test_they_stay_two_cells_and_vllms_graphs_still_tell_tables_apart(self):
+        one, four = self.sglang_cell(1, 256, 11.0), self.sglang_cell(4, 512, 44.0)
+        self.assertEqual(len(run.add_cell({"cells": [one]}, four)["cells"]), 2)
+        vllm = variant(saved_cell(), set_setting("CUDA-graph sizes", [1, 2, 4]))
+        self.assertNotEqual(labels(vllm).identity.table_group(),
+                            labels(saved_cell()).identity.table_group())
+
+
+class WhichSettingsCountAsRead(unittest.TestCase):
+    def test_a_cell_without_info_source_counts_its_settings_as_read(self):
+        def older(cell):  # saved before the lab named where settings came from
+            EARLIER_LAB(cell)
+            for arm in ("off", "on"):
+                del cell["servers"][arm]["info_source"]
+        old = variant(saved_cell(), older)
+        newer = variant(saved_cell(), lambda c: c.update(created="later"))
+        self.assertEqual([c["created"] for c in run.add_cell({"cells": [old]}, newer)["cells"]],
+                         ["later"])
+
+    def test_a_release_that_reports_fewer_settings_never_merges_two_backends_of_another(self):
+        sparse = variant(saved_cell(), set_release("0.20.0"))
+        for arm in ("off", "on"):
+            sparse["servers"][arm]["settings"] = {"max model length": 2048}
+        flash = saved_cell()
+        triton = variant(flash, COMPARED["attention backend"])
+        self.assertEqual(len(run.add_cell({"cells": [sparse, flash]}, triton)["cells"]), 3)
+
+    def test_a_cell_of_another_value_is_kept_though_an_earlier_labs_cell_lacks_the_setting(self):
+        old = variant(saved_cell(), EARLIER_LAB)  # holds no compilation mode
+        eager = variant(saved_cell(), lambda c: (set_setting("compilation mode", 0)(c),
+                                                 c.update(created="eager")))
+        newer = variant(saved_cell(), lambda c: c.update(created="later"))  # mode 3
+        doc = run.add_cell({"cells": [old, eager]}, newer)
+        self.assertEqual(sorted(c["created"] for c in doc["cells"]), ["eager", "later"])

@@ -476,6 +476,15 @@ class ExampleToolsReadWhatTheLabSaves(unittest.TestCase):
         self.assertIn(run.CACHE_CONFOUNDED + "; the cache served requests at 4",
                       self.plot_sweep.label(doc, "/x/off.json"))
 
+    def test_plot_sweep_names_a_check_that_moved_beside_sizes_that_held(self):
+        # examples/real/neighbours-1xH200-vllm-0.33.0/neighbours_off.json: sizes held, the
+        # neighbour check moved (flag off)
+        doc = self.sweep({"verdict": run.INVARIANT,
+                          "neighbours_verdict": "moved beside neighbours of 64 tokens"})
+        doc.update(engine="vllm", model="m")
+        self.assertIn(run.INVARIANT + "; neighbours check: moved beside neighbours of 64 tokens",
+                      self.plot_sweep.label(doc, "/x/off.json"))
+
     def test_plot_cost_draws_a_burst_and_a_poisson_cell_apart_naming_the_rate(self):
         load = dict(batch=None, concurrency=4, requests=8)
         burst = self.variant(arrivals="burst", **load)
@@ -495,6 +504,32 @@ class ExampleToolsReadWhatTheLabSaves(unittest.TestCase):
         self.assertTrue(bar["faster"][0].startswith("the flag-on arm measured faster"))
         slower = self.plot_cost.load([self.write(self.cell)], say=lambda line: None)
         self.assertEqual(self.plot_cost.tables(slower)[0][2][1, "cold"]["faster"], [])
+
+    def test_plot_cost_draws_an_earlier_labs_cell_in_the_panel_of_todays(self):
+        earlier = self.variant(overhead_pct=11.0)
+        for arm in ("off", "on"):  # saved before the lab read these two settings
+            for name in ("compilation mode", "breakable CUDA graph"):
+                del earlier["servers"][arm]["settings"][name]
+        today = self.variant(workload="shared-prefix", prefix_tokens=1000, overhead_pct=22.0)
+        doc = self.plot_cost.load([self.write(earlier), self.write(today)], say=lambda line: None)
+        (heading, _, slots), = self.plot_cost.tables(doc)
+        self.assertEqual((slots[1, "cold"]["value"], slots[1, "shared-prefix"]["value"]),
+                         (11.0, 22.0))
+        self.assertNotIn("compilation mode", heading)
+
+    def test_plot_cost_keeps_two_values_of_a_setting_an_earlier_labs_cell_lacks(self):
+        earlier = self.variant(overhead_pct=11.0)
+        for arm in ("off", "on"):
+            del earlier["servers"][arm]["settings"]["compilation mode"]
+        eager = self.variant(overhead_pct=22.0)
+        for arm in ("off", "on"):
+            eager["servers"][arm]["settings"]["compilation mode"] = 0
+        said = []
+        doc = self.plot_cost.load([self.write(c) for c in (earlier, eager, self.cell)],
+                                  say=said.append)
+        self.assertEqual(sorted(c["overhead_pct"] for c in doc["cells"]),
+                         sorted([22.0, self.cell["overhead_pct"]]))
+        self.assertEqual(len(said), 1, said)
 
     def write(self, cell):
         tmp = tempfile.mkdtemp()

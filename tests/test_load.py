@@ -267,6 +267,58 @@ class BenchServeNames(TempDirTest):
         self.assertAlmostEqual(flat["p90_ttft_ms"], 8.2)
         self.assertAlmostEqual(flat["mean_ttft_ms"], 4.25)
 
+    def test_save_and_result_filename_naming_two_files_are_refused(self):
+        for given in (("--save", "a.json", "--result-filename", "b.json"),
+                      ("--result-f=b.json", "--save", "a.json")):
+            with self.subTest(options=given):
+                r = run_lab("--mode", "cost", "--url", "http://127.0.0.1:9", "--invariant",
+                            "http://127.0.0.1:10", *given)
+                self.assertEqual(r.code, 2, r)
+                self.assertRegex(r.stderr, r"the result is already to be saved in [ab]\.json; "
+                                 r"a run saves to one file")
+
+    def test_an_empty_save_path_is_refused_not_taken_for_no_save(self):
+        for given in (("--save", ""), ("--result-filename=",), ("--mode", "sweep", "--save=")):
+            with self.subTest(options=given):
+                r = run_lab("--mode", "cost", "--url", "http://127.0.0.1:9", "--invariant",
+                            "http://127.0.0.1:10", *given) if "sweep" not in given else \
+                    run_lab("--url", "http://127.0.0.1:9", *given)
+                self.assertEqual(r.code, 2, r)
+                self.assertIn("an empty path; give the file to save the result in", r.stderr)
+
+    def test_percentile_options_given_empty_are_refused_not_taken_for_the_default(self):
+        for given, said in (("--metric-percentiles=", "'' is not a percentile"),
+                            ("--percentile-metrics=", "--percentile-metrics: give some of")):
+            with self.subTest(option=given):
+                r = run_lab("--mode", "cost", "--url", "http://127.0.0.1:9", "--invariant",
+                            "http://127.0.0.1:10", "--concurrency", 2, given)
+                self.assertEqual(r.code, 2, r)
+                self.assertIn(said, r.stderr)
+
+    def test_an_abbreviated_bench_serve_option_gets_its_hint(self):
+        for given, said in (("--save-res", "the lab saves with --save FILE"),
+                            ("--result-d=/tmp", "give the folder in --save's path"),
+                            ("--random-output-len=64", "--max-tokens N: every completion"),
+                            ("--ignore-eos", "asks every completion for --max-tokens tokens"),
+                            ("--burstiness=0.5", "--request-rate R sends Poisson arrivals")):
+            with self.subTest(option=given):
+                r = run_lab("--mode", "cost", "--url", "http://127.0.0.1:9", "--invariant",
+                            "http://127.0.0.1:10", given)
+                self.assertEqual(r.code, 2, r)
+                self.assertIn(said, r.stderr)
+
+    def test_a_key_given_to_an_option_the_lab_does_not_know_is_not_printed(self):
+        secret = "sk-hostile-0123456789"
+        for given in (("--apikey", secret), ("--api_key=" + secret,), ("--token", secret),
+                      (secret,), ("--save-result", secret)):
+            with self.subTest(options=given):
+                r = run_lab("--mode", "cost", "--url", "http://127.0.0.1:9", "--invariant",
+                            "http://127.0.0.1:10", *given,
+                            env={"OPENAI_API_KEY": secret})
+                self.assertEqual(r.code, 2, r)
+                self.assertIn("unrecognized arguments", r.stderr)
+                self.assertNotIn(secret, r.stderr + r.stdout)
+
     def test_options_that_mean_nothing_here_are_refused_with_a_hint(self):
         cases = {
             ("--save-result",): "the lab saves with --save FILE, or --result-filename FILE",
