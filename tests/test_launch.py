@@ -23,6 +23,10 @@ def listening(port):
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+# the line that says a sweep step ended: "experiment: step 3 of 8: flag-on sweep, ... : exit 0"
+SWEEP_END = re.compile(r"^experiment: step \d+ of \d+: flag-(off|on) sweep, [^:]*: exit -?\d+")
+
+
 def errors(stderr):
     return [line for line in stderr.splitlines() if not line.startswith("run.py: progress: ")]
 
@@ -199,16 +203,18 @@ class ExperimentRuns(Experiment):
         self.assertRegex(err, r"step \d+ of \d+: cost, cold \(TP 1\): the flag's overhead, "
                               r"cold workload, both arms alone")
         cost = next(i for i, line in enumerate(said) if ": cost, cold (TP 1): the" in line)
-        self.assertTrue(all(i < cost for i, line in enumerate(said) if "sweep" in line
-                            and "exit" in line), err)  # the cost runs once every sweep is done
+        sweep_ends = [i for i, line in enumerate(said) if SWEEP_END.match(line)]
+        self.assertTrue(sweep_ends, err)
+        self.assertTrue(all(i < cost for i in sweep_ends), err)  # the cost runs once every
+        # sweep has ended (a picture drawn of a sweep afterwards is no sweep)
         report = self.load_run("REPORT.md")
         self.assertIn("## Where the time went", report)
         self.assertRegex(report, r"The whole run took \d+ s; the arms' start-up \d+ s of it")
-        self.assertRegex(report, r"\| 1 \| off \| \+0:00 \| \+0:0\d \| \d s \|")
-        self.assertRegex(report, r"\| 1 \| on \| \+0:0\d \| \+0:\d\d \| \d s \|")
+        self.assertRegex(report, r"\| 1 \| off \| \+\d+:\d\d \| \+\d+:\d\d \| \d+ s \|")
+        self.assertRegex(report, r"\| 1 \| on \| \+\d+:\d\d \| \+\d+:\d\d \| \d+ s \|")
         self.assertIn("| # | TP | step | started | took | exit | meaning | output |", report)
         self.assertRegex(report, r"\| 1 \| 1 \| flag-off sweep, concurrent requests \| "
-                                 r"\+0:0\d \| \d+ s \| 0 \|")
+                                 r"\+\d+:\d\d \| \d+ s \| 0 \|")
 
     def test_a_closed_output_pipe_silences_the_lines_not_the_run(self):
         """`experiment.sh ... 2>&1 | head`: once the reader has gone, the run goes on and
@@ -262,7 +268,7 @@ class ExperimentRuns(Experiment):
         self.assertEqual(versus["summary"]["verdict"], "invariant")
         self.assertIn("TP invariance of batch 1 (flag on, `tp2_vs_tp1.json`): invariant, max ULP 0.", report)
         self.assertRegex(report, r"\| \d+ \| 2 \| TP 2 against TP 1, batch 1, flag on \| "
-                                 r"\+\d:\d\d \| \d+ s \| 0 \|")
+                                 r"\+\d+:\d\d \| \d+ s \| 0 \|")
 
     def test_a_degree_the_devices_cannot_hold_is_skipped_with_a_line(self):
         code, out, err = self.finish(self.start(GPUS="0", TP="1,2"))
