@@ -73,6 +73,7 @@ within WAIT; 5 every step ran, but a TP degree was skipped (GPUS could not hold 
 
 import dataclasses
 import errno
+import ipaddress
 import json
 import os
 import shlex
@@ -181,34 +182,61 @@ def split_words(name: str, env: Dict[str, str]) -> List[str]:
         raise UsageError("%s: %s" % (name, err)) from None
 
 
-# The run.py options the experiment sets itself in its steps: given in SWEEP_ARGS or
-# COST_ARGS they would undo a step (a flag-off sweep's negative control replaced, the same
-# workload timed twice), so they are refused before any arm starts
-OWNED_OPTIONS = {
-    "SWEEP_ARGS": ("--mode", "--engine", "--url", "--save", "--json", "--traffic", "--expect",
-                   "--prefill-check", "--baseline", "--wait-ready", "--invariant"),
-    "COST_ARGS": ("--mode", "--engine", "--url", "--invariant", "--save", "--json",
-                  "--workload", "--tp", "--wait-ready"),
+# The run.py options the experiment sets itself in its steps, by what run.py's parser makes of
+# them (an option's dest: --base-url is --url, --exp=variant is --expect): given in SWEEP_ARGS
+# or COST_ARGS they would undo a step (a flag-off sweep's negative control replaced, the flag-on
+# sweep sent to the flag-off arm, the same workload timed twice), so they are refused before
+# any arm starts
+OWNED_DESTS = {
+    "SWEEP_ARGS": ("mode", "engine", "url", "save", "json_out", "traffic", "expect",
+                   "prefill_check", "baseline", "wait_ready", "invariant"),
+    "COST_ARGS": ("mode", "engine", "url", "invariant", "save", "json_out", "workload", "tp",
+                  "wait_ready"),
 }
+# Options with which run.py ends at once, measuring nothing (exit 0): a step given one would
+# "run, and every --expect held" having compared nothing
+ENDING_DESTS = ("help", "version")
+
+
+def option_action(parser, word: str):
+    """The parser's option a command-line word names, as argparse reads it: the exact
+    spelling, else the one long option it abbreviates (--exp=variant is --expect); None for
+    a value, an unknown or an ambiguous option (run.py's own check then refuses those)."""
+    if not word.startswith("-") or word == "-" or lab.parse_whole(word) is not None:
+        return None
+    actions = parser._option_string_actions
+    given = word.split("=", 1)[0] if word.startswith("--") else word[:2]
+    if given in actions:
+        return actions[given]
+    if not word.startswith("--"):
+        return None
+    found = {id(a): a for o, a in actions.items() if o.startswith(given)}
+    return next(iter(found.values())) if len(found) == 1 else None
 
 
 def refuse_owned_options(name: str, words: List[str]) -> None:
-    """An option of the experiment's own in a variable is refused, in any spelling run.py
-    takes (abbreviated, with "=")."""
-    known = list(lab.build_parser()._option_string_actions)
+    """An option of the experiment's own, or one with which run.py measures nothing, in a
+    variable is refused, in any spelling run.py takes (an alias, abbreviated, with "=")."""
+    parser = lab.build_parser()
     for word in words:
         if word == "--":
             return
-        if not word.startswith("--"):
+        action = option_action(parser, word)
+        if action is None:
             continue
-        given = word.split("=", 1)[0]
-        matches = [o for o in known if o.startswith(given)]
-        option = given if given in known else matches[0] if len(matches) == 1 else None
-        if option in OWNED_OPTIONS[name]:
+        # its own name: the first long spelling (--url, not its alias --base-url)
+        option = next((o for o in action.option_strings if o.startswith("--")),
+                      action.option_strings[0])
+        spelled = word if word == option else "%s (%s)" % (word, option)
+        if action.dest in ENDING_DESTS:
+            raise UsageError("%s: %s makes run.py print and exit, measuring nothing; leave it "
+                             "out (python3 run.py %s shows it)" % (name, spelled, option))
+        if action.dest in OWNED_DESTS[name]:
+            owned = [next(o for o in a.option_strings if o.startswith("--"))
+                     for a in parser._actions if a.dest in OWNED_DESTS[name]]
             raise UsageError(
                 "%s: %s is the experiment's own (it sets %s in its steps); leave it out"
-                % (name, word if option == word else "%s (%s)" % (word, option),
-                   ", ".join(OWNED_OPTIONS[name])))
+                % (name, spelled, ", ".join(owned)))
 
 
 USAGE = "usage: examples/experiment.sh vllm|sglang OUTPUT_FOLDER (--help: the variables)"
@@ -231,28 +259,40 @@ def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
     for arm, port in zip(("off", "on"), ENGINE_PORTS[engine]):
         name = arm.upper()
         command = split_words("SERVE_" + name, env)
+        listens = serve_port(command, "SERVE_" + name)  # a command of one's own's --port
         if env.get(name + "_PORT"):
             port = whole_port(env[name + "_PORT"], name + "_PORT")
-        elif "--port" in command[:-1]:  # the port a command of one's own listens on
-            port = whole_port(command[command.index("--port") + 1], "SERVE_" + name + " --port")
-        urls[arm] = env.get(name + "_URL") or "http://localhost:%d" % port
+            if listens is not None and listens != port:
+                raise UsageError(
+                    "%s_PORT=%d, but SERVE_%s listens on --port %d: the lab would wait at %d "
+                    "for an arm serving at %d; give one port (leave %s_PORT out, or change "
+                    "the command's --port)" % (name, port, name, listens, port, listens, name))
+        elif listens is not None:
+            port = listens
+        url = env.get(name + "_URL")
+        if url:
+            lab_check(lab.check_url, url, name + "_URL")
+            if local_host(url) and url_port(url) != port and (
+                    listens is not None or env.get(name + "_PORT")):
+                raise UsageError(
+                    "%s_URL=%s asks at port %d of this machine, but the arm listens on %d "
+                    "(%s): give one port" % (name, url, url_port(url), port,
+                                             "SERVE_%s --port" % name if listens is not None
+                                             else name + "_PORT"))
+        urls[arm] = url or "http://localhost:%d" % port
         default = "env PORT=%d bash %s %s" % (
             url_port(urls[arm]),  # the launch script listens where the lab will ask
             shlex.quote(os.path.join(HERE, engine + "_serve.sh")),
             arm,
         )
         serve[arm] = command or shlex.split(default)
-    hosts = [urllib.parse.urlsplit(urls[arm]).hostname for arm in ("off", "on")]
-    if url_port(urls["off"]) == url_port(urls["on"]) and hosts[0] == hosts[1]:
-        raise UsageError("the flag-off and flag-on arms would both listen at %s: give them "
-                         "ports of their own (OFF_PORT, ON_PORT)" % urls["off"])
-    for name in OWNED_OPTIONS:
+    if url_port(urls["off"]) == url_port(urls["on"]) and one_host(urls["off"], urls["on"]):
+        raise UsageError("the flag-off and flag-on arms would both listen at %s%s: give them "
+                         "ports of their own (OFF_PORT, ON_PORT)"
+                         % (urls["off"], "" if urls["off"] == urls["on"]
+                            else " (%s is the same address)" % urls["on"]))
+    for name in OWNED_DESTS:
         refuse_owned_options(name, split_words(name, env))
-    devices = [d.strip() for d in env.get("GPUS", "0").split(",")]
-    repeated = sorted({d for d in devices if d and devices.count(d) > 1})
-    if repeated:
-        raise UsageError("GPUS=%s names device %s twice: give each device once"
-                         % (env.get("GPUS"), ",".join(repeated)))
     return Settings(
         engine=engine,
         output=output,
@@ -265,6 +305,52 @@ def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
         copies=on_or_off("COPIES", env),
         overlap=on_or_off("OVERLAP", env),
     )
+
+
+def lab_check(check, *args):
+    """One of run.py's own checks; what it refuses is a UsageError here, in its words."""
+    try:
+        return check(*args)
+    except lab.UsageError as err:
+        raise UsageError(str(err)) from None
+
+
+def serve_port(command: List[str], name: str) -> Optional[int]:
+    """The --port a serve command of one's own gives its engine (--port N or --port=N; the
+    last one, as the engines' parsers take it), or None."""
+    port = None
+    for i, word in enumerate(command):
+        if word == "--port" and i + 1 < len(command):
+            port = whole_port(command[i + 1], name + " --port")
+        elif word.startswith("--port="):
+            port = whole_port(word.split("=", 1)[1], name + " --port")
+    return port
+
+
+def addresses(url: str) -> set:
+    """The addresses a URL's host stands for (empty where it does not resolve)."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return set()
+
+
+def local_host(url: str) -> bool:
+    """Is the URL's host this machine: a loopback address, or every address (0.0.0.0, as an
+    engine logs where it listens)?"""
+    found = [ipaddress.ip_address(a.split("%")[0]) for a in addresses(url)]
+    return bool(found) and all(a.is_loopback or a.is_unspecified for a in found)
+
+
+def one_host(first: str, second: str) -> bool:
+    """Two URLs' hosts are one machine in two spellings (localhost and 127.0.0.1 and
+    0.0.0.0 are; a server listens on a port of every address, as the engines do)."""
+    hosts = [urllib.parse.urlsplit(u).hostname for u in (first, second)]
+    if hosts[0] == hosts[1]:
+        return True
+    return bool(addresses(first) & addresses(second)) or (local_host(first)
+                                                          and local_host(second))
 
 
 def on_or_off(name: str, env: Dict[str, str]) -> bool:
@@ -520,6 +606,57 @@ class Job:
         return self.stdout_path[: -len(".txt")] + ".err"
 
 
+# The cost cells of each degree, in order
+WORKLOADS = ("cold", "shared-prefix")
+
+
+def sweep_options(s: Settings, key: str, traffic: str, expect: Optional[str],
+                  save: Optional[str]) -> List[str]:
+    """run.py's options for one sweep of one arm (save None: as checked before any arm
+    starts, with nothing to save to yet)."""
+    words = ["--mode", "sweep", "--engine", s.engine, "--url", s.urls[key], "--wait-ready", "60",
+             "--traffic", traffic]
+    words += ["--save", save] if save else []
+    words += ["--prefill-check"] if traffic == "concurrent" else []
+    words += ["--expect", expect] if expect else []
+    return words + s.sweep_args
+
+
+def versus_options(s: Settings, baseline: Optional[str], save: Optional[str]) -> List[str]:
+    """run.py's options for the flag-on arm's batch 1 against the first degree's (baseline:
+    its saved sweep; None before any arm starts)."""
+    words = ["--mode", "sweep", "--engine", s.engine, "--url", s.urls["on"], "--wait-ready", "60",
+             *s.sweep_args]
+    words += ["--baseline", baseline] if baseline else []
+    words += ["--sizes", "1", "--repeat", "1", "--expect", "invariant"]
+    return words + (["--save", save] if save else [])
+
+
+def cost_options(s: Settings, workload: str, tp: int, save: Optional[str]) -> List[str]:
+    """run.py's options for one cost cell."""
+    words = ["--mode", "cost", "--engine", s.engine, "--url", s.urls["off"], "--invariant",
+             s.urls["on"], "--wait-ready", "60", "--workload", workload, "--tp", str(tp)]
+    return words + (["--save", save] if save else []) + s.cost_args
+
+
+def check_steps(s: Settings, sweeps: List[Tuple[str, str, str, Optional[str], str]]) -> None:
+    """Every step's options through run.py's own configuration (its parser and every check
+    that needs no server), before any arm starts: an option a step would refuse costs no GPU
+    time. A refusal names the variable it came from and the step."""
+    steps = [("SWEEP_ARGS", "the flag-%s sweep, %s" % (key, shape),
+              sweep_options(s, key, traffic, expect, None))
+             for _, key, traffic, expect, shape in sweeps]
+    if len(s.degrees) > 1:
+        steps.append(("SWEEP_ARGS", "TP against TP, batch 1", versus_options(s, None, None)))
+    steps += [("COST_ARGS", "the %s cost cell" % workload, cost_options(s, workload, tp, None))
+              for tp in s.degrees[:1] for workload in WORKLOADS]
+    for name, step, words in steps:
+        try:
+            lab.configure(words)
+        except lab.UsageError as err:
+            raise UsageError("%s: run.py refuses it in %s: %s" % (name, step, err)) from None
+
+
 class Experiment:
     def __init__(self, settings: Settings, env: Dict[str, str], run_dir: str):
         self.settings, self.env, self.run_dir = settings, env, run_dir
@@ -709,51 +846,18 @@ class Experiment:
         lanes: Dict[str, List[Job]] = {"off": [], "on": []}
         for stem, key, traffic, expect, shape in self.sweeps():
             save = os.path.join(folder, stem + ".json")
-            argv = self.lab(
-                "--mode",
-                "sweep",
-                "--engine",
-                s.engine,
-                "--url",
-                s.urls[key],
-                "--wait-ready",
-                "60",
-                "--traffic",
-                traffic,
-                "--save",
-                save,
-            )
-            argv += ["--prefill-check"] if traffic == "concurrent" else []
-            argv += ["--expect", expect] if expect else []
+            argv = self.lab(*sweep_options(s, key, traffic, expect, save))
             what = "unique completions and ULPs across batch sizes, flag %s, %s%s" % (
                 key, shape, " (expect %s)" % expect if expect else "")
             step = Step("flag-%s sweep, %s" % (key, shape), tp, outputs=[save], what=what)
-            lanes[key].append(Job(step, argv + s.sweep_args, save[:-5] + ".txt"))
+            lanes[key].append(Job(step, argv, save[:-5] + ".txt"))
         if not s.overlap:  # no arm swept before both are ready: each lane waits for both
             self.run_lanes([], startup)
         self.run_lanes([lanes["off"], lanes["on"]], startup, gates=["off", "on"])
         self.tp_against_first(tp)
         cost = os.path.join(self.run_dir, "cost.json")
-        for workload in ("cold", "shared-prefix"):
-            argv = self.lab(
-                "--mode",
-                "cost",
-                "--engine",
-                s.engine,
-                "--url",
-                s.urls["off"],
-                "--invariant",
-                s.urls["on"],
-                "--wait-ready",
-                "60",
-                "--workload",
-                workload,
-                "--tp",
-                str(tp),
-                "--save",
-                cost,
-                *s.cost_args
-            )
+        for workload in WORKLOADS:
+            argv = self.lab(*cost_options(s, workload, tp, cost))
             step = Step("cost, %s" % workload, tp, outputs=[cost],
                         what="the flag's overhead, %s workload, both arms alone" % workload)
             self.run_step(step, argv, cost[:-5] + ".txt")
@@ -781,27 +885,7 @@ class Experiment:
             return
         s = self.settings
         save = os.path.join(self.run_dir, "tp%d" % tp, "tp%d_vs_tp%d.json" % (tp, first))
-        argv = self.lab(
-            "--mode",
-            "sweep",
-            "--engine",
-            s.engine,
-            "--url",
-            s.urls["on"],
-            "--wait-ready",
-            "60",
-            *s.sweep_args,
-            "--baseline",
-            baseline,
-            "--sizes",
-            "1",
-            "--repeat",
-            "1",
-            "--expect",
-            "invariant",
-            "--save",
-            save
-        )
+        argv = self.lab(*versus_options(s, baseline, save))
         step = Step("TP %d against TP %d, batch 1, flag on" % (tp, first), tp, outputs=[save],
                     what="batch 1 against the first degree's, bit for bit")
         self.run_step(step, argv, save[:-5] + ".txt")
@@ -1383,6 +1467,8 @@ def main(argv=None, env=None) -> int:
     KEYS = Keys(env)
     try:
         settings = read_settings(argv, env)
+        check_steps(settings, [sweep for sweep in SWEEPS
+                               if sweep[2] != "copies" or settings.copies])
         for tp in settings.degrees:  # every variable checked before anything starts
             placement("off", tp, env)
         for arm, url in settings.urls.items():

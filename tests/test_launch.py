@@ -389,11 +389,40 @@ class ExperimentFailures(Experiment):
             ({"SWEEP_ARGS": "--url http://x:1"}, "SWEEP_ARGS: --url is"),
             ({"OFF_URL": "http://127.0.0.1:{on}"}, "would both listen at"),
             ({"GPUS": "0,0"}, "names device 0 twice"),
+            # by what run.py's parser makes of a word: an alias, and the options with which
+            # run.py exits 0 having measured nothing
+            ({"SWEEP_ARGS": "--base-url http://127.0.0.1:{off}"},
+             "SWEEP_ARGS: --base-url (--url) is the experiment's own"),
+            ({"SWEEP_ARGS": "--help"}, "SWEEP_ARGS: --help makes run.py print and exit"),
+            ({"SWEEP_ARGS": "--vers"}, "SWEEP_ARGS: --vers (--version) makes run.py print"),
+            ({"COST_ARGS": "-h"}, "COST_ARGS: -h (--help) makes run.py print and exit"),
+            # each step's options through run.py's own configuration
+            ({"SWEEP_ARGS": "--request-rate 5", "COPIES": "on"},
+             "run.py refuses it in the flag-off sweep, copies in one request: --request-rate "
+             "goes with --traffic concurrent"),
+            ({"SWEEP_ARGS": "--trials 3"}, "--trials belongs to --mode cost"),
+            ({"COST_ARGS": "--sizes 1,2"},
+             "COST_ARGS: run.py refuses it in the cold cost cell: --sizes belongs to --mode "
+             "sweep"),
+            # addresses as run.py checks them, one machine in two spellings, ports against
+            # the serve commands, devices as CUDA reads them
+            ({"OFF_URL": "127.0.0.1:{off}"}, "OFF_URL: '127.0.0.1:"),
+            ({"OFF_URL": "http://localhost:{off}", "ON_URL": "http://127.0.0.1:{off}"},
+             "(http://127.0.0.1:{off} is the same address)"),
+            ({"OFF_URL": "", "OFF_PORT": "{on}",
+              "SERVE_OFF": "python3 tests/stub_server.py --port {off}"},
+             "OFF_PORT={on}, but SERVE_OFF listens on --port {off}"),
+            ({"OFF_URL": "http://localhost:{on}",
+              "SERVE_OFF": "python3 tests/stub_server.py --port={off}"},
+             "OFF_URL=http://localhost:{on} asks at port {on} of this machine, but the arm "
+             "listens on {off}"),
+            ({"GPUS": "0,00"}, "names device 0 twice ('0' and '00' are one to CUDA)"),
         ):
             with self.subTest(variables=variables):
                 code, out, err = self.finish(self.start(**variables))
                 self.assertEqual(code, 2, err)
-                self.assertIn(words, err)
+                self.assertIn(words.format(off=self.ports[0], on=self.ports[1]), err)
+                self.assertEqual(len(errors(err)), 1, err)  # one line, no traceback
                 self.assertEqual(self.runs(), [])
 
     def test_term_during_a_sweep_stops_everything_within_seconds(self):
