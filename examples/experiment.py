@@ -674,6 +674,7 @@ class Experiment:
         self.first_tp: Optional[int] = None  # the first degree measured: the others against it
         self.launched: Dict[str, List[str]] = {}  # arm -> how it was started, as logged
         self.environment: List[Tuple[str, str]] = []  # (what, value) for the report
+        self.judged: List[str] = []  # what the saved files say went wrong (judge)
 
     def lab(self, *args: str) -> List[str]:
         return [sys.executable, os.path.join(ROOT, "run.py")] + list(args)
@@ -1101,41 +1102,65 @@ def server_row(arm: str, server: dict) -> List[str]:
 
 
 SWEEP_COLUMNS = ["sweep", "verdict", "unique completions", "max ULP", "first moved",
-                 "prefix-cache bypass", "batch 1 run to run", "decode vs prefill", "state"]
+                 "prefix-cache bypass", "batch 1 run to run", "checks", "state"]
+
+
+def summary_of(doc: Optional[dict]) -> dict:
+    sm = (doc or {}).get("summary")
+    return sm if isinstance(sm, dict) else {}
 
 
 def first_moved(doc: dict) -> str:
     """Where a sweep first moved, as its verdict read it: the summary's first_moved (the
-    smallest batch size whose computed requests moved, and how: tokens, text, top-k or
-    logprobs). A file saved before the lab saved it: the smallest batch size whose tokens
-    (else logprobs) left batch 1's, with the step."""
-    sm = doc.get("summary") if isinstance(doc.get("summary"), dict) else {}
+    smallest batch size whose computed requests moved, and how). None saved: nothing the
+    verdict compared moved; where answers moved all the same (in requests the cache served),
+    it says so, never "nowhere"."""
+    sm = summary_of(doc)
     first = sm.get("first_moved")
     if isinstance(first, dict) and isinstance(first.get("batch"), int):
         step = first.get("step")
         return "%s at batch %d%s" % (fmt(first.get("what")), first["batch"],
                                      ", step %d" % step if isinstance(step, int) else "")
-    if "first_moved" in sm:  # saved, and nothing the verdict read moved
-        return "nowhere"
-    sizes = [s for p in doc.get("prompts") or [] if isinstance(p, dict)
-             for s in p.get("sizes") or [] if isinstance(s, dict)]
-    diverged = sorted((s["batch_size"], s["first_token_divergence"]) for s in sizes
-                      if isinstance(s.get("batch_size"), int)
-                      and isinstance(s.get("first_token_divergence"), int))
-    if diverged:
-        return "tokens at batch %d, step %d" % diverged[0]
-    moved = sorted((s["batch_size"], s.get("first_ulp_step")) for s in sizes
-                   if isinstance(s.get("batch_size"), int) and s.get("max_ulp"))
-    if moved:
-        return "logprobs at batch %d, step %s" % (moved[0][0], fmt(moved[0][1]))
-    return "nowhere" if sm.get("verdict") == "invariant" else "not said by this file"
+    if moved(doc):
+        return "not in any request the sweep compared (only where the cache served)"
+    return "nowhere"
+
+
+def moved(doc: Optional[dict]) -> bool:
+    """Did any answer of the sweep leave batch 1's, compared or not (the saved counts: more
+    than one completion, or a ULP above 0)?"""
+    sm = summary_of(doc)
+    unique, ulp = sm.get("unique_completions"), sm.get("max_ulp")
+    return (isinstance(unique, int) and unique > 1) or (isinstance(ulp, (int, float))
+                                                        and ulp > 0)
+
+
+def check_verdicts(doc: Optional[dict]) -> List[Tuple[str, str]]:
+    """Every check the sweep ran, with its verdict, as saved: each check's summary holds its
+    verdict under NAME_verdict (prefill, neighbours, observer, cache_check, ...)."""
+    sm = summary_of(doc)
+    return [(key[: -len("_verdict")].replace("_", " "), fmt(value))
+            for key, value in sm.items()
+            if key.endswith("_verdict") and key != "verdict" and value is not None]
+
+
+def expect_said(stdout_path: str) -> str:
+    """What a step's --expect came to, in run.py's own line ("expect invariant: held (...)"
+    or "expectation failed: ..."), or ""."""
+    try:
+        with open(stdout_path, encoding="utf-8", errors="replace") as f:
+            said = [line.strip() for line in f if line.startswith(("expect ",
+                                                                   "expectation failed"))]
+    except OSError:
+        return ""
+    return said[-1] if said else ""
 
 
 def sweep_row(name: str, doc: dict) -> List[str]:
-    sm = doc.get("summary") if isinstance(doc.get("summary"), dict) else {}
-    prefill = "not measured"
-    if sm.get("prefill_verdict"):
-        prefill = "%s (max ULP %s)" % (sm["prefill_verdict"], fmt(sm.get("prefill_max_ulp")))
+    sm = summary_of(doc)
+    checks = "; ".join("%s: %s%s" % (check, verdict, " (max ULP %s)" % fmt(sm.get("prefill_max_ulp"))
+                                     if check == "prefill" and "prefill_max_ulp" in sm else "")
+                       for check, verdict in check_verdicts(doc)) or "none run"
     control = {True: "repeatable", False: "NOT repeatable"}.get(sm.get("batch1_repeatable"),
                                                                  "no control")
     bypass = sm.get("prefix_cache_bypass")
@@ -1147,7 +1172,7 @@ def sweep_row(name: str, doc: dict) -> List[str]:
         held = "kept"
     unique = "%s of %s" % (fmt(sm.get("unique_completions")), fmt(sm.get("total_completions")))
     return [name, fmt(sm.get("verdict")), unique, fmt(sm.get("max_ulp")), first_moved(doc),
-            held, control, prefill, fmt(sm.get("state"))]
+            held, control, checks, fmt(sm.get("state"))]
 
 
 def cost_text(cell: Optional[dict]) -> str:
@@ -1167,33 +1192,31 @@ def cost_text(cell: Optional[dict]) -> str:
     return text
 
 
-def cell_shape(cell: dict) -> Tuple[str, ...]:
-    """What the table groups cells by: the cell's key but its TP and workload (model, batch,
-    concurrency, length and, for load cells, arrivals: a burst cell and a Poisson cell are two
-    measurements, as run.py's cell key says)."""
-    arrivals = (cell.get("arrivals") or "burst") if cell.get("concurrency") else None
-    named = ("model", "batch", "concurrency", "max_tokens")
-    return tuple(fmt(cell.get(key)) for key in named) + (fmt(arrivals),)
-
-
 def cost_table(cells: List[dict], degrees: List[int]) -> List[str]:
     """The 2x2 table TP=1 and each real degree, cold and shared-prefix, every cell with its
-    interval and the missing ones said missing, per trial shape and model."""
+    interval and the missing ones said missing: one table for each group of cells that
+    run.py's cell identity (lab.cell_key) tells apart in anything but TP and the workload,
+    headed by that identity in run.py's words. Where a group holds two cells of one TP and
+    workload (two prefix lengths), the later one in the file is shown."""
+    groups: Dict[object, List[dict]] = {}
+    for cell in cells:
+        groups.setdefault(lab.cell_key(cell).table_group(), []).append(cell)
     lines = []
-    for shape in sorted({cell_shape(c) for c in cells}) or [("-",) * 5]:
-        model, batch, concurrency, tokens, arrivals = shape
-        same = [c for c in cells if cell_shape(c) == shape]
-        trial = ("load, %s streams" % concurrency if concurrency != "-" else "batch %s" % batch)
-        trial += "" if arrivals in ("-", "burst") else ", " + arrivals
-        lines += ["%s, %s, %s tokens:" % (model, trial, tokens), ""]
+    for group, same in groups.items():
+        lines += ["%s:" % group.text(), ""]
         rows = []
-        for tp in sorted(set([1] + degrees + [c.get("tp") for c in same if isinstance(c.get("tp"), int)])):
-            found = {w: next((c for c in same if c.get("tp") == tp and c.get("workload") == w),
-                             None) for w in ("cold", "shared-prefix")}
-            rows.append(["TP=%d" % tp, cost_text(found["cold"]), cost_text(found["shared-prefix"])])
+        tps = [c.get("tp") for c in same if isinstance(c.get("tp"), int)]
+        for tp in sorted(set([1] + degrees + tps)):
+            found = {w: next((c for c in reversed(same)
+                              if c.get("tp") == tp and c.get("workload") == w), None)
+                     for w in WORKLOADS}
+            rows.append(["TP=%d" % tp] + [cost_text(found[w]) for w in WORKLOADS])
         if degrees == [1]:
             rows.append(["TP=k", "missing (your real TP degree)", "missing"])
-        lines += table(["", "cold", "shared-prefix"], rows) + [""]
+        lines += table([""] + list(WORKLOADS), rows) + [""]
+    if not groups:
+        lines += ["No cost cell was measured in this run (see the first line and the steps).",
+                  ""]
     return lines
 
 
@@ -1218,12 +1241,47 @@ def status_line(exp: Experiment) -> str:
             why.append("%s%s: %s%s" % (step.name, " (TP %d)" % step.tp if step.tp else "",
                                        step.note or "did not finish",
                                        " (%s)" % step.reason if step.reason else ""))
-    why += exp.skipped
+    why += exp.skipped + exp.judged
     engine = exp.settings.engine
     if not why and exp.exit_code == 0:
         return "# Batch-invariance experiment, %s: complete, every step ran and every --expect held" % engine
-    return "# Batch-invariance experiment, %s: INCOMPLETE (exit %d, %s): %s" % (
-        engine, exp.exit_code, exit_meaning(exp.exit_code), "; ".join(why) or "see the steps")
+    # every step ran to its end, and only the saved results say otherwise: not incomplete
+    word = "NOT AS EXPECTED" if why == exp.judged else "INCOMPLETE"
+    return "# Batch-invariance experiment, %s: %s (exit %d, %s): %s" % (
+        engine, word, exp.exit_code, exit_meaning(exp.exit_code),
+        "; ".join(why) or "see the steps")
+
+
+def judge(exp: Experiment) -> None:
+    """What the saved files say beyond the steps' exit codes: a lab step that exited 0 must
+    have saved a whole result, and the flag-on arm must have moved in no shape (a sweep with
+    no --expect, copies in one request, moves with exit 0). Each breach is a reason in the
+    report's first line, and the run's exit code 1 where it had none."""
+    for step in exp.steps:
+        if not step.lab or step.exit_code != 0:
+            continue
+        for path in step.outputs:
+            doc = load(path)
+            where = os.path.relpath(path, exp.run_dir)
+            if doc is None:
+                exp.judged.append("%s: exit 0, but nothing saved in %s" % (step.title(), where))
+            elif "summary" in doc and summary_of(doc).get("state") != "complete":
+                exp.judged.append("%s: exit 0, but %s is %s" % (
+                    step.title(), where, fmt(summary_of(doc).get("state"))))
+    for tp in exp.settings.degrees:
+        folder = os.path.join(exp.run_dir, "tp%d" % tp)
+        for stem, key, traffic, expect, shape in SWEEPS:
+            doc = load(os.path.join(folder, stem + ".json"))
+            if key == "on" and moved(doc):
+                sm = summary_of(doc)
+                exp.judged.append(
+                    "the flag-on arm moved, %s (TP %d): %s, %s unique of %s, max ULP %s, first "
+                    "moved: %s" % (shape, tp, fmt(sm.get("verdict")),
+                                   fmt(sm.get("unique_completions")),
+                                   fmt(sm.get("total_completions")), fmt(sm.get("max_ulp")),
+                                   first_moved(doc)))
+    if exp.judged and exp.exit_code == 0:
+        exp.exit_code = lab.EXIT_EXPECTATION
 
 
 def findings(exp: Experiment) -> List[str]:
@@ -1242,10 +1300,13 @@ def findings(exp: Experiment) -> List[str]:
             line = "- %s, flag %s, %s: **%s**, %s unique of %s, max ULP %s" % (
                 degree, key, shape, fmt(sm.get("verdict")), fmt(sm.get("unique_completions")),
                 fmt(sm.get("total_completions")), fmt(sm.get("max_ulp")))
-            if key == "off":
+            if key == "off" or moved(doc):
                 line += ", first moved: %s" % first_moved(doc)
-            if sm.get("prefill_verdict"):
-                line += "; %s" % sm["prefill_verdict"]
+            for check, verdict in check_verdicts(doc):
+                line += "; %s: %s" % (check, verdict)
+            said = expect_said(os.path.join(folder, stem + ".txt"))
+            if said:
+                line += "; %s" % said
             if sm.get("state") != "complete":
                 line += " (the sweep did not complete: %s)" % fmt(sm.get("state"))
             lines.append(line + ".")
@@ -1504,6 +1565,7 @@ def main(argv=None, env=None) -> int:
         exp.ended = time.time()
         if not exp.environment:  # no arm started: the report still says where it ran
             exp.environment = environment(env)
+        judge(exp)
         text = report(exp)
         write_report(os.path.join(run_dir, "REPORT.md"), text)
         for s, handler in previous.items():

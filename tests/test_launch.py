@@ -186,6 +186,37 @@ class ExperimentRuns(Experiment):
         self.assertEqual(self.load_run("tp1", "sweep_on.json")["summary"]["verdict"], "invariant")
         self.assert_no_server_left()
 
+    def test_a_flag_on_arm_that_moved_in_any_shape_is_not_complete(self):
+        """The flag-on copies sweep carries no --expect and exits 0; its saved verdict says
+        the arm moved (a cache hit computed another way), so the run is not "complete", and
+        every check each sweep ran is in the findings and the sweep table."""
+        stub = "python3 %s --port {port} --prompt-tokens-details --cache-path-differs" % (
+            os.path.join(ROOT, "tests", "stub_server.py"))
+        code, out, err = self.finish(self.start(
+            COPIES="on", SERVE_OFF=stub.format(port="{off}"),
+            SERVE_ON=stub.format(port="{on}") + " --invariant"))
+        self.assertEqual(code, 1, err)
+        report = self.load_run("REPORT.md")
+        first = report.splitlines()[0]
+        self.assertIn("NOT AS EXPECTED (exit 1, an --expect did not hold)", first)
+        self.assertIn("the flag-on arm moved, copies in one request (TP 1)", first)
+        self.assertNotIn("complete", first)
+        on_copies = self.load_run("tp1", "copies_on.json")["summary"]
+        self.assertGreater(on_copies["max_ulp"], 0)
+        finding = next(line for line in report.splitlines()
+                       if line.startswith("- TP 1, flag on, copies in one request:"))
+        self.assertNotIn("first moved: nowhere", finding)
+        # the prefill check of each concurrent sweep, in its finding and its table row
+        for key in ("off", "on"):
+            verdict = self.load_run("tp1", "sweep_%s.json" % key)["summary"]["prefill_verdict"]
+            finding = next(line for line in report.splitlines()
+                           if line.startswith("- TP 1, flag %s, concurrent requests:" % key))
+            self.assertIn("; prefill: %s" % verdict, finding)
+            row = next(line for line in report.splitlines()
+                       if line.startswith("| flag %s, concurrent requests |" % key))
+            self.assertIn("prefill: %s" % verdict, row)
+        self.assertIn("expect invariant: held", report)  # run.py's own --expect line
+
     def test_the_flag_off_arm_is_swept_while_the_flag_on_arm_loads(self):
         """One device: the flag-on arm loads only once the flag-off arm is ready, and the
         flag-off arm's sweeps run meanwhile; each step says when it starts and what it
