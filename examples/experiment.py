@@ -76,11 +76,13 @@ import errno
 import ipaddress
 import json
 import os
+import re
 import shlex
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -102,6 +104,7 @@ HEALTH_TIMEOUT_S = 2.0  # one health check; an engine still loading may hold the
 POLL_S = 0.2  # how often the arms and the running step are looked at
 STEP_GRACE_S = 2.0  # a first TERM stops the lab after its request, a second one at once
 STOP_GRACE_S = 10.0  # an arm's process group gets this long after TERM, then KILL
+LOG_DRAIN_S = 2.0  # how long an exited arm's last output may take to reach its log
 LOG_TAIL_LINES = 5  # lines of a dead arm's log quoted in its one-line message
 PROGRESS_EVERY_S = 15.0  # a running step's newest progress line is said at most this often
 
@@ -419,6 +422,7 @@ class Arm:
     log_path: str
     process: Optional[subprocess.Popen] = None
     started_at: Optional[float] = None  # time.time() when its command was started
+    writer: Optional[threading.Thread] = None  # writes its output into its log
     ready_at: Optional[float] = None  # when it first answered its health check
 
     @property
@@ -431,23 +435,46 @@ class Arm:
 
     def start(self) -> None:
         self.started_at = time.time()
-        with open(self.log_path, "wb") as log:
-            # A process group of its own: stopping it reaches the launch script, the engine
-            # and the engine's workers; the terminal's Ctrl-C reaches only the experiment.
-            try:
-                self.process = subprocess.Popen(
-                    self.command,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=self.env,
-                    start_new_session=True,
-                )
-            except OSError as err:  # a command that does not exist, or may not run
-                raise ArmFailed(
-                    "%s could not be started (%s: %s)"
-                    % (self.name, " ".join(self.command[:1]), err.strerror or err)
-                ) from None
+        open(self.log_path, "wb").close()  # there from the start, empty or not
+        # A process group of its own: stopping it reaches the launch script, the engine
+        # and the engine's workers; the terminal's Ctrl-C reaches only the experiment.
+        try:
+            self.process = subprocess.Popen(
+                self.command,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+            )
+        except OSError as err:  # a command that does not exist, or may not run
+            raise ArmFailed(
+                "%s could not be started (%s: %s)"
+                % (self.name, " ".join(self.command[:1]), err.strerror or err)
+            ) from None
+        self.writer = threading.Thread(target=self.write_log, args=(self.process.stdout,),
+                                       daemon=True)
+        self.writer.start()
+
+    def write_log(self, output) -> None:
+        """The engine's output into its log, a line at a time as it comes, each line with the
+        keys hidden (KEYS.engine_text): an engine that logs its own arguments (SGLang's
+        server_args) never puts its key in the file. Bytes that are not UTF-8 pass as they
+        came."""
+        with open(self.log_path, "ab") as log:
+            for raw in iter(output.readline, b""):
+                text = raw.decode("utf-8", "surrogateescape")
+                if KEYS is not None:
+                    text = KEYS.engine_text(text)
+                log.write(text.encode("utf-8", "surrogateescape"))
+                log.flush()
+        output.close()
+
+    def log_written(self) -> None:
+        """Wait, briefly, for the engine's last lines to reach its log (workers that outlive
+        the engine may hold its output open: not for ever)."""
+        if self.writer is not None:
+            self.writer.join(timeout=LOG_DRAIN_S)
 
     def exit_status(self) -> Optional[int]:
         return None if self.process is None else self.process.poll()
@@ -461,6 +488,7 @@ class Arm:
             return False
 
     def failure(self, what: str) -> ArmFailed:
+        self.log_written()
         try:
             with open(self.log_path, encoding="utf-8", errors="replace") as f:
                 lines = [line.strip() for line in f.read().splitlines() if line.strip()]
@@ -494,6 +522,7 @@ class Arm:
                 time.sleep(POLL_S)
         signal_group(self.process, signal.SIGKILL)
         self.process.wait()
+        self.log_written()
 
 
 def launch_lines(arm: Arm) -> List[str]:
@@ -1038,12 +1067,28 @@ def subprocess_lines(argv: List[str], env: Dict[str, str], timeout: float = 20) 
     return [line for line in p.stdout.splitlines() if line.strip()] if p.returncode == 0 else []
 
 
+# The environment variables that hold a key the lab or an engine uses: run.py's (and every
+# OpenAI client's) and vLLM's documented one (`vllm serve` reads VLLM_API_KEY)
+KEY_VARIABLES = ("OPENAI_API_KEY", "VLLM_API_KEY")
+# Where a key stands in text an engine writes, just before its value: a key option or
+# variable (--api-key K, --api-key=K, VLLM_API_KEY=K), a field of a logged argument list
+# (SGLang 0.5.23's `server_args={... 'api_key': 'K' ...}`, a Namespace's api_key='K'), or a
+# header (Authorization: Bearer K)
+KEY_STANDS_BEFORE = re.compile(
+    r"(?i)(?:api[_-]?key|authorization)['\"]?\s*[:=]?\s*\[?\s*['\"]?(?:bearer\s+)?$|bearer\s+$")
+TOKEN_CHARACTERS = "_-.+/="  # a key's neighbours that would make it part of a longer token
+
+
 class Keys:
-    """The API keys a run was given (OPENAI_API_KEY, and any --api-key in the variables), kept
-    out of the report and the lines said by where they stand, with run.py's own rule: a
-    command's key option has its value replaced (lab.key_free_command), and only text an
-    engine wrote (its log) is searched for a key, where the key is long enough to be told
-    from other text (lab.Secrets). The experiment's own values are never rewritten."""
+    """The API keys a run was given, kept out of every line said and every file written, by
+    where they stand and with their own value known, never by rewriting the experiment's own
+    values: from OPENAI_API_KEY and VLLM_API_KEY, an --api-key in any variable (a serve
+    command's own, SGLang's --api-key included), and a key variable set in a serve command
+    (env VLLM_API_KEY=K vllm serve ...). A command shows the key option's value and a key
+    variable's as [api key] (lab.key_free_command's rule, for run.py's commands and the
+    engines'); text an engine writes (its log, as the experiment writes it) has a known key
+    hidden where a key stands (KEY_STANDS_BEFORE), and a key long enough to be told from
+    other text (lab.Secrets) wherever it stands."""
 
     LAUNCH_OPTIONS: Tuple[str, ...] = ()  # an engine's options are not known here: any
     # abbreviation of --api-key in a launch command is taken for it
@@ -1055,19 +1100,26 @@ class Keys:
                 words += shlex.split(env.get(name, ""))
             except ValueError:
                 continue
-        keys = {env.get("OPENAI_API_KEY", "")}
-        for word, shown in zip(words, lab.key_free_command(words, self.LAUNCH_OPTIONS)):
+        keys = {env.get(name, "") for name in KEY_VARIABLES}
+        for word, shown in zip(words, self.command(words, launch=True)):
             if shown == "[api key]":
                 keys.add(word)
             elif shown.endswith("=[api key]"):
                 keys.add(word.split("=", 1)[1])
+        self.keys = sorted((k for k in keys if k), key=len, reverse=True)
         self.secrets = lab.Secrets()
-        self.secrets.keep(*keys)
+        self.secrets.keep(*self.keys)
         self.lab_options = list(lab.build_parser()._option_string_actions)
 
     def command(self, words: List[str], launch: bool = False) -> List[str]:
-        """A command as the report may show it: run.py's (launch=False) or an engine's."""
-        return lab.key_free_command(words, self.LAUNCH_OPTIONS if launch else self.lab_options)
+        """A command as the report may show it: run.py's (launch=False) or an engine's, a key
+        variable's value hidden too (VLLM_API_KEY=K before the engine's command)."""
+        options = self.LAUNCH_OPTIONS if launch else getattr(self, "lab_options", [])
+        shown = []
+        for word in lab.key_free_command(words, options):
+            name = word.split("=", 1)[0]
+            shown.append(name + "=[api key]" if "=" in word and name in KEY_VARIABLES else word)
+        return shown
 
     def line(self, text: str, launch: bool = False) -> str:
         """A shell line (a variable's value, a logged launch command) as the report may show
@@ -1080,8 +1132,22 @@ class Keys:
         return text if redacted == words else " ".join(shlex.quote(w) for w in redacted)
 
     def engine_text(self, text: str) -> str:
-        """Text an engine wrote (a log line): a long enough key is hidden wherever it stands."""
-        return self.secrets.hide(text)
+        """Text an engine wrote (a log line), each known key hidden where a key stands, and a
+        long enough key wherever it stands."""
+        text = self.secrets.hide(text)
+        for key in self.keys:
+            parts, end = [], 0
+            at = text.find(key)
+            while at >= 0:
+                after = text[at + len(key): at + len(key) + 1]
+                before = text[max(0, at - 40):at]
+                if (KEY_STANDS_BEFORE.search(before) and not (before[-1:].isalnum())
+                        and not (after.isalnum() or (after and after in TOKEN_CHARACTERS))):
+                    parts += [text[end:at], "[api key]"]
+                    end = at + len(key)
+                at = text.find(key, at + len(key))
+            text = "".join(parts) + text[end:]
+        return text
 
 
 SERVER_COLUMNS = ["arm", "engine", "version", "model", "flag", "attention backend", "TP",

@@ -168,7 +168,10 @@ class ExperimentRuns(Experiment):
             "| lab | run.py %s |" % run.lab_code(),
             "| engine (as the arms report it) | vllm ",
             "## How the arms were started",
-            "VLLM_BATCH_INVARIANT=1 vllm serve stub/tiny-f32 --port %d" % self.ports[1],
+            # every variable the launch script sets: a copy of the line starts the same
+            # server, /server_info on (VLLM_SERVER_DEV_MODE=1), so the lab reads the flag
+            "VLLM_BATCH_INVARIANT=1 VLLM_SERVER_DEV_MODE=1 vllm serve stub/tiny-f32 --port %d"
+            % self.ports[1],
             "## Parameters",
             "run.py --mode cost",
         ):
