@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import unittest
 
 from support import ROOT, TempDirTest, free_port, run, run_lab, wait_for
@@ -482,6 +483,34 @@ class ExperimentFailures(Experiment):
                 subprocess.run(["pgrep", "-f", "--port %d" % port], capture_output=True).stdout,
                 b"",
             )
+
+
+class ByHandScripts(unittest.TestCase):
+    def test_cost_cells_under_load(self):
+        """CONCURRENCY=N examples/cost_cells.sh TP times load cells: run.py takes a batch or
+        a concurrency, so the script passes one of them."""
+        with tempfile.TemporaryDirectory() as tmp:
+            off, on = free_port(), free_port()
+            stubs = [subprocess.Popen(STUB + ["--port", str(port)] + extra,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                     for port, extra in ((off, []), (on, ["--invariant"]))]
+            try:
+                env = dict(os.environ, CONCURRENCY="2", OFF="http://127.0.0.1:%d" % off,
+                           ON="http://127.0.0.1:%d" % on, SAVE=os.path.join(tmp, "cost.json"))
+                p = subprocess.run(
+                    ["bash", os.path.join(ROOT, "examples", "cost_cells.sh"), "1",
+                     "--wait-ready", "60", "--trials", "2", "--warmup", "0", "--max-tokens", "4",
+                     "--requests", "4", "--quiet"],
+                    env=env, capture_output=True, text=True, timeout=240)
+            finally:
+                for stub in stubs:
+                    stub.terminate()
+                    stub.wait(timeout=30)
+            self.assertEqual(p.returncode, 0, p.stderr)
+            with open(os.path.join(tmp, "cost.json"), encoding="utf-8") as f:
+                cells = json.load(f)["cells"]
+        self.assertEqual(sorted((c["workload"], c["concurrency"]) for c in cells),
+                         [("cold", 2), ("shared-prefix", 2)])
 
 
 class SglangExperiment(Experiment):
