@@ -118,6 +118,9 @@ SIGNAL_EXITS = {
 EXIT_MEANINGS = dict(lab.EXIT_CODES)  # exit code -> what it means, the lab's and the experiment's
 EXIT_MEANINGS[EXIT_ARM] = "an arm exited, could not be started, or was not ready in time"
 EXIT_MEANINGS[EXIT_SKIPPED] = "a TP degree was skipped"
+for _signum, _code in SIGNAL_EXITS.items():  # the experiment's own words: each step saved
+    EXIT_MEANINGS[_code] = "stopped by %s; each step saved what it had measured" % (
+        "Ctrl-C (SIGINT)" if _signum == signal.SIGINT else _signum.name)
 # The sweeps of one degree: (file stem, arm, --traffic, --expect, what the report calls it).
 # Concurrent requests carry a cache key each, so the bypass holds on vLLM too; copies in one
 # request are the upstream tests' shape, whose cache hits the lab reports where they happen.
@@ -495,11 +498,14 @@ class Arm:
             tail = lines[-LOG_TAIL_LINES:]
         except OSError:
             tail = []
-        shown = " | ".join(tail) or "(empty)"
+            lines = []
+        cause = root_cause(lines)
+        shown = cause or " | ".join(tail) or "(empty)"
         if KEYS is not None:  # an engine's log may print its own --api-key
             shown = KEYS.engine_text(shown)
-        return ArmFailed("%s (%s) %s; the end of %s: %s"
-                         % (self.name, self.url, what, self.log_path, shown))
+        return ArmFailed("%s (%s) %s; %s %s: %s"
+                         % (self.name, self.url, what, "the cause in" if cause else "the end of",
+                            self.log_path, shown))
 
     def check_running(self) -> None:
         status = self.exit_status()
@@ -523,6 +529,39 @@ class Arm:
         signal_group(self.process, signal.SIGKILL)
         self.process.wait()
         self.log_written()
+
+
+# What an engine puts before each line of its log: a process tag, the level, the time and the
+# source line, as vLLM's workers log ("(EngineCore pid=1752) ERROR 12-04 15:51:23 [core.py:1757]")
+LOG_PREFIX = re.compile(r"^(?:\([^)]*\)\s*)?(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+)?"
+                        r"(?:\[?[\d-]+ [\d:.,]+\]?\s*)?(?:\[[^\]]*\]\s*)?")
+ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception)):(.*)$")
+WRAPPER = re.compile(r"(?i)see (the )?(root cause|error|log)s? above")
+# An error that names a thing that is not there: the cause whatever follows it
+MISSING = re.compile(r"ModuleNotFoundError|ImportError|FileNotFoundError|No module named|"
+                     r"No such file|not found|cannot open shared object")
+
+
+def root_cause(lines: List[str]) -> str:
+    """Why an engine died, from its log: the first line that names a missing thing (a
+    module, a file, a library), else the first error of the log's last traceback (an engine
+    that reraises ends its log with a wrapper, "Engine core initialization failed. See root
+    cause above"); "" where the log holds no error line."""
+    bare = [LOG_PREFIX.sub("", line).strip() for line in lines]
+    errors = [(i, line) for i, line in enumerate(bare) if ERROR_LINE.match(line)]
+    for _, line in errors:
+        if MISSING.search(line):
+            return line[:300]
+    if not errors:
+        return ""
+    # an error that points elsewhere for its cause is the cause only where there is no other
+    causes = [(i, line) for i, line in errors if not WRAPPER.search(line)] or errors
+    starts = [i for i, line in enumerate(bare) if line.startswith("Traceback (most recent")]
+    last = starts[-1] if starts else 0
+    # the last traceback's errors; its first one is the cause (later ones: "During handling
+    # of the above exception, another exception occurred")
+    after = [line for i, line in causes if i > last] or [causes[-1][1]]
+    return after[0][:300]
 
 
 def launch_lines(arm: Arm) -> List[str]:
@@ -759,6 +798,9 @@ class Experiment:
             stderr=job.files[1],
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            # its output goes to files the experiment reads as UTF-8, whatever the terminal's
+            # encoding (a model path in another script under an ISO-8859-1 locale)
+            env=dict(os.environ, PYTHONIOENCODING="utf-8"),
         )
         self.running.append(job)
         return job
@@ -1040,7 +1082,7 @@ def environment(env: Dict[str, str]) -> List[Tuple[str, str]]:
         cuda = header.split("CUDA Version:")[1].split()[0] if "CUDA Version:" in header else ""
         found.append(("CUDA (driver)", cuda or "not reported"))
     else:
-        found.append(("GPU", "none found (no nvidia-smi): a dry run"))
+        found.append(("GPU", "none found (no nvidia-smi)"))
     versions = dict(line.split(" ", 1) for line in subprocess_lines(
         [sys.executable, "-c", VERSIONS_PROBE], env, timeout=60) if " " in line)
     found.append(("torch", "%s (CUDA %s)" % tuple(versions["torch"].split()[:2])
@@ -1049,6 +1091,9 @@ def environment(env: Dict[str, str]) -> List[Tuple[str, str]]:
     for engine in ("vllm", "sglang"):  # as the experiment's Python has it installed
         if engine in versions:
             found.append(("%s installed" % engine, versions[engine]))
+    if not any(engine in versions for engine in ("vllm", "sglang")):
+        found.append(("engine installed", "none found by the experiment's Python (neither vllm "
+                      "nor sglang): arms of your own, or the practice engine"))
     model = env.get("MODEL", "")
     config = load(os.path.join(model, "config.json")) if model and os.path.isdir(model) else None
     if model:
@@ -1298,11 +1343,18 @@ def stamp(seconds: float) -> str:
 def status_line(exp: Experiment) -> str:
     """The report's first line: whether the run is whole, and if not, why."""
     why = []
-    if exp.stopped_by:
+    if exp.stopped_by and exp.exit_code not in SIGNAL_EXITS.values():  # else the exit says it
         why.append("stopped by %s" % exp.stopped_by)
     if exp.failure:
         why.append(exp.failure)
+    stopped = [step.title() for step in exp.steps
+               if exp.stopped_by and step.exit_code == exp.exit_code]
+    if stopped:  # stopped by the signal the exit code names: said once, with the steps
+        why.append("the step%s it stopped: %s" % ("s" if len(stopped) > 1 else "",
+                                                  ", ".join(stopped)))
     for step in exp.steps:
+        if exp.stopped_by and step.exit_code == exp.exit_code:
+            continue
         if step.exit_code not in (0, None) or (step.exit_code is None and step.note):
             why.append("%s%s: %s%s" % (step.name, " (TP %d)" % step.tp if step.tp else "",
                                        step.note or "did not finish",
@@ -1315,7 +1367,7 @@ def status_line(exp: Experiment) -> str:
     word = "NOT AS EXPECTED" if why == exp.judged else "INCOMPLETE"
     return "# Batch-invariance experiment, %s: %s (exit %d, %s): %s" % (
         engine, word, exp.exit_code, exit_meaning(exp.exit_code),
-        "; ".join(why) or "see the steps")
+        "; ".join(why) or "see the steps below")
 
 
 def judge(exp: Experiment) -> None:
@@ -1483,14 +1535,20 @@ def report(exp: Experiment) -> str:
         if not os.path.isdir(folder):
             continue
         docs = {stem: load(os.path.join(folder, stem + ".json")) for stem, *_ in SWEEPS}
-        lines += ["## TP %d" % tp, "", "### Servers", ""]
+        lines += ["## TP %d" % tp, ""]
         servers = [(key, docs[stem]) for stem, key, *_ in SWEEPS[:2] if docs[stem]]
-        lines += table(SERVER_COLUMNS, [server_row("flag " + key, doc.get("server") or {})
-                                        for key, doc in servers])
-        lines += ["", "### Sweeps", ""]
-        lines += table(SWEEP_COLUMNS, [sweep_row("flag %s, %s" % (key, shape), docs[stem])
-                                       for stem, key, _, _, shape in SWEEPS if docs[stem]])
-        lines += ["", "Logs: `tp%d/server_off.log`, `tp%d/server_on.log`." % (tp, tp)]
+        if servers:
+            lines += ["### Servers", ""]
+            lines += table(SERVER_COLUMNS, [server_row("flag " + key, doc.get("server") or {})
+                                            for key, doc in servers])
+            lines += ["", "### Sweeps", ""]
+            lines += table(SWEEP_COLUMNS, [sweep_row("flag %s, %s" % (key, shape), docs[stem])
+                                           for stem, key, _, _, shape in SWEEPS if docs[stem]])
+            lines.append("")
+        else:
+            lines += ["No sweep was saved at TP %d: what the arms served is not known (see the "
+                      "first line, and the logs)." % tp, ""]
+        lines += ["Logs: `tp%d/server_off.log`, `tp%d/server_on.log`." % (tp, tp)]
         for name in sorted(os.listdir(folder)):
             if name.startswith("tp%d_vs_tp" % tp) and name.endswith(".json"):
                 versus = load(os.path.join(folder, name)) or {}
@@ -1580,6 +1638,22 @@ def write_report(path: str, text: str) -> None:
             pass
 
 
+def print_report(text: str) -> None:
+    """The report on stdout. A terminal whose encoding cannot take a character of it (a
+    model path in another script, under an ISO-8859-1 locale) gets it with that character
+    replaced, and a line on stderr says so: REPORT.md holds it whole."""
+    try:
+        text.encode(sys.stdout.encoding or "utf-8")
+    except UnicodeEncodeError:
+        say("the terminal's encoding (%s) cannot show every character of the report: shown "
+            "with ? for those; %s holds it whole" % (sys.stdout.encoding, "REPORT.md"))
+        text = text.encode(sys.stdout.encoding, "replace").decode(sys.stdout.encoding)
+    except LookupError:  # an encoding Python does not know: its own error, not ours
+        pass
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
 def raise_stopped(signum, frame):
     raise Stopped(signum)
 
@@ -1639,8 +1713,7 @@ def main(argv=None, env=None) -> int:
     if exp.stopped_by:
         say("stopped by %s" % exp.stopped_by)
     try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        print_report(text)
     except (OSError, ValueError):  # the pipe closed: REPORT.md holds the report whole
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # nothing more to flush at exit, and no traceback

@@ -386,7 +386,57 @@ class ExperimentFailures(Experiment):
         self.assertEqual(code, 4, err)
         self.assertNotIn("Traceback", err)
         self.assertIn("the flag-off arm could not be started (no-such-engine-command", err)
-        self.assertIn("INCOMPLETE (exit 4", self.load_run("REPORT.md").splitlines()[0])
+        report = self.load_run("REPORT.md")
+        self.assertIn("INCOMPLETE (exit 4", report.splitlines()[0])
+        # no engine anywhere: said so, not called a dry run; no empty table, no empty heading
+        self.assertNotIn("dry run", report)
+        self.assertIn("| engine installed | none found by the experiment's Python", report)
+        self.assertIn("No cost cell was measured in this run", report)
+        self.assertIn("No sweep was saved at TP 1", report)
+        self.assertNotIn("### Sweeps", report)
+        self.assertNotRegex(report, r"(?m)^-, ")  # a heading of labels no cell had
+
+    def test_an_arm_that_died_at_start_up_is_quoted_by_its_root_cause(self):
+        """A real vLLM 0.34.0 arm's log (tests/fixtures/engine-logs/): the cause is a missing
+        module, 50 lines above the log's last line, which only points back to it."""
+        log = os.path.join(ROOT, "tests", "fixtures", "engine-logs",
+                           "vllm-0.34.0-missing-module.log")
+        code, out, err = self.finish(self.start(
+            SERVE_OFF="bash -c 'cat \"$0\"; exit 1' %s --port {off}" % log))
+        self.assertEqual(code, 4, err)
+        said = [line for line in err.splitlines() if "exited with status 1" in line]
+        self.assertEqual(len(said), 1, err)
+        self.assertIn("the cause in", said[0])
+        self.assertTrue(said[0].endswith(": ModuleNotFoundError: No module named 'cutlass'"),
+                        said[0])
+        first = self.load_run("REPORT.md").splitlines()[0]
+        self.assertIn("ModuleNotFoundError: No module named 'cutlass'", first)
+        self.assertNotIn("See root cause above", first)
+
+    def test_ctrl_c_is_said_once_in_the_first_line(self):
+        p = self.start(STANDIN_STEP_DELAY="0.05",
+                       SWEEP_ARGS="--sizes 1,2,3,4,5,6,7,8 --max-tokens 40 --repeat 1")
+        self.assertTrue(wait_for(lambda: self.runs() and os.path.exists(
+            self.run_path("tp1", "sweep_off.json")), 120), "the sweep never saved")
+        os.kill(p.pid, signal.SIGINT)  # as the terminal's Ctrl-C reaches the experiment
+        code, out, err = self.finish(p)
+        self.assertEqual(code, 130, err)
+        first = self.load_run("REPORT.md").splitlines()[0]
+        self.assertIn("INCOMPLETE (exit 130, stopped by Ctrl-C (SIGINT); each step saved what "
+                      "it had measured)", first)
+        self.assertNotIn("--save", first)  # run.py's own hint: no option of the experiment's
+        self.assertEqual(first.count("Ctrl-C"), 1, first)
+        self.assert_no_server_left()
+
+    def test_a_report_the_terminal_cannot_encode_is_printed_with_replacements(self):
+        """PYTHONIOENCODING=latin-1 (an ISO-8859-1 locale) and a model named in another
+        script: the report is printed, those characters replaced, and a line says so."""
+        code, out, err = self.finish(self.start(MODEL="stub/模型-f32", PYTHONIOENCODING="latin-1"))
+        self.assertEqual(code, 0, err)
+        self.assertTrue(out.startswith("# Batch-invariance experiment, vllm: complete"), out)
+        self.assertIn("stub/??-f32", out)
+        self.assertIn("cannot show every character of the report", err)
+        self.assertIn("stub/模型-f32", self.load_run("REPORT.md"))
 
     def test_the_arms_ports_follow_off_port_and_on_port_into_the_launch_scripts(self):
         ports = free_port(), free_port()
