@@ -563,6 +563,51 @@ class ByHandScripts(unittest.TestCase):
                          [("cold", 2), ("shared-prefix", 2)])
 
 
+class LaunchScriptsShareMemory(unittest.TestCase):
+    """Two arms on one device each take a share of its memory (an engine's default share
+    leaves no room for the other arm): whenever placement.sh puts them together, the launch
+    scripts pass the share; a device named twice is refused."""
+
+    FLAGS = {"vllm": "--gpu-memory-utilization", "sglang": "--mem-fraction-static"}
+
+    def launch(self, engine, arm, **variables):
+        """The engine command a launch script runs, from a stand-in that prints it."""
+        with tempfile.TemporaryDirectory() as tmp:
+            echo = "import sys; print(' '.join(sys.argv[1:]))\n"
+            os.makedirs(os.path.join(tmp, "sglang"))
+            for name in ("__init__.py", "launch_server.py"):
+                with open(os.path.join(tmp, "sglang", name), "w") as f:
+                    f.write(echo if name == "launch_server.py" else "")
+            with open(os.path.join(tmp, "vllm"), "w") as f:
+                f.write("#!/bin/sh\necho \"$@\"\n")
+            os.chmod(os.path.join(tmp, "vllm"), 0o755)
+            env = dict(os.environ, PATH=tmp + os.pathsep + os.environ["PATH"], PYTHONPATH=tmp,
+                       **variables)
+            for name in ("MEM", "CUDA_VISIBLE_DEVICES"):
+                env.pop(name, None)
+            return subprocess.run(
+                ["bash", os.path.join(ROOT, "examples", "%s_serve.sh" % engine), arm],
+                env=env, capture_output=True, text=True, timeout=60)
+
+    def test_the_share_whenever_the_arms_share_a_device(self):
+        for engine, flag in self.FLAGS.items():
+            for gpus, tp, shared in (("0", "1", True), ("0,1,2", "2", True), ("0,1", "1", False),
+                                     ("0,1,2,3", "2", False)):
+                for arm in ("off", "on"):
+                    with self.subTest(engine=engine, GPUS=gpus, TP=tp, arm=arm):
+                        p = self.launch(engine, arm, GPUS=gpus, TP=tp)
+                        self.assertEqual(p.returncode, 0, p.stderr)
+                        self.assertEqual("%s 0.45" % flag in p.stdout, shared, p.stdout)
+
+    def test_a_device_named_twice_as_cuda_reads_it_is_refused(self):
+        for engine in self.FLAGS:
+            with self.subTest(engine=engine):
+                p = self.launch(engine, "on", GPUS="0,00")
+                self.assertEqual(p.returncode, 2, p.stderr)
+                self.assertIn("GPUS=0,00 names device 0 twice", p.stderr)
+                self.assertEqual(p.stdout, "")  # no engine started
+
+
 class SglangExperiment(Experiment):
     engine = "sglang"
 
