@@ -64,9 +64,16 @@ Variables (all optional), with their defaults:
   SWEEP_ARGS=, COST_ARGS=
                         extra run.py options for every sweep and for each cost cell
 
-Exit codes: 0 every step ran and every --expect held; otherwise the first failing step's
-code (run.py's: 1 an --expect did not hold, 3 a server failed, ...); 2 a malformed variable or
-a busy port (nothing was started); 4 an arm exited, could not be started, or was not ready
+Every variable is checked before any arm starts: each step's options by run.py's own
+configuration, the options the experiment sets itself refused in any spelling, URLs as run.py
+checks them, one address in two spellings, ports against the serve commands, GPUS as CUDA
+reads it.
+
+Exit codes: 0 every step ran, every --expect held and the flag-on arm moved in no shape (as
+the saved results say); otherwise the first failing step's code (run.py's: 1 an --expect did
+not hold, 3 a server failed, ...), or 1 where every step ran but a saved result breaks the
+claim (the flag-on arm moved, a step saved no whole result); 2 a malformed variable or a busy
+port (nothing was started); 4 an arm exited, could not be started, or was not ready
 within WAIT; 5 every step ran, but a TP degree was skipped (GPUS could not hold it);
 129, 130, 143 stopped by SIGHUP, SIGINT or SIGTERM. REPORT.md's first line says which.
 """
@@ -1269,9 +1276,12 @@ def expect_said(stdout_path: str) -> str:
 
 def sweep_row(name: str, doc: dict) -> List[str]:
     sm = summary_of(doc)
-    checks = "; ".join("%s: %s%s" % (check, verdict, " (max ULP %s)" % fmt(sm.get("prefill_max_ulp"))
-                                     if check == "prefill" and "prefill_max_ulp" in sm else "")
-                       for check, verdict in check_verdicts(doc)) or "none run"
+    shown = []
+    for check, verdict in check_verdicts(doc):
+        ulp = sm.get("%s_max_ulp" % check.replace(" ", "_"))  # where the check saved one
+        shown.append("%s: %s%s" % (check, verdict, " (max ULP %s)" % fmt(ulp)
+                                   if isinstance(ulp, (int, float)) else ""))
+    checks = "; ".join(shown) or "none run"
     control = {True: "repeatable", False: "NOT repeatable"}.get(sm.get("batch1_repeatable"),
                                                                  "no control")
     bypass = sm.get("prefix_cache_bypass")
@@ -1362,7 +1372,8 @@ def status_line(exp: Experiment) -> str:
     why += exp.skipped + exp.judged
     engine = exp.settings.engine
     if not why and exp.exit_code == 0:
-        return "# Batch-invariance experiment, %s: complete, every step ran and every --expect held" % engine
+        return ("# Batch-invariance experiment, %s: complete, every step ran and every "
+                "--expect held" % engine)
     # every step ran to its end, and only the saved results say otherwise: not incomplete
     word = "NOT AS EXPECTED" if why == exp.judged else "INCOMPLETE"
     return "# Batch-invariance experiment, %s: %s (exit %d, %s): %s" % (
