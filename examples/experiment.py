@@ -551,13 +551,16 @@ MISSING = re.compile(r"ModuleNotFoundError|ImportError|FileNotFoundError|No modu
 
 def root_cause(lines: List[str]) -> str:
     """Why an engine died, from its log: the first line that names a missing thing (a
-    module, a file, a library), else the first error of the log's last traceback (an engine
+    module, a file, a library, the engine's own command), else the first error of the log's last traceback (an engine
     that reraises ends its log with a wrapper, "Engine core initialization failed. See root
     cause above"); "" where the log holds no error line."""
     bare = [LOG_PREFIX.sub("", line).strip() for line in lines]
     errors = [(i, line) for i, line in enumerate(bare) if ERROR_LINE.match(line)]
     for _, line in errors:
         if MISSING.search(line):
+            return line[:300]
+    for line in bare:  # a shell's "exec: vllm: not found": the engine is not installed
+        if MISSING.search(line) and not line.startswith("launch: "):
             return line[:300]
     if not errors:
         return ""

@@ -396,6 +396,16 @@ class ExperimentFailures(Experiment):
         self.assertNotIn("### Sweeps", report)
         self.assertNotRegex(report, r"(?m)^-, ")  # a heading of labels no cell had
 
+    def test_no_engine_installed_is_named_as_the_cause(self):
+        ports = free_port(), free_port()
+        code, out, err = self.finish(self.start(
+            OFF_URL="", ON_URL="", SERVE_OFF="", SERVE_ON="", OFF_PORT=str(ports[0]),
+            ON_PORT=str(ports[1]), PATH=os.environ["PATH"]))  # no stand-in: no vllm at all
+        self.assertEqual(code, 4, err)
+        first = self.load_run("REPORT.md").splitlines()[0]
+        self.assertRegex(first, r"exited with status 127; the cause in \S+: .*vllm: not found$")
+        self.assertIn("| engine installed | none found", self.load_run("REPORT.md"))
+
     def test_an_arm_that_died_at_start_up_is_quoted_by_its_root_cause(self):
         """A real vLLM 0.34.0 arm's log (tests/fixtures/engine-logs/): the cause is a missing
         module, 50 lines above the log's last line, which only points back to it."""
