@@ -735,6 +735,17 @@ def check_steps(s: Settings, sweeps: List[Tuple[str, str, str, Optional[str], st
             raise UsageError("%s: run.py refuses it in %s: %s" % (name, step, err)) from None
 
 
+def step_environment(env) -> Dict[str, str]:
+    """A lab step's environment: its output goes to files the experiment reads as UTF-8,
+    whatever the terminal's encoding (a model path in another script under an ISO-8859-1
+    locale); and the arms started with VLLM_API_KEY (inherited from the experiment) want that
+    key, which run.py takes from OPENAI_API_KEY, where that is not set."""
+    step = dict(env, PYTHONIOENCODING="utf-8")
+    if env.get("VLLM_API_KEY") and not env.get("OPENAI_API_KEY"):
+        step["OPENAI_API_KEY"] = env["VLLM_API_KEY"]
+    return step
+
+
 class Experiment:
     def __init__(self, settings: Settings, env: Dict[str, str], run_dir: str):
         self.settings, self.env, self.run_dir = settings, env, run_dir
@@ -808,9 +819,7 @@ class Experiment:
             stderr=job.files[1],
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            # its output goes to files the experiment reads as UTF-8, whatever the terminal's
-            # encoding (a model path in another script under an ISO-8859-1 locale)
-            env=dict(os.environ, PYTHONIOENCODING="utf-8"),
+            env=step_environment(os.environ),
         )
         self.running.append(job)
         return job

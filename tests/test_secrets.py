@@ -268,6 +268,15 @@ class KeysKeptOutOfTheExperiment(Experiment):
         self.assertEqual(self.files_holding(key), [])
         self.assertNotIn(key, out + err)
 
+    def test_the_lab_sends_the_key_the_arms_were_started_with(self):
+        sys.path.insert(0, os.path.join(ROOT, "examples"))
+        import experiment
+        step = experiment.step_environment({"VLLM_API_KEY": "k1", "PATH": "/bin"})
+        self.assertEqual(step["OPENAI_API_KEY"], "k1")
+        step = experiment.step_environment({"VLLM_API_KEY": "k1", "OPENAI_API_KEY": "k2"})
+        self.assertEqual(step["OPENAI_API_KEY"], "k2")  # the one given for the lab wins
+        self.assertNotIn("OPENAI_API_KEY", experiment.step_environment({}))
+
     def test_keys_are_hidden_where_they_stand_in_what_an_engine_writes(self):
         sys.path.insert(0, os.path.join(ROOT, "examples"))
         import experiment
