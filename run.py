@@ -27,8 +27,8 @@ Usage:
   python3 run.py --mode cost --url http://localhost:8000 \\
       --invariant http://localhost:8001 --batch 32 --trials 20 --save cost.json
 
-  python3 run.py --mode sweep --url http://localhost:8000/v1 --traffic concurrent \\
-      --repeat 5 --save concurrent.json             # what real traffic sees, with a control
+  python3 run.py --mode sweep --url http://localhost:8000/v1 --traffic copies \\
+      --repeat 5 --save copies.json                 # the upstream tests' shape, for comparison
   python3 run.py --mode sweep --url http://localhost:8001 --prefill-check \\
       --expect prefill-equal                        # decode versus prefill, for RL users
   python3 run.py --mode cost --url http://localhost:8000 --invariant http://localhost:8001 \\
@@ -184,7 +184,10 @@ DEFAULT_MIN_P = 0.0  # no probability floor (vLLM's and SGLang's own default)
 DEFAULT_REPETITION_PENALTY = 1.0  # no penalty (both engines' own default)
 DEFAULT_SEED = 42  # sent whenever temperature > 0; unseeded sampling depends on the batch
 TRAFFIC_SHAPES = ("copies", "concurrent", "mixed")  # how each batch size is sent (see --mode help)
-DEFAULT_TRAFFIC = "copies"  # the shape upstream's harnesses send
+# The default shape measures batching on both engines: n one-prompt requests, each with its
+# own cache key, so no request is served another's prefill. Copies in one request (upstream's
+# harnesses) share vLLM's prefix cache whatever the salt: on vLLM they compare cached prefills.
+DEFAULT_TRAFFIC = "concurrent"
 # What a concurrent row's send_spread_s measures, as the saved document says it
 SEND_SPREAD_MEANS = "seconds from the lab's first request of the batch written to its last"
 DEFAULT_REPEAT = 3  # passes through the ladder: a flag-off server is not repeatable run to run
@@ -8330,9 +8333,17 @@ all of the GPU: two servers on one GPU must each pass --gpu-memory-utilization.
 The same experiment with the lab, against two servers you start yourself:
 
   VLLM_SERVER_DEV_MODE=1 VLLM_BATCH_INVARIANT=0 vllm serve Qwen/Qwen3-1.7B --port 8000 \\
-      --attention-backend FLASH_ATTN --max-num-seqs 32 --max-model-len 8192
+      --attention-backend FLASH_ATTN --max-num-seqs 32 --max-model-len 8192 \\
+      --enable-prompt-tokens-details
   VLLM_SERVER_DEV_MODE=1 VLLM_BATCH_INVARIANT=1 vllm serve Qwen/Qwen3-1.7B --port 8001 \\
-      --attention-backend FLASH_ATTN --max-num-seqs 32 --max-model-len 8192
+      --attention-backend FLASH_ATTN --max-num-seqs 32 --max-model-len 8192 \\
+      --enable-prompt-tokens-details
+
+The sweeps send concurrent requests, a cache key each (the default --traffic): the shape
+that measures batching. --enable-prompt-tokens-details lets the lab see that no request was
+served from the prefix cache. Add --traffic copies for the upstream tests' shape: vLLM's
+copies of one request share its prefix cache whatever the salt, so the lab reports what the
+cache served instead of a batching verdict.
 
   python3 run.py --mode sweep --engine vllm --url http://localhost:8000 \\
       --model Qwen/Qwen3-1.7B --max-batch 32 --save off.json --expect variant
@@ -8439,17 +8450,23 @@ THE MODES
   --mode sweep     For each batch size n, sends traffic of one shape and compares the
                    prompt's completions with batch 1's (the prompt sent alone): tokens,
                    then logprobs in ULPs. The default ladder straddles every CUDA-graph
-                   size b with b-1, b, b+1. --traffic copies (default): n copies in ONE
-                   request, the upstream tests' shape. concurrent: n one-prompt requests
-                   in flight at once, as real clients send them; on a real server it
-                   diverges far more, because one request of n is not one batch of n
-                   (each row's send_spread_s: seconds from the lab's first request written
-                   to its last; when they reach the server is the network's and the
-                   server's affair). mixed: the prompt once among n-1 other prompts of varied\
- lengths
-                   (vLLM's needle benchmark, and the mixed mode SGLang's driver had
-                   before 0.5.18, are its upstream analogues). --repeat K (default 3) runs the\
- whole ladder K times;
+                   size b with b-1, b, b+1. --traffic concurrent (default): n one-prompt
+                   requests in flight at once, each with a cache key of its own, as real
+                   clients send them; it measures batching on both engines, and on a real
+                   server it diverges far more than copies, because one request of n is not
+                   one batch of n (each row's send_spread_s: seconds from the lab's first
+                   request written to its last; when they reach the server is the
+                   network's and the server's affair). copies: n copies in ONE request,
+                   the upstream tests' shape. On SGLang (radix cache off, as its launch
+                   script starts it) copies are batched cold and measure batching; on
+                   vLLM the copies of one request share its prefix cache whatever the
+                   salt, so above batch 1 they compare cached prefills: with cached-token
+                   reporting the lab says so ("not put down to batching", "nothing
+                   compared"), without it the bypass stays unverified. mixed: the prompt
+                   once among n-1 other prompts of varied lengths (vLLM's needle
+                   benchmark, and the mixed mode SGLang's driver had before 0.5.18, are
+                   its upstream analogues). --repeat K (default 3) runs the whole ladder K
+                   times;
                    batch 1's passes are the run-to-run control. --prefix-cache bypass
                    (default) keeps every size from being served an earlier prefill: a
                    fresh vLLM cache_salt per request, a fresh SGLang cache key per prompt

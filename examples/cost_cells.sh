@@ -7,9 +7,11 @@
 #   2. Restart both arms at your real TP degree k, then: examples/cost_cells.sh k
 #   3. python3 examples/plot_cost.py cost.json -o cost.png
 #
+# More run.py options after TP go to every cell (e.g. examples/cost_cells.sh 1 --max-tokens 64).
 # For SGLang: ENGINE=sglang OFF=http://localhost:30000 ON=http://localhost:30001 examples/cost_cells.sh 1
 set -euo pipefail
-TP=${1:?usage: examples/cost_cells.sh TP   (the TP degree both arms were started with)}
+TP=${1:?usage: examples/cost_cells.sh TP [more run.py options]   (TP: the degree both arms were started with)}
+shift
 ENGINE=${ENGINE:-vllm}                     # vllm or sglang
 OFF=${OFF:-http://localhost:8000}          # the flag-off arm
 ON=${ON:-http://localhost:8001}            # the flag-on arm
@@ -17,12 +19,14 @@ SAVE=${SAVE:-cost.json}                    # the cells accumulate here, one per 
 HERE=$(cd "$(dirname "$0")" && pwd)
 
 CONCURRENCY=${CONCURRENCY:-}              # set it (e.g. 32) to time the arms under load instead
-LOAD=()
-[[ -n $CONCURRENCY ]] && LOAD=(--concurrency "$CONCURRENCY")
+# --batch 32: the seed's cell, one request of 32 prompts a trial. With CONCURRENCY the cell is
+# a load cell instead (streamed requests, that many at once: throughput, latency, TTFT and
+# TPOT of both arms); run.py takes one of the two, never both.
+TRIAL=(--batch 32)
+[[ -n $CONCURRENCY ]] && TRIAL=(--concurrency "$CONCURRENCY")
 
 for WORKLOAD in cold shared-prefix; do
-    # --batch 32 --trials 20: the seed's cell; --tp labels the cell if the server does not report it.
-    # With CONCURRENCY the cell is a load cell: throughput, latency, TTFT and TPOT of both arms.
+    # --trials 20: trial pairs; --tp labels the cell if the server does not report it.
     python3 "$HERE/../run.py" --mode cost --engine "$ENGINE" --url "$OFF" --invariant "$ON" \
-        --batch 32 --trials 20 --workload "$WORKLOAD" --tp "$TP" --save "$SAVE" ${LOAD[@]+"${LOAD[@]}"}
+        "${TRIAL[@]}" --trials 20 --workload "$WORKLOAD" --tp "$TP" --save "$SAVE" "$@"
 done

@@ -64,22 +64,32 @@ Variables (all optional), with their defaults:
   SWEEP_ARGS=, COST_ARGS=
                         extra run.py options for every sweep and for each cost cell
 
-Exit codes: 0 every step ran and every --expect held; otherwise the first failing step's
-code (run.py's: 1 an --expect did not hold, 3 a server failed, ...); 2 a malformed variable or
-a busy port (nothing was started); 4 an arm exited, could not be started, or was not ready
+Every variable is checked before any arm starts: each step's options by run.py's own
+configuration, the options the experiment sets itself refused in any spelling, URLs as run.py
+checks them, one address in two spellings, ports against the serve commands, GPUS as CUDA
+reads it.
+
+Exit codes: 0 every step ran, every --expect held and the flag-on arm moved in no shape (as
+the saved results say); otherwise the first failing step's code (run.py's: 1 an --expect did
+not hold, 3 a server failed, ...), or 1 where every step ran but a saved result breaks the
+claim (the flag-on arm moved, a step saved no whole result); 2 a malformed variable or a busy
+port (nothing was started); 4 an arm exited, could not be started, or was not ready
 within WAIT; 5 every step ran, but a TP degree was skipped (GPUS could not hold it);
 129, 130, 143 stopped by SIGHUP, SIGINT or SIGTERM. REPORT.md's first line says which.
 """
 
 import dataclasses
 import errno
+import ipaddress
 import json
 import os
+import re
 import shlex
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -101,6 +111,7 @@ HEALTH_TIMEOUT_S = 2.0  # one health check; an engine still loading may hold the
 POLL_S = 0.2  # how often the arms and the running step are looked at
 STEP_GRACE_S = 2.0  # a first TERM stops the lab after its request, a second one at once
 STOP_GRACE_S = 10.0  # an arm's process group gets this long after TERM, then KILL
+LOG_DRAIN_S = 2.0  # how long an exited arm's last output may take to reach its log
 LOG_TAIL_LINES = 5  # lines of a dead arm's log quoted in its one-line message
 PROGRESS_EVERY_S = 15.0  # a running step's newest progress line is said at most this often
 
@@ -114,6 +125,9 @@ SIGNAL_EXITS = {
 EXIT_MEANINGS = dict(lab.EXIT_CODES)  # exit code -> what it means, the lab's and the experiment's
 EXIT_MEANINGS[EXIT_ARM] = "an arm exited, could not be started, or was not ready in time"
 EXIT_MEANINGS[EXIT_SKIPPED] = "a TP degree was skipped"
+for _signum, _code in SIGNAL_EXITS.items():  # the experiment's own words: each step saved
+    EXIT_MEANINGS[_code] = "stopped by %s; each step saved what it had measured" % (
+        "Ctrl-C (SIGINT)" if _signum == signal.SIGINT else _signum.name)
 # The sweeps of one degree: (file stem, arm, --traffic, --expect, what the report calls it).
 # Concurrent requests carry a cache key each, so the bypass holds on vLLM too; copies in one
 # request are the upstream tests' shape, whose cache hits the lab reports where they happen.
@@ -181,34 +195,61 @@ def split_words(name: str, env: Dict[str, str]) -> List[str]:
         raise UsageError("%s: %s" % (name, err)) from None
 
 
-# The run.py options the experiment sets itself in its steps: given in SWEEP_ARGS or
-# COST_ARGS they would undo a step (a flag-off sweep's negative control replaced, the same
-# workload timed twice), so they are refused before any arm starts
-OWNED_OPTIONS = {
-    "SWEEP_ARGS": ("--mode", "--engine", "--url", "--save", "--json", "--traffic", "--expect",
-                   "--prefill-check", "--baseline", "--wait-ready", "--invariant"),
-    "COST_ARGS": ("--mode", "--engine", "--url", "--invariant", "--save", "--json",
-                  "--workload", "--tp", "--wait-ready"),
+# The run.py options the experiment sets itself in its steps, by what run.py's parser makes of
+# them (an option's dest: --base-url is --url, --exp=variant is --expect): given in SWEEP_ARGS
+# or COST_ARGS they would undo a step (a flag-off sweep's negative control replaced, the flag-on
+# sweep sent to the flag-off arm, the same workload timed twice), so they are refused before
+# any arm starts
+OWNED_DESTS = {
+    "SWEEP_ARGS": ("mode", "engine", "url", "save", "json_out", "traffic", "expect",
+                   "prefill_check", "baseline", "wait_ready", "invariant"),
+    "COST_ARGS": ("mode", "engine", "url", "invariant", "save", "json_out", "workload", "tp",
+                  "wait_ready"),
 }
+# Options with which run.py ends at once, measuring nothing (exit 0): a step given one would
+# "run, and every --expect held" having compared nothing
+ENDING_DESTS = ("help", "version")
+
+
+def option_action(parser, word: str):
+    """The parser's option a command-line word names, as argparse reads it: the exact
+    spelling, else the one long option it abbreviates (--exp=variant is --expect); None for
+    a value, an unknown or an ambiguous option (run.py's own check then refuses those)."""
+    if not word.startswith("-") or word == "-" or lab.parse_whole(word) is not None:
+        return None
+    actions = parser._option_string_actions
+    given = word.split("=", 1)[0] if word.startswith("--") else word[:2]
+    if given in actions:
+        return actions[given]
+    if not word.startswith("--"):
+        return None
+    found = {id(a): a for o, a in actions.items() if o.startswith(given)}
+    return next(iter(found.values())) if len(found) == 1 else None
 
 
 def refuse_owned_options(name: str, words: List[str]) -> None:
-    """An option of the experiment's own in a variable is refused, in any spelling run.py
-    takes (abbreviated, with "=")."""
-    known = list(lab.build_parser()._option_string_actions)
+    """An option of the experiment's own, or one with which run.py measures nothing, in a
+    variable is refused, in any spelling run.py takes (an alias, abbreviated, with "=")."""
+    parser = lab.build_parser()
     for word in words:
         if word == "--":
             return
-        if not word.startswith("--"):
+        action = option_action(parser, word)
+        if action is None:
             continue
-        given = word.split("=", 1)[0]
-        matches = [o for o in known if o.startswith(given)]
-        option = given if given in known else matches[0] if len(matches) == 1 else None
-        if option in OWNED_OPTIONS[name]:
+        # its own name: the first long spelling (--url, not its alias --base-url)
+        option = next((o for o in action.option_strings if o.startswith("--")),
+                      action.option_strings[0])
+        spelled = word if word == option else "%s (%s)" % (word, option)
+        if action.dest in ENDING_DESTS:
+            raise UsageError("%s: %s makes run.py print and exit, measuring nothing; leave it "
+                             "out (python3 run.py %s shows it)" % (name, spelled, option))
+        if action.dest in OWNED_DESTS[name]:
+            owned = [next(o for o in a.option_strings if o.startswith("--"))
+                     for a in parser._actions if a.dest in OWNED_DESTS[name]]
             raise UsageError(
                 "%s: %s is the experiment's own (it sets %s in its steps); leave it out"
-                % (name, word if option == word else "%s (%s)" % (word, option),
-                   ", ".join(OWNED_OPTIONS[name])))
+                % (name, spelled, ", ".join(owned)))
 
 
 USAGE = "usage: examples/experiment.sh vllm|sglang OUTPUT_FOLDER (--help: the variables)"
@@ -231,28 +272,40 @@ def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
     for arm, port in zip(("off", "on"), ENGINE_PORTS[engine]):
         name = arm.upper()
         command = split_words("SERVE_" + name, env)
+        listens = serve_port(command, "SERVE_" + name)  # a command of one's own's --port
         if env.get(name + "_PORT"):
             port = whole_port(env[name + "_PORT"], name + "_PORT")
-        elif "--port" in command[:-1]:  # the port a command of one's own listens on
-            port = whole_port(command[command.index("--port") + 1], "SERVE_" + name + " --port")
-        urls[arm] = env.get(name + "_URL") or "http://localhost:%d" % port
+            if listens is not None and listens != port:
+                raise UsageError(
+                    "%s_PORT=%d, but SERVE_%s listens on --port %d: the lab would wait at %d "
+                    "for an arm serving at %d; give one port (leave %s_PORT out, or change "
+                    "the command's --port)" % (name, port, name, listens, port, listens, name))
+        elif listens is not None:
+            port = listens
+        url = env.get(name + "_URL")
+        if url:
+            lab_check(lab.check_url, url, name + "_URL")
+            if local_host(url) and url_port(url) != port and (
+                    listens is not None or env.get(name + "_PORT")):
+                raise UsageError(
+                    "%s_URL=%s asks at port %d of this machine, but the arm listens on %d "
+                    "(%s): give one port" % (name, url, url_port(url), port,
+                                             "SERVE_%s --port" % name if listens is not None
+                                             else name + "_PORT"))
+        urls[arm] = url or "http://localhost:%d" % port
         default = "env PORT=%d bash %s %s" % (
             url_port(urls[arm]),  # the launch script listens where the lab will ask
             shlex.quote(os.path.join(HERE, engine + "_serve.sh")),
             arm,
         )
         serve[arm] = command or shlex.split(default)
-    hosts = [urllib.parse.urlsplit(urls[arm]).hostname for arm in ("off", "on")]
-    if url_port(urls["off"]) == url_port(urls["on"]) and hosts[0] == hosts[1]:
-        raise UsageError("the flag-off and flag-on arms would both listen at %s: give them "
-                         "ports of their own (OFF_PORT, ON_PORT)" % urls["off"])
-    for name in OWNED_OPTIONS:
+    if url_port(urls["off"]) == url_port(urls["on"]) and one_host(urls["off"], urls["on"]):
+        raise UsageError("the flag-off and flag-on arms would both listen at %s%s: give them "
+                         "ports of their own (OFF_PORT, ON_PORT)"
+                         % (urls["off"], "" if urls["off"] == urls["on"]
+                            else " (%s is the same address)" % urls["on"]))
+    for name in OWNED_DESTS:
         refuse_owned_options(name, split_words(name, env))
-    devices = [d.strip() for d in env.get("GPUS", "0").split(",")]
-    repeated = sorted({d for d in devices if d and devices.count(d) > 1})
-    if repeated:
-        raise UsageError("GPUS=%s names device %s twice: give each device once"
-                         % (env.get("GPUS"), ",".join(repeated)))
     return Settings(
         engine=engine,
         output=output,
@@ -265,6 +318,52 @@ def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
         copies=on_or_off("COPIES", env),
         overlap=on_or_off("OVERLAP", env),
     )
+
+
+def lab_check(check, *args):
+    """One of run.py's own checks; what it refuses is a UsageError here, in its words."""
+    try:
+        return check(*args)
+    except lab.UsageError as err:
+        raise UsageError(str(err)) from None
+
+
+def serve_port(command: List[str], name: str) -> Optional[int]:
+    """The --port a serve command of one's own gives its engine (--port N or --port=N; the
+    last one, as the engines' parsers take it), or None."""
+    port = None
+    for i, word in enumerate(command):
+        if word == "--port" and i + 1 < len(command):
+            port = whole_port(command[i + 1], name + " --port")
+        elif word.startswith("--port="):
+            port = whole_port(word.split("=", 1)[1], name + " --port")
+    return port
+
+
+def addresses(url: str) -> set:
+    """The addresses a URL's host stands for (empty where it does not resolve)."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return set()
+
+
+def local_host(url: str) -> bool:
+    """Is the URL's host this machine: a loopback address, or every address (0.0.0.0, as an
+    engine logs where it listens)?"""
+    found = [ipaddress.ip_address(a.split("%")[0]) for a in addresses(url)]
+    return bool(found) and all(a.is_loopback or a.is_unspecified for a in found)
+
+
+def one_host(first: str, second: str) -> bool:
+    """Two URLs' hosts are one machine in two spellings (localhost and 127.0.0.1 and
+    0.0.0.0 are; a server listens on a port of every address, as the engines do)."""
+    hosts = [urllib.parse.urlsplit(u).hostname for u in (first, second)]
+    if hosts[0] == hosts[1]:
+        return True
+    return bool(addresses(first) & addresses(second)) or (local_host(first)
+                                                          and local_host(second))
 
 
 def on_or_off(name: str, env: Dict[str, str]) -> bool:
@@ -333,6 +432,7 @@ class Arm:
     log_path: str
     process: Optional[subprocess.Popen] = None
     started_at: Optional[float] = None  # time.time() when its command was started
+    writer: Optional[threading.Thread] = None  # writes its output into its log
     ready_at: Optional[float] = None  # when it first answered its health check
 
     @property
@@ -345,23 +445,46 @@ class Arm:
 
     def start(self) -> None:
         self.started_at = time.time()
-        with open(self.log_path, "wb") as log:
-            # A process group of its own: stopping it reaches the launch script, the engine
-            # and the engine's workers; the terminal's Ctrl-C reaches only the experiment.
-            try:
-                self.process = subprocess.Popen(
-                    self.command,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=self.env,
-                    start_new_session=True,
-                )
-            except OSError as err:  # a command that does not exist, or may not run
-                raise ArmFailed(
-                    "%s could not be started (%s: %s)"
-                    % (self.name, " ".join(self.command[:1]), err.strerror or err)
-                ) from None
+        open(self.log_path, "wb").close()  # there from the start, empty or not
+        # A process group of its own: stopping it reaches the launch script, the engine
+        # and the engine's workers; the terminal's Ctrl-C reaches only the experiment.
+        try:
+            self.process = subprocess.Popen(
+                self.command,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+            )
+        except OSError as err:  # a command that does not exist, or may not run
+            raise ArmFailed(
+                "%s could not be started (%s: %s)"
+                % (self.name, " ".join(self.command[:1]), err.strerror or err)
+            ) from None
+        self.writer = threading.Thread(target=self.write_log, args=(self.process.stdout,),
+                                       daemon=True)
+        self.writer.start()
+
+    def write_log(self, output) -> None:
+        """The engine's output into its log, a line at a time as it comes, each line with the
+        keys hidden (KEYS.engine_text): an engine that logs its own arguments (SGLang's
+        server_args) never puts its key in the file. Bytes that are not UTF-8 pass as they
+        came."""
+        with open(self.log_path, "ab") as log:
+            for raw in iter(output.readline, b""):
+                text = raw.decode("utf-8", "surrogateescape")
+                if KEYS is not None:
+                    text = KEYS.engine_text(text)
+                log.write(text.encode("utf-8", "surrogateescape"))
+                log.flush()
+        output.close()
+
+    def log_written(self) -> None:
+        """Wait, briefly, for the engine's last lines to reach its log (workers that outlive
+        the engine may hold its output open: not for ever)."""
+        if self.writer is not None:
+            self.writer.join(timeout=LOG_DRAIN_S)
 
     def exit_status(self) -> Optional[int]:
         return None if self.process is None else self.process.poll()
@@ -375,17 +498,21 @@ class Arm:
             return False
 
     def failure(self, what: str) -> ArmFailed:
+        self.log_written()
         try:
             with open(self.log_path, encoding="utf-8", errors="replace") as f:
                 lines = [line.strip() for line in f.read().splitlines() if line.strip()]
             tail = lines[-LOG_TAIL_LINES:]
         except OSError:
             tail = []
-        shown = " | ".join(tail) or "(empty)"
+            lines = []
+        cause = root_cause(lines)
+        shown = cause or " | ".join(tail) or "(empty)"
         if KEYS is not None:  # an engine's log may print its own --api-key
             shown = KEYS.engine_text(shown)
-        return ArmFailed("%s (%s) %s; the end of %s: %s"
-                         % (self.name, self.url, what, self.log_path, shown))
+        return ArmFailed("%s (%s) %s; %s %s: %s"
+                         % (self.name, self.url, what, "the cause in" if cause else "the end of",
+                            self.log_path, shown))
 
     def check_running(self) -> None:
         status = self.exit_status()
@@ -408,6 +535,43 @@ class Arm:
                 time.sleep(POLL_S)
         signal_group(self.process, signal.SIGKILL)
         self.process.wait()
+        self.log_written()
+
+
+# What an engine puts before each line of its log: a process tag, the level, the time and the
+# source line, as vLLM's workers log ("(EngineCore pid=1752) ERROR 12-04 15:51:23 [core.py:1757]")
+LOG_PREFIX = re.compile(r"^(?:\([^)]*\)\s*)?(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+)?"
+                        r"(?:\[?[\d-]+ [\d:.,]+\]?\s*)?(?:\[[^\]]*\]\s*)?")
+ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception)):(.*)$")
+WRAPPER = re.compile(r"(?i)see (the )?(root cause|error|log)s? above")
+# An error that names a thing that is not there: the cause whatever follows it
+MISSING = re.compile(r"ModuleNotFoundError|ImportError|FileNotFoundError|No module named|"
+                     r"No such file|not found|cannot open shared object")
+
+
+def root_cause(lines: List[str]) -> str:
+    """Why an engine died, from its log: the first line that names a missing thing (a
+    module, a file, a library, the engine's own command), else the first error of the log's last traceback (an engine
+    that reraises ends its log with a wrapper, "Engine core initialization failed. See root
+    cause above"); "" where the log holds no error line."""
+    bare = [LOG_PREFIX.sub("", line).strip() for line in lines]
+    errors = [(i, line) for i, line in enumerate(bare) if ERROR_LINE.match(line)]
+    for _, line in errors:
+        if MISSING.search(line):
+            return line[:300]
+    for line in bare:  # a shell's "exec: vllm: not found": the engine is not installed
+        if MISSING.search(line) and not line.startswith("launch: "):
+            return line[:300]
+    if not errors:
+        return ""
+    # an error that points elsewhere for its cause is the cause only where there is no other
+    causes = [(i, line) for i, line in errors if not WRAPPER.search(line)] or errors
+    starts = [i for i, line in enumerate(bare) if line.startswith("Traceback (most recent")]
+    last = starts[-1] if starts else 0
+    # the last traceback's errors; its first one is the cause (later ones: "During handling
+    # of the above exception, another exception occurred")
+    after = [line for i, line in causes if i > last] or [causes[-1][1]]
+    return after[0][:300]
 
 
 def launch_lines(arm: Arm) -> List[str]:
@@ -520,6 +684,68 @@ class Job:
         return self.stdout_path[: -len(".txt")] + ".err"
 
 
+# The cost cells of each degree, in order
+WORKLOADS = ("cold", "shared-prefix")
+
+
+def sweep_options(s: Settings, key: str, traffic: str, expect: Optional[str],
+                  save: Optional[str]) -> List[str]:
+    """run.py's options for one sweep of one arm (save None: as checked before any arm
+    starts, with nothing to save to yet)."""
+    words = ["--mode", "sweep", "--engine", s.engine, "--url", s.urls[key], "--wait-ready", "60",
+             "--traffic", traffic]
+    words += ["--save", save] if save else []
+    words += ["--prefill-check"] if traffic == "concurrent" else []
+    words += ["--expect", expect] if expect else []
+    return words + s.sweep_args
+
+
+def versus_options(s: Settings, baseline: Optional[str], save: Optional[str]) -> List[str]:
+    """run.py's options for the flag-on arm's batch 1 against the first degree's (baseline:
+    its saved sweep; None before any arm starts)."""
+    words = ["--mode", "sweep", "--engine", s.engine, "--url", s.urls["on"], "--wait-ready", "60",
+             *s.sweep_args]
+    words += ["--baseline", baseline] if baseline else []
+    words += ["--sizes", "1", "--repeat", "2", "--expect", "invariant"]
+    return words + (["--save", save] if save else [])
+
+
+def cost_options(s: Settings, workload: str, tp: int, save: Optional[str]) -> List[str]:
+    """run.py's options for one cost cell."""
+    words = ["--mode", "cost", "--engine", s.engine, "--url", s.urls["off"], "--invariant",
+             s.urls["on"], "--wait-ready", "60", "--workload", workload, "--tp", str(tp)]
+    return words + (["--save", save] if save else []) + s.cost_args
+
+
+def check_steps(s: Settings, sweeps: List[Tuple[str, str, str, Optional[str], str]]) -> None:
+    """Every step's options through run.py's own configuration (its parser and every check
+    that needs no server), before any arm starts: an option a step would refuse costs no GPU
+    time. A refusal names the variable it came from and the step."""
+    steps = [("SWEEP_ARGS", "the flag-%s sweep, %s" % (key, shape),
+              sweep_options(s, key, traffic, expect, None))
+             for _, key, traffic, expect, shape in sweeps]
+    if len(s.degrees) > 1:
+        steps.append(("SWEEP_ARGS", "TP against TP, batch 1", versus_options(s, None, None)))
+    steps += [("COST_ARGS", "the %s cost cell" % workload, cost_options(s, workload, tp, None))
+              for tp in s.degrees[:1] for workload in WORKLOADS]
+    for name, step, words in steps:
+        try:
+            lab.configure(words)
+        except lab.UsageError as err:
+            raise UsageError("%s: run.py refuses it in %s: %s" % (name, step, err)) from None
+
+
+def step_environment(env) -> Dict[str, str]:
+    """A lab step's environment: its output goes to files the experiment reads as UTF-8,
+    whatever the terminal's encoding (a model path in another script under an ISO-8859-1
+    locale); and the arms started with VLLM_API_KEY (inherited from the experiment) want that
+    key, which run.py takes from OPENAI_API_KEY, where that is not set."""
+    step = dict(env, PYTHONIOENCODING="utf-8")
+    if env.get("VLLM_API_KEY") and not env.get("OPENAI_API_KEY"):
+        step["OPENAI_API_KEY"] = env["VLLM_API_KEY"]
+    return step
+
+
 class Experiment:
     def __init__(self, settings: Settings, env: Dict[str, str], run_dir: str):
         self.settings, self.env, self.run_dir = settings, env, run_dir
@@ -537,6 +763,7 @@ class Experiment:
         self.first_tp: Optional[int] = None  # the first degree measured: the others against it
         self.launched: Dict[str, List[str]] = {}  # arm -> how it was started, as logged
         self.environment: List[Tuple[str, str]] = []  # (what, value) for the report
+        self.judged: List[str] = []  # what the saved files say went wrong (judge)
 
     def lab(self, *args: str) -> List[str]:
         return [sys.executable, os.path.join(ROOT, "run.py")] + list(args)
@@ -592,6 +819,7 @@ class Experiment:
             stderr=job.files[1],
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            env=step_environment(os.environ),
         )
         self.running.append(job)
         return job
@@ -709,51 +937,18 @@ class Experiment:
         lanes: Dict[str, List[Job]] = {"off": [], "on": []}
         for stem, key, traffic, expect, shape in self.sweeps():
             save = os.path.join(folder, stem + ".json")
-            argv = self.lab(
-                "--mode",
-                "sweep",
-                "--engine",
-                s.engine,
-                "--url",
-                s.urls[key],
-                "--wait-ready",
-                "60",
-                "--traffic",
-                traffic,
-                "--save",
-                save,
-            )
-            argv += ["--prefill-check"] if traffic == "concurrent" else []
-            argv += ["--expect", expect] if expect else []
+            argv = self.lab(*sweep_options(s, key, traffic, expect, save))
             what = "unique completions and ULPs across batch sizes, flag %s, %s%s" % (
                 key, shape, " (expect %s)" % expect if expect else "")
             step = Step("flag-%s sweep, %s" % (key, shape), tp, outputs=[save], what=what)
-            lanes[key].append(Job(step, argv + s.sweep_args, save[:-5] + ".txt"))
+            lanes[key].append(Job(step, argv, save[:-5] + ".txt"))
         if not s.overlap:  # no arm swept before both are ready: each lane waits for both
             self.run_lanes([], startup)
         self.run_lanes([lanes["off"], lanes["on"]], startup, gates=["off", "on"])
         self.tp_against_first(tp)
         cost = os.path.join(self.run_dir, "cost.json")
-        for workload in ("cold", "shared-prefix"):
-            argv = self.lab(
-                "--mode",
-                "cost",
-                "--engine",
-                s.engine,
-                "--url",
-                s.urls["off"],
-                "--invariant",
-                s.urls["on"],
-                "--wait-ready",
-                "60",
-                "--workload",
-                workload,
-                "--tp",
-                str(tp),
-                "--save",
-                cost,
-                *s.cost_args
-            )
+        for workload in WORKLOADS:
+            argv = self.lab(*cost_options(s, workload, tp, cost))
             step = Step("cost, %s" % workload, tp, outputs=[cost],
                         what="the flag's overhead, %s workload, both arms alone" % workload)
             self.run_step(step, argv, cost[:-5] + ".txt")
@@ -781,27 +976,7 @@ class Experiment:
             return
         s = self.settings
         save = os.path.join(self.run_dir, "tp%d" % tp, "tp%d_vs_tp%d.json" % (tp, first))
-        argv = self.lab(
-            "--mode",
-            "sweep",
-            "--engine",
-            s.engine,
-            "--url",
-            s.urls["on"],
-            "--wait-ready",
-            "60",
-            *s.sweep_args,
-            "--baseline",
-            baseline,
-            "--sizes",
-            "1",
-            "--repeat",
-            "2",
-            "--expect",
-            "invariant",
-            "--save",
-            save
-        )
+        argv = self.lab(*versus_options(s, baseline, save))
         step = Step("TP %d against TP %d, batch 1, flag on" % (tp, first), tp, outputs=[save],
                     what="batch 1 against the first degree's, bit for bit")
         self.run_step(step, argv, save[:-5] + ".txt")
@@ -926,7 +1101,7 @@ def environment(env: Dict[str, str]) -> List[Tuple[str, str]]:
         cuda = header.split("CUDA Version:")[1].split()[0] if "CUDA Version:" in header else ""
         found.append(("CUDA (driver)", cuda or "not reported"))
     else:
-        found.append(("GPU", "none found (no nvidia-smi): a dry run"))
+        found.append(("GPU", "none found (no nvidia-smi)"))
     versions = dict(line.split(" ", 1) for line in subprocess_lines(
         [sys.executable, "-c", VERSIONS_PROBE], env, timeout=60) if " " in line)
     found.append(("torch", "%s (CUDA %s)" % tuple(versions["torch"].split()[:2])
@@ -935,6 +1110,9 @@ def environment(env: Dict[str, str]) -> List[Tuple[str, str]]:
     for engine in ("vllm", "sglang"):  # as the experiment's Python has it installed
         if engine in versions:
             found.append(("%s installed" % engine, versions[engine]))
+    if not any(engine in versions for engine in ("vllm", "sglang")):
+        found.append(("engine installed", "none found by the experiment's Python (neither vllm "
+                      "nor sglang): arms of your own, or the practice engine"))
     model = env.get("MODEL", "")
     config = load(os.path.join(model, "config.json")) if model and os.path.isdir(model) else None
     if model:
@@ -953,12 +1131,28 @@ def subprocess_lines(argv: List[str], env: Dict[str, str], timeout: float = 20) 
     return [line for line in p.stdout.splitlines() if line.strip()] if p.returncode == 0 else []
 
 
+# The environment variables that hold a key the lab or an engine uses: run.py's (and every
+# OpenAI client's) and vLLM's documented one (`vllm serve` reads VLLM_API_KEY)
+KEY_VARIABLES = ("OPENAI_API_KEY", "VLLM_API_KEY")
+# Where a key stands in text an engine writes, just before its value: a key option or
+# variable (--api-key K, --api-key=K, VLLM_API_KEY=K), a field of a logged argument list
+# (SGLang 0.5.23's `server_args={... 'api_key': 'K' ...}`, a Namespace's api_key='K'), or a
+# header (Authorization: Bearer K)
+KEY_STANDS_BEFORE = re.compile(
+    r"(?i)(?:api[_-]?key|authorization)['\"]?\s*[:=]?\s*\[?\s*['\"]?(?:bearer\s+)?$|bearer\s+$")
+TOKEN_CHARACTERS = "_-.+/="  # a key's neighbours that would make it part of a longer token
+
+
 class Keys:
-    """The API keys a run was given (OPENAI_API_KEY, and any --api-key in the variables), kept
-    out of the report and the lines said by where they stand, with run.py's own rule: a
-    command's key option has its value replaced (lab.key_free_command), and only text an
-    engine wrote (its log) is searched for a key, where the key is long enough to be told
-    from other text (lab.Secrets). The experiment's own values are never rewritten."""
+    """The API keys a run was given, kept out of every line said and every file written, by
+    where they stand and with their own value known, never by rewriting the experiment's own
+    values: from OPENAI_API_KEY and VLLM_API_KEY, an --api-key in any variable (a serve
+    command's own, SGLang's --api-key included), and a key variable set in a serve command
+    (env VLLM_API_KEY=K vllm serve ...). A command shows the key option's value and a key
+    variable's as [api key] (lab.key_free_command's rule, for run.py's commands and the
+    engines'); text an engine writes (its log, as the experiment writes it) has a known key
+    hidden where a key stands (KEY_STANDS_BEFORE), and a key long enough to be told from
+    other text (lab.Secrets) wherever it stands."""
 
     LAUNCH_OPTIONS: Tuple[str, ...] = ()  # an engine's options are not known here: any
     # abbreviation of --api-key in a launch command is taken for it
@@ -970,19 +1164,26 @@ class Keys:
                 words += shlex.split(env.get(name, ""))
             except ValueError:
                 continue
-        keys = {env.get("OPENAI_API_KEY", "")}
-        for word, shown in zip(words, lab.key_free_command(words, self.LAUNCH_OPTIONS)):
+        keys = {env.get(name, "") for name in KEY_VARIABLES}
+        for word, shown in zip(words, self.command(words, launch=True)):
             if shown == "[api key]":
                 keys.add(word)
             elif shown.endswith("=[api key]"):
                 keys.add(word.split("=", 1)[1])
+        self.keys = sorted((k for k in keys if k), key=len, reverse=True)
         self.secrets = lab.Secrets()
-        self.secrets.keep(*keys)
+        self.secrets.keep(*self.keys)
         self.lab_options = list(lab.build_parser()._option_string_actions)
 
     def command(self, words: List[str], launch: bool = False) -> List[str]:
-        """A command as the report may show it: run.py's (launch=False) or an engine's."""
-        return lab.key_free_command(words, self.LAUNCH_OPTIONS if launch else self.lab_options)
+        """A command as the report may show it: run.py's (launch=False) or an engine's, a key
+        variable's value hidden too (VLLM_API_KEY=K before the engine's command)."""
+        options = self.LAUNCH_OPTIONS if launch else getattr(self, "lab_options", [])
+        shown = []
+        for word in lab.key_free_command(words, options):
+            name = word.split("=", 1)[0]
+            shown.append(name + "=[api key]" if "=" in word and name in KEY_VARIABLES else word)
+        return shown
 
     def line(self, text: str, launch: bool = False) -> str:
         """A shell line (a variable's value, a logged launch command) as the report may show
@@ -995,8 +1196,22 @@ class Keys:
         return text if redacted == words else " ".join(shlex.quote(w) for w in redacted)
 
     def engine_text(self, text: str) -> str:
-        """Text an engine wrote (a log line): a long enough key is hidden wherever it stands."""
-        return self.secrets.hide(text)
+        """Text an engine wrote (a log line), each known key hidden where a key stands, and a
+        long enough key wherever it stands."""
+        text = self.secrets.hide(text)
+        for key in self.keys:
+            parts, end = [], 0
+            at = text.find(key)
+            while at >= 0:
+                after = text[at + len(key): at + len(key) + 1]
+                before = text[max(0, at - 40):at]
+                if (KEY_STANDS_BEFORE.search(before) and not (before[-1:].isalnum())
+                        and not (after.isalnum() or (after and after in TOKEN_CHARACTERS))):
+                    parts += [text[end:at], "[api key]"]
+                    end = at + len(key)
+                at = text.find(key, at + len(key))
+            text = "".join(parts) + text[end:]
+        return text
 
 
 SERVER_COLUMNS = ["arm", "engine", "version", "model", "flag", "attention backend", "TP",
@@ -1017,41 +1232,68 @@ def server_row(arm: str, server: dict) -> List[str]:
 
 
 SWEEP_COLUMNS = ["sweep", "verdict", "unique completions", "max ULP", "first moved",
-                 "prefix-cache bypass", "batch 1 run to run", "decode vs prefill", "state"]
+                 "prefix-cache bypass", "batch 1 run to run", "checks", "state"]
+
+
+def summary_of(doc: Optional[dict]) -> dict:
+    sm = (doc or {}).get("summary")
+    return sm if isinstance(sm, dict) else {}
 
 
 def first_moved(doc: dict) -> str:
     """Where a sweep first moved, as its verdict read it: the summary's first_moved (the
-    smallest batch size whose computed requests moved, and how: tokens, text, top-k or
-    logprobs). A file saved before the lab saved it: the smallest batch size whose tokens
-    (else logprobs) left batch 1's, with the step."""
-    sm = doc.get("summary") if isinstance(doc.get("summary"), dict) else {}
+    smallest batch size whose computed requests moved, and how). None saved: nothing the
+    verdict compared moved; where answers moved all the same (in requests the cache served),
+    it says so, never "nowhere"."""
+    sm = summary_of(doc)
     first = sm.get("first_moved")
     if isinstance(first, dict) and isinstance(first.get("batch"), int):
         step = first.get("step")
         return "%s at batch %d%s" % (fmt(first.get("what")), first["batch"],
                                      ", step %d" % step if isinstance(step, int) else "")
-    if "first_moved" in sm:  # saved, and nothing the verdict read moved
-        return "nowhere"
-    sizes = [s for p in doc.get("prompts") or [] if isinstance(p, dict)
-             for s in p.get("sizes") or [] if isinstance(s, dict)]
-    diverged = sorted((s["batch_size"], s["first_token_divergence"]) for s in sizes
-                      if isinstance(s.get("batch_size"), int)
-                      and isinstance(s.get("first_token_divergence"), int))
-    if diverged:
-        return "tokens at batch %d, step %d" % diverged[0]
-    moved = sorted((s["batch_size"], s.get("first_ulp_step")) for s in sizes
-                   if isinstance(s.get("batch_size"), int) and s.get("max_ulp"))
-    if moved:
-        return "logprobs at batch %d, step %s" % (moved[0][0], fmt(moved[0][1]))
-    return "nowhere" if sm.get("verdict") == "invariant" else "not said by this file"
+    if moved(doc):
+        return "not in any request the sweep compared (only where the cache served)"
+    return "nowhere"
+
+
+def moved(doc: Optional[dict]) -> bool:
+    """Did any answer of the sweep leave batch 1's, compared or not (the saved counts: more
+    than one completion, or a ULP above 0)?"""
+    sm = summary_of(doc)
+    unique, ulp = sm.get("unique_completions"), sm.get("max_ulp")
+    return (isinstance(unique, int) and unique > 1) or (isinstance(ulp, (int, float))
+                                                        and ulp > 0)
+
+
+def check_verdicts(doc: Optional[dict]) -> List[Tuple[str, str]]:
+    """Every check the sweep ran, with its verdict, as saved: each check's summary holds its
+    verdict under NAME_verdict (prefill, neighbours, observer, cache_check, ...)."""
+    sm = summary_of(doc)
+    return [(key[: -len("_verdict")].replace("_", " "), fmt(value))
+            for key, value in sm.items()
+            if key.endswith("_verdict") and key != "verdict" and value is not None]
+
+
+def expect_said(stdout_path: str) -> str:
+    """What a step's --expect came to, in run.py's own line ("expect invariant: held (...)"
+    or "expectation failed: ..."), or ""."""
+    try:
+        with open(stdout_path, encoding="utf-8", errors="replace") as f:
+            said = [line.strip() for line in f if line.startswith(("expect ",
+                                                                   "expectation failed"))]
+    except OSError:
+        return ""
+    return said[-1] if said else ""
 
 
 def sweep_row(name: str, doc: dict) -> List[str]:
-    sm = doc.get("summary") if isinstance(doc.get("summary"), dict) else {}
-    prefill = "not measured"
-    if sm.get("prefill_verdict"):
-        prefill = "%s (max ULP %s)" % (sm["prefill_verdict"], fmt(sm.get("prefill_max_ulp")))
+    sm = summary_of(doc)
+    shown = []
+    for check, verdict in check_verdicts(doc):
+        ulp = sm.get("%s_max_ulp" % check.replace(" ", "_"))  # where the check saved one
+        shown.append("%s: %s%s" % (check, verdict, " (max ULP %s)" % fmt(ulp)
+                                   if isinstance(ulp, (int, float)) else ""))
+    checks = "; ".join(shown) or "none run"
     control = {True: "repeatable", False: "NOT repeatable"}.get(sm.get("batch1_repeatable"),
                                                                  "no control")
     bypass = sm.get("prefix_cache_bypass")
@@ -1063,7 +1305,7 @@ def sweep_row(name: str, doc: dict) -> List[str]:
         held = "kept"
     unique = "%s of %s" % (fmt(sm.get("unique_completions")), fmt(sm.get("total_completions")))
     return [name, fmt(sm.get("verdict")), unique, fmt(sm.get("max_ulp")), first_moved(doc),
-            held, control, prefill, fmt(sm.get("state"))]
+            held, control, checks, fmt(sm.get("state"))]
 
 
 def cost_text(cell: Optional[dict]) -> str:
@@ -1083,33 +1325,31 @@ def cost_text(cell: Optional[dict]) -> str:
     return text
 
 
-def cell_shape(cell: dict) -> Tuple[str, ...]:
-    """What the table groups cells by: the cell's key but its TP and workload (model, batch,
-    concurrency, length and, for load cells, arrivals: a burst cell and a Poisson cell are two
-    measurements, as run.py's cell key says)."""
-    arrivals = (cell.get("arrivals") or "burst") if cell.get("concurrency") else None
-    named = ("model", "batch", "concurrency", "max_tokens")
-    return tuple(fmt(cell.get(key)) for key in named) + (fmt(arrivals),)
-
-
 def cost_table(cells: List[dict], degrees: List[int]) -> List[str]:
     """The 2x2 table TP=1 and each real degree, cold and shared-prefix, every cell with its
-    interval and the missing ones said missing, per trial shape and model."""
+    interval and the missing ones said missing: one table for each group of cells that
+    run.py's cell identity (lab.cell_key) tells apart in anything but TP and the workload,
+    headed by that identity in run.py's words. Where a group holds two cells of one TP and
+    workload (two prefix lengths), the later one in the file is shown."""
+    groups: Dict[object, List[dict]] = {}
+    for cell in cells:
+        groups.setdefault(lab.cell_key(cell).table_group(), []).append(cell)
     lines = []
-    for shape in sorted({cell_shape(c) for c in cells}) or [("-",) * 5]:
-        model, batch, concurrency, tokens, arrivals = shape
-        same = [c for c in cells if cell_shape(c) == shape]
-        trial = ("load, %s streams" % concurrency if concurrency != "-" else "batch %s" % batch)
-        trial += "" if arrivals in ("-", "burst") else ", " + arrivals
-        lines += ["%s, %s, %s tokens:" % (model, trial, tokens), ""]
+    for group, same in groups.items():
+        lines += ["%s:" % group.text(), ""]
         rows = []
-        for tp in sorted(set([1] + degrees + [c.get("tp") for c in same if isinstance(c.get("tp"), int)])):
-            found = {w: next((c for c in same if c.get("tp") == tp and c.get("workload") == w),
-                             None) for w in ("cold", "shared-prefix")}
-            rows.append(["TP=%d" % tp, cost_text(found["cold"]), cost_text(found["shared-prefix"])])
+        tps = [c.get("tp") for c in same if isinstance(c.get("tp"), int)]
+        for tp in sorted(set([1] + degrees + tps)):
+            found = {w: next((c for c in reversed(same)
+                              if c.get("tp") == tp and c.get("workload") == w), None)
+                     for w in WORKLOADS}
+            rows.append(["TP=%d" % tp] + [cost_text(found[w]) for w in WORKLOADS])
         if degrees == [1]:
             rows.append(["TP=k", "missing (your real TP degree)", "missing"])
-        lines += table(["", "cold", "shared-prefix"], rows) + [""]
+        lines += table([""] + list(WORKLOADS), rows) + [""]
+    if not groups:
+        lines += ["No cost cell was measured in this run (see the first line and the steps).",
+                  ""]
     return lines
 
 
@@ -1125,21 +1365,64 @@ def stamp(seconds: float) -> str:
 def status_line(exp: Experiment) -> str:
     """The report's first line: whether the run is whole, and if not, why."""
     why = []
-    if exp.stopped_by:
+    if exp.stopped_by and exp.exit_code not in SIGNAL_EXITS.values():  # else the exit says it
         why.append("stopped by %s" % exp.stopped_by)
     if exp.failure:
         why.append(exp.failure)
+    stopped = [step.title() for step in exp.steps
+               if exp.stopped_by and step.exit_code == exp.exit_code]
+    if stopped:  # stopped by the signal the exit code names: said once, with the steps
+        why.append("the step%s it stopped: %s" % ("s" if len(stopped) > 1 else "",
+                                                  ", ".join(stopped)))
     for step in exp.steps:
+        if exp.stopped_by and step.exit_code == exp.exit_code:
+            continue
         if step.exit_code not in (0, None) or (step.exit_code is None and step.note):
             why.append("%s%s: %s%s" % (step.name, " (TP %d)" % step.tp if step.tp else "",
                                        step.note or "did not finish",
                                        " (%s)" % step.reason if step.reason else ""))
-    why += exp.skipped
+    why += exp.skipped + exp.judged
     engine = exp.settings.engine
     if not why and exp.exit_code == 0:
-        return "# Batch-invariance experiment, %s: complete, every step ran and every --expect held" % engine
-    return "# Batch-invariance experiment, %s: INCOMPLETE (exit %d, %s): %s" % (
-        engine, exp.exit_code, exit_meaning(exp.exit_code), "; ".join(why) or "see the steps")
+        return ("# Batch-invariance experiment, %s: complete, every step ran and every "
+                "--expect held" % engine)
+    # every step ran to its end, and only the saved results say otherwise: not incomplete
+    word = "NOT AS EXPECTED" if why == exp.judged else "INCOMPLETE"
+    return "# Batch-invariance experiment, %s: %s (exit %d, %s): %s" % (
+        engine, word, exp.exit_code, exit_meaning(exp.exit_code),
+        "; ".join(why) or "see the steps below")
+
+
+def judge(exp: Experiment) -> None:
+    """What the saved files say beyond the steps' exit codes: a lab step that exited 0 must
+    have saved a whole result, and the flag-on arm must have moved in no shape (a sweep with
+    no --expect, copies in one request, moves with exit 0). Each breach is a reason in the
+    report's first line, and the run's exit code 1 where it had none."""
+    for step in exp.steps:
+        if not step.lab or step.exit_code != 0:
+            continue
+        for path in step.outputs:
+            doc = load(path)
+            where = os.path.relpath(path, exp.run_dir)
+            if doc is None:
+                exp.judged.append("%s: exit 0, but nothing saved in %s" % (step.title(), where))
+            elif "summary" in doc and summary_of(doc).get("state") != "complete":
+                exp.judged.append("%s: exit 0, but %s is %s" % (
+                    step.title(), where, fmt(summary_of(doc).get("state"))))
+    for tp in exp.settings.degrees:
+        folder = os.path.join(exp.run_dir, "tp%d" % tp)
+        for stem, key, traffic, expect, shape in SWEEPS:
+            doc = load(os.path.join(folder, stem + ".json"))
+            if key == "on" and moved(doc):
+                sm = summary_of(doc)
+                exp.judged.append(
+                    "the flag-on arm moved, %s (TP %d): %s, %s unique of %s, max ULP %s, first "
+                    "moved: %s" % (shape, tp, fmt(sm.get("verdict")),
+                                   fmt(sm.get("unique_completions")),
+                                   fmt(sm.get("total_completions")), fmt(sm.get("max_ulp")),
+                                   first_moved(doc)))
+    if exp.judged and exp.exit_code == 0:
+        exp.exit_code = lab.EXIT_EXPECTATION
 
 
 def findings(exp: Experiment) -> List[str]:
@@ -1158,10 +1441,13 @@ def findings(exp: Experiment) -> List[str]:
             line = "- %s, flag %s, %s: **%s**, %s unique of %s, max ULP %s" % (
                 degree, key, shape, fmt(sm.get("verdict")), fmt(sm.get("unique_completions")),
                 fmt(sm.get("total_completions")), fmt(sm.get("max_ulp")))
-            if key == "off":
+            if key == "off" or moved(doc):
                 line += ", first moved: %s" % first_moved(doc)
-            if sm.get("prefill_verdict"):
-                line += "; %s" % sm["prefill_verdict"]
+            for check, verdict in check_verdicts(doc):
+                line += "; %s: %s" % (check, verdict)
+            said = expect_said(os.path.join(folder, stem + ".txt"))
+            if said:
+                line += "; %s" % said
             if sm.get("state") != "complete":
                 line += " (the sweep did not complete: %s)" % fmt(sm.get("state"))
             lines.append(line + ".")
@@ -1272,14 +1558,20 @@ def report(exp: Experiment) -> str:
         if not os.path.isdir(folder):
             continue
         docs = {stem: load(os.path.join(folder, stem + ".json")) for stem, *_ in SWEEPS}
-        lines += ["## TP %d" % tp, "", "### Servers", ""]
+        lines += ["## TP %d" % tp, ""]
         servers = [(key, docs[stem]) for stem, key, *_ in SWEEPS[:2] if docs[stem]]
-        lines += table(SERVER_COLUMNS, [server_row("flag " + key, doc.get("server") or {})
-                                        for key, doc in servers])
-        lines += ["", "### Sweeps", ""]
-        lines += table(SWEEP_COLUMNS, [sweep_row("flag %s, %s" % (key, shape), docs[stem])
-                                       for stem, key, _, _, shape in SWEEPS if docs[stem]])
-        lines += ["", "Logs: `tp%d/server_off.log`, `tp%d/server_on.log`." % (tp, tp)]
+        if servers:
+            lines += ["### Servers", ""]
+            lines += table(SERVER_COLUMNS, [server_row("flag " + key, doc.get("server") or {})
+                                            for key, doc in servers])
+            lines += ["", "### Sweeps", ""]
+            lines += table(SWEEP_COLUMNS, [sweep_row("flag %s, %s" % (key, shape), docs[stem])
+                                           for stem, key, _, _, shape in SWEEPS if docs[stem]])
+            lines.append("")
+        else:
+            lines += ["No sweep was saved at TP %d: what the arms served is not known (see the "
+                      "first line, and the logs)." % tp, ""]
+        lines += ["Logs: `tp%d/server_off.log`, `tp%d/server_on.log`." % (tp, tp)]
         for name in sorted(os.listdir(folder)):
             if name.startswith("tp%d_vs_tp" % tp) and name.endswith(".json"):
                 versus = load(os.path.join(folder, name)) or {}
@@ -1369,6 +1661,22 @@ def write_report(path: str, text: str) -> None:
             pass
 
 
+def print_report(text: str) -> None:
+    """The report on stdout. A terminal whose encoding cannot take a character of it (a
+    model path in another script, under an ISO-8859-1 locale) gets it with that character
+    replaced, and a line on stderr says so: REPORT.md holds it whole."""
+    try:
+        text.encode(sys.stdout.encoding or "utf-8")
+    except UnicodeEncodeError:
+        say("the terminal's encoding (%s) cannot show every character of the report: shown "
+            "with ? for those; %s holds it whole" % (sys.stdout.encoding, "REPORT.md"))
+        text = text.encode(sys.stdout.encoding, "replace").decode(sys.stdout.encoding)
+    except LookupError:  # an encoding Python does not know: its own error, not ours
+        pass
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
 def raise_stopped(signum, frame):
     raise Stopped(signum)
 
@@ -1383,6 +1691,8 @@ def main(argv=None, env=None) -> int:
     KEYS = Keys(env)
     try:
         settings = read_settings(argv, env)
+        check_steps(settings, [sweep for sweep in SWEEPS
+                               if sweep[2] != "copies" or settings.copies])
         for tp in settings.degrees:  # every variable checked before anything starts
             placement("off", tp, env)
         for arm, url in settings.urls.items():
@@ -1418,6 +1728,7 @@ def main(argv=None, env=None) -> int:
         exp.ended = time.time()
         if not exp.environment:  # no arm started: the report still says where it ran
             exp.environment = environment(env)
+        judge(exp)
         text = report(exp)
         write_report(os.path.join(run_dir, "REPORT.md"), text)
         for s, handler in previous.items():
@@ -1425,8 +1736,7 @@ def main(argv=None, env=None) -> int:
     if exp.stopped_by:
         say("stopped by %s" % exp.stopped_by)
     try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        print_report(text)
     except (OSError, ValueError):  # the pipe closed: REPORT.md holds the report whole
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # nothing more to flush at exit, and no traceback

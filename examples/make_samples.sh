@@ -13,7 +13,7 @@ for _ in range(50):
     try: u.urlopen(sys.argv[1] + '/version', timeout=1); break
     except OSError: time.sleep(0.1)" "$1"; }
 
-# Sweeps: the default ladder, flag off and flag on.
+# Sweeps: the default ladder and traffic (concurrent requests), flag off and flag on.
 start --port 18100
 start --port 18101 --invariant
 wait_for http://127.0.0.1:18100; wait_for http://127.0.0.1:18101

@@ -30,11 +30,22 @@ check_placement_inputs() {
         exit 2
     fi
     IFS=, read -r -a devices <<< "${GPUS:-0}"
+    local -A seen=()
     for device in "${devices[@]}"; do
         if [[ ! $device =~ ^[0-9]+$ ]]; then
             echo "GPUS=$GPUS: '$device' is not a device number" >&2
             exit 2
         fi
+        # as CUDA reads CUDA_VISIBLE_DEVICES: 00 and 0 are one device, which both arms would
+        # then load onto, each with the engine's full memory share
+        local first=${seen[$((10#$device))]:-}
+        if [[ -n $first ]]; then
+            local spelled=""
+            [[ $first != "$device" ]] && spelled=" ('$first' and '$device' are one to CUDA)"
+            echo "GPUS=$GPUS names device $((10#$device)) twice$spelled: give each device once" >&2
+            exit 2
+        fi
+        seen[$((10#$device))]=$device
     done
     if [[ -n ${MEM:-} && ! $MEM =~ ^(0?\.[0-9]+|1(\.0*)?)$ ]]; then
         echo "MEM=$MEM is not a share of memory between 0 and 1" >&2

@@ -52,7 +52,9 @@ command=(vllm serve "$MODEL"
     $EXTRA_ARGS
 )
 # The command as it runs, first in the log: the experiment's report quotes it
-printf 'launch: CUDA_VISIBLE_DEVICES=%s VLLM_BATCH_INVARIANT=%s' "${CUDA_VISIBLE_DEVICES:-}" "$VLLM_BATCH_INVARIANT" >&2
+# (every variable it sets, so that a copy of the line starts the same server)
+printf 'launch: CUDA_VISIBLE_DEVICES=%s VLLM_BATCH_INVARIANT=%s VLLM_SERVER_DEV_MODE=%s' \
+    "${CUDA_VISIBLE_DEVICES:-}" "$VLLM_BATCH_INVARIANT" "$VLLM_SERVER_DEV_MODE" >&2
 printf ' %q' "${command[@]}" >&2
 echo >&2
 exec "${command[@]}"

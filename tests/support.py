@@ -200,9 +200,11 @@ PROMPT = ("Explain, step by step, why adding the same floating-point numbers in 
 
 
 def short_sweep(stub, *extra):
-    """A one-pass sweep of 24 tokens against stub, at what sizes extra asks for."""
+    """A one-pass sweep of 24 tokens against stub, at what sizes extra asks for, of copies in
+    one request (each size one batch of the stub's, so its arithmetic says what comes back)
+    unless extra names a --traffic."""
     return run_lab("--mode", "sweep", "--engine", stub.config.engine, "--url", stub.url, "--repeat", 1,
-                   "--max-tokens", 24, *extra)
+                   "--max-tokens", 24, "--traffic", "copies", *extra)
 
 
 def sizes_of(doc):

@@ -236,12 +236,38 @@ class ExperimentReport(unittest.TestCase):
         cell = cell["cells"][0]
         poisson = dict(cell, arrivals="poisson at 100/s", overhead_pct=55.5)
         burst = dict(cell, arrivals="burst", overhead_pct=-4.4)
-        table = "\n".join(experiment.cost_table([poisson, burst], [1]))
-        shape = (cell["concurrency"], cell["max_tokens"])
-        self.assertIn("load, %d streams, %d tokens:" % shape, table)
-        self.assertIn("load, %d streams, poisson at 100/s, %d tokens:" % shape, table)
-        self.assertIn("-4.4 %", table)
-        self.assertIn("+55.5 %", table)
+        table = experiment.cost_table([poisson, burst], [1])
+        # each table headed by run.py's identity of its cells, in run.py's words
+        headings = [line for line in table if line.endswith(":")]
+        self.assertEqual(headings, ["%s:" % run.cell_key(c).table_group().text()
+                                    for c in (poisson, burst)])
+        self.assertIn("poisson at 100/s", headings[0])
+        self.assertNotIn("poisson", headings[1])
+        poisson_table, burst_table = "\n".join(table).split(headings[1])
+        self.assertIn("+55.5 %", poisson_table)
+        self.assertIn("-4.4 %", burst_table)
+
+    def test_cells_the_identity_tells_apart_get_tables_of_their_own(self):
+        """Two cells that differ in a setting run.py's cell identity holds (the release, as
+        the arms reported it) are two tables, whatever the experiment's own idea of a shape."""
+        sys.path.insert(0, EXAMPLES)
+        import experiment
+        cell = json.loads(read(os.path.join("..", "tests", "fixtures", "saved", "cost.json")))
+        cell = cell["cells"][0]
+        newer = json.loads(json.dumps(cell))
+        for arm in ("off", "on"):
+            newer["servers"][arm]["version"] = "0.33.0"
+        table = experiment.cost_table([cell, newer], [1])
+        headings = [line for line in table if line.endswith(":")]
+        self.assertEqual(len(headings), 2, table)
+        self.assertEqual(headings[1], "%s:" % run.cell_key(newer).table_group().text())
+
+    def test_no_cell_is_said_in_words_not_an_empty_heading(self):
+        sys.path.insert(0, EXAMPLES)
+        import experiment
+        table = experiment.cost_table([], [1])
+        self.assertFalse([line for line in table if line.endswith(":")], table)
+        self.assertIn("No cost cell was measured in this run", "\n".join(table))
 
 
 class PlotScripts(unittest.TestCase):

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import unittest
 
 from support import ROOT, TempDirTest, free_port, run, run_lab, wait_for
@@ -21,6 +22,10 @@ STANDIN = os.path.join(ROOT, "tests", "standin")
 def listening(port):
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+# the line that says a sweep step ended: "experiment: step 3 of 8: flag-on sweep, ... : exit 0"
+SWEEP_END = re.compile(r"^experiment: step \d+ of \d+: flag-(off|on) sweep, [^:]*: exit -?\d+")
 
 
 def errors(stderr):
@@ -164,7 +169,10 @@ class ExperimentRuns(Experiment):
             "| lab | run.py %s |" % run.lab_code(),
             "| engine (as the arms report it) | vllm ",
             "## How the arms were started",
-            "VLLM_BATCH_INVARIANT=1 vllm serve stub/tiny-f32 --port %d" % self.ports[1],
+            # every variable the launch script sets: a copy of the line starts the same
+            # server, /server_info on (VLLM_SERVER_DEV_MODE=1), so the lab reads the flag
+            "VLLM_BATCH_INVARIANT=1 VLLM_SERVER_DEV_MODE=1 vllm serve stub/tiny-f32 --port %d"
+            % self.ports[1],
             "## Parameters",
             "run.py --mode cost",
         ):
@@ -181,6 +189,37 @@ class ExperimentRuns(Experiment):
         self.assertEqual(concurrent["status"], "held")
         self.assertEqual(self.load_run("tp1", "sweep_on.json")["summary"]["verdict"], "invariant")
         self.assert_no_server_left()
+
+    def test_a_flag_on_arm_that_moved_in_any_shape_is_not_complete(self):
+        """The flag-on copies sweep carries no --expect and exits 0; its saved verdict says
+        the arm moved (a cache hit computed another way), so the run is not "complete", and
+        every check each sweep ran is in the findings and the sweep table."""
+        stub = "python3 %s --port {port} --prompt-tokens-details --cache-path-differs" % (
+            os.path.join(ROOT, "tests", "stub_server.py"))
+        code, out, err = self.finish(self.start(
+            COPIES="on", SERVE_OFF=stub.format(port="{off}"),
+            SERVE_ON=stub.format(port="{on}") + " --invariant"))
+        self.assertEqual(code, 1, err)
+        report = self.load_run("REPORT.md")
+        first = report.splitlines()[0]
+        self.assertIn("NOT AS EXPECTED (exit 1, an --expect did not hold)", first)
+        self.assertIn("the flag-on arm moved, copies in one request (TP 1)", first)
+        self.assertNotIn("complete", first)
+        on_copies = self.load_run("tp1", "copies_on.json")["summary"]
+        self.assertGreater(on_copies["max_ulp"], 0)
+        finding = next(line for line in report.splitlines()
+                       if line.startswith("- TP 1, flag on, copies in one request:"))
+        self.assertNotIn("first moved: nowhere", finding)
+        # the prefill check of each concurrent sweep, in its finding and its table row
+        for key in ("off", "on"):
+            verdict = self.load_run("tp1", "sweep_%s.json" % key)["summary"]["prefill_verdict"]
+            finding = next(line for line in report.splitlines()
+                           if line.startswith("- TP 1, flag %s, concurrent requests:" % key))
+            self.assertIn("; prefill: %s" % verdict, finding)
+            row = next(line for line in report.splitlines()
+                       if line.startswith("| flag %s, concurrent requests |" % key))
+            self.assertIn("prefill: %s" % verdict, row)
+        self.assertIn("expect invariant: held", report)  # run.py's own --expect line
 
     def test_the_flag_off_arm_is_swept_while_the_flag_on_arm_loads(self):
         """One device: the flag-on arm loads only once the flag-off arm is ready, and the
@@ -199,16 +238,18 @@ class ExperimentRuns(Experiment):
         self.assertRegex(err, r"step \d+ of \d+: cost, cold \(TP 1\): the flag's overhead, "
                               r"cold workload, both arms alone")
         cost = next(i for i, line in enumerate(said) if ": cost, cold (TP 1): the" in line)
-        self.assertTrue(all(i < cost for i, line in enumerate(said) if "sweep" in line
-                            and "exit" in line), err)  # the cost runs once every sweep is done
+        sweep_ends = [i for i, line in enumerate(said) if SWEEP_END.match(line)]
+        self.assertTrue(sweep_ends, err)
+        self.assertTrue(all(i < cost for i in sweep_ends), err)  # the cost runs once every
+        # sweep has ended (a picture drawn of a sweep afterwards is no sweep)
         report = self.load_run("REPORT.md")
         self.assertIn("## Where the time went", report)
         self.assertRegex(report, r"The whole run took \d+ s; the arms' start-up \d+ s of it")
-        self.assertRegex(report, r"\| 1 \| off \| \+0:00 \| \+0:0\d \| \d s \|")
-        self.assertRegex(report, r"\| 1 \| on \| \+0:0\d \| \+0:\d\d \| \d s \|")
+        self.assertRegex(report, r"\| 1 \| off \| \+\d+:\d\d \| \+\d+:\d\d \| \d+ s \|")
+        self.assertRegex(report, r"\| 1 \| on \| \+\d+:\d\d \| \+\d+:\d\d \| \d+ s \|")
         self.assertIn("| # | TP | step | started | took | exit | meaning | output |", report)
         self.assertRegex(report, r"\| 1 \| 1 \| flag-off sweep, concurrent requests \| "
-                                 r"\+0:0\d \| \d+ s \| 0 \|")
+                                 r"\+\d+:\d\d \| \d+ s \| 0 \|")
 
     def test_a_closed_output_pipe_silences_the_lines_not_the_run(self):
         """`experiment.sh ... 2>&1 | head`: once the reader has gone, the run goes on and
@@ -262,7 +303,7 @@ class ExperimentRuns(Experiment):
         self.assertEqual(versus["summary"]["verdict"], "invariant")
         self.assertIn("TP invariance of batch 1 (flag on, `tp2_vs_tp1.json`): invariant, max ULP 0.", report)
         self.assertRegex(report, r"\| \d+ \| 2 \| TP 2 against TP 1, batch 1, flag on \| "
-                                 r"\+\d:\d\d \| \d+ s \| 0 \|")
+                                 r"\+\d+:\d\d \| \d+ s \| 0 \|")
 
     def test_a_degree_the_devices_cannot_hold_is_skipped_with_a_line(self):
         code, out, err = self.finish(self.start(GPUS="0", TP="1,2"))
@@ -345,7 +386,67 @@ class ExperimentFailures(Experiment):
         self.assertEqual(code, 4, err)
         self.assertNotIn("Traceback", err)
         self.assertIn("the flag-off arm could not be started (no-such-engine-command", err)
-        self.assertIn("INCOMPLETE (exit 4", self.load_run("REPORT.md").splitlines()[0])
+        report = self.load_run("REPORT.md")
+        self.assertIn("INCOMPLETE (exit 4", report.splitlines()[0])
+        # no engine anywhere: said so, not called a dry run; no empty table, no empty heading
+        self.assertNotIn("dry run", report)
+        self.assertIn("| engine installed | none found by the experiment's Python", report)
+        self.assertIn("No cost cell was measured in this run", report)
+        self.assertIn("No sweep was saved at TP 1", report)
+        self.assertNotIn("### Sweeps", report)
+        self.assertNotRegex(report, r"(?m)^-, ")  # a heading of labels no cell had
+
+    def test_no_engine_installed_is_named_as_the_cause(self):
+        ports = free_port(), free_port()
+        code, out, err = self.finish(self.start(
+            OFF_URL="", ON_URL="", SERVE_OFF="", SERVE_ON="", OFF_PORT=str(ports[0]),
+            ON_PORT=str(ports[1]), PATH=os.environ["PATH"]))  # no stand-in: no vllm at all
+        self.assertEqual(code, 4, err)
+        first = self.load_run("REPORT.md").splitlines()[0]
+        self.assertRegex(first, r"exited with status 127; the cause in \S+: .*vllm: not found$")
+        self.assertIn("| engine installed | none found", self.load_run("REPORT.md"))
+
+    def test_an_arm_that_died_at_start_up_is_quoted_by_its_root_cause(self):
+        """A real vLLM 0.34.0 arm's log (tests/fixtures/engine-logs/): the cause is a missing
+        module, 50 lines above the log's last line, which only points back to it."""
+        log = os.path.join(ROOT, "tests", "fixtures", "engine-logs",
+                           "vllm-0.34.0-missing-module.log")
+        code, out, err = self.finish(self.start(
+            SERVE_OFF="bash -c 'cat \"$0\"; exit 1' %s --port {off}" % log))
+        self.assertEqual(code, 4, err)
+        said = [line for line in err.splitlines() if "exited with status 1" in line]
+        self.assertEqual(len(said), 1, err)
+        self.assertIn("the cause in", said[0])
+        self.assertTrue(said[0].endswith(": ModuleNotFoundError: No module named 'cutlass'"),
+                        said[0])
+        first = self.load_run("REPORT.md").splitlines()[0]
+        self.assertIn("ModuleNotFoundError: No module named 'cutlass'", first)
+        self.assertNotIn("See root cause above", first)
+
+    def test_ctrl_c_is_said_once_in_the_first_line(self):
+        p = self.start(STANDIN_STEP_DELAY="0.05",
+                       SWEEP_ARGS="--sizes 1,2,3,4,5,6,7,8 --max-tokens 40 --repeat 1")
+        self.assertTrue(wait_for(lambda: self.runs() and os.path.exists(
+            self.run_path("tp1", "sweep_off.json")), 120), "the sweep never saved")
+        os.kill(p.pid, signal.SIGINT)  # as the terminal's Ctrl-C reaches the experiment
+        code, out, err = self.finish(p)
+        self.assertEqual(code, 130, err)
+        first = self.load_run("REPORT.md").splitlines()[0]
+        self.assertIn("INCOMPLETE (exit 130, stopped by Ctrl-C (SIGINT); each step saved what "
+                      "it had measured)", first)
+        self.assertNotIn("--save", first)  # run.py's own hint: no option of the experiment's
+        self.assertEqual(first.count("Ctrl-C"), 1, first)
+        self.assert_no_server_left()
+
+    def test_a_report_the_terminal_cannot_encode_is_printed_with_replacements(self):
+        """PYTHONIOENCODING=latin-1 (an ISO-8859-1 locale) and a model named in another
+        script: the report is printed, those characters replaced, and a line says so."""
+        code, out, err = self.finish(self.start(MODEL="stub/模型-f32", PYTHONIOENCODING="latin-1"))
+        self.assertEqual(code, 0, err)
+        self.assertTrue(out.startswith("# Batch-invariance experiment, vllm: complete"), out)
+        self.assertIn("stub/??-f32", out)
+        self.assertIn("cannot show every character of the report", err)
+        self.assertIn("stub/模型-f32", self.load_run("REPORT.md"))
 
     def test_the_arms_ports_follow_off_port_and_on_port_into_the_launch_scripts(self):
         ports = free_port(), free_port()
@@ -383,11 +484,40 @@ class ExperimentFailures(Experiment):
             ({"SWEEP_ARGS": "--url http://x:1"}, "SWEEP_ARGS: --url is"),
             ({"OFF_URL": "http://127.0.0.1:{on}"}, "would both listen at"),
             ({"GPUS": "0,0"}, "names device 0 twice"),
+            # by what run.py's parser makes of a word: an alias, and the options with which
+            # run.py exits 0 having measured nothing
+            ({"SWEEP_ARGS": "--base-url http://127.0.0.1:{off}"},
+             "SWEEP_ARGS: --base-url (--url) is the experiment's own"),
+            ({"SWEEP_ARGS": "--help"}, "SWEEP_ARGS: --help makes run.py print and exit"),
+            ({"SWEEP_ARGS": "--vers"}, "SWEEP_ARGS: --vers (--version) makes run.py print"),
+            ({"COST_ARGS": "-h"}, "COST_ARGS: -h (--help) makes run.py print and exit"),
+            # each step's options through run.py's own configuration
+            ({"SWEEP_ARGS": "--request-rate 5", "COPIES": "on"},
+             "run.py refuses it in the flag-off sweep, copies in one request: --request-rate "
+             "goes with --traffic concurrent"),
+            ({"SWEEP_ARGS": "--trials 3"}, "--trials belongs to --mode cost"),
+            ({"COST_ARGS": "--sizes 1,2"},
+             "COST_ARGS: run.py refuses it in the cold cost cell: --sizes belongs to --mode "
+             "sweep"),
+            # addresses as run.py checks them, one machine in two spellings, ports against
+            # the serve commands, devices as CUDA reads them
+            ({"OFF_URL": "127.0.0.1:{off}"}, "OFF_URL: '127.0.0.1:"),
+            ({"OFF_URL": "http://localhost:{off}", "ON_URL": "http://127.0.0.1:{off}"},
+             "(http://127.0.0.1:{off} is the same address)"),
+            ({"OFF_URL": "", "OFF_PORT": "{on}",
+              "SERVE_OFF": "python3 tests/stub_server.py --port {off}"},
+             "OFF_PORT={on}, but SERVE_OFF listens on --port {off}"),
+            ({"OFF_URL": "http://localhost:{on}",
+              "SERVE_OFF": "python3 tests/stub_server.py --port={off}"},
+             "OFF_URL=http://localhost:{on} asks at port {on} of this machine, but the arm "
+             "listens on {off}"),
+            ({"GPUS": "0,00"}, "names device 0 twice ('0' and '00' are one to CUDA)"),
         ):
             with self.subTest(variables=variables):
                 code, out, err = self.finish(self.start(**variables))
                 self.assertEqual(code, 2, err)
-                self.assertIn(words, err)
+                self.assertIn(words.format(off=self.ports[0], on=self.ports[1]), err)
+                self.assertEqual(len(errors(err)), 1, err)  # one line, no traceback
                 self.assertEqual(self.runs(), [])
 
     def test_term_during_a_sweep_stops_everything_within_seconds(self):
@@ -413,6 +543,79 @@ class ExperimentFailures(Experiment):
                 subprocess.run(["pgrep", "-f", "--port %d" % port], capture_output=True).stdout,
                 b"",
             )
+
+
+class ByHandScripts(unittest.TestCase):
+    def test_cost_cells_under_load(self):
+        """CONCURRENCY=N examples/cost_cells.sh TP times load cells: run.py takes a batch or
+        a concurrency, so the script passes one of them."""
+        with tempfile.TemporaryDirectory() as tmp:
+            off, on = free_port(), free_port()
+            stubs = [subprocess.Popen(STUB + ["--port", str(port)] + extra,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                     for port, extra in ((off, []), (on, ["--invariant"]))]
+            try:
+                env = dict(os.environ, CONCURRENCY="2", OFF="http://127.0.0.1:%d" % off,
+                           ON="http://127.0.0.1:%d" % on, SAVE=os.path.join(tmp, "cost.json"))
+                p = subprocess.run(
+                    ["bash", os.path.join(ROOT, "examples", "cost_cells.sh"), "1",
+                     "--wait-ready", "60", "--trials", "2", "--warmup", "0", "--max-tokens", "4",
+                     "--requests", "4", "--quiet"],
+                    env=env, capture_output=True, text=True, timeout=240)
+            finally:
+                for stub in stubs:
+                    stub.terminate()
+                    stub.wait(timeout=30)
+            self.assertEqual(p.returncode, 0, p.stderr)
+            with open(os.path.join(tmp, "cost.json"), encoding="utf-8") as f:
+                cells = json.load(f)["cells"]
+        self.assertEqual(sorted((c["workload"], c["concurrency"]) for c in cells),
+                         [("cold", 2), ("shared-prefix", 2)])
+
+
+class LaunchScriptsShareMemory(unittest.TestCase):
+    """Two arms on one device each take a share of its memory (an engine's default share
+    leaves no room for the other arm): whenever placement.sh puts them together, the launch
+    scripts pass the share; a device named twice is refused."""
+
+    FLAGS = {"vllm": "--gpu-memory-utilization", "sglang": "--mem-fraction-static"}
+
+    def launch(self, engine, arm, **variables):
+        """The engine command a launch script runs, from a stand-in that prints it."""
+        with tempfile.TemporaryDirectory() as tmp:
+            echo = "import sys; print(' '.join(sys.argv[1:]))\n"
+            os.makedirs(os.path.join(tmp, "sglang"))
+            for name in ("__init__.py", "launch_server.py"):
+                with open(os.path.join(tmp, "sglang", name), "w") as f:
+                    f.write(echo if name == "launch_server.py" else "")
+            with open(os.path.join(tmp, "vllm"), "w") as f:
+                f.write("#!/bin/sh\necho \"$@\"\n")
+            os.chmod(os.path.join(tmp, "vllm"), 0o755)
+            env = dict(os.environ, PATH=tmp + os.pathsep + os.environ["PATH"], PYTHONPATH=tmp,
+                       **variables)
+            for name in ("MEM", "CUDA_VISIBLE_DEVICES"):
+                env.pop(name, None)
+            return subprocess.run(
+                ["bash", os.path.join(ROOT, "examples", "%s_serve.sh" % engine), arm],
+                env=env, capture_output=True, text=True, timeout=60)
+
+    def test_the_share_whenever_the_arms_share_a_device(self):
+        for engine, flag in self.FLAGS.items():
+            for gpus, tp, shared in (("0", "1", True), ("0,1,2", "2", True), ("0,1", "1", False),
+                                     ("0,1,2,3", "2", False)):
+                for arm in ("off", "on"):
+                    with self.subTest(engine=engine, GPUS=gpus, TP=tp, arm=arm):
+                        p = self.launch(engine, arm, GPUS=gpus, TP=tp)
+                        self.assertEqual(p.returncode, 0, p.stderr)
+                        self.assertEqual("%s 0.45" % flag in p.stdout, shared, p.stdout)
+
+    def test_a_device_named_twice_as_cuda_reads_it_is_refused(self):
+        for engine in self.FLAGS:
+            with self.subTest(engine=engine):
+                p = self.launch(engine, "on", GPUS="0,00")
+                self.assertEqual(p.returncode, 2, p.stderr)
+                self.assertIn("GPUS=0,00 names device 0 twice", p.stderr)
+                self.assertEqual(p.stdout, "")  # no engine started
 
 
 class SglangExperiment(Experiment):

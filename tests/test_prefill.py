@@ -18,9 +18,10 @@ TOKENS = 24
 
 
 def sweep(stub, *extra):
+    # copies in one request: each size one batch of the stub's, whose prefill it computes
     return run_lab("--mode", "sweep", "--engine", stub.config.engine, "--url", stub.url, "--sizes",
                    ",".join(map(str, SIZES)), "--max-tokens", TOKENS, "--repeat", 1, "--prefill-check", "--json",
-                   *extra)
+                   "--traffic", "copies", *extra)
 
 
 def expected_prefill(engine, n, invariant):
@@ -157,7 +158,7 @@ class Missing(unittest.TestCase):
     def test_a_server_that_cannot_serve_the_check_stops_the_check_not_the_sweep(self):
         with StubServer(StubConfig(prompt_logprobs=False)) as stub:
             r = sweep(stub)
-            expected = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2,9,17",
+            expected = run_lab("--mode", "sweep", "--traffic", "copies", "--url", stub.url, "--sizes", "1,2,9,17",
                                "--max-tokens", 24, "--repeat", 1, "--prefill-check",
                                "--expect", "prefill-equal")
         self.assertEqual(r.code, 0, r)

@@ -69,8 +69,14 @@ def commands(lines):
     return [(c, out) for c, out in steps]
 
 
+# What a line may carry on a loaded machine and not on a quiet one: a cost arm whose trials
+# spread wide is marked NOISY after its figures (run.py's print_cost_report). The page quotes
+# the figures; the mark is the machine's load, so a quoted line matches with or without it.
+LOAD_MARKS = re.compile(r"\s+NOISY \(max/min > [0-9.]+\)$")
+
+
 def normalised(line):
-    return " ".join(NUMBER.sub("#", line).split())
+    return " ".join(NUMBER.sub("#", LOAD_MARKS.sub("", line.rstrip())).split())
 
 
 class Reader:
@@ -176,6 +182,79 @@ DOCS = {  # each page, and the fewest marked blocks it has (a page that lost the
 }
 
 
+REAL = os.path.join(ROOT, "examples", "real")
+
+
+def shipped_text():
+    """Every text file under examples/real, thousands separators gone, as one text."""
+    texts = []
+    for folder, _, names in os.walk(REAL):
+        for name in names:
+            try:
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    texts.append(f.read())
+            except (UnicodeDecodeError, OSError):  # a picture
+                continue
+    return re.sub(r"(?<=\d),(?=\d{3}\b)", "", "\n".join(texts))
+
+
+def findings_table(readme):
+    """The README's findings table: its rows (under the header `| what | vLLM 0.26.0 | ...`),
+    each (what, [cells])."""
+    lines = readme.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| what | vLLM"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows.append((cells[0], cells[1:]))
+    return rows
+
+
+def figures_missing(cell, text, numbers):
+    """The figures of one table cell that no shipped file holds: counts "A of B" as a pair
+    (a sweep's saved or printed count), percentages, intervals and ULPs as numbers."""
+    plain = re.sub(r"(?<=\d),(?=\d{3}\b)", "", cell)
+    missing = []
+    for a, b in re.findall(r"\b(\d+) of (\d+)\b", plain):
+        pair = (r'"unique_completions": %s,\s*"total_completions": %s\b' % (a, b),
+                r"\b%s (unique )?of %s\b" % (a, b), r"unique completions %s, total %s\b" % (a, b))
+        if not any(re.search(p, text) for p in pair):
+            missing.append("%s of %s" % (a, b))
+    for value in re.findall(r"([+-]?\d+(?:\.\d+)?) ?%", plain) + re.findall(
+            r"\[([+-]?\d+\.\d), ([+-]?\d+\.\d)\]", plain):
+        for v in ([value] if isinstance(value, str) else value):
+            if round(float(v), 1) not in numbers:
+                missing.append(v)
+    for ulp in re.findall(r"(\d+) ULP", plain):
+        if int(ulp) not in numbers:
+            missing.append(ulp + " ULP")
+    return missing
+
+
+class FindingsTable(unittest.TestCase):
+    def test_every_figure_of_the_findings_table_is_in_a_shipped_file(self):
+        with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+            readme = f.read()
+        text = shipped_text()
+        numbers = set()
+        for found in re.findall(r"-?\d+(?:\.\d+)?", text):
+            numbers.update((round(float(found), 1), round(float(found))))
+        rows = findings_table(readme)
+        self.assertGreaterEqual(len(rows), 8)
+        for what, cells in rows:
+            for cell in cells:
+                with self.subTest(row=what, cell=cell):
+                    self.assertEqual(figures_missing(cell, text, numbers), [])
+
+    def test_a_figure_no_file_holds_is_found(self):
+        text = shipped_text()
+        self.assertEqual(figures_missing("1 of 3,963 (small)", text, set()), [])
+        self.assertEqual(figures_missing("1 of 3,964 (small)", text, set()), ["1 of 3964"])
+        self.assertEqual(figures_missing("+912.4 % [+1.1, +2.2]", text, {1.1, 2.2}), ["+912.4"])
+
+
 class Readme(unittest.TestCase):
     def test_every_marked_block_runs_as_its_page_says(self):
         """The pages run at the same time, each in a folder and on ports of its own: they wait
@@ -235,6 +314,11 @@ class Readme(unittest.TestCase):
         self.assertEqual(commands(lines), [("python3 a.py --flag 1", ["out 1", "out 2"]), ("b &", [])])
         self.assertEqual(commands(["x --y  # note", "", "z"]), [("x --y  # note", []), ("z", [])])
         self.assertEqual(normalised("  max ULP 4:  +30.8% [-1.5, 2]"), "max ULP #: #% [#, #]")
+        # a cost arm marked NOISY under load is the line the page quotes, and only that one
+        quoted = "  flag off median 0.1620s  MAD 0.0035s  min-max 0.1549-0.1699s  790.3 tokens/s"
+        self.assertEqual(normalised(quoted + "  NOISY (max/min > 1.5)"), normalised(quoted))
+        self.assertNotEqual(normalised(quoted + "  NOISY (max/min > 1.5) and more"),
+                            normalised(quoted))
 
 
 if __name__ == "__main__":

@@ -64,13 +64,13 @@ def cost_run(*argv, streamed=False):
 
 # Every saved document a fixture pins: its name, and the run that saves it
 CASES = {
-    "sweep": sweep_run("--sizes", "1,2,3,17", "--repeat", "2", "--max-tokens", "8",
+    "sweep": sweep_run("--traffic", "copies", "--sizes", "1,2,3,17", "--repeat", "2", "--max-tokens", "8",
                        "--prefill-check"),
-    "sweep-cache-check": sweep_run("--sizes", "1,3", "--max-tokens", "6", "--cache-check",
+    "sweep-cache-check": sweep_run("--traffic", "copies", "--sizes", "1,3", "--max-tokens", "6", "--cache-check",
                                    stub=StubConfig(prompt_tokens_details=True)),
     "sweep-mixed": sweep_run("--sizes", "1,5", "--traffic", "mixed", "--max-tokens", "6",
                              "--prefix-cache", "keep", "--temperature", "0.7", "--seed", "3"),
-    "sweep-baseline-server": sweep_run("--sizes", "1,4", "--max-tokens", "6",
+    "sweep-baseline-server": sweep_run("--traffic", "copies", "--sizes", "1,4", "--max-tokens", "6",
                                        stub=StubConfig(invariant=True),
                                        baseline_stub=StubConfig(invariant=True, tp_size=2,
                                                                 rotation_offset=3)),

@@ -5,10 +5,13 @@ a URL are refused without being repeated; saves are atomic."""
 import json
 import os
 import re
+import sys
 import unittest
 from unittest import mock
 
-from support import StubConfig, StubServer, TempDirTest, free_port, one_error_line, run, run_lab
+from support import (ROOT, StubConfig, StubServer, TempDirTest, free_port, one_error_line, run,
+                     run_lab)
+from test_launch import Experiment
 
 
 KEY = "zq7-secretvalue-991"  # distinctive: no other text the lab prints holds its pieces
@@ -220,3 +223,73 @@ class FilesAndSecurity(TempDirTest):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class KeysKeptOutOfTheExperiment(Experiment):
+    """examples/experiment.sh holds the key the arms and the lab use (OPENAI_API_KEY,
+    VLLM_API_KEY, an --api-key in a serve command): it is in no line said and no file the run
+    writes, the engines' logs included, which the experiment writes itself as they come."""
+
+    def files_holding(self, key):
+        """The run's files whose bytes hold the key."""
+        found = []
+        for folder, _, names in os.walk(self.path("out")):
+            for name in names:
+                with open(os.path.join(folder, name), "rb") as f:
+                    if key.encode() in f.read():
+                        found.append(os.path.join(folder, name))
+        return found
+
+    def test_an_engine_that_logs_its_arguments_keeps_no_key_in_its_log(self):
+        """SGLang 0.5.23 logs server_args, 'api_key' among them: the stand-in does too. The
+        key is short (below what run.py looks for anywhere): it is found where it stands."""
+        self.engine = "sglang"
+        key = "k3y9q"
+        code, out, err = self.finish(self.start(EXTRA_ARGS="--api-key " + key,
+                                                OPENAI_API_KEY=key))
+        self.assertEqual(code, 0, err)
+        log = self.load_run("tp1", "server_off.log")
+        self.assertIn("'api_key': '[api key]'", log)  # the line is kept, its key is not
+        self.assertEqual(self.files_holding(key), [])
+        self.assertNotIn(key, out + err)
+
+    def test_a_key_set_for_the_engine_in_a_serve_command_is_not_printed(self):
+        """vLLM's documented variable, set in a serve command of one's own, the same key in
+        OPENAI_API_KEY: the report's launch lines show it as [api key]."""
+        key = "vk-2026-secret-key-for-both-arms"
+        stub = "env VLLM_API_KEY=%s python3 %s --port {port}" % (
+            key, os.path.join(ROOT, "tests", "stub_server.py"))
+        code, out, err = self.finish(self.start(
+            OPENAI_API_KEY=key, VLLM_API_KEY=key, SERVE_OFF=stub.format(port="{off}"),
+            SERVE_ON=stub.format(port="{on}") + " --invariant",
+            COST_ARGS="--batch 2 --trials 2 --warmup 0 --max-tokens 4 --allow-mismatch"))
+        self.assertEqual(code, 0, err)
+        self.assertIn("VLLM_API_KEY=[api key]", self.load_run("REPORT.md"))
+        self.assertEqual(self.files_holding(key), [])
+        self.assertNotIn(key, out + err)
+
+    def test_the_lab_sends_the_key_the_arms_were_started_with(self):
+        sys.path.insert(0, os.path.join(ROOT, "examples"))
+        import experiment
+        step = experiment.step_environment({"VLLM_API_KEY": "k1", "PATH": "/bin"})
+        self.assertEqual(step["OPENAI_API_KEY"], "k1")
+        step = experiment.step_environment({"VLLM_API_KEY": "k1", "OPENAI_API_KEY": "k2"})
+        self.assertEqual(step["OPENAI_API_KEY"], "k2")  # the one given for the lab wins
+        self.assertNotIn("OPENAI_API_KEY", experiment.step_environment({}))
+
+    def test_keys_are_hidden_where_they_stand_in_what_an_engine_writes(self):
+        sys.path.insert(0, os.path.join(ROOT, "examples"))
+        import experiment
+        keys = experiment.Keys({"OPENAI_API_KEY": "2",
+                                "SERVE_ON": "env VLLM_API_KEY=abc vllm serve m --api-key zz9"})
+        self.assertEqual(
+            keys.engine_text("[2026-12-02 10:22:12] server_args={'model_path': '/m/2', "
+                             "'api_key': '2', 'port': 30002, 'note': 'zz9'}"),
+            "[2026-12-02 10:22:12] server_args={'model_path': '/m/2', "
+            "'api_key': '[api key]', 'port': 30002, 'note': 'zz9'}")
+        self.assertEqual(
+            keys.engine_text("VLLM_API_KEY=abc --api-key zz9 --api-key=2 Bearer 2 abcd 22"),
+            "VLLM_API_KEY=[api key] --api-key [api key] --api-key=[api key] Bearer [api key] "
+            "abcd 22")
+        self.assertEqual(keys.line("env VLLM_API_KEY=abc vllm serve m --api-key zz9", True),
+                         "env 'VLLM_API_KEY=[api key]' vllm serve m --api-key '[api key]'")

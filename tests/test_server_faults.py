@@ -107,7 +107,7 @@ class ServerValuesAreUntrusted(unittest.TestCase):
                 return json.loads(json.dumps(answer))  # decoded as the lab decodes the wire
 
             with mock.patch.object(run.HttpClient, "request", request):
-                r = run_lab("--mode", "sweep", "--engine", engine, "--url", "http://127.0.0.1:9", "--sizes", "1,2",
+                r = run_lab("--mode", "sweep", "--traffic", "copies", "--engine", engine, "--url", "http://127.0.0.1:9", "--sizes", "1,2",
                             "--max-tokens", 3, "--logprobs", 2, "--repeat", 1, "--quiet", "--json")
             self.assertNotIn("Traceback", r.stderr, (engine, damaged))
             self.assertIn(r.code, (0, 1, 2, 3), r)
@@ -124,7 +124,7 @@ class ServerValuesAreUntrusted(unittest.TestCase):
         with StubServer(StubConfig(faults={3: "nochoices"})) as stub:
             path = os.path.join(os.environ.get("TMPDIR", "/tmp"), "lab-rel-%d.json" % os.getpid())
             try:
-                r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2,4", "--max-tokens", 4, "--repeat", 1,
+                r = run_lab("--mode", "sweep", "--traffic", "copies", "--url", stub.url, "--sizes", "1,2,4", "--max-tokens", 4, "--repeat", 1,
                             "--save", path)
                 with open(path) as f:
                     doc = json.load(f)
@@ -155,7 +155,8 @@ class ServerFaultsInASweep(TempDirTest):
     def sweep_with_fault(self, fault, engine="vllm", *extra):
         with StubServer(StubConfig(engine=engine, faults={3: fault})) as stub:
             r = run_lab("--mode", "sweep", "--engine", engine, "--url", stub.url, "--sizes", SIZES,
-                        "--max-tokens", 8, "--save", self.path("s.json"), *extra)
+                        "--max-tokens", 8, "--save", self.path("s.json"), "--traffic", "copies",
+                        *extra)  # copies: the fault's answer is one request's
         return r, self.load("s.json")
 
     def assert_stopped_at_size_4(self, r, doc, cause):

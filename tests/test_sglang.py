@@ -20,7 +20,9 @@ SGLANG_CLAMP = -3.4028234663852886e38  # torch.finfo(torch.float32).min
 
 
 def sweep(stub, *extra):
-    return run_lab("--mode", "sweep", "--engine", "sglang", "--url", stub.url, "--max-tokens", 16, *extra)
+    # copies in one request: each size one batch of the stub's (unless extra names a --traffic)
+    return run_lab("--mode", "sweep", "--engine", "sglang", "--url", stub.url, "--max-tokens", 16,
+                   "--traffic", "copies", *extra)
 
 
 class UnseededFlagOffArm(TempDirTest):

@@ -16,7 +16,8 @@ TOKENS = 64
 def sweep(stub, *extra):
     """One pass of copies traffic: today's sweep, whose figures follow from the stub's arithmetic."""
     return run_lab("--mode", "sweep", "--engine", stub.config.engine, "--url", stub.url, "--repeat", 1,
-                   "--sizes", ",".join(map(str, SIZES)), "--max-tokens", TOKENS, *extra)
+                   "--sizes", ",".join(map(str, SIZES)), "--max-tokens", TOKENS, "--traffic", "copies",
+                   *extra)
 
 
 class AgainstTheStubsArithmetic(TempDirTest):
@@ -68,7 +69,7 @@ class AgainstTheStubsArithmetic(TempDirTest):
         rows, unique = expected_sweep("vllm", PROMPT, [1, 2, 3, 4], TOKENS, 5)
         self.assertEqual(unique, 1)  # the stub's arithmetic: these sizes move only logprobs
         with StubServer() as stub:
-            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2,3,4", "--max-tokens", TOKENS, "--json")
+            r = run_lab("--mode", "sweep", "--traffic", "copies", "--url", stub.url, "--sizes", "1,2,3,4", "--max-tokens", TOKENS, "--json")
         doc = r.json()
         self.assertEqual(doc["summary"]["verdict"], "logprobs moved but tokens held")
         self.assertEqual(doc["summary"]["unique_completions"], 1)
@@ -119,7 +120,7 @@ class SweepBehaviour(TempDirTest):
 
     def test_expect_exit_codes(self):
         with StubServer() as off, StubServer(StubConfig(invariant=True)) as on:
-            args = ("--mode", "sweep", "--sizes", "1,17,25", "--max-tokens", 32)
+            args = ("--mode", "sweep", "--traffic", "copies", "--sizes", "1,17,25", "--max-tokens", 32)
             self.assertEqual(run_lab(*args, "--url", off.url, "--expect", "variant").code, 0)
             r = run_lab(*args, "--url", off.url, "--expect", "invariant")
             self.assertEqual(r.code, 1)
@@ -132,11 +133,11 @@ class SweepBehaviour(TempDirTest):
 
     def test_baseline_round_trip(self):
         with StubServer(StubConfig(invariant=True)) as on:
-            r = run_lab("--mode", "sweep", "--url", on.url, "--sizes", "1,9", "--max-tokens", 32,
+            r = run_lab("--mode", "sweep", "--traffic", "copies", "--url", on.url, "--sizes", "1,9", "--max-tokens", 32,
                         "--save", self.path("week1.json"))
             self.assertEqual(r.code, 0)
             # the same server next week: batch 1 and batch 9 both match last week's batch 1
-            r = run_lab("--mode", "sweep", "--url", on.url, "--sizes", "1,9", "--max-tokens", 32,
+            r = run_lab("--mode", "sweep", "--traffic", "copies", "--url", on.url, "--sizes", "1,9", "--max-tokens", 32,
                         "--baseline", self.path("week1.json"), "--expect", "invariant", "--json")
             self.assertEqual(r.code, 0, r)
             self.assertEqual(r.json()["prompts"][0]["baseline_source"], self.path("week1.json"))
@@ -144,7 +145,7 @@ class SweepBehaviour(TempDirTest):
             # a flag-off server checked against the flag-on baseline: batch 1 still agrees (same
             # plan), batch 9 does not
             rows, unique = expected_sweep("vllm", PROMPT, [1, 9], 32, 5)
-            r = run_lab("--mode", "sweep", "--url", off.url, "--sizes", "1,9", "--max-tokens", 32,
+            r = run_lab("--mode", "sweep", "--traffic", "copies", "--url", off.url, "--sizes", "1,9", "--max-tokens", 32,
                         "--baseline", self.path("week1.json"), "--json")
             doc = r.json()
             got = {s["batch_size"]: (s["first_token_divergence"], s["max_ulp"]) for s in doc["prompts"][0]["sizes"]}
@@ -200,7 +201,7 @@ class SweepBehaviour(TempDirTest):
 
     def test_one_request_larger_than_the_server_batches_together_is_refused(self):
         with StubServer(StubConfig(max_num_seqs=4)) as stub:
-            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,8", "--max-tokens", 4)
+            r = run_lab("--mode", "sweep", "--traffic", "copies", "--url", stub.url, "--sizes", "1,8", "--max-tokens", 4)
             sent = stub.generation_bodies()
         self.assertEqual(r.code, 2, r)
         self.assertIn("the server runs at most 4 requests at once", r.stderr)
@@ -215,7 +216,7 @@ class SweepBehaviour(TempDirTest):
 
     def test_flag_on_divergence_prints_the_coverage_checklist(self):
         with StubServer(StubConfig(invariant=True, coverage_gap=True)) as stub:
-            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,17,25", "--max-tokens", 32)
+            r = run_lab("--mode", "sweep", "--traffic", "copies", "--url", stub.url, "--sizes", "1,17,25", "--max-tokens", 32)
         self.assertIn("reports the flag ON, yet results moved", r.stdout)
         self.assertIn("fused-MoE", r.stdout)
         self.assertLess(r.stdout.index("fused-MoE"), r.stdout.index("bug report"))
@@ -229,7 +230,7 @@ class SweepBehaviour(TempDirTest):
 
     def test_values_that_are_not_float32_are_measured_in_float64(self):
         with StubServer(StubConfig(float64=True)) as stub:
-            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 16, "--json")
+            r = run_lab("--mode", "sweep", "--traffic", "copies", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 16, "--json")
         doc = r.json()
         self.assertIn("float64", doc["summary"]["ulp_notes"])
         self.assertGreater(doc["summary"]["max_ulp"], 0)
@@ -249,7 +250,7 @@ class CopiesInTwoRuns(unittest.TestCase):
         with StubServer(StubConfig(copies_split=3)) as stub, \
                 mock.patch.object(run, "compare_completions",
                                   lambda *a: (compared.append(a[1]), real(*a))[1]):
-            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,8", "--max-tokens", 16,
+            r = run_lab("--mode", "sweep", "--traffic", "copies", "--url", stub.url, "--sizes", "1,8", "--max-tokens", 16,
                         "--repeat", 1, "--json")
             self.assertEqual(r.code, 0, r)
             client = run.HttpClient(stub.url, None, 10, 1 << 20)

@@ -16,8 +16,9 @@ WINDOW = 0.2   # seconds the scheduling stub gathers requests into one step batc
 
 
 def sweep(stub, *extra):
+    # copies in one request unless extra names a --traffic: each size one request
     return run_lab("--mode", "sweep", "--engine", stub.config.engine, "--url", stub.url,
-                   "--max-tokens", TOKENS, "--json", *extra)
+                   "--max-tokens", TOKENS, "--json", "--traffic", "copies", *extra)
 
 
 class ConcurrentTraffic(unittest.TestCase):
@@ -126,7 +127,7 @@ class Repeats(TempDirTest):
     def test_repeats_aggregate_per_size_and_the_table_shows_them(self):
         rows, unique = expected_sweep("vllm", PROMPT, self.SIZES, TOKENS, 5)
         with StubServer() as stub:
-            r = run_lab("--mode", "sweep", "--url", stub.url, "--repeat", 3, "--max-tokens", TOKENS,
+            r = run_lab("--mode", "sweep", "--traffic", "copies", "--url", stub.url, "--repeat", 3, "--max-tokens", TOKENS,
                         "--sizes", ",".join(map(str, self.SIZES)), "--save", self.path("s.json"))
         self.assertEqual(r.code, 0, r)
         doc = self.load("s.json")

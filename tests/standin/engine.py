@@ -13,6 +13,9 @@ real engines failed on a real GPU (an H200, vLLM 0.26.0 and SGLang 0.5.17):
 - fewer devices in CUDA_VISIBLE_DEVICES than the TP degree is refused;
 - told so, one exits in the middle of the run, like an engine whose worker died.
 
+The SGLang stand-in logs its arguments as SGLang 0.5.23 does (server_args=..., its --api-key
+among them).
+
 Environment (all optional):
   STANDIN_LOAD_S       seconds spent loading before the port answers (default 1.0)
   STANDIN_DEVICE_DIR   where loading stand-ins mark their devices (default: the temp folder)
@@ -178,6 +181,7 @@ def vllm_main(argv) -> int:
         "--enable-prefix-caching", dest="prefix_caching", action="store_true", default=True
     )
     s.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
+    s.add_argument("--api-key")  # vLLM also reads VLLM_API_KEY
     args = p.parse_args(argv)
     flag = os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1"
     config = stub_server.StubConfig(
@@ -211,7 +215,15 @@ def sglang_main(argv) -> int:
     p.add_argument("--disable-radix-cache", action="store_true")
     p.add_argument("--sampling-backend", choices=("flashinfer", "pytorch"))
     p.add_argument("--enable-deterministic-inference", action="store_true")
+    p.add_argument("--api-key")
     args = p.parse_args(argv)
+    # SGLang 0.5.23 logs every argument at start-up, the key among them (a real log's line:
+    # "[2026-12-01 19:17:46] server_args={'model_path': '/tmp/model8b', ..., 'api_key': None,
+    # ...}"; examples/real/experiment-1xH200-sglang-0.5.23-8b/tp1/server_off.log, line 7)
+    say("[%s] server_args=%r" % (time.strftime("%Y-%m-%d %H:%M:%S"), {
+        "model_path": args.model_path, "tokenizer_path": args.model_path, "port": args.port,
+        "api_key": args.api_key, "tp_size": args.tp_size,
+        "enable_deterministic_inference": args.enable_deterministic_inference}))
     sizes = [
         s
         for s in stub_server.SGLANG_GRAPH_SIZES
