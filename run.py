@@ -3077,7 +3077,21 @@ class _Parser(argparse.ArgumentParser):
                 break
         if hint is not None:
             message += " (%s)" % hint
+        if message.startswith("argument --request-rate") and is_infinite(message):
+            # bench serve's spelling of a burst (serve.py, 0.34.0 line 1748: its default)
+            message += " (all requests at once, bench serve's --request-rate inf, is what " \
+                       "--concurrency does without --request-rate: leave it out)"
         raise UsageError(key_free_message(message, words))
+
+
+def is_infinite(message: str) -> bool:
+    """Whether the value a parser's complaint quotes ('inf', 'Infinity') is an infinite
+    number as float() reads it."""
+    quoted = re.search(r"'([^']*)'", message)
+    try:
+        return quoted is not None and math.isinf(float(quoted.group(1)))
+    except ValueError:
+        return False
 
 
 # Words in an option's name that say its value may be a key (--apikey, --token, --api_key)

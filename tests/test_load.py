@@ -307,6 +307,15 @@ class BenchServeNames(TempDirTest):
                 self.assertEqual(r.code, 2, r)
                 self.assertIn(said, r.stderr)
 
+    def test_bench_serves_request_rate_inf_says_a_burst_is_the_default(self):
+        for rate in ("inf", "Infinity"):
+            with self.subTest(rate=rate):
+                r = run_lab("--mode", "cost", "--url", "http://127.0.0.1:9", "--invariant",
+                            "http://127.0.0.1:10", "--concurrency", 2, "--request-rate", rate)
+                self.assertEqual(r.code, 2, r)
+                self.assertIn("bench serve's --request-rate inf, is what --concurrency does "
+                              "without --request-rate: leave it out", r.stderr)
+
     def test_a_key_given_to_an_option_the_lab_does_not_know_is_not_printed(self):
         secret = "sk-hostile-0123456789"
         for given in (("--apikey", secret), ("--api_key=" + secret,), ("--token", secret),
