@@ -3102,6 +3102,10 @@ def key_free_message(message: str, unknown: Sequence[str]) -> str:
     """A parser's complaint as it may be printed: the value of an option the lab does not
     know but whose name says it holds a key (--apikey K, --token=K) hidden where it stands,
     as key_free_command hides --api-key's, and $OPENAI_API_KEY's value wherever it shows."""
+    # `--a=K could match --api-key, ...`: argparse quotes the word whole, value and all
+    ambiguous = re.match(r"ambiguous option: (\S+?)=\S+ could match (.*)", message)
+    if ambiguous and KEY_OPTION in ambiguous.group(2).split(", "):
+        message = "ambiguous option: %s=[api key] could match %s" % ambiguous.groups()
     for i, word in enumerate(unknown):
         name = word.split("=", 1)[0]
         if not (name.startswith("-") and any(k in name.lower() for k in KEY_LIKE)):
