@@ -3429,7 +3429,21 @@ class _Parser(argparse.ArgumentParser):
                 break
         if hint is not None:
             message += " (%s)" % hint
+        if message.startswith("argument --request-rate") and is_infinite(message):
+            # bench serve's spelling of a burst (serve.py, 0.34.0 line 1748: its default)
+            message += " (all requests at once, bench serve's --request-rate inf, is what " \
+                       "--concurrency does without --request-rate: leave it out)"
         raise UsageError(key_free_message(message, words))
+
+
+def is_infinite(message: str) -> bool:
+    """Whether the value a parser's complaint quotes ('inf', 'Infinity') is an infinite
+    number as float() reads it."""
+    quoted = re.search(r"'([^']*)'", message)
+    try:
+        return quoted is not None and math.isinf(float(quoted.group(1)))
+    except ValueError:
+        return False
 
 
 # Words in an option's name that say its value may be a key (--apikey, --token, --api_key)
@@ -3440,6 +3454,10 @@ def key_free_message(message: str, unknown: Sequence[str]) -> str:
     """A parser's complaint as it may be printed: the value of an option the lab does not
     know but whose name says it holds a key (--apikey K, --token=K) hidden where it stands,
     as key_free_command hides --api-key's, and $OPENAI_API_KEY's value wherever it shows."""
+    # `--a=K could match --api-key, ...`: argparse quotes the word whole, value and all
+    ambiguous = re.match(r"ambiguous option: (\S+?)=\S+ could match (.*)", message)
+    if ambiguous and KEY_OPTION in ambiguous.group(2).split(", "):
+        message = "ambiguous option: %s=[api key] could match %s" % ambiguous.groups()
     for i, word in enumerate(unknown):
         name = word.split("=", 1)[0]
         if not (name.startswith("-") and any(k in name.lower() for k in KEY_LIKE)):

@@ -8,7 +8,8 @@ table.
 
 Cells are merged by what makes two cells the same measurement (run.py's CellIdentity: engine,
 release, model, TP, workload, trials, arrivals, length, mismatched arms, each arm's flag and
-reported settings): a later file's cell replaces an earlier one's, with a line saying so.
+reported settings; a setting one cell's file does not hold is unknown there, not a difference:
+run.same_measurement): a later file's cell replaces an earlier one's, with a line saying so.
 
 One panel per 2x2 table, as run.py prints them (run.cost_tables: one identity but for TP and
 the workload, so a burst and a Poisson-arrival cell of one shape, or two attention backends,
