@@ -2,7 +2,6 @@
 graphs in its environment, 0.34.0 in its compilation config (the real arms in
 fixtures/vllm-0.34.0/, the practice engine serving as either release)."""
 
-import copy
 import os
 import re
 import unittest
@@ -24,19 +23,8 @@ def logged_config(arm):
 
 
 def server_info_034(arm):
-    """The arm's /server_info: the real answer where it was captured (server_info_flag_ARM.json),
-    otherwise the real 0.33.0 answer with the settings the real 0.34.0 arm logged and its lab
-    read (lab_read_flag_ARM.json: the environment variable false on both arms) written in."""
-    captured = os.path.join(HERE, "fixtures", FOLDER_034, "server_info_flag_%s.json" % arm)
-    if os.path.exists(captured):
-        return fixture(os.path.basename(captured), FOLDER_034)
-    info = copy.deepcopy(fixture("server_info_flag_%s.json" % arm, "vllm-0.33.0"))
-    mode, breakable = logged_config(arm)
-    info["vllm_config"]["compilation_config"]["mode"] = mode
-    info["vllm_config"]["compilation_config"]["use_breakable_cudagraph"] = breakable
-    read = fixture("lab_read_flag_%s.json" % arm, FOLDER_034)["settings"]
-    info["vllm_env"]["VLLM_USE_BREAKABLE_CUDAGRAPH"] = read["breakable CUDA graph"]
-    return info
+    """The real 0.34.0 arm's /server_info?config_format=json (system_env cut short)."""
+    return fixture("server_info_flag_%s.json" % arm, FOLDER_034)
 
 
 def facts(version, arm, info=None):
@@ -92,6 +80,36 @@ class BreakableGraphsWhereTheReleaseKeepsThem(unittest.TestCase):
                 self.assertIs(info["vllm_env"]["VLLM_USE_BREAKABLE_CUDAGRAPH"], env_on)
                 self.assertIs(info["vllm_config"]["compilation_config"]
                               .get("use_breakable_cudagraph"), config_on)
+
+
+class CopiesOnTheReal034(unittest.TestCase):
+    """Four copies of a 256-token prompt in one request, a fresh cache_salt, on the real
+    vLLM 0.34.0 flag-off arm (fixtures/vllm-0.34.0/: the counters read before and after)."""
+
+    def counters(self, name):
+        with open(os.path.join(HERE, "fixtures", FOLDER_034, name), encoding="utf-8") as f:
+            text = f.read()
+        adapter = run.ADAPTERS["vllm"]
+        return run.CacheCounters(int(run.metric_sums(text, adapter.COUNTER_QUERIES)),
+                                 int(run.metric_sums(text, adapter.COUNTER_HITS)), "metrics")
+
+    def test_copies_share_the_cache_and_the_answer_counts_one_copy(self):
+        answer = fixture("copies_one_request.json", FOLDER_034)
+        count = run.ADAPTERS["vllm"].cached_tokens(answer)
+        self.assertEqual(count, 256)  # one copy's worth of 64-token blocks
+        found = run.cache_evidence(self.counters("metrics_before.txt"),
+                                   self.counters("metrics_after.txt"), [count],
+                                   answer["usage"]["prompt_tokens"])
+        self.assertEqual(found.verdict, run.CACHE_COUNTED_AND_SERVED)
+        self.assertEqual(found.served, 768)  # the other three copies, 256 tokens each
+        self.assertEqual(found.counted, 256)
+
+    def test_0_34_0_caches_in_blocks_of_64_tokens(self):
+        # vllm/config/cache.py line 185 (0.34.0): DEFAULT_BLOCK_SIZE = 64; a prompt shorter
+        # than one block is never served from the prefix cache, shared or not
+        for arm in ("off", "on"):
+            self.assertEqual(server_info_034(arm)["vllm_config"]["cache_config"]["block_size"],
+                             64)
 
 
 if __name__ == "__main__":
