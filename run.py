@@ -8087,41 +8087,44 @@ def run_cost(cfg: Config, out: Out) -> int:
                 stopped_by.append("precision")
                 return
 
-    state, code = measure_until_stopped(out, "cost", measure)
-    for trial, arm_name, got in short[:3]:
-        out.warn("trial %d, %s arm: %d output tokens, not %d x %d (the server stopped early: is "
-                 "ignore_eos honoured?)" %
-                 (trial, arm_name, got, per_trial, cfg.sampling.max_tokens))
-    if not off.samples or not on.samples:
-        out.say("no complete trial pair; nothing to report", raising=False)
-        return code or EXIT_SERVER
-    cell = cost_cell(cfg, (off, on), differences, state)
-    if cfg.cost.precision:
-        why = stopped_by[0] if stopped_by else ("trials" if state == "complete" else state)
-        cell = dataclasses.replace(cell, stopped_by=why)
-    record = as_record(cell)
-    doc = saves.write(lambda path: save_cell(path, record)) or add_cell(doc, record)
-    labels = CellLabels.from_record(record)  # read as any cell of the file is
-    if cfg.save and state == "complete":
-        prior = [c for c in (cfg.prior_save or {}).get("cells") or [] if isinstance(c, dict)]
-        read = settings_read_by_all(prior + [record])
-        for old in prior:
-            if same_measurement(old, record, read):
-                out.warn(replaced_cell_line(old, record, cfg.save, read))
-    if labels.tp is None and not cfg.json_out:
-        out.warn("the arms do not report their TP degree, so the cell is labelled TP=?: give "
-                 "--tp N to label it")
-    if cfg.json_out:
-        out.line(json_text(record, indent=1))
-    else:
-        print_cost_report(cell, labels, out)
-        if cfg.save:
-            out.line("")
-            read = settings_read_by_all(doc["cells"])
-            cells = [CellLabels.from_record(c, read) for c in doc["cells"]]
-            for line in cost_table_lines(cells, CellLabels.from_record(record, read)):
-                out.line(line)
-    return report_save(cfg, saves, code, out)
+    # A stop signal once the last trial pair is in waits for the cell's save and its report,
+    # as in the sweep: measuring's own handler gives way to this one
+    with SavesFirst(out) as late:
+        state, code = measure_until_stopped(out, "cost", measure)
+        for trial, arm_name, got in short[:3]:
+            out.warn("trial %d, %s arm: %d output tokens, not %d x %d (the server stopped early: "
+                     "is ignore_eos honoured?)" %
+                     (trial, arm_name, got, per_trial, cfg.sampling.max_tokens))
+        if not off.samples or not on.samples:
+            out.say("no complete trial pair; nothing to report", raising=False)
+            return code or late.code() or EXIT_SERVER
+        cell = cost_cell(cfg, (off, on), differences, state)
+        if cfg.cost.precision:
+            why = stopped_by[0] if stopped_by else ("trials" if state == "complete" else state)
+            cell = dataclasses.replace(cell, stopped_by=why)
+        record = as_record(cell)
+        doc = saves.write(lambda path: save_cell(path, record)) or add_cell(doc, record)
+        labels = CellLabels.from_record(record)  # read as any cell of the file is
+        if cfg.save and state == "complete":
+            prior = [c for c in (cfg.prior_save or {}).get("cells") or [] if isinstance(c, dict)]
+            read = settings_read_by_all(prior + [record])
+            for old in prior:
+                if same_measurement(old, record, read):
+                    out.warn(replaced_cell_line(old, record, cfg.save, read))
+        if labels.tp is None and not cfg.json_out:
+            out.warn("the arms do not report their TP degree, so the cell is labelled TP=?: give "
+                     "--tp N to label it")
+        if cfg.json_out:
+            out.line(json_text(record, indent=1))
+        else:
+            print_cost_report(cell, labels, out)
+            if cfg.save:
+                out.line("")
+                read = settings_read_by_all(doc["cells"])
+                cells = [CellLabels.from_record(c, read) for c in doc["cells"]]
+                for line in cost_table_lines(cells, CellLabels.from_record(record, read)):
+                    out.line(line)
+        return report_save(cfg, saves, code, out) or late.code()
 
 
 # ----------------------------------------------------------------------------

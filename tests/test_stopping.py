@@ -69,6 +69,20 @@ class NothingMeasuredLost(TempDirTest):
         self.assertEqual(r.json()["summary"]["total_completions"], 3)
 
 
+    def test_a_signal_once_the_last_cost_trial_is_in_waits_for_the_cell(self):
+        # a job scheduler's time limit the moment the last trial pair is in
+        with StubServer(StubConfig()) as off, StubServer(StubConfig(invariant=True)) as on:
+            r = self.signalled_after(run, "measure_until_stopped", "--mode", "cost",
+                                     "--url", off.url, "--invariant", on.url, "--batch", 2,
+                                     "--trials", 2, "--warmup", 0, "--max-tokens", 4,
+                                     "--save", self.path("c.json"), "--json")
+        self.assertEqual(r.code, 143, r)
+        self.assertIn("SIGTERM: saving what was measured first", r.stderr)
+        cells = self.load("c.json")["cells"]
+        self.assertEqual(len(cells), 1)
+        self.assertEqual(cells[0]["state"], "complete")  # every trial pair was measured
+        self.assertEqual(r.json()["state"], "complete")
+
 class Signals(TempDirTest):
     def stop_with(self, signum, args, progressed):
         return self.run_and_signal(args, progressed, signum)
