@@ -8473,11 +8473,9 @@ THE MODES
                    then logprobs in ULPs. The default ladder straddles every CUDA-graph
                    size b with b-1, b, b+1. --traffic concurrent (default): n one-prompt
                    requests in flight at once, each with a cache key of its own, as real
-                   clients send them; it measures batching on both engines, and on a real
-                   server it diverges far more than copies, because one request of n is not
-                   one batch of n (each row's send_spread_s: seconds from the lab's first
-                   request written to its last; when they reach the server is the
-                   network's and the server's affair). copies: n copies in ONE request,
+                   clients send them; it measures batching on both engines (each row's
+                   send_spread_s: seconds from the first request written to the last).
+                   copies: n copies in ONE request,
                    the upstream tests' shape. On SGLang (radix cache off, as its launch
                    script starts it) copies are batched cold and measure batching; on
                    vLLM the copies of one request share its prefix cache whatever the
@@ -8487,17 +8485,12 @@ THE MODES
                    once among n-1 other prompts of varied lengths (vLLM's needle
                    benchmark, and the mixed mode SGLang's driver had before 0.5.18, are
                    its upstream analogues). --repeat K (default 3) runs the whole ladder K
-                   times;
-                   batch 1's passes are the run-to-run control. --prefix-cache bypass
-                   (default) keeps every size from being served an earlier prefill: a
-                   fresh vLLM cache_salt per request, a fresh SGLang cache key per prompt
-                   and a flush before every size. What remains shared: the copies of one
-                   vLLM request (one request takes one salt, and copies hit each other's
-                   prefix). The cached-token counts prove it: a count above 0 marks the
-                   size "cache hit: bypass did not hold"; no counts leave it unverified.
-                   --cache-check sends every batch again at once with its cold request's
-                   cache key and compares the cached answer with the cold one bitwise
-                   (--expect cache-equal); the cached-token counts prove the hit.
+                   times; batch 1's passes are the run-to-run control. --prefix-cache
+                   bypass (default) keeps every size from being served an earlier prefill:
+                   a fresh vLLM cache_salt per request, a fresh SGLang cache key per prompt
+                   and a flush before every size. The cached-token counts prove it: a
+                   count above 0 marks the size "cache hit: bypass did not hold"; no counts
+                   leave it unverified.
                    --baseline URL holds the sweep against batch 1 of another server (asked
                    first, with the same prompts and sampling): the restart-to-restart,
                    TP-to-TP and version-to-version check; the header names the settings

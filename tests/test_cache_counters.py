@@ -20,9 +20,10 @@ def batch_evidence(stub, prompts, isolate=True, cache_key=None):
     http = client(stub.url)
     before = adapter.prefix_cache_counters(http)
     sampling = run.Sampling.of(0.0, 2, None, 42)
-    answer, _ = run.generate(http, adapter, stub.config.model, prompts, sampling, isolate, cache_key)
+    executor = run.Executor(http, adapter, stub.config.model, isolate)
+    sent = run.send_requests(executor, [run.Request(tuple(prompts), sampling, cache_key)], "batch")
     after = adapter.prefix_cache_counters(http)
-    return run.cache_evidence(before, after, [adapter.cached_tokens(answer)])
+    return run.cache_evidence(before, after, [a.cached_tokens for a in sent.answers])
 
 
 class TheThreeCasesOnThePracticeEngine(unittest.TestCase):

@@ -13,7 +13,7 @@ from support import StubConfig, StubServer, TempDirTest, run, run_lab
 
 # How each check of SWEEP_CHECKS is switched on, by its NAME
 SWITCHED_ON = {
-    "cache_check": ("--cache-check",),
+    "cache_check": ("--cache-check", "--traffic", "copies"),
     "prefill": ("--prefill-check",),
     "neighbours": ("--neighbours", "16,64"),
     "observer": ("--observer-check",),

@@ -425,7 +425,7 @@ class ExperimentFailures(Experiment):
 
     def test_ctrl_c_is_said_once_in_the_first_line(self):
         p = self.start(STANDIN_STEP_DELAY="0.05",
-                       SWEEP_ARGS="--sizes 1,2,3,4,5,6,7,8 --max-tokens 40 --repeat 1")
+                       SWEEP_ARGS="--sizes 1,2,3,4,5,6,7,8 --max-tokens 40 --repeat 2")
         self.assertTrue(wait_for(lambda: self.runs() and os.path.exists(
             self.run_path("tp1", "sweep_off.json")), 120), "the sweep never saved")
         os.kill(p.pid, signal.SIGINT)  # as the terminal's Ctrl-C reaches the experiment
