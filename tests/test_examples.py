@@ -1,5 +1,6 @@
 """examples/: the launch scripts match the engines' documented flags, the samples are real
-lab outputs, and the plot scripts turn them into PNGs."""
+lab outputs, the plot scripts turn them into PNGs, compare.py and the plots refuse files
+they did not write, and the experiment says its help, its progress and its environment."""
 
 import contextlib
 import importlib.util

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Bad input, refused before any request: every option, number, file, URL and limit gets one
-line on stderr and exit 2, and no request is sent."""
+line on stderr and exit 2, and no request is sent; each error a newcomer makes comes with
+its hint."""
 
 import json
 import os

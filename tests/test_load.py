@@ -1,5 +1,5 @@
 """--mode cost --concurrency: throughput and latency of both arms under load, streamed, with
-intervals; --precision."""
+intervals; --precision; the names and figures `vllm bench serve` users know."""
 
 import json
 import unittest

@@ -1,5 +1,5 @@
 """What the lab prints: progress on long runs, the live table, the lines an --expect
-leaves, durations, colour, and output that cannot be written."""
+leaves, durations, colour (none on a dumb terminal), and output that cannot be written."""
 
 import io
 import json

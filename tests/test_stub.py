@@ -1,4 +1,5 @@
-"""The stub server: the real wire formats, and real float32 divergences with the flag off."""
+"""The stub server: the real wire formats, real float32 divergences with the flag off, and
+--slowdown over all of the flag-on arm's time."""
 
 import json
 import os
