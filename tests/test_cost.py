@@ -356,5 +356,17 @@ class CostArms(TempDirTest):
         self.assertEqual((off_models, on_models), ({"m/off"}, {"m/on"}))
 
 
+class PrecisionJudgesTheFigureItReports(unittest.TestCase):
+    def test_with_different_token_counts_the_interval_judged_is_per_token(self):
+        facts = run.ServerFacts("vllm", "m")
+        off = run.Arm("off", "--url", "u", None, facts, [1.0] * 8, [100, 50] * 4)
+        on = run.Arm("on", "--invariant", "u", None, facts, [1.0] * 8, [100] * 8)
+        primary, compared_on = run.primary_overhead(off, on)
+        self.assertIn("per output token", compared_on)
+        # per trial the pairs are all alike (an interval of 0); per token they are not
+        self.assertFalse(run.precise_enough(off, on, 1.0))
+        self.assertEqual(run.Overhead.of(off.samples, on.samples).ci95_pct, [0.0, 0.0])
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -1,17 +1,24 @@
 """examples/: the launch scripts match the engines' documented flags, the samples are real
-lab outputs, and the plot scripts turn them into PNGs."""
+lab outputs, the plot scripts turn them into PNGs, compare.py and the plots refuse files
+they did not write, and the experiment says its help, its progress and its environment."""
 
+import contextlib
+import importlib.util
+import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import unittest
 
-from support import ROOT, run
+from support import ROOT, TempDirTest, run
 
 EXAMPLES = os.path.join(ROOT, "examples")
+sys.path.insert(0, EXAMPLES)
+import experiment  # noqa: E402
 
 try:
     import matplotlib  # noqa: F401
@@ -414,6 +421,64 @@ class PlotScripts(unittest.TestCase):
                 p = self.plot(script, os.path.join(EXAMPLES, data), "-o", os.path.join(tmp, "x.png"), env=env)
                 self.assertEqual(p.returncode, 2, p.stderr)
                 self.assertIn("pip install matplotlib", p.stderr)
+
+
+class ExamplesRefuseFilesTheyDidNotWrite(TempDirTest):
+    def test_compare_and_the_plots_refuse_files_they_did_not_write_in_one_line(self):
+        odd = self.path("odd.json")
+        with open(odd, "w") as f:
+            json.dump({"schema": run.SWEEP_SCHEMA, "prompts": [{"sizes": "x"}], "summary": 3}, f)
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "compare.py"), odd, odd],
+                           capture_output=True, text=True)
+        self.assertEqual(p.returncode, 2, p)
+        self.assertNotIn("Traceback", p.stderr)
+
+
+class TheExperimentSays(TempDirTest):
+    def test_help_exits_0_and_names_every_variable_with_its_default(self):
+        p = subprocess.run(["bash", os.path.join(ROOT, "examples", "experiment.sh"), "--help"],
+                           capture_output=True, text=True, timeout=60)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        for variable in ("GPUS=0", "TP=1", "WAIT=900", "COPIES=on", "OVERLAP=on", "SERVE_OFF",
+                         "SERVE_ON", "OFF_PORT", "ON_PORT", "OFF_URL", "ON_URL", "MODEL",
+                         "BACKEND", "MAX_MODEL_LEN", "RADIX_CACHE", "EXTRA_ARGS", "SWEEP_ARGS",
+                         "COST_ARGS", "MEM"):
+            self.assertIn(variable, p.stdout)
+
+    def test_a_running_step_says_its_newest_progress_line(self):
+        err_path = self.path("step.err")
+        with open(err_path, "w", encoding="utf-8") as f:
+            f.write("run.py: progress: batch 2 done | 1/4 batches\n"
+                    "run.py: warning: something\n"
+                    "run.py: progress: batch 4 done | 2/4 batches\n"
+                    "run.py: progress: batch 8 do")  # still being written: not said yet
+        step = experiment.Step("flag-off sweep", 1, number=3)
+        job = experiment.Job(step, [], self.path("step.txt"))
+        said = io.StringIO()
+        with contextlib.redirect_stderr(said):
+            experiment.Experiment.relay_progress(None, job)  # said_at 0: due
+            experiment.Experiment.relay_progress(None, job)  # not due again yet
+        self.assertEqual(said.getvalue(), "experiment:   step 3: batch 4 done | 2/4 batches\n")
+
+    def test_the_environment_names_torch_and_the_engine_installed(self):
+        """One probe of the experiment's Python: torch with its CUDA, and the engines as
+        installed (a package's metadata is enough)."""
+        os.makedirs(self.path("site/torch"))
+        with open(self.path("site/torch/__init__.py"), "w", encoding="utf-8") as f:
+            f.write('__version__ = "2.14.0"\nclass version:\n    cuda = "13.0"\n')
+        os.makedirs(self.path("site/vllm-0.33.0.dist-info"))
+        with open(self.path("site/vllm-0.33.0.dist-info/METADATA"), "w", encoding="utf-8") as f:
+            f.write("Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n")
+        found = dict(experiment.environment(dict(os.environ, PYTHONPATH=self.path("site"))))
+        self.assertEqual(found["torch"], "2.14.0 (CUDA 13.0)")
+        self.assertEqual(found["vllm installed"], "0.33.0")
+        if importlib.util.find_spec("torch") is None:  # a machine without torch of its own
+            bare = dict(experiment.environment(dict(os.environ, PYTHONPATH=self.path("none"))))
+            self.assertEqual(bare["torch"], "not importable by the experiment's Python")
+
+    def test_ctrl_c_is_said_as_ctrl_c(self):
+        self.assertEqual(str(experiment.Stopped(signal.SIGINT)), "Ctrl-C (SIGINT)")
+        self.assertEqual(str(experiment.Stopped(signal.SIGTERM)), "SIGTERM")
 
 
 if __name__ == "__main__":

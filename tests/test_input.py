@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Bad input, refused before any request: every option, number, file, URL and limit gets one
-line on stderr and exit 2, and no request is sent."""
+line on stderr and exit 2, and no request is sent; each error a newcomer makes comes with
+its hint."""
 
 import json
 import os
@@ -9,8 +10,8 @@ import sys
 import unittest
 from unittest import mock
 
-from support import (RUN_PY, StubConfig, StubServer, TempDirTest, error_lines, fixture, one_error_line, run,
-                     run_lab)
+from support import (RUN_PY, StubConfig, StubServer, TempDirTest, error_lines, fixture, free_port,
+                     one_error_line, run, run_lab)
 
 
 class NumbersThatAreNotNumbers(TempDirTest):
@@ -291,6 +292,54 @@ class TheServersLimits(TempDirTest):
             r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--repeat", 1,
                         "--max-tokens", 2000)
         self.assertNotEqual(r.code, 2, r)
+
+
+class InputsThatOnceEndedInATraceback(TempDirTest):
+    def test_a_request_rate_too_low_to_send_is_refused(self):
+        r = run_lab("--mode", "sweep", "--traffic", "concurrent", "--request-rate", "1e-300")
+        one_error_line(self, r, 2, "--request-rate: at least")
+
+    def test_a_prompt_that_is_not_utf8_is_refused_as_a_prompt_file_is(self):
+        p = subprocess.run([sys.executable, RUN_PY, "--mode", "sweep", "--prompt", b"caf\xe9"],
+                           capture_output=True)
+        self.assertEqual(p.returncode, 2, p)
+        self.assertIn(b"not UTF-8 text", p.stderr)
+
+
+class ErrorsWithTheirHint(TempDirTest):
+    def test_connection_refused_suggests_wait_ready(self):
+        url = "http://127.0.0.1:%d" % free_port()
+        r = run_lab("--mode", "sweep", "--url", url, "--sizes", "1")
+        one_error_line(self, r, 3, "connection refused")
+        self.assertIn("--wait-ready SECONDS waits for it", r.stderr)
+
+    def test_a_url_without_a_scheme_suggests_http(self):
+        r = run_lab("--mode", "sweep", "--url", "localhost:8000")
+        one_error_line(self, r, 2, "give http://localhost:8000")
+
+    def test_https_against_plain_http_suggests_http(self):
+        with StubServer() as stub:
+            url = stub.url.replace("http://", "https://")
+            r = run_lab("--mode", "sweep", "--url", url, "--sizes", "1")
+        one_error_line(self, r, 3, "TLS with %s failed" % url)
+        self.assertIn("try %s" % stub.url, r.stderr)
+
+    def test_401_names_the_key_options(self):
+        with StubServer(StubConfig(faults={1: "keyinbody"})) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1", "--max-tokens", 2,
+                        "--repeat", 1, env={k: v for k, v in os.environ.items()
+                                            if k != "OPENAI_API_KEY"})
+        self.assertEqual(r.code, 3, r.stderr)
+        self.assertIn("HTTP 401", r.stderr)
+        self.assertIn("give it with --api-key or $OPENAI_API_KEY", r.stderr)
+        with StubServer(StubConfig(faults={1: "keyinbody"})) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1", "--max-tokens", 2,
+                        "--repeat", 1, "--api-key", "sk-a-key-of-some-length")
+        self.assertIn("the server refused the key given", r.stderr)
+
+    def test_a_mode_given_as_a_word_suggests_the_option(self):
+        r = run_lab("sweep", "--url", "http://localhost:8000")
+        one_error_line(self, r, 2, "a mode is chosen with --mode: run.py --mode sweep")
 
 
 if __name__ == "__main__":

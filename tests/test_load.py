@@ -1,5 +1,5 @@
 """--mode cost --concurrency: throughput and latency of both arms under load, streamed, with
-intervals; --precision."""
+intervals; --precision; the names and figures `vllm bench serve` users know."""
 
 import json
 import unittest
@@ -197,7 +197,7 @@ class EventsOverSeveralDataLines(unittest.TestCase):
 
     def test_a_load_trial_reads_them(self):
         import types
-        from test_hostile import sse_server
+        from test_transport import sse_server
         events = [{"choices": [{"index": 0, "text": "a"}], "usage": {"completion_tokens": n}}
                   for n in (1, 2)]
         payload = b"".join(b"".join(b"data: " + line.encode() + b"\n"
@@ -344,3 +344,41 @@ class BenchServeNames(TempDirTest):
                             "http://127.0.0.1:10", *extra)
                 self.assertEqual(r.code, 2, r)
                 self.assertIn(said, r.stderr)
+
+
+class TheNamesUsersKnow(unittest.TestCase):
+    def test_bench_serve_spellings_are_the_labs_options(self):
+        parser = run.build_parser()
+        ours = parser.parse_args(["--mode", "cost", "--url", "http://h:1", "--concurrency", "8",
+                                  "--requests", "40"])
+        theirs = parser.parse_args(["--mode", "cost", "--base-url", "http://h:1",
+                                    "--max-concurrency", "8", "--num-prompts", "40"])
+        for name in ("url", "concurrency", "requests"):
+            self.assertEqual(getattr(theirs, name), getattr(ours, name))
+        text = parser.format_help()
+        for option in ("--base-url", "--max-concurrency", "--num-prompts"):
+            self.assertIn(option, text)
+
+    def test_load_figures_are_mean_median_p90_p99_with_itl(self):
+        timings = [run.RequestTiming(0.010 * k, 0.1 * k, 5, 0.02, 5, [0.02, 0.02, 0.03, 0.01])
+                   for k in range(1, 11)]
+        stats = run.LoadStats.of([timings], [1.0], [50])
+        self.assertAlmostEqual(stats.ttft.mean_s, 0.055)
+        self.assertAlmostEqual(stats.ttft.median_s, 0.055)
+        self.assertAlmostEqual(stats.ttft.p90_s, 0.09)
+        self.assertAlmostEqual(stats.ttft.p99_s, 0.10)
+        self.assertAlmostEqual(stats.itl.mean_s, 0.02)
+        self.assertAlmostEqual(stats.itl.p99_s, 0.03)
+        record = run.as_record(stats)
+        self.assertEqual(sorted(record["itl"]), ["mean_s", "median_s", "p90_s", "p99_s"])
+        self.assertNotIn("itl_s", record["requests"][0][0])  # gaps summed up, not saved one by one
+
+    def test_a_load_run_prints_the_four_figures_of_each(self):
+        with StubServer(StubConfig(step_delay=0.002)) as off, \
+                StubServer(StubConfig(invariant=True, step_delay=0.002)) as on:
+            r = run_lab("--mode", "cost", "--base-url", off.url, "--invariant", on.url,
+                        "--max-concurrency", 2, "--num-prompts", 4, "--trials", 2, "--warmup", 0,
+                        "--max-tokens", 6)
+        self.assertEqual(r.code, 0, r.stderr)
+        self.assertRegex(r.stdout, r"mean/median/p90/p99 ms: TTFT [0-9.]+/[0-9.]+/[0-9.]+/"
+                                   r"[0-9.]+, TPOT [0-9./]+, ITL [0-9./]+, E2E [0-9./]+")

@@ -4,6 +4,7 @@ beside its neighbours' prefills (--neighbours), the observer effect of asking fo
 risk, each against a practice engine that can fail it."""
 
 import json
+import math
 import unittest
 
 from support import StubConfig, StubServer, TempDirTest, run, run_lab, short_sweep, sizes_of
@@ -114,6 +115,13 @@ class DriftInNats(TempDirTest):
         # margins 0.5 and 0.25: a drift of 0.125 is within neither; 0.25 is within one
         self.assertEqual(run.flip_risk(base, 0.125), 0.0)
         self.assertEqual(run.flip_risk(base, 0.25), 0.5)
+
+
+class DriftWithoutABound(unittest.TestCase):
+    def test_a_prefill_logprob_far_above_the_decodes_is_an_infinite_kl_term(self):
+        kl = run.KlEstimate()
+        kl.add([-2000.0], [-0.5], ())
+        self.assertEqual((kl.divergent, kl.largest), (1, math.inf))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """What the lab prints: progress on long runs, the live table, the lines an --expect
-leaves, durations, colour, and output that cannot be written."""
+leaves, durations, colour (none on a dumb terminal), and output that cannot be written."""
 
+import io
 import json
 import os
 import re
@@ -243,6 +244,33 @@ class Colour(unittest.TestCase):
                            "--color", "always")
         self.assertNotIn("\033[", plain.stdout)
         self.assertIn("\033[1msummary:", bold.stdout)
+
+
+class StdoutClosedBeforeTheStart(unittest.TestCase):
+    def test_stdout_closed_before_the_start(self):
+        for argv in (["--version"], ["--mode", "harness"]):
+            with self.subTest(argv=argv):
+                p = subprocess.run([sys.executable, RUN_PY] + argv, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                   preexec_fn=lambda: os.close(1))
+                self.assertNotIn("Traceback", p.stderr)
+                self.assertIn(p.returncode, (0, run.EXIT_OUTPUT))
+
+
+class ADumbTerminal(unittest.TestCase):
+    def test_term_dumb_gets_no_escape_codes(self):
+        class Tty(io.StringIO):
+            def isatty(self):
+                return True
+
+        for term, escapes in (("xterm", True), ("dumb", False)):
+            with self.subTest(term=term), mock.patch.dict(os.environ, {"TERM": term}):
+                os.environ.pop("NO_COLOR", None)
+                out, err = Tty(), Tty()
+                printer = run.Out(out, err)
+                printer.bold("summary")
+                printer.progress("working")
+                self.assertEqual("\033" in out.getvalue() + err.getvalue(), escapes)
 
 
 if __name__ == "__main__":

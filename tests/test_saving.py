@@ -1,6 +1,7 @@
 """--save: cheap on long runs, compact, with its provenance, and never lost or replaced
 when writing fails."""
 
+import io
 import json
 import os
 import stat
@@ -150,6 +151,39 @@ class Provenance(TempDirTest):
         self.assertEqual((p.returncode, p.stdout.strip()),
                          (0, "run.py (batch-invariance lab) %s" % run.lab_code()))
         self.assertTrue(run.lab_code().startswith(run.LAB_VERSION + ", "))
+
+
+class SavesThatCannotLoseAResult(TempDirTest):
+    def test_a_link_to_a_missing_folder_is_refused_before_any_request(self):
+        os.symlink(os.path.join(self.path("nowhere"), "s.json"), self.path("link.json"))
+        with StubServer() as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--save", self.path("link.json"))
+            self.assertEqual(stub.requests, [])
+        one_error_line(self, r, 2, "a link to")
+
+    def test_a_read_only_file_is_refused_before_any_request(self):
+        with open(self.path("ro.json"), "w") as f:
+            json.dump({"schema": run.COST_SCHEMA, "cells": []}, f)
+        os.chmod(self.path("ro.json"), 0o444)
+        with StubServer() as stub, StubServer(StubConfig(invariant=True)) as on:
+            r = run_lab("--mode", "cost", "--url", stub.url, "--invariant", on.url,
+                        "--save", self.path("ro.json"))
+        one_error_line(self, r, 2, "is read-only")
+
+    def test_a_file_another_run_wrote_meanwhile_is_not_overwritten(self):
+        path = self.path("s.json")
+        saves = run.ThrottledSave(path, exclusive=True)
+        saves.write(lambda p: run.write_json_atomic(p, {"run": "mine", "n": 1}))
+        run.write_json_atomic(path, {"run": "theirs"})  # another run, into the same file
+        saves.write(lambda p: run.write_json_atomic(p, {"run": "mine", "n": 2}))
+        self.assertEqual(self.load("s.json"), {"run": "theirs"})
+        self.assertIsNotNone(saves.moved_to)
+        with open(saves.moved_to, encoding="utf-8") as f:
+            self.assertEqual(json.load(f), {"run": "mine", "n": 2})
+        out = io.StringIO()
+        code = run.report_save(run.Config("sweep", save=path), saves, 0, run.Out(out, out))
+        self.assertEqual(code, run.EXIT_SERVER)
+        self.assertIn("written by another run", out.getvalue())
 
 
 if __name__ == "__main__":

@@ -221,6 +221,41 @@ class FilesAndSecurity(TempDirTest):
             self.assertTrue(any(p.startswith("http://gpu-box.example:8000/") for _, p, _ in stub.requests))
 
 
+class KeysHiddenByValue(TempDirTest):
+    def test_a_key_that_is_a_json_word_leaves_every_saved_file_valid_json(self):
+        for key in ("null", "0", "64"):
+            with self.subTest(key=key), StubServer(StubConfig(invariant=True)) as stub:
+                path = self.path("s%s.json" % key)
+                r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 4,
+                            "--repeat", 1, "--api-key", key, "--save", path)
+                self.assertEqual(r.code, 0, r)
+                with open(path, encoding="utf-8") as f:
+                    doc = json.load(f)  # standard JSON, whatever the key
+                self.assertEqual(doc["summary"]["total_completions"], 3)
+
+    def test_the_placeholder_key_empty_leaves_the_word_empty_alone(self):
+        prompt = "Say why an empty queue is empty:"
+        with StubServer(StubConfig(invariant=True)) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 4,
+                        "--repeat", 1, "--prompt", prompt, "--save", self.path("s.json"),
+                        env={"OPENAI_API_KEY": "EMPTY"})
+        self.assertEqual(r.code, 0, r)
+        self.assertEqual(self.load("s.json")["prompts"][0]["prompt"], prompt)
+
+    def test_a_key_with_a_line_break_is_refused_before_any_request(self):
+        with StubServer() as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--api-key", "abc\r\nX-Injected: 1")
+            self.assertEqual(stub.requests, [])
+        one_error_line(self, r, 2, "no HTTP header can carry it")
+        self.assertNotIn("X-Injected", r.stderr)
+
+    def test_the_start_of_a_key_a_server_echoes_is_hidden(self):
+        secrets = run.Secrets()
+        secrets.keep("zq7-secretvalue-991")
+        self.assertEqual(secrets.hide("got ZQ7-SECRETVALU in the header"), "got [api key] in the header")
+        self.assertEqual(secrets.hide("zq7-sec is too short to tell"), "zq7-sec is too short to tell")
+
+
 if __name__ == "__main__":
     unittest.main()
 

@@ -390,5 +390,15 @@ class MessagesSayWhatHappened(TempDirTest):
         self.assertNotIn("missing", row.split()[1])
 
 
+class ServerTextOnOneLine(unittest.TestCase):
+    def test_escape_sequences_and_line_breaks_are_written_as_escapes(self):
+        body = json.dumps({"error": {"message": "bad\n\x1b[31mrun.py: expect invariant: held"}}).encode()
+        message = run.server_message(body)
+        self.assertNotIn("\n", message)
+        self.assertNotIn("\x1b", message)
+        self.assertIn("\\x1b[31m", message)
+        self.assertEqual(run.plain_scalar("model\rX"), "model\\rX")
+
+
 if __name__ == "__main__":
     unittest.main()

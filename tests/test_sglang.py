@@ -292,5 +292,30 @@ def has_path(info, path):
     return True
 
 
+class AnswersOfTheWrongShape(unittest.TestCase):
+    def item(self, steps, top=None, ids=None):
+        meta = {"output_token_logprobs": steps, "finish_reason": {"type": "length"}}
+        if top is not None:
+            meta["output_top_logprobs"] = top
+        item = {"text": "x", "meta_info": meta}
+        if ids is not None:
+            item["output_ids"] = ids
+        return [item]
+
+    def refused(self, answer, words):
+        with self.assertRaises(run.ServerError) as caught:
+            run.SglangAdapter().completions(answer, 1, True)
+        self.assertIn(words, str(caught.exception))
+
+    def test_sglang_token_ids_must_be_whole_numbers_each_once_and_agree_with_output_ids(self):
+        self.refused(self.item([[-0.5, 1.5, None]]), "not a whole number")
+        self.refused(self.item([[-0.5, True, None]]), "not a whole number")
+        self.refused(self.item([[-0.5, 3, None]], top=[[[-0.5, 3, None], [-1.0, 3, None]]]),
+                     "each once a step")
+        self.refused(self.item([[-0.5, 3, None]], ids=[4]), "output_ids are not the tokens")
+        good = run.SglangAdapter().completions(self.item([[-0.5, 3, None]], ids=[3]), 1, True)
+        self.assertEqual(good[0].tokens, ["token_id:3"])
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -1,4 +1,5 @@
-"""The stub server: the real wire formats, and real float32 divergences with the flag off."""
+"""The stub server: the real wire formats, real float32 divergences with the flag off, and
+--slowdown over all of the flag-on arm's time."""
 
 import json
 import os
@@ -7,6 +8,7 @@ import threading
 import unittest
 import urllib.error
 import urllib.request
+from unittest import mock
 
 from support import FIXTURES, StubConfig, StubServer, fixture, post, run, stub_completion, stub_server
 
@@ -239,3 +241,43 @@ class StreamLikeVllm(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class EmulatedTime:
+    """The practice engine's `time`, on a clock of its own: sleeping advances it, nothing else
+    does, so what a request took is what the engine meant it to take, whatever the machine."""
+
+    def __init__(self, real):
+        self.real, self.now = real, 0.0
+        self.lock = threading.Lock()
+
+    def perf_counter(self):
+        return self.now
+
+    def sleep(self, seconds):
+        with self.lock:
+            self.now += max(0.0, seconds)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+class SlowdownStretchesTheBatchingWindow(unittest.TestCase):
+    """With --slowdown F, all of the flag-on arm's own time is F times the flag-off arm's,
+    its batching window included (a window left unslowed made a 25 % slowdown read as +9.4 %
+    in a cost run). The benchmark tests/bench_slowdown.py times the same on real clocks."""
+
+    def took(self, config):
+        """The emulated seconds one request of 4 prompts took, from its headers to its answer."""
+        emulated = EmulatedTime(stub_server.time)
+        with StubServer(config) as stub, mock.patch.object(stub_server, "time", emulated):
+            before = emulated.now
+            vllm_batch(stub, 4, max_tokens=16)
+            return emulated.now - before
+
+    def test_the_flag_on_arm_takes_the_stated_factor_of_window_and_steps(self):
+        window = dict(step_delay=0.002, scheduler_window=0.05)
+        off = self.took(StubConfig(**window))
+        on = self.took(StubConfig(invariant=True, slowdown=1.25, **window))
+        self.assertGreater(off, 0.05)  # the window, then the steps
+        self.assertAlmostEqual(on, 1.25 * off)

@@ -256,5 +256,40 @@ class WaitingForServers(TempDirTest):
         self.assertIn("was not ready within 2s (--wait-ready)", err)
 
 
+def sse_server(payload):
+    """A loopback server that answers one request with an event stream of these bytes."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+
+    def serve():
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+                         + payload)
+        listener.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return "http://127.0.0.1:%d" % listener.getsockname()[1]
+
+
+class EventStreams(unittest.TestCase):
+    def events(self, payload):
+        client = run.HttpClient(sse_server(payload), None, 10, 1 << 20)
+        post = run.Exchange(client, "POST", "/v1/completions", {"stream": True})
+        post.connect()
+        post.send()
+        return list(post.events())
+
+    def test_an_event_of_several_data_lines_is_one_event(self):
+        events = self.events(b'data: {"a":\r\ndata: 1}\r\n\r\ndata: {"b": 2}\n\ndata: [DONE]\n\n')
+        self.assertEqual(events, [{"a": 1}, {"b": 2}])
+
+    def test_a_byte_order_mark_at_the_start_is_dropped(self):
+        events = self.events(b'\xef\xbb\xbfdata: {"a": 1}\n\n: a comment\nevent: x\ndata: [DONE]\n\n')
+        self.assertEqual(events, [{"a": 1}])
+
+
 if __name__ == "__main__":
     unittest.main()
