@@ -156,6 +156,7 @@ MAX_PROMPT_TOKENS = 1000000  # --prompt-tokens and --prefix-tokens above this fi
 MAX_TRIALS = 100000  # --trials and --warmup
 MAX_REQUESTS = 1000000  # --requests in one load trial
 MAX_REPEAT = 100  # --repeat: more passes than this is a soak test, not a sweep
+MAX_SERVER_COUNT = 10**12  # a token count above this is no server's: arithmetic never sees it
 LIMITS = [  # what --help says of them (the arrivals slice adds its own)
     ("batch sizes, --max-batch, --batch, --concurrency", MAX_BATCH_SIZE),
     ("prompts", MAX_PROMPTS),
@@ -1629,7 +1630,6 @@ class EngineAdapter(Protocol):
         one token: a neighbour that shares a decode's step with its prefill alone."""
 
 
-MAX_SERVER_COUNT = 10**12  # a token count above this is no server's: arithmetic never sees it
 
 
 def server_count(value: Any, what: str, absent: Optional[int] = None) -> Optional[int]:
