@@ -220,6 +220,10 @@ CLOCK = time.perf_counter  # what requests are timed with (the tests swap in a v
 PROGRESS_INTERVAL_S = 10.0  # off a terminal, at most one progress line this often (short logs)
 SAVE_INTERVAL_S = 1.0  # during a run --save is rewritten at most this often (and at every stop)
 SAVE_SHARE = 0.05  # ... and never so often that writing it takes more than this share of the run
+# an engine counts a step's prefix-cache lookups in /metrics a step after it runs it: after a
+# batch the counters are read again until they cover its prompt tokens, at most this long
+COUNTERS_SETTLE_S = 1.0
+COUNTERS_POLL_S = 0.05  # how often, meanwhile
 
 # ----------------------------------------------------------------------------
 # Records: what is measured and saved, as dataclasses written by one function (as_record)
@@ -636,6 +640,8 @@ class Measured:
     unknown_sizes: List[int] = field(default_factory=list)
     unoverlapped: bool = False  # some size's scheduled requests were never in flight together
     first_moved: Optional[Any] = None  # the FirstMoved of the computed evidence
+    baseline_served: bool = False  # the cache served batch 1, the baseline: nothing compared
+    cache_kept: bool = False  # --prefix-cache keep: no bypass was asked
 
     @classmethod
     def combined(cls, parts: Sequence["Measured"]) -> "Measured":
@@ -656,7 +662,9 @@ class Measured:
             alone_sizes=sorted({n for m in parts for n in m.alone_sizes}),
             unknown_sizes=sorted({n for m in parts for n in m.unknown_sizes}),
             unoverlapped=any(m.unoverlapped for m in parts),
-            first_moved=min(firsts, key=lambda f: f.batch) if firsts else None)
+            first_moved=min(firsts, key=lambda f: f.batch) if firsts else None,
+            baseline_served=any(m.baseline_served for m in parts),
+            cache_kept=any(m.cache_kept for m in parts))
 
 
 INVARIANT = "invariant"
@@ -671,14 +679,18 @@ NO_DATA = "no data"  # the verdict when no completion came back (the run stopped
 NOTHING_COMPARED = "nothing compared"
 # what moved, moved only in requests the prefix cache served
 CACHE_CONFOUNDED = "moved only where the cache served (bypass did not hold)"
+# the same, with the cache kept (--prefix-cache keep): no bypass was asked
+KEPT_CACHE_MOVED = "moved only where the kept cache served"
 # every request above batch 1 was served from the prefix cache, and none moved
 SERVED_ONLY = "nothing compared: the cache served every request above batch 1"
 # --prefix-cache keep, and no request above batch 1 is known to have been computed cold
 CACHE_UNKNOWN = ("nothing compared: the cache was kept, and whether it served a request above "
                  "batch 1 is not known")
+# the baseline, batch 1, came from the prefix cache: every comparison is one with the cache
+BASELINE_SERVED = "nothing compared: the cache served batch 1, the baseline"
 BATCH_EFFECTS = (TOKENS_DIVERGED, LOGPROBS_MOVED)  # verdicts batching explains
 # they claim nothing either way
-UNMEASURED_VERDICTS = (NO_DATA, NOTHING_COMPARED, SERVED_ONLY, CACHE_UNKNOWN)
+UNMEASURED_VERDICTS = (NO_DATA, NOTHING_COMPARED, SERVED_ONLY, CACHE_UNKNOWN, BASELINE_SERVED)
 MOVED_NOTES = ("clamped", "non-finite", "top-k changed")  # notes that count as moved, ULPs or not
 
 ULP_NOTE_TEXT = {
@@ -698,9 +710,12 @@ def verdict(m: Measured) -> str:
     that does not repeat itself, a prefix cache that served what moved)."""
     if not m.total:
         return NO_DATA
+    confounded = KEPT_CACHE_MOVED if m.cache_kept else CACHE_CONFOUNDED
     if not m.compared:
+        if m.baseline_served:
+            return BASELINE_SERVED
         if m.served_moved:
-            return CACHE_CONFOUNDED
+            return confounded
         if m.unknown_sizes:
             return CACHE_UNKNOWN
         return SERVED_ONLY if m.served_sizes else NOTHING_COMPARED
@@ -710,7 +725,7 @@ def verdict(m: Measured) -> str:
     if m.batch1_repeatable is False:
         return NOT_REPEATABLE
     if not moved and m.served_moved:
-        return CACHE_CONFOUNDED
+        return confounded
     if m.tokens_diverged:
         return TOKENS_DIVERGED
     if m.text_only:
@@ -1607,9 +1622,16 @@ class EngineAdapter(Protocol):
         """Each prompt's tokens served from the prefix cache, where the server's count can be
         that prompt's (None: not known for that prompt)."""
 
+    def prompt_tokens(self, answer: Any) -> Optional[int]:
+        """The request's prompt tokens, every prompt's, as the server counts them (None: it
+        does not say): what its prefix-cache counters should have looked up for it."""
+
     def prefix_cache_counters(self, client: HttpClient) -> Optional["CacheCounters"]:
         """The server's own prefix-cache counters now (its /metrics), or None where it exposes
         none; a missing, failing or malformed /metrics is None, never an error."""
+
+    def prefix_cache_off(self, settings: Dict[str, Any]) -> bool:
+        """Do the server's settings (ServerFacts.settings) say its prefix cache is off?"""
 
     def stream_body(self, model: str, prompt: str, sampling: Sampling) -> Dict[str, Any]:
         """One prompt's generation request, streamed."""
@@ -1814,6 +1836,19 @@ class CacheEvidence:
     counted: Optional[int]  # cached tokens the batch's answers reported (None: none reported)
     why: str  # the words behind the verdict
 
+    @property
+    def uncounted(self) -> bool:
+        """The cache served more of the batch than its answers counted: which of its requests
+        it served, the answers do not say."""
+        if self.verdict == CACHE_SERVED_NOT_COUNTED:
+            return True
+        return self.verdict == CACHE_COUNTED_AND_SERVED and self.served > (self.counted or 0)
+
+    def note(self) -> str:
+        """The disagreement, in the words of a row's notes."""
+        return ("the server's counters: %d prompt tokens served from the cache, the answers "
+                "counted %s" % (self.served, self.counted or "none"))
+
 
 def cache_evidence(before: Optional[CacheCounters], after: Optional[CacheCounters],
                    reported: Sequence[Optional[int]],
@@ -1822,8 +1857,9 @@ def cache_evidence(before: Optional[CacheCounters], after: Optional[CacheCounter
     it, and did the batch's answers count it? reported: each request's cached-token count
     (None where an answer said nothing). prompt_tokens, when known: the batch's prompt tokens;
     counters that queried more than that saw other clients' requests too, and say nothing of
-    this batch alone. Counters that went down (a restarted server), counters missing, and
-    answers that counted hits the counters did not see, are unknown."""
+    this batch alone; counters that looked up fewer have not counted the whole batch yet (an
+    engine counts a step after it runs it). Counters that went down (a restarted server),
+    counters missing, and answers that counted hits the counters did not see, are unknown."""
     counts = [c for c in reported if isinstance(c, int) and not isinstance(c, bool)]
     counted = sum(counts) if counts else None
     if before is None or after is None:
@@ -1838,6 +1874,10 @@ def cache_evidence(before: Optional[CacheCounters], after: Optional[CacheCounter
                              "the counters looked up %d prompt tokens, more than the batch's "
                              "%d: other requests reached the server meanwhile"
                              % (queried, prompt_tokens))
+    if prompt_tokens is not None and queried < prompt_tokens:
+        return CacheEvidence(CACHE_EVIDENCE_UNKNOWN, served, counted,
+                             "the counters looked up %d prompt tokens of the batch's %d: they "
+                             "had not counted it all yet" % (queried, prompt_tokens))
     if served > 0 and counted:
         return CacheEvidence(CACHE_COUNTED_AND_SERVED, served, counted,
                              "the cache served %d prompt tokens and the answers counted %d"
@@ -2101,11 +2141,17 @@ class VllmAdapter:
         count = self.cached_tokens(answer)
         return [count if p == prompts[-1] else None for p in prompts]
 
+    def prompt_tokens(self, answer: Any) -> Optional[int]:
+        return server_count(dig(answer, "usage", "prompt_tokens"), "usage.prompt_tokens")
+
     # The scheduler's prefix-cache counters, one sample per engine (vllm/v1/metrics/loggers.py,
     # 0.34.0 lines 661-679: counters vllm:prefix_cache_queries and vllm:prefix_cache_hits,
     # which Prometheus writes with _total, as the real 0.26.0 answer in tests/fixtures shows).
     COUNTER_QUERIES = "vllm:prefix_cache_queries_total"
     COUNTER_HITS = "vllm:prefix_cache_hits_total"
+
+    def prefix_cache_off(self, settings: Dict[str, Any]) -> bool:
+        return settings.get("prefix caching") is False
 
     def prefix_cache_counters(self, client: HttpClient) -> Optional[CacheCounters]:
         text = metrics_text(client)
@@ -2378,6 +2424,11 @@ class SglangAdapter:
         return [server_count(dig(item, "meta_info", "cached_tokens"), "cached_tokens")
                 for item in items]
 
+    def prompt_tokens(self, answer: Any) -> Optional[int]:
+        counts = [server_count(dig(item, "meta_info", "prompt_tokens"), "prompt_tokens")
+                  for item in answer or [] if isinstance(item, dict)]
+        return None if not counts or None in counts else sum(counts)
+
     # With --enable-metrics, the scheduler's own count of prefill tokens by where they came
     # from (python/sglang/srt/observability/metrics_collector.py, 0.5.23 lines 1040-1046 and
     # 1580-1596; counted in managers/scheduler_components/metrics_reporter.py lines 826-847).
@@ -2385,6 +2436,9 @@ class SglangAdapter:
     # sglang:cache_hit_rate the latest prefill's rate: neither is a second source.
     COUNTER_PREFILL = "sglang:prefill_effective_tokens_total"
     HIT_MODES = ("device_hit", "host_hit", "storage_hit")
+
+    def prefix_cache_off(self, settings: Dict[str, Any]) -> bool:
+        return settings.get("radix cache disabled") is True
 
     def prefix_cache_counters(self, client: HttpClient) -> Optional[CacheCounters]:
         text = metrics_text(client)
@@ -4082,6 +4136,7 @@ class Answer:
     output_tokens: Optional[int] = None  # as the server counts them (a batch trial's figure)
     beside: Optional[int] = None  # other requests at the server with it (scheduled, or beside)
     timing: Optional[RequestTiming] = None  # a streamed request's
+    prompt_tokens: Optional[int] = None  # every prompt's, as the server counts them
 
 
 @dataclass
@@ -4121,7 +4176,8 @@ class Executor:
                       parsed("the answer", adapter.cached_tokens, answer),
                       parsed("the answer", adapter.cached_per_prompt, answer, prompts),
                       sent, answered, parsed("the answer", adapter.output_tokens, answer)
-                      if not logprobs else None)
+                      if not logprobs else None,
+                      prompt_tokens=parsed("the answer", adapter.prompt_tokens, answer))
 
     def read_stream(self, request: Request, post: Exchange, start: float) -> RequestTiming:
         """A streamed request, read event by event: time to first token, time per output
@@ -4771,6 +4827,14 @@ class Evidence:
     served: Optional[bool]  # the cache served its request (None: the server does not say)
     beside: Optional[int]  # other requests of its batch at the server with it (None: unknown)
 
+    def cold(self, cache_kept: bool) -> Optional[bool]:
+        """Was its request computed, not served from the prefix cache? None: not known (the
+        server does not say, and the cache was kept: under the bypass every request asked
+        to be cold, and the bypass's proof is BypassCheck's)."""
+        if self.served is not None:
+            return not self.served
+        return None if cache_kept else True
+
     @property
     def moved(self) -> bool:
         d = self.delta
@@ -4810,14 +4874,37 @@ class SentBatch:
     # one request's cache key (copies under the bypass): a repeat under it is served from
     # the cache its prefill filled (the cache check)
     cache_key: Optional[str] = None
+    prompt_tokens: Optional[int] = None  # every prompt sent, fillers too, as the server counts
+    # what the server showed of its prefix cache around the batch, against its answers'
+    # counts: its counters, or its cache switched off (None: it showed nothing)
+    cache_seen: Optional[CacheEvidence] = None
+
+    def served(self, count: Optional[int]) -> Optional[bool]:
+        """Did the prefix cache serve a completion's request, given its own cached-token count
+        (None: not known)? Served where the counters show the cache serving more of the batch
+        than its answers counted (which request, they do not say), or where its own count is
+        not known and the cache served its batch; cold where its count says so, or where the
+        counters show the cache serving none of the batch."""
+        counters = self.cache_seen
+        if counters is not None and counters.uncounted:
+            return True
+        if count is not None:
+            return count > 0
+        if (self.cached_tokens or 0) > 0:
+            return True
+        return False if counters is not None and counters.verdict == CACHE_NEITHER else None
 
     def evidence(self, deltas: List[Delta], baseline: Completion) -> List[Evidence]:
         n = len(self.completions)
         cached = self.cached or [self.cached_tokens] * n
         beside = self.beside or [n - 1] * n  # one request: its prompts are together
-        return [Evidence(d, c.text != baseline.text, len(c.tokens),
-                         None if k is None else k > 0, b)
+        return [Evidence(d, c.text != baseline.text, len(c.tokens), self.served(k), b)
                 for c, d, k, b in zip(self.completions, deltas, cached, beside)]
+
+
+def total_count(counts: Sequence[Optional[int]]) -> Optional[int]:
+    """The sum of counts a server reported, None where any is not known."""
+    return None if not counts or None in counts else sum(counts)
 
 
 
@@ -4833,10 +4920,38 @@ class Sender:
     sampling: Sampling
     isolate: bool  # bypass the prefix cache
     arrivals: Arrivals = Arrivals()  # when concurrent requests go out
+    read_counters: bool = False  # the server exposes prefix-cache counters: read around each batch
+    cache_off: bool = False  # the server's settings say its prefix cache is off
 
     def shape(self, traffic: str) -> Callable[[str, int, int], SentBatch]:
         """The sender of a traffic shape (TRAFFIC_SHAPES; what each measures: --mode help)."""
         return {"copies": self.copies, "concurrent": self.concurrent, "mixed": self.mixed}[traffic]
+
+    def send(self, traffic: str, prompt: str, n: int, seed: int) -> SentBatch:
+        """Batch size n in a traffic shape, with the server's prefix-cache counters read
+        around it where it exposes them (SentBatch.cache_seen)."""
+        read = self.adapter.prefix_cache_counters
+        before = read(self.client) if self.read_counters else None
+        batch = self.shape(traffic)(prompt, n, seed)
+        if self.cache_off:
+            batch.cache_seen = CacheEvidence(CACHE_NEITHER, 0, batch.cached_tokens,
+                                             "the server's settings say its prefix cache is off")
+        if before is None:
+            return batch
+        deadline = time.monotonic() + COUNTERS_SETTLE_S
+        after = read(self.client)
+        while (after is not None and batch.prompt_tokens is not None
+               and after.queried - before.queried < batch.prompt_tokens
+               and time.monotonic() < deadline):
+            time.sleep(COUNTERS_POLL_S)
+            after = read(self.client)
+        batch.cache_seen = cache_evidence(before, after, [batch.cached_tokens],
+                                          batch.prompt_tokens)
+        if after is not None and after.queried == before.queried and batch.prompt_tokens:
+            # counters that looked nothing up for a whole batch are not counting this
+            # traffic (vLLM counts none with prefix caching off): not read again
+            self.read_counters = False
+        return batch
 
     @property
     def executor(self) -> Executor:
@@ -4850,7 +4965,7 @@ class Sender:
                              "the request")
         answer = sent.answers[0]
         return SentBatch(answer.completions, sent.seconds, answer.cached_tokens, answer.cached,
-                         cache_key=cache_key)
+                         cache_key=cache_key, prompt_tokens=answer.prompt_tokens)
 
     def copies(self, prompt: str, n: int, seed: int, cache_key: Optional[str] = None) -> SentBatch:
         """n copies of the prompt in one request (cache_key: see EngineAdapter.body), each with
@@ -4881,7 +4996,8 @@ class Sender:
         counted = [c for c in cached if c is not None]
         batch = SentBatch([answer.completions[0] for answer in answers], sent.seconds,
                           sum(counted) if counted else None, cached,
-                          send_spread=round(answers[-1].sent - answers[0].sent, 6))
+                          send_spread=round(answers[-1].sent - answers[0].sent, 6),
+                          prompt_tokens=total_count([a.prompt_tokens for a in answers]))
         if self.arrivals.rate:  # which requests were at the server together?
             batch.in_flight = sent.in_flight
             batch.beside = [answer.beside for answer in answers]
@@ -4921,6 +5037,9 @@ class BatchRow:
     overlapped: Optional[bool] = field(default=None, metadata=saved(omit_none=True))
     # scheduled concurrent traffic: the most of its requests at the server at once
     in_flight: Optional[int] = field(default=None, metadata=saved(omit_none=True))
+    # what the server showed of its prefix cache around the pass (its counters, or its cache
+    # switched off), against its answers' counts
+    cache_seen: Optional[CacheEvidence] = field(default=None, metadata=saved(omit_none=True))
     # each check's part of this pass (SweepCheck.batch_part), saved as the part says
     checks: Dict[str, Any] = field(default_factory=dict, metadata=saved(parts=True))
     # what each completion showed, for the verdict (Evidence)
@@ -4964,7 +5083,7 @@ def compare_batch(batch: SentBatch, baseline: Completion, clamps: Sequence[float
         flip_risk=flip_risk(baseline, max(d.max_nats for d in deltas)),
         seconds=round(batch.seconds, 4), cached_tokens=batch.cached_tokens,
         served=served or None, send_spread_s=batch.send_spread, overlapped=batch.overlapped,
-        in_flight=batch.in_flight, evidence=evidence)
+        in_flight=batch.in_flight, cache_seen=batch.cache_seen, evidence=evidence)
 
 
 @dataclass(frozen=True)
@@ -5117,7 +5236,9 @@ class PromptSweep:
     def add(self, n: int, bucket: Bucket, row: BatchRow, completions: List[Completion]) -> None:
         self.runs.setdefault(n, []).append(row)
         self.buckets[n] = bucket
-        if n == 1:
+        # batch 1's run-to-run control: only a computed batch 1 repeats the computation (one
+        # the cache served repeats the cache)
+        if n == 1 and row.evidence and row.evidence[0].cold(self.cache_kept):
             self.batch1.append(completions[0])
 
     def finish(self) -> None:
@@ -5160,12 +5281,17 @@ class PromptSweep:
         other = self.baseline_source != "batch 1"  # a stored baseline: batch 1 is compared too
         candidates = [(n, e) for n, r in included if n > 1 or other for e in r.evidence
                       if e.tokens and (n == 1 or e.beside != 0)]
-        # a request not known to be cold compares nothing where the cache was kept (the
-        # bypass asked every request to be cold, and its proof is BypassCheck's)
-        unknown = [(n, e) for n, e in candidates if e.served is None and self.cache_kept]
-        computed = [(n, e) for n, e in candidates
-                    if e.served is False or (e.served is None and not self.cache_kept)]
+        # batch 1 as the baseline: one the cache served (or may have) makes every comparison
+        # one with the cache, not with a computed batch 1
+        baseline_row = self.runs.get(1, [None])[0] if not other else None
+        baseline_cold = (baseline_row.evidence[0].cold(self.cache_kept)
+                         if baseline_row is not None and baseline_row.evidence else True)
+        unknown = [(n, e) for n, e in candidates if e.cold(self.cache_kept) is None]
+        computed = [(n, e) for n, e in candidates if e.cold(self.cache_kept)]
         served = [(n, e) for n, e in candidates if e.served]
+        if not baseline_cold:
+            computed = []
+            unknown += [(1, e) for e in baseline_row.evidence[:1] if baseline_cold is None]
         moved = [(n, e) for n, e in computed if e.moved]
         first = None
         if moved:
@@ -5187,7 +5313,8 @@ class PromptSweep:
             alone_sizes=sorted({n for n, r in included if n > 1
                                 and any(e.beside == 0 for e in r.evidence)}),
             unknown_sizes=sorted({n for n, _ in unknown}),
-            unoverlapped=len(included) < len(self.rows()), first_moved=first)
+            unoverlapped=len(included) < len(self.rows()), first_moved=first,
+            baseline_served=baseline_cold is False, cache_kept=self.cache_kept)
         if self.finished:
             self.kept_measured = measured
         return measured
@@ -5391,8 +5518,10 @@ BYPASS_HELD, BYPASS_FAILED, BYPASS_UNVERIFIED = "held", "did not hold", "unverif
 
 @dataclass(frozen=True)
 class BypassCheck:
-    """Did --prefix-cache bypass hold? Proven by the cached-token counts the server reports:
-    any count above 0 is a prefill served from the cache; no counts at all prove nothing."""
+    """Did --prefix-cache bypass hold? Proven by the cached-token counts the server reports
+    and by its own prefix-cache counters read around each pass: any count above 0, or any
+    token the counters saw the cache serve, is a prefill served from the cache; a pass with
+    neither counts nor counters that say proves nothing."""
 
     SAVED_AS: ClassVar[Dict[str, Any]] = saved("prefix_cache_bypass")
 
@@ -5400,10 +5529,15 @@ class BypassCheck:
     hit_sizes: List[int]  # batch sizes with a cache hit
 
     @classmethod
-    def of(cls, cached: Sequence[Tuple[int, Optional[int]]]) -> "BypassCheck":
-        """cached: (batch size, its cached-token count or None) of every pass."""
-        hits = sorted({n for n, count in cached if (count or 0) > 0})
-        if all(count is None for _, count in cached):
+    def of(cls, rows: Sequence[Tuple[int, BatchRow]]) -> "BypassCheck":
+        """rows: (batch size, its row) of every pass."""
+        hits = sorted({n for n, row in rows if (row.cached_tokens or 0) > 0
+                       or (row.cache_seen is not None
+                           and (row.cache_seen.served or 0) > 0)})
+        known = [row for _, row in rows if row.cached_tokens is not None
+                 or (row.cache_seen is not None
+                     and row.cache_seen.verdict != CACHE_EVIDENCE_UNKNOWN)]
+        if not known:
             return cls(BYPASS_UNVERIFIED, hits)
         return cls(BYPASS_FAILED if hits else BYPASS_HELD, hits)
 
@@ -5422,6 +5556,10 @@ class CachePolicy:
     def __init__(self, choice: str = DEFAULT_PREFIX_CACHE):
         self.choice = choice  # one of PREFIX_CACHE_CHOICES
         self.hint = ""  # how the engine reports cached tokens, once the server is known
+        # the server's prefix-cache counters at the start (None: it exposes none, or its
+        # cache is off): read around each batch too, a second source beside the answers' counts
+        self.counters: Optional[CacheCounters] = None
+        self.off = False  # the server's settings say its prefix cache is off
 
     @classmethod
     def add_arguments(cls, group: argparse._ArgumentGroup) -> None:
@@ -5439,27 +5577,46 @@ class CachePolicy:
     def bypass(self) -> bool:
         return self.choice == "bypass"
 
-    def open(self, adapter: EngineAdapter) -> None:
+    def open(self, adapter: EngineAdapter, client: HttpClient, facts: ServerFacts) -> None:
         self.hint = adapter.CACHE_COUNTS_HINT
+        self.off = adapter.prefix_cache_off(facts.settings)
+        self.counters = None if self.off else adapter.prefix_cache_counters(client)
+
+    def header_lines(self) -> List[str]:
+        if self.off:
+            return ["        prefix cache off (the server's settings): no request can be "
+                    "served from it"]
+        if self.counters is None:
+            return []
+        return ["        prefix-cache counters read around each batch (%s)"
+                % self.counters.source]
 
     def params(self) -> Json:
         return {"prefix_cache": self.choice}
 
     def size_notes(self, size: SizeResult) -> List[str]:
-        """Where a size's requests hit the cache: despite the bypass, or as kept."""
-        if not (size.cached_tokens or 0) > 0:
-            return []
-        served = " (%d of %d requests served, not compared)" % (size.served, size.completions)
-        if self.bypass:
-            return ["cache hit: bypass did not hold (%s cached tokens)%s"
-                    % (size.cached_tokens, served)]
-        return ["cache hit (%s cached tokens)%s" % (size.cached_tokens, served)]
+        """Where a size's requests hit the cache (despite the bypass, or as kept), and where
+        the server's counters saw it serve more than the answers counted."""
+        notes = []
+        if (size.cached_tokens or 0) > 0:
+            notes.append("cache hit%s (%s cached tokens)"
+                         % (": bypass did not hold" if self.bypass else "", size.cached_tokens))
+        uncounted = [r.cache_seen for r in size.runs
+                     if r.cache_seen is not None and r.cache_seen.uncounted]
+        if uncounted:
+            notes.append(CacheEvidence(CACHE_SERVED_NOT_COUNTED,
+                                       sum(e.served for e in uncounted),
+                                       sum(e.counted or 0 for e in uncounted), "").note())
+        if notes:
+            notes[-1] += (" (%d of %d requests served, not compared)"
+                          % (size.served, size.completions))
+        return notes
 
     def proof(self, sizes: List[SizeResult]) -> Optional[BypassCheck]:
         """The bypass's proof over every pass so far (None when the cache was kept)."""
         if not self.bypass:
             return None
-        return BypassCheck.of([(s.batch_size, r.cached_tokens) for s in sizes for r in s.runs])
+        return BypassCheck.of([(s.batch_size, r) for s in sizes for r in s.runs])
 
     def summary_reasons(self, summary: SweepSummary) -> List[str]:
         check = summary.checks.get(self.NAME)
@@ -5474,7 +5631,8 @@ class CachePolicy:
         if check is None or check.status != BYPASS_UNVERIFIED:
             return []
         return ["prefix cache bypass unverified: the server reports no cached-token counts (%s)"
-                % self.hint]
+                "%s" % (self.hint, "" if self.counters is None else
+                        ", and its prefix-cache counters saw other traffic or did not settle")]
 
 
 # ----------------------------------------------------------------------------
@@ -6918,7 +7076,8 @@ def verdict_reasons(summary: SweepSummary) -> List[str]:
     """What the verdict holds only so far as: the sizes the cache served or a request was
     alone at compared nothing, and the verdict does not cover them."""
     m, reasons = summary.measured, []
-    if m.served_sizes and summary.verdict not in (CACHE_CONFOUNDED, SERVED_ONLY):
+    if m.served_sizes and summary.verdict not in (CACHE_CONFOUNDED, KEPT_CACHE_MOVED,
+                                                   SERVED_ONLY):
         where = "invariant where computed" if summary.verdict == INVARIANT else "where computed"
         reasons.append("%s; %s served from the cache, not compared"
                        % (where, sizes_text(m.served_sizes)))
@@ -6959,7 +7118,7 @@ class SweepTable:
         out.line("        traffic %s, %d pass%s through the ladder, prefix cache %s" %
                  (options.traffic, options.repeat, "" if options.repeat == 1 else "es",
                   options.cache.choice))
-        for line in options.baseline_source.header_lines():
+        for line in options.cache.header_lines() + options.baseline_source.header_lines():
             out.line(line)
         for line in header:
             out.line(line)
@@ -7046,6 +7205,15 @@ VERDICT_ADVICE = {  # what else explains what moved, by the verdict that says so
     "the server did not say of any request above batch 1 that the cache left it cold (vLLM "
     "counts only with --enable-prompt-tokens-details, and for a request of several prompts "
     "only its last prompt's count): sweep with --prefix-cache bypass.",
+    KEPT_CACHE_MOVED: "Everything that moved, moved in requests the prefix cache served "
+    "(cache hit in the table, or its counters): the cache, not the batch, may explain it, and "
+    "a request the cache served compares nothing about batching. Sweep with --prefix-cache "
+    "bypass.",
+    BASELINE_SERVED: "Batch 1, the baseline every other size is compared with, was served from "
+    "the prefix cache (an earlier request's prefill, or a cache the bypass did not keep apart): "
+    "every comparison would be one with the cache, not with a computed batch 1. Sweep with "
+    "--prefix-cache bypass on a server whose cache keys hold (vLLM's cache_salt, SGLang's "
+    "extra_key), or restart it.",
     NOT_REPEATABLE: "Batch 1 alone gave different answers on different passes: the server is not "
     "repeatable even without other requests beside it, so differences at other sizes cannot be "
     "put down to batching. Check for unseeded sampling, a server restarted between passes, or "
@@ -7180,12 +7348,12 @@ def run_sweep(cfg: Config, out: Out) -> int:
     sizes = sweep_ladder(options, facts)
     sweep_warnings(facts, sizes, None if options.sizes else options.max_batch, cfg.sampling, out)
     isolate = options.cache.bypass
-    sender = Sender(client, adapter, facts.model_id, cfg.sampling, isolate, options.arrivals)
+    options.cache.open(adapter, client, facts)
+    sender = Sender(client, adapter, facts.model_id, cfg.sampling, isolate, options.arrivals,
+                    options.cache.counters is not None, options.cache.off)
     run = SweepRun(cfg, facts, sender, out)
-    options.cache.open(adapter)
     options.baseline_source.open(run)
     header = [line for check in options.checks for line in check.open(run)]
-    send = sender.shape(options.traffic)
     sweeps: List[PromptSweep] = []
 
     if cfg.save and finished_sweep(cfg.prior_save):
@@ -7208,7 +7376,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
         prompt = sweep.prompt
         try:
             adapter.before_batch(client, isolate)
-            batch = send(prompt, n, options.seed)
+            batch = sender.send(options.traffic, prompt, n, options.seed)
         except ServerError as err:
             raise ServerError("batch size %d%s: %s" % (n, where, err)) from None
         if n == 1 and sweep.baseline is None:  # the baseline is batch 1's, never another's

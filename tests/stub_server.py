@@ -283,6 +283,9 @@ class StubConfig:
     uncounted_cache_hits: bool = False       # serve from the prefix cache, but report 0 cached tokens in
                                              # the answer (its /metrics counters still count them)
     enable_metrics: bool = False             # SGLang: serve /metrics (--enable-metrics); vLLM always does
+    no_metrics: bool = False                 # vLLM: /metrics not found (behind a proxy that passes the API only)
+    counters_lag: float = 0.0                # seconds before /metrics counts a prefill (engines count a
+                                             # step's lookups after it runs)
     flush_refused: bool = False              # SGLang: answer /flush_cache as with requests in flight
     decode_graphs: bool = True               # SGLang: False reports decode graphs switched off
     prefill_agrees: bool = False             # prefill computes as a batch-1 decode step does
@@ -406,25 +409,38 @@ class EngineState:
         self.local = threading.local()  # per request thread: is it streamed
         self.cache_queried = 0      # prompt tokens looked up in the prefix cache (/metrics)
         self.cache_served = 0       # of them, tokens the cache served (/metrics)
+        self.counted = []           # (when, queried, served) of lookups not yet in the counters
+        self.counters_lag = config.counters_lag
+        # the cache serves whole blocks of a prompt, never its last token: vLLM 0.34.0 in
+        # blocks of 64 tokens (vllm/config/cache.py line 185, 0.34.0), so that a prompt of
+        # fewer than 65 tokens is never served; a token at a time otherwise
+        self.cache_block = 64 if config.engine == "vllm" and release(config.version) >= (0, 34) else 1
 
-    def cached_tokens(self, salt: Optional[str], prompt: str) -> int:
-        """The prompt's tokens served from the prefix cache; the prompt is cached from now on."""
-        if not self.prefix_caching:
+    def cached_tokens(self, salt: Optional[str], prompt: str, forced: bool = False) -> int:
+        """The prompt's tokens served from the prefix cache; the prompt is cached from now on.
+        forced: --cache-serves serves it whatever its key (counted in /metrics all the same)."""
+        if not (self.prefix_caching or forced):
             return 0
         with self.lock:
             # the cachehit fault: this request's prompts were cached by an earlier one (one a
             # salt did not keep apart: a cache shared across salts, as copies of one vLLM
             # request share it)
-            hit = (salt, prompt) in self.prefix_cache or getattr(self.local, "forced_hit", False)
+            hit = ((salt, prompt) in self.prefix_cache or forced
+                   or getattr(self.local, "forced_hit", False))
             self.prefix_cache.add((salt, prompt))
-            served = prompt_token_count(prompt) - 1 if hit else 0
-            self.cache_queried += prompt_token_count(prompt)
-            self.cache_served += served
+            served = (prompt_token_count(prompt) - 1) // self.cache_block * self.cache_block if hit else 0
+            self.counted.append((time.monotonic(), prompt_token_count(prompt), served))
         return served
 
     def counters(self) -> Tuple[int, int]:
-        """(prompt tokens looked up in the prefix cache, tokens it served) since the start."""
+        """(prompt tokens looked up in the prefix cache, tokens it served) since the start, as
+        counted --counters-lag seconds ago."""
         with self.lock:
+            now = time.monotonic()
+            while self.counted and self.counted[0][0] + self.counters_lag <= now:
+                _, queried, served = self.counted.pop(0)
+                self.cache_queried += queried
+                self.cache_served += served
             return self.cache_queried, self.cache_served
 
     def flush(self) -> None:
@@ -574,9 +590,8 @@ def vllm_completions(config: StubConfig, body: Dict, state: EngineState) -> Dict
         raise BadRequest(400, "1 validation error:\n  {'type': 'value_error', 'loc': ('body',), 'msg': \"Value "
                          "error, Parameter 'cache_salt' must be a non-empty string if provided. "
                          "(parameter=cache_salt)\"}", "Bad Request", "cache_salt")
-    cached = [state.cached_tokens(salt, p) for p in prompts]
-    cached = [c or (prompt_token_count(p) - 1 if hit else 0)
-              for c, p, hit in zip(cached, prompts, forced_hits(config, len(prompts)))]
+    cached = [state.cached_tokens(salt, p, hit)
+              for p, hit in zip(prompts, forced_hits(config, len(prompts)))]
     lengths = [len(prompt)] if token_prompt else [prompt_token_count(p) for p in prompts]
     outs = run_batch(config, state, prompts, max_tokens, temperature, float(body.get("top_p", 1.0)),
                      seed_of(config, body.get("seed")), bool(body.get("ignore_eos")), prefixes, [c > 0 for c in cached],
@@ -788,9 +803,8 @@ def sglang_generate(config: StubConfig, body: Dict, state: EngineState):
         keys = [keys] * len(prompts)
     elif not isinstance(keys, list) or len(keys) != len(prompts):
         raise BadRequest(400, "The length of extra_key should be equal to the batch size.")
-    cached = [state.cached_tokens(key, p) for key, p in zip(keys, prompts)]
-    cached = [c or (prompt_token_count(p) - 1 if hit else 0)
-              for c, p, hit in zip(cached, prompts, forced_hits(config, len(prompts)))]
+    cached = [state.cached_tokens(key, p, hit)
+              for key, p, hit in zip(keys, prompts, forced_hits(config, len(prompts)))]
     lengths = [len(ids) for ids in id_lists] if id_lists else [prompt_token_count(p) for p in prompts]
     outs = run_batch(config, state, prompts, int(sp.get("max_new_tokens", 128)),
                      float(sp.get("temperature", 1.0)), float(sp.get("top_p", 1.0)), seed,
@@ -907,7 +921,8 @@ class StubHandler(BaseHTTPRequestHandler):
             return self.send_json(200, None, raw=b"")
         if path == "/stub/stats":
             return self.send_json(200, self.server.state.stats())
-        if path == "/metrics" and (self.config.engine == "vllm" or self.config.enable_metrics):
+        if path == "/metrics" and (self.config.engine == "vllm" or self.config.enable_metrics) \
+                and not self.config.no_metrics:
             write = vllm_metrics if self.config.engine == "vllm" else sglang_metrics
             return self.send_text(200, write(self.config, self.server.state))
         if self.config.engine == "vllm":
@@ -1324,6 +1339,9 @@ def main(argv=None) -> int:
     p.add_argument("--uncounted-cache-hits", action="store_true", help="serve from the prefix cache "
                    "but report 0 cached tokens in the answer (/metrics still counts the hits)")
     p.add_argument("--enable-metrics", action="store_true", help="SGLang: serve /metrics (vLLM always does)")
+    p.add_argument("--no-metrics", action="store_true", help="vLLM: /metrics not found")
+    p.add_argument("--counters-lag", type=float, default=0.0, help="seconds before /metrics "
+                   "counts a prefill's prefix-cache lookups")
     p.add_argument("--no-decode-graphs", action="store_true", help="SGLang: report decode CUDA graphs as off")
     p.add_argument("--prefill-agrees", action="store_true", help="prefill computes as a batch-1 decode step")
     p.add_argument("--fault", action="append", default=[], metavar="K=KIND")
@@ -1357,6 +1375,7 @@ def main(argv=None) -> int:
         cache_serves=args.cache_serves, ignore_seed=args.ignore_seed,
         max_logprobs=args.max_logprobs,
         uncounted_cache_hits=args.uncounted_cache_hits, enable_metrics=args.enable_metrics,
+        no_metrics=args.no_metrics, counters_lag=args.counters_lag,
         faults=parse_faults(args.fault))
     server = StubHTTPServer(config)
     print("stub %s server (flag %s) on http://%s:%d" % (

@@ -4,7 +4,8 @@ before and after a batch, against the cached-token counts its answers report."""
 import os
 import unittest
 
-from support import FIXTURES, StubConfig, StubServer, free_port, run
+from support import (FIXTURES, StubConfig, StubServer, TempDirTest, free_port, run, short_sweep,
+                     sizes_of)
 
 COPIES = ["Copies of one prompt in one request share the cache. " * 3] * 4
 ALONE = ["A prompt sent alone with a cache key of its own."]
@@ -149,6 +150,128 @@ class Judging(unittest.TestCase):
                                             prompt_tokens=120).verdict,
                          run.CACHE_SERVED_NOT_COUNTED)
 
+
+
+def counters_of(doc, size):
+    """The cache's evidence each pass of a batch size saved (BatchRow.cache_seen)."""
+    return [r.get("cache_seen") for r in sizes_of(doc)[size]["runs"]]
+
+
+class TheSweepReadsTheCounters(TempDirTest):
+    """Around each of its own batches the sweep reads the server's counters and sets them
+    against the answers' counts: a batch the cache served is said to be, counted or not."""
+
+    def test_copies_served_but_not_counted_are_not_invariant(self):
+        # the answers say 0 cached tokens; the counters saw the copies served from each
+        # other's prefill: nothing about batching was compared, whatever the answers say
+        config = StubConfig(invariant=True, prompt_tokens_details=True, uncounted_cache_hits=True)
+        with StubServer(config) as stub:
+            r = short_sweep(stub, "--sizes", "1,4", "--repeat", 2, "--expect", "invariant",
+                            "--save", self.path("s.json"))
+        self.assertEqual(r.code, 1, r)
+        doc = self.load("s.json")
+        self.assertNotEqual(doc["summary"]["verdict"], "invariant")
+        self.assertTrue(doc["summary"]["verdict"].startswith("nothing compared"), doc["summary"])
+        self.assertEqual(doc["summary"]["served_sizes"], [4])
+        for seen in counters_of(doc, 4):
+            self.assertEqual(seen["verdict"], run.CACHE_SERVED_NOT_COUNTED, seen)
+            self.assertGreater(seen["served"], 0)
+            self.assertEqual(seen["counted"], 0)
+        self.assertEqual(doc["summary"]["prefix_cache_bypass"]["status"], "did not hold")
+        row = [line for line in r.stdout.splitlines() if line.lstrip().startswith("4 ")][0]
+        self.assertIn("the server's counters: %d prompt tokens served from the cache, the "
+                      "answers counted none" % sum(s["served"] for s in counters_of(doc, 4)), row)
+
+    def test_copies_counted_and_served(self):
+        config = StubConfig(invariant=True, prompt_tokens_details=True)
+        with StubServer(config) as stub:
+            r = short_sweep(stub, "--sizes", "1,4", "--save", self.path("s.json"))
+        doc = self.load("s.json")
+        seen = counters_of(doc, 4)[0]
+        self.assertEqual(seen["verdict"], run.CACHE_COUNTED_AND_SERVED, seen)
+        self.assertEqual(doc["summary"]["served_sizes"], [4], r)
+        self.assertEqual(counters_of(doc, 1)[0]["verdict"], run.CACHE_NEITHER)
+
+    def test_neither_under_concurrent_traffic_proves_the_bypass(self):
+        # each request a key of its own: the counters saw no hit, so the bypass held, though
+        # the answers report no counts (vLLM without --enable-prompt-tokens-details)
+        with StubServer(StubConfig(invariant=True)) as stub:
+            r = short_sweep(stub, "--sizes", "1,4", "--repeat", 2, "--traffic", "concurrent",
+                            "--expect", "invariant", "--save", self.path("s.json"))
+        self.assertEqual(r.code, 0, r)
+        doc = self.load("s.json")
+        self.assertEqual(doc["summary"]["verdict"], "invariant")
+        self.assertEqual(doc["summary"]["prefix_cache_bypass"]["status"], "held")
+        for size in (1, 4):
+            self.assertEqual({s["verdict"] for s in counters_of(doc, size)}, {run.CACHE_NEITHER})
+        self.assertIn("prefix-cache counters read around each batch (vllm:prefix_cache_queries_"
+                      "total, vllm:prefix_cache_hits_total)", r.stdout)
+        self.assertNotIn("unverified", r.stdout)
+
+    def test_counters_that_count_late_are_waited_for(self):
+        # the counters count a prefill 0.3 s after it: read once at once, the batch would
+        # look cold; read until they cover the batch's prompt tokens, it is served
+        config = StubConfig(invariant=True, prompt_tokens_details=True, uncounted_cache_hits=True,
+                            counters_lag=0.3)
+        with StubServer(config) as stub:
+            short_sweep(stub, "--sizes", "1,4", "--save", self.path("s.json"))
+        doc = self.load("s.json")
+        self.assertEqual(counters_of(doc, 4)[0]["verdict"], run.CACHE_SERVED_NOT_COUNTED)
+
+    def test_a_server_with_its_cache_off_is_not_asked_for_counters(self):
+        with StubServer(StubConfig(invariant=True, prefix_caching=False)) as stub:
+            r = short_sweep(stub, "--sizes", "1,4", "--save", self.path("s.json"))
+            reads = [path for _, path, _ in stub.requests if path == "/metrics"]
+        self.assertEqual(reads, [])
+        self.assertIn("prefix cache off (the server's settings)", r.stdout)
+        doc = self.load("s.json")
+        self.assertEqual(doc["summary"]["verdict"], "invariant")
+        self.assertEqual(doc["summary"]["prefix_cache_bypass"]["status"], "held")
+
+    def test_sglang_counters_only_with_its_metrics(self):
+        for metrics in (False, True):
+            config = StubConfig(engine="sglang", invariant=True, enable_metrics=metrics)
+            with self.subTest(metrics=metrics), StubServer(config) as stub:
+                r = short_sweep(stub, "--sizes", "1,4", "--save", self.path("g%s.json" % metrics))
+                doc = self.load("g%s.json" % metrics)
+                seen = counters_of(doc, 4)[0]
+                if metrics:
+                    self.assertEqual(seen["verdict"], run.CACHE_NEITHER, seen)
+                    self.assertIn("sglang:prefill_effective_tokens_total", r.stdout)
+                else:
+                    self.assertIsNone(seen)
+                    self.assertNotIn("prefix-cache counters read", r.stdout)
+
+
+class Vllm034Copies(TempDirTest):
+    """vLLM 0.34.0 serves whole 64-token blocks of a prompt from its cache, and answers copies
+    in one request with one copy's count while its counters count every copy served (the real
+    answers in fixtures/vllm-0.34.0/copies_one_request.json and metrics_*.txt)."""
+
+    def test_copies_of_a_prompt_shorter_than_a_block_are_computed(self):
+        config = StubConfig(version="0.34.0", invariant=True, prompt_tokens_details=True)
+        with StubServer(config) as stub:
+            r = short_sweep(stub, "--sizes", "1,4", "--repeat", 2, "--expect", "invariant",
+                            "--save", self.path("s.json"))
+        self.assertEqual(r.code, 0, r)
+        doc = self.load("s.json")
+        self.assertEqual(doc["summary"]["verdict"], "invariant")
+        self.assertEqual({s["verdict"] for s in counters_of(doc, 4)}, {run.CACHE_NEITHER})
+
+    def test_copies_of_a_long_prompt_are_served_beyond_their_count(self):
+        config = StubConfig(version="0.34.0", invariant=True, prompt_tokens_details=True)
+        with StubServer(config) as stub:
+            # 300 of the practice engine's tokens (a word each; its /tokenize counts bytes)
+            r = short_sweep(stub, "--sizes", "1,4", "--prompt", " ".join(["word"] * 299),
+                            "--save", self.path("s.json"))
+        doc = self.load("s.json")
+        seen = counters_of(doc, 4)[0]
+        self.assertEqual(seen["verdict"], run.CACHE_COUNTED_AND_SERVED, seen)
+        self.assertEqual(seen["counted"] % 64, 0)  # one copy's whole blocks
+        self.assertEqual(seen["served"], 3 * seen["counted"])  # the other three copies
+        self.assertTrue(doc["summary"]["verdict"].startswith("nothing compared"), r)
+        self.assertIn("the server's counters: %d prompt tokens served from the cache, the answers "
+                      "counted %d" % (seen["served"], seen["counted"]), r.stdout)
 
 if __name__ == "__main__":
     unittest.main()

@@ -233,7 +233,8 @@ class EachHazardOnItsOwn(TempDirTest):
 
     def test_a_flag_on_divergence_lists_the_hazards_before_the_checklist(self):
         spec = {("vllm_config", "speculative_config"): {"method": "ngram"}}
-        with StubServer(StubConfig(invariant=True, coverage_gap=True, info_overrides=spec)) as stub:
+        with StubServer(StubConfig(invariant=True, coverage_gap=True, info_overrides=spec,
+                                   prefix_caching=False)) as stub:
             r = run_lab("--mode", "sweep", "--traffic", "copies", "--url", stub.url, "--sizes", "1,17,25", "--max-tokens", 32, "--repeat", 1)
         tail = r.stdout[r.stdout.index("reports the flag ON"):]
         self.assertLess(tail.index("HAZARD: speculative decoding"), tail.index("fused-MoE"))

@@ -185,12 +185,12 @@ class LiveTable(TempDirTest):
 
 class PassLines(unittest.TestCase):
     def test_a_held_expectation_says_so(self):
-        with StubServer(StubConfig(invariant=True)) as stub:
+        with StubServer(StubConfig(prefix_caching=False, invariant=True)) as stub:
             r = run_lab("--mode", "sweep", "--traffic", "copies", "--url", stub.url, "--sizes", "1,2,9", "--max-tokens", 8,
                         "--repeat", 2, "--expect", "invariant")
         self.assertEqual(r.code, 0, r)
         self.assertEqual(r.stdout.strip().splitlines()[-1], "expect invariant: held (1 unique of 24, max ULP 0)")
-        with StubServer(StubConfig()) as stub:
+        with StubServer(StubConfig(prefix_caching=False)) as stub:
             r = run_lab("--mode", "sweep", "--traffic", "copies", "--url", stub.url, "--sizes", "1,9", "--max-tokens", 8, "--repeat", 1,
                         "--expect", "variant")
         self.assertEqual(r.code, 0, r)

@@ -156,7 +156,7 @@ class RequestBodies(unittest.TestCase):
 
 class Missing(unittest.TestCase):
     def test_a_server_that_cannot_serve_the_check_stops_the_check_not_the_sweep(self):
-        with StubServer(StubConfig(prompt_logprobs=False)) as stub:
+        with StubServer(StubConfig(prefix_caching=False, prompt_logprobs=False)) as stub:
             r = sweep(stub)
             expected = run_lab("--mode", "sweep", "--traffic", "copies", "--url", stub.url, "--sizes", "1,2,9,17",
                                "--max-tokens", 24, "--repeat", 1, "--prefill-check",

@@ -24,7 +24,7 @@ class LimitsBeforeTheFirstRequest(TempDirTest):
 class ACheckTheServerCannotServe(TempDirTest):
     def test_the_observer_asks_only_what_the_server_allows(self):
         # vLLM --max-logprobs 5, stated in /server_info: top-20 is not asked, the rest is
-        with StubServer(StubConfig(max_logprobs=5)) as stub:
+        with StubServer(StubConfig(prefix_caching=False, max_logprobs=5)) as stub:
             r = short_sweep(stub, "--sizes", "1,2", "--observer-check", "--json")
         self.assertEqual(r.code, 0, r)
         summary = r.json()["summary"]

@@ -25,7 +25,7 @@ class AgainstTheStubsArithmetic(TempDirTest):
         seed = 42 if temperature > 0 else None
         rows, unique = expected_sweep(engine, PROMPT, SIZES, TOKENS, 5, temperature=temperature,
                                       seed=seed, invariant=invariant)
-        with StubServer(StubConfig(engine=engine, invariant=invariant)) as stub:
+        with StubServer(StubConfig(engine=engine, invariant=invariant, prefix_caching=False)) as stub:
             name = "s-%s-%s-%s.json" % (engine, invariant, temperature)  # a finished sweep is never replaced
             r = sweep(stub, "--temperature", temperature, "--save", self.path(name))
         doc = self.load(name)
@@ -68,7 +68,7 @@ class AgainstTheStubsArithmetic(TempDirTest):
     def test_a_run_where_tokens_hold_and_logprobs_move(self):
         rows, unique = expected_sweep("vllm", PROMPT, [1, 2, 3, 4], TOKENS, 5)
         self.assertEqual(unique, 1)  # the stub's arithmetic: these sizes move only logprobs
-        with StubServer() as stub:
+        with StubServer(StubConfig(prefix_caching=False)) as stub:
             r = run_lab("--mode", "sweep", "--traffic", "copies", "--url", stub.url, "--sizes", "1,2,3,4", "--max-tokens", TOKENS, "--json")
         doc = r.json()
         self.assertEqual(doc["summary"]["verdict"], "logprobs moved but tokens held")
@@ -119,7 +119,8 @@ class SweepBehaviour(TempDirTest):
             self.assertTrue(any(h.get("Authorization") == "Bearer env-key-9" for _, _, h in stub.requests))
 
     def test_expect_exit_codes(self):
-        with StubServer() as off, StubServer(StubConfig(invariant=True)) as on:
+        with StubServer(StubConfig(prefix_caching=False)) as off, \
+                StubServer(StubConfig(invariant=True, prefix_caching=False)) as on:
             args = ("--mode", "sweep", "--traffic", "copies", "--sizes", "1,17,25", "--max-tokens", 32)
             self.assertEqual(run_lab(*args, "--url", off.url, "--expect", "variant").code, 0)
             r = run_lab(*args, "--url", off.url, "--expect", "invariant")
@@ -215,7 +216,7 @@ class SweepBehaviour(TempDirTest):
         self.assertIn("flag unknown", r.stdout)
 
     def test_flag_on_divergence_prints_the_coverage_checklist(self):
-        with StubServer(StubConfig(invariant=True, coverage_gap=True)) as stub:
+        with StubServer(StubConfig(invariant=True, coverage_gap=True, prefix_caching=False)) as stub:
             r = run_lab("--mode", "sweep", "--traffic", "copies", "--url", stub.url, "--sizes", "1,17,25", "--max-tokens", 32)
         self.assertIn("reports the flag ON, yet results moved", r.stdout)
         self.assertIn("fused-MoE", r.stdout)

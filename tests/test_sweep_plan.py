@@ -43,7 +43,7 @@ class InvariantNeedsTheControl(TempDirTest):
         self.assertNotIn("Traceback", r.stderr)
 
     def test_two_passes_can(self):
-        with StubServer(StubConfig(invariant=True)) as stub:
+        with StubServer(StubConfig(prefix_caching=False, invariant=True)) as stub:
             r = short_sweep(stub, "--sizes", "1,4", "--repeat", 2, "--expect", "invariant")
         self.assertEqual(r.code, 0, r)
         self.assertIn("expect invariant: held", r.stdout)

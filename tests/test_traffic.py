@@ -352,7 +352,8 @@ class PrefixCacheBypass(unittest.TestCase):
         self.assertEqual([len(set(k)) for k in keys], [1, 2, 4])  # a fresh key for every prompt
 
     def test_a_server_that_reports_no_counts_leaves_the_bypass_unverified(self):
-        with StubServer(StubConfig()) as stub:  # vLLM without --enable-prompt-tokens-details
+        # vLLM without --enable-prompt-tokens-details, its /metrics not reachable (a proxy)
+        with StubServer(StubConfig(no_metrics=True)) as stub:
             r = short_sweep(stub, "--sizes", "1,2")
         self.assertEqual(r.code, 0, r)
         self.assertIn("prefix cache bypass unverified: the server reports no cached-token counts "

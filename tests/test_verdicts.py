@@ -161,11 +161,11 @@ class EvidencePerRequest(TempDirTest):
             self.assertIn("never in flight together", row8)
 
     def test_first_moved_is_what_the_verdict_read(self):
-        with StubServer(StubConfig(invariant=True, faults={2: "textonly"})) as stub:
+        with StubServer(StubConfig(prefix_caching=False, invariant=True, faults={2: "textonly"})) as stub:
             doc = short_sweep(stub, "--sizes", "1,2", "--json").json()
         self.assertEqual(doc["summary"]["verdict"], "text differs, tokens equal")
         self.assertEqual(doc["summary"]["first_moved"], {"batch": 2, "what": "text", "step": None})
-        with StubServer(StubConfig(invariant=True, topk_edge_swap=True)) as stub:
+        with StubServer(StubConfig(prefix_caching=False, invariant=True, topk_edge_swap=True)) as stub:
             doc = short_sweep(stub, "--sizes", "1,2", "--json").json()
         self.assertEqual(doc["summary"]["first_moved"]["what"], "top-k")
 
@@ -173,7 +173,7 @@ class EvidencePerRequest(TempDirTest):
 class TopKMembership(unittest.TestCase):
     def test_a_top_k_set_that_changes_with_the_batch_is_a_move(self):
         for engine in ("vllm", "sglang"):
-            with self.subTest(engine=engine), StubServer(StubConfig(engine=engine, invariant=True,
+            with self.subTest(engine=engine), StubServer(StubConfig(prefix_caching=False, engine=engine, invariant=True,
                                                                     topk_edge_swap=True)) as stub:
                 r = short_sweep(stub, "--sizes", "1,2", "--repeat", 2, "--expect", "invariant", "--json")
             self.assertEqual(r.code, 1, r)
@@ -186,7 +186,7 @@ class TopKMembership(unittest.TestCase):
             self.assertEqual(doc["summary"]["verdict"], "logprobs moved but tokens held")
 
     def test_the_same_server_without_the_swap_is_invariant(self):
-        with StubServer(StubConfig(invariant=True)) as stub:
+        with StubServer(StubConfig(prefix_caching=False, invariant=True)) as stub:
             r = short_sweep(stub, "--sizes", "1,2", "--repeat", 2, "--expect", "invariant", "--json")
         self.assertEqual(r.code, 0, r)
         self.assertNotIn("top-k changed", r.json()["summary"]["ulp_notes"])
@@ -194,7 +194,7 @@ class TopKMembership(unittest.TestCase):
 
 class TextOnly(unittest.TestCase):
     def test_text_that_differs_with_equal_tokens_is_named_so(self):
-        with StubServer(StubConfig(invariant=True, faults={2: "textonly"})) as stub:
+        with StubServer(StubConfig(prefix_caching=False, invariant=True, faults={2: "textonly"})) as stub:
             r = short_sweep(stub, "--sizes", "1,2", "--repeat", 2, "--expect", "invariant", "--json")
         self.assertEqual(r.code, 1, r)
         doc = r.json()
@@ -203,7 +203,7 @@ class TextOnly(unittest.TestCase):
         self.assertIsNone(sizes_of(doc)[2]["first_token_divergence"])
 
     def test_expect_variant_does_not_pass_on_it(self):
-        with StubServer(StubConfig(invariant=True, faults={2: "textonly"})) as stub:
+        with StubServer(StubConfig(prefix_caching=False, invariant=True, faults={2: "textonly"})) as stub:
             r = short_sweep(stub, "--sizes", "1,2", "--expect", "variant")
         self.assertEqual(r.code, 1, r)
         self.assertIn("text differs, tokens equal (1)", r.stdout)
