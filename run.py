@@ -1474,6 +1474,15 @@ def is_count(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= MAX_SERVER_COUNT
 
 
+def logprobs_limit(value: Any) -> Optional[int]:
+    """The most top logprobs a server allows, from what it states (vLLM's max_logprobs): a
+    whole number from 0 (0: none allowed); anything else is unknown (None), -1 included,
+    which vLLM takes as no limit (vllm/config/model.py line 300, vLLM 0.34.0: ge=-1)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SERVER_COUNT:
+        return value
+    return None
+
+
 def plain_scalar(value: Any) -> Any:
     """A value to print as it is: a string (cut to 120 characters, printable on one line),
     number, boolean or null; anything else a server sent in its place becomes null."""
@@ -3276,6 +3285,13 @@ def measure_until_stopped(out: Out, what: str,
                 message = "%s stopped at %s" % (what, why)
             else:
                 message = "%s stopped: %s" % (what, why)
+    if code == EXIT_OK and interrupt.signum is not None:
+        # the signal came while the last request was in flight and its answer came within
+        # the grace: everything was measured (the state stays complete), and the run still
+        # ends with the signal's code, as a job scheduler that sent it expects
+        code = STOP_SIGNALS[signal.Signals(interrupt.signum).name][0]
+        message = "%s: every request answered; ending as the signal asked" % (
+            signal.Signals(interrupt.signum).name)
     out.progress_done()
     if message:
         out.say(message, raising=False)
@@ -5279,6 +5295,14 @@ def check_verdict(found: CheckFinding) -> str:
     return verdict + "".join("; %s" % part for part in list(found.uncompared) + stopped)
 
 
+def computed_cold(cached: Optional[int], isolate: bool) -> bool:
+    """Was a check's one-prompt request computed, not served by the prefix cache, by its own
+    cached-token count? A count the server does not give is trusted cold only under the
+    bypass (a fresh cache key each), as the sweep's own comparison trusts it; a run the cache
+    served compares the cache, not what the check varied."""
+    return cached == 0 or (cached is None and isolate)
+
+
 class SweepCheck:
     """One check a sweep runs beside its comparison of every batch with batch 1: its name and
     --expect values, its options (add_arguments, from_args, params), what the server's
@@ -6118,17 +6142,20 @@ class NeighbourCheck(SweepCheck):
         sent = send_requests(sender.executor, [Request((prompt,), sender.sampling)],
                              "neighbour requests", beside=neighbour, streams=NEIGHBOUR_STREAMS)
         answer, overlapped = sent.answers[0], sent.background
-        served = (answer.cached_tokens or 0) > 0
+        served = not computed_cold(answer.cached_tokens, sender.isolate)
         if not overlapped or served:
             return None, overlapped, served
         return compare_completions(lone, answer.completions[0],
                                    sender.adapter.logprob_clamps), overlapped, served
 
-    def control(self, run: SweepRun, prompt: str, lone: Completion) -> int:
+    def control(self, run: SweepRun, prompt: str, lone: Completion) -> Optional[int]:
         """The run-to-run control: the measured request alone again; 1 where it equals the
         lone run bitwise (a server that does not honour the seed, or moves run to run, shows
-        here, and nothing is put down to the neighbours)."""
-        again = run.sender.copies(prompt, 1, run.cfg.sweep.seed).completions[0]
+        here, and nothing is put down to the neighbours); None where the cache served it."""
+        sent = run.sender.copies(prompt, 1, run.cfg.sweep.seed)
+        if not computed_cold(sent.cached_tokens, run.sender.isolate):
+            return None
+        again = sent.completions[0]
         return int(compare_completions(lone, again, run.sender.adapter.logprob_clamps)
                    == IDENTICAL and again.text == lone.text)
 
@@ -6138,13 +6165,18 @@ class NeighbourCheck(SweepCheck):
             return None
         lone, parts = batch.completions[0], []
         self.unseeded = samples_unseeded(run.cfg.sampling, run.facts)
+        # the lone run the cache served is no reference: every run against it compares the
+        # cache, and is counted as served
+        lone_cold = computed_cold(batch.cached[0] if batch.cached else batch.cached_tokens,
+                                  run.sender.isolate)
         try:
-            control = self.control(run, prompt, lone)
+            control = self.control(run, prompt, lone) if lone_cold else None
             for length in self.lengths:
                 deltas, alone, served, overlapped = [], 0, 0, 0
                 for _ in range(NEIGHBOUR_RUNS):
                     delta, beside, was_served = self.beside(run, prompt, length, lone)
-                    if delta is None:
+                    was_served = was_served or not lone_cold
+                    if delta is None or was_served:
                         served += was_served
                         alone += not was_served
                         continue
@@ -6168,7 +6200,7 @@ class NeighbourCheck(SweepCheck):
             self.failure = str(err)
             run.out.warn("the neighbour check stops, the sweep goes on: %s" % err)
             return None
-        return NeighbourRow(parts, 1, control)
+        return NeighbourRow(parts, 0 if control is None else 1, control or 0)
 
     def summary_part(self, parts: List[Any],
                      sizes: Optional[List[SizeResult]]) -> Optional[NeighbourSummary]:
@@ -6192,8 +6224,19 @@ class ObserverSetting:
     none asked: the text is compared (with no logprobs asked, vLLM returns no token ids)."""
 
     logprobs: Optional[int]  # None: none asked (the reference)
-    runs: int
+    runs: int  # runs compared: the run and its reference both computed, not cache-served
     equal: int  # runs whose text equals the reference's
+    served: int = 0  # runs the prefix cache served (the run or its reference): compared nothing
+
+
+def observer_uncompared(setting: ObserverSetting, allowed: Optional[int]) -> str:
+    """Why a logprobs setting compared nothing: the cache served its runs, or it was not asked
+    (above what the server allows)."""
+    if setting.served:
+        return "top-%d: nothing compared (the cache served %d run%s)" % (
+            setting.logprobs, setting.served, "" if setting.served == 1 else "s")
+    return "top-%d: not asked (the server allows at most %s)" % (
+        setting.logprobs, fmt_opt(allowed, "fewer"))
 
 
 @dataclass(frozen=True)
@@ -6223,7 +6266,8 @@ class ObserverSummary:
         for row in rows:
             for part in row.settings:
                 by_setting.setdefault(part.logprobs, []).append(part)
-        settings = [ObserverSetting(k, sum(p.runs for p in parts), sum(p.equal for p in parts))
+        settings = [ObserverSetting(k, sum(p.runs for p in parts), sum(p.equal for p in parts),
+                                    sum(p.served for p in parts))
                     for k, parts in by_setting.items()]
         asked = [s for s in settings if s.logprobs is not None]
         control = [s for s in settings if s.logprobs is None]
@@ -6235,8 +6279,7 @@ class ObserverSummary:
                 "top-%d" % k for k in changed) if changed else None,
             held_where_compared="the same text with and without logprobs %s" % ", ".join(
                 "top-%d" % k for k in compared),
-            uncompared=["top-%d: not asked (the server allows at most %s)"
-                        % (s.logprobs, fmt_opt(allowed, "fewer")) for s in asked if not s.runs],
+            uncompared=[observer_uncompared(s, allowed) for s in asked if not s.runs],
             failure=failure, compares_runs=True,
             control_moved=any(s.equal < s.runs for s in control), unseeded=unseeded))
         return cls(found, settings)
@@ -6258,11 +6301,14 @@ class ObserverSummary:
     def lines(self, sizes: List["SizeResult"]) -> List[str]:
         """Its lines after the sweep's summary line (a Bold one states its verdict)."""
         part = self
-        held = ", ".join("top-%d %d/%d" % (s.logprobs, s.equal, s.runs) if s.runs else
-                         "top-%d not asked" % s.logprobs
+        def served(s: ObserverSetting) -> str:
+            return " (%d the cache served)" % s.served if s.served else ""
+
+        held = ", ".join("top-%d %d/%d%s" % (s.logprobs, s.equal, s.runs, served(s))
+                         if s.runs or s.served else "top-%d not asked" % s.logprobs
                          for s in part.settings if s.logprobs is not None)
-        control = ", control %d/%d" % next(((s.equal, s.runs) for s in part.settings
-                                            if s.logprobs is None), (0, 0))
+        control = ", control %s" % next(("%d/%d%s" % (s.equal, s.runs, served(s))
+                                         for s in part.settings if s.logprobs is None), "0/0")
         return [Bold("observer check (runs whose text equals the one with no logprobs: %s%s): %s"
                      % (held, control, part.verdict))]
 
@@ -6286,30 +6332,42 @@ class ObserverCheck(SwitchedCheck):
         self.unseeded = False  # its runs sampled by a server that ignores the seed
         self.allowed: Optional[int] = None  # the most top logprobs the server allows, if said
 
-    def once(self, run: SweepRun, prompt: str, logprobs: Optional[int]) -> str:
+    def once(self, run: SweepRun, prompt: str, logprobs: Optional[int]) -> Tuple[str, bool]:
+        """The text of one request with that logprobs setting, and whether it was computed:
+        not known to be served by the prefix cache (by its own cached-token count; a count
+        the server does not give is trusted cold only under the bypass, as the sweep's own
+        comparison does)."""
         sampling = dataclasses.replace(run.cfg.sampling, logprobs=logprobs)
         sent = send_requests(run.sender.executor, [Request((prompt,), sampling)],
                              "the observer check's request")
-        return sent.answers[0].completions[0].text
+        answer = sent.answers[0]
+        count = answer.cached[0] if answer.cached else answer.cached_tokens
+        return answer.completions[0].text, computed_cold(count, run.sender.isolate)
+
+    @staticmethod
+    def setting(logprobs: Optional[int], reference: Tuple[str, bool],
+                run: Tuple[str, bool]) -> ObserverSetting:
+        """One run against the reference: compared only where neither was cache-served."""
+        if not (reference[1] and run[1]):
+            return ObserverSetting(logprobs, 0, 0, 1)
+        return ObserverSetting(logprobs, 1, int(run[0] == reference[0]))
 
     def batch_part(self, run: SweepRun, prompt: str, n: int,
                    batch: SentBatch) -> Optional[ObserverRow]:
         if not self.asked or n != 1 or self.failure is not None:
             return None
         self.unseeded = samples_unseeded(run.cfg.sampling, run.facts)
-        limit = run.facts.max_logprobs
-        self.allowed = limit if is_count(limit) else None
+        self.allowed = logprobs_limit(run.facts.max_logprobs)
         allowed = MAX_LOGPROBS if self.allowed is None else min(self.allowed, MAX_LOGPROBS)
         try:
             reference = self.once(run, prompt, None)
             # the run-to-run control: none asked, again
-            settings = [ObserverSetting(None, 1, int(self.once(run, prompt, None) == reference))]
+            settings = [self.setting(None, reference, self.once(run, prompt, None))]
             for k in OBSERVER_LOGPROBS[1:]:
                 if k > allowed:  # asked only what the server allows: this one compares nothing
                     settings.append(ObserverSetting(k, 0, 0))
                     continue
-                text = self.once(run, prompt, k)
-                settings.append(ObserverSetting(k, 1, int(text == reference)))
+                settings.append(self.setting(k, reference, self.once(run, prompt, k)))
         except ServerError as err:
             if err.kind == ServerError.NETWORK:  # the server itself is gone: the sweep stops
                 raise ServerError("observer check: %s" % err) from None
@@ -7167,10 +7225,11 @@ def run_sweep(cfg: Config, out: Out) -> int:
     facts = server_facts(cfg, cfg.url)
     refuse_what_cannot_fit(facts, cfg.sampling.max_tokens, options.prompt_tokens,
                            "--prompt-tokens")
-    if is_count(facts.max_logprobs) and cfg.sampling.logprobs > facts.max_logprobs:
+    allowed = logprobs_limit(facts.max_logprobs)
+    if allowed is not None and cfg.sampling.logprobs > allowed:
         raise UsageError("--logprobs %d is more top logprobs than the server allows (its "
                          "max_logprobs is %d): give at most %d"
-                         % (cfg.sampling.logprobs, facts.max_logprobs, facts.max_logprobs))
+                         % (cfg.sampling.logprobs, allowed, allowed))
     if options.prompt_tokens:
         built = built_prompt(client, adapter, facts, options.prompt_tokens)
         refuse_what_cannot_fit(facts, cfg.sampling.max_tokens, built.tokens,
