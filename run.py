@@ -157,6 +157,9 @@ MAX_TRIALS = 100000  # --trials and --warmup
 MAX_REQUESTS = 1000000  # --requests in one load trial
 MAX_REPEAT = 100  # --repeat: more passes than this is a soak test, not a sweep
 MAX_SERVER_COUNT = 10**12  # a token count above this is no server's: arithmetic never sees it
+# --seed: a signed 64-bit int, what vLLM's completions request takes (0.34.0,
+# vllm/entrypoints/openai/completion/protocol.py 45-46 and 67: 400 above it)
+MAX_SEED = 2**63 - 1
 LIMITS = [  # what --help says of them (the arrivals slice adds its own)
     ("batch sizes, --max-batch, --batch, --concurrency", MAX_BATCH_SIZE),
     ("prompts", MAX_PROMPTS),
@@ -165,7 +168,8 @@ LIMITS = [  # what --help says of them (the arrivals slice adds its own)
     ("--prompt-tokens, --prefix-tokens", MAX_PROMPT_TOKENS),
     ("--trials, --warmup", MAX_TRIALS),
     ("--requests", MAX_REQUESTS),
-    ("--repeat", MAX_REPEAT)]
+    ("--repeat", MAX_REPEAT),
+    ("--seed", MAX_SEED)]
 # Sweep defaults
 DEFAULT_PROMPT = (  # a prompt with room to wander
     "Explain, step by step, why adding the same floating-point numbers in a different order can "
@@ -3714,6 +3718,24 @@ ENDPOINT_PATHS = sorted({p for a in ADAPTERS.values() for p in (a.generate_path,
 ENDPOINTS_USED = ", ".join("%s on %s" % (a.generate_path, a.label) for a in ADAPTERS.values())
 
 
+MAX_PORT = 65535  # TCP's ports are 1 to 65535 (0 asks the system for any free one)
+
+
+def check_port(netloc: str, url: str, option: str) -> None:
+    """Refuse a port that is no TCP port: not a number (digits only), or out of range (0, a
+    negative, above MAX_PORT). A colon with no port after it is the scheme's default port,
+    as urllib takes it."""
+    host_end = netloc.rfind("]")  # an IPv6 address holds colons of its own
+    _, colon, port = netloc[host_end + 1:].rpartition(":")
+    if not colon or not port:
+        return
+    if re.fullmatch(r"-?[0-9]+", port) and not 1 <= int(port) <= MAX_PORT:
+        raise UsageError("%s: %r has port %s, out of range: a port is from 1 to %d"
+                         % (option, url, port, MAX_PORT))
+    if not re.fullmatch(r"[0-9]+", port):
+        raise UsageError("%s: %r has a port that is not a number" % (option, url))
+
+
 def check_url(url: str, option: str) -> str:
     """The server's base URL: as an engine logs it (http://0.0.0.0:8000, which is this machine)
     or as OpenAI clients take it (ending in /v1, which the lab adds itself)."""
@@ -3733,10 +3755,9 @@ def check_url(url: str, option: str) -> str:
         raise UsageError(
             "%s: give the server's base URL without a query string or fragment (a key goes "
             "in --api-key or $OPENAI_API_KEY)" % option)
-    try:
-        parts.port
-    except ValueError:
-        raise UsageError("%s: %r has a port that is not a number" % (option, url)) from None
+    if "://" not in url and not url.startswith("/"):  # localhost:8000: its port, as given
+        check_port(urllib.parse.urlsplit("http://" + url).netloc, url, option)
+    check_port(parts.netloc, url, option)
     if "://" not in url and not url.startswith("/"):  # localhost:8000, or a bare host
         raise UsageError("%s: %r has no scheme: the lab speaks plain HTTP to engines, so give "
                          "http://%s" % (option, url, url))
@@ -6703,7 +6724,7 @@ class SweepOptions:
         group.add_argument(
             "--temperature", type=real_number(0.0), default=DEFAULT_TEMPERATURE,
             help="default %g (greedy); above 0 a --seed is always sent" % DEFAULT_TEMPERATURE)
-        group.add_argument("--seed", type=whole_number(0), default=DEFAULT_SEED,
+        group.add_argument("--seed", type=whole_number(0, MAX_SEED), default=DEFAULT_SEED,
                            help="sampling seed when temperature > 0 (default %d)" % DEFAULT_SEED)
         group.add_argument(
             "--logprobs", type=whole_number(0, MAX_LOGPROBS), default=DEFAULT_LOGPROBS,
