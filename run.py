@@ -7271,8 +7271,12 @@ def run_sweep(cfg: Config, out: Out) -> int:
     if cfg.save and finished_sweep(cfg.prior_save):
         keep_finished_sweep(cfg.save, out)
     saves = ThrottledSave(cfg.save, exclusive=True)
+    # each batch weighs the completions it brings back (Progress's work): n, or under mixed
+    # traffic the measured prompt's one (its fillers are not kept)
+    kept = [1 if options.traffic == "mixed" else n for n in sizes]
     progress = Progress(out,
-                        len(options.prompts) * options.repeat * len(sizes), "batches", cfg.quiet)
+                        len(options.prompts) * options.repeat * len(sizes), "batches", cfg.quiet,
+                        work=len(options.prompts) * options.repeat * sum(kept))
     table = None if cfg.json_out else SweepTable(cfg, out)
     if table:
         table.header(run, sizes, header)
@@ -7897,7 +7901,21 @@ def cost_table_lines(cells: List[CellLabels], current: CellLabels) -> List[str]:
     if filled < 4:
         lines.append("One cell alone is not a result: report all four (TP=1 and your real TP, "
                      "cold and shared-prefix), or none.")
-    return lines
+    return lines + release_notes_of(cells, same)
+
+
+def release_notes_of(cells: Sequence[CellLabels], same: Sequence[CellLabels]) -> List[str]:
+    """The release notes (tp_cost_release_notes) a table's TP cells call for: its own cells,
+    each arm's release, and the file's cells of the same table measured on another release
+    (one table holds one release; these are the cells a reader holds against it)."""
+    if not same:
+        return []
+    group = same[0].identity.table_group().across_releases()
+    shown = list(same) + [c for c in cells if c not in same
+                          and c.identity.table_group().across_releases() == group]
+    return tp_cost_release_notes(same[0].identity.engine,
+                                 [(version, c.tp) for c in shown
+                                  for version in c.identity.releases])
 
 
 def warm_up(cfg: Config, arms: Sequence[Arm], prompts: Callable[[int], List[str]],
