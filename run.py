@@ -6338,7 +6338,8 @@ class ObserverCheck(SwitchedCheck):
     """--observer-check: in every pass, batch 1's prompt is sent once with no logprobs asked,
     then once with each top-k of OBSERVER_LOGPROBS: asking for logprobs must not change what
     is generated (a server may take another sampling path when it must return them). The
-    text is compared."""
+    text is compared, only where the run and the first no-logprobs run were both computed:
+    a run the prefix cache served (by its own cached-token count) compares nothing."""
 
     NAME = "observer"
     OPTION = "--observer-check"

@@ -1,8 +1,10 @@
 """The rules no sweep check may break, held over every entry of run.py's SWEEP_CHECKS against
 every relevant fault of the practice engine: no "held", "equal" or "invariant" where nothing
 was compared (and "nothing compared" where no part did); "held" only with something compared;
-a check that compares runs blames nothing it varied where the seed is not honoured. A new
-check is covered by being listed in SWITCHED_ON (the test fails until it is)."""
+a check that compares runs blames nothing it varied where the seed is not honoured; where
+the fault leaves nothing comparable (the cache served every prompt), "nothing compared",
+whatever the check counted. A new check is covered by being listed in SWITCHED_ON (the test
+fails until it is)."""
 
 import re
 import types
