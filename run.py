@@ -7873,6 +7873,20 @@ def table_degrees(same: Sequence[CellLabels]) -> List[Any]:
     return [1] + tps
 
 
+def release_notes_of(cells: Sequence[CellLabels], same: Sequence[CellLabels]) -> List[str]:
+    """The release notes (tp_cost_release_notes) a table's TP cells call for: its own cells,
+    each arm's release, and the file's cells of the same table measured on another release
+    (one table holds one release; these are the cells a reader holds against it)."""
+    if not same:
+        return []
+    group = same[0].identity.table_group().across_releases()
+    shown = list(same) + [c for c in cells if c not in same
+                          and c.identity.table_group().across_releases() == group]
+    return tp_cost_release_notes(same[0].identity.engine,
+                                 [(version, c.tp) for c in shown
+                                  for version in c.identity.releases])
+
+
 def cost_table_lines(cells: List[CellLabels], current: CellLabels) -> List[str]:
     """The 2x2 table TP=1 / TP=k x cold / shared-prefix of the current cell (table_cells),
     under a heading that names what tells it from the file's other tables."""
@@ -7903,20 +7917,6 @@ def cost_table_lines(cells: List[CellLabels], current: CellLabels) -> List[str]:
         lines.append("One cell alone is not a result: report all four (TP=1 and your real TP, "
                      "cold and shared-prefix), or none.")
     return lines + release_notes_of(cells, same)
-
-
-def release_notes_of(cells: Sequence[CellLabels], same: Sequence[CellLabels]) -> List[str]:
-    """The release notes (tp_cost_release_notes) a table's TP cells call for: its own cells,
-    each arm's release, and the file's cells of the same table measured on another release
-    (one table holds one release; these are the cells a reader holds against it)."""
-    if not same:
-        return []
-    group = same[0].identity.table_group().across_releases()
-    shown = list(same) + [c for c in cells if c not in same
-                          and c.identity.table_group().across_releases() == group]
-    return tp_cost_release_notes(same[0].identity.engine,
-                                 [(version, c.tp) for c in shown
-                                  for version in c.identity.releases])
 
 
 def warm_up(cfg: Config, arms: Sequence[Arm], prompts: Callable[[int], List[str]],
