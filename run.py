@@ -157,6 +157,9 @@ MAX_TRIALS = 100000  # --trials and --warmup
 MAX_REQUESTS = 1000000  # --requests in one load trial
 MAX_REPEAT = 100  # --repeat: more passes than this is a soak test, not a sweep
 MAX_SERVER_COUNT = 10**12  # a token count above this is no server's: arithmetic never sees it
+# --seed: a signed 64-bit int, what vLLM's completions request takes (0.34.0,
+# vllm/entrypoints/openai/completion/protocol.py 45-46 and 67: 400 above it)
+MAX_SEED = 2**63 - 1
 LIMITS = [  # what --help says of them (the arrivals slice adds its own)
     ("batch sizes, --max-batch, --batch, --concurrency", MAX_BATCH_SIZE),
     ("prompts", MAX_PROMPTS),
@@ -165,7 +168,8 @@ LIMITS = [  # what --help says of them (the arrivals slice adds its own)
     ("--prompt-tokens, --prefix-tokens", MAX_PROMPT_TOKENS),
     ("--trials, --warmup", MAX_TRIALS),
     ("--requests", MAX_REQUESTS),
-    ("--repeat", MAX_REPEAT)]
+    ("--repeat", MAX_REPEAT),
+    ("--seed", MAX_SEED)]
 # Sweep defaults
 DEFAULT_PROMPT = (  # a prompt with room to wander
     "Explain, step by step, why adding the same floating-point numbers in a different order can "
@@ -1487,6 +1491,15 @@ class Sampling:
 def is_count(x: Any) -> bool:
     """A whole number from 1 to MAX_SERVER_COUNT (true is not a count)."""
     return isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= MAX_SERVER_COUNT
+
+
+def logprobs_limit(value: Any) -> Optional[int]:
+    """The most top logprobs a server allows, from what it states (vLLM's max_logprobs): a
+    whole number from 0 (0: none allowed); anything else is unknown (None), -1 included,
+    which vLLM takes as no limit (vllm/config/model.py line 300, vLLM 0.34.0: ge=-1)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SERVER_COUNT:
+        return value
+    return None
 
 
 def plain_scalar(value: Any) -> Any:
@@ -3330,6 +3343,13 @@ def measure_until_stopped(out: Out, what: str,
                 message = "%s stopped at %s" % (what, why)
             else:
                 message = "%s stopped: %s" % (what, why)
+    if code == EXIT_OK and interrupt.signum is not None:
+        # the signal came while the last request was in flight and its answer came within
+        # the grace: everything was measured (the state stays complete), and the run still
+        # ends with the signal's code, as a job scheduler that sent it expects
+        code = STOP_SIGNALS[signal.Signals(interrupt.signum).name][0]
+        message = "%s: every request answered; ending as the signal asked" % (
+            signal.Signals(interrupt.signum).name)
     out.progress_done()
     if message:
         out.say(message, raising=False)
@@ -3752,6 +3772,24 @@ ENDPOINT_PATHS = sorted({p for a in ADAPTERS.values() for p in (a.generate_path,
 ENDPOINTS_USED = ", ".join("%s on %s" % (a.generate_path, a.label) for a in ADAPTERS.values())
 
 
+MAX_PORT = 65535  # TCP's ports are 1 to 65535 (0 asks the system for any free one)
+
+
+def check_port(netloc: str, url: str, option: str) -> None:
+    """Refuse a port that is no TCP port: not a number (digits only), or out of range (0, a
+    negative, above MAX_PORT). A colon with no port after it is the scheme's default port,
+    as urllib takes it."""
+    host_end = netloc.rfind("]")  # an IPv6 address holds colons of its own
+    _, colon, port = netloc[host_end + 1:].rpartition(":")
+    if not colon or not port:
+        return
+    if re.fullmatch(r"-?[0-9]+", port) and not 1 <= int(port) <= MAX_PORT:
+        raise UsageError("%s: %r has port %s, out of range: a port is from 1 to %d"
+                         % (option, url, port, MAX_PORT))
+    if not re.fullmatch(r"[0-9]+", port):
+        raise UsageError("%s: %r has a port that is not a number" % (option, url))
+
+
 def check_url(url: str, option: str) -> str:
     """The server's base URL: as an engine logs it (http://0.0.0.0:8000, which is this machine)
     or as OpenAI clients take it (ending in /v1, which the lab adds itself)."""
@@ -3771,10 +3809,9 @@ def check_url(url: str, option: str) -> str:
         raise UsageError(
             "%s: give the server's base URL without a query string or fragment (a key goes "
             "in --api-key or $OPENAI_API_KEY)" % option)
-    try:
-        parts.port
-    except ValueError:
-        raise UsageError("%s: %r has a port that is not a number" % (option, url)) from None
+    if "://" not in url and not url.startswith("/"):  # localhost:8000: its port, as given
+        check_port(urllib.parse.urlsplit("http://" + url).netloc, url, option)
+    check_port(parts.netloc, url, option)
     if "://" not in url and not url.startswith("/"):  # localhost:8000, or a bare host
         raise UsageError("%s: %r has no scheme: the lab speaks plain HTTP to engines, so give "
                          "http://%s" % (option, url, url))
@@ -5406,6 +5443,14 @@ def check_verdict(found: CheckFinding) -> str:
     return verdict + "".join("; %s" % part for part in list(found.uncompared) + stopped)
 
 
+def computed_cold(cached: Optional[int], isolate: bool) -> bool:
+    """Was a check's one-prompt request computed, not served by the prefix cache, by its own
+    cached-token count? A count the server does not give is trusted cold only under the
+    bypass (a fresh cache key each), as the sweep's own comparison trusts it; a run the cache
+    served compares the cache, not what the check varied."""
+    return cached == 0 or (cached is None and isolate)
+
+
 class SweepCheck:
     """One check a sweep runs beside its comparison of every batch with batch 1: its name and
     --expect values, its options (add_arguments, from_args, params), what the server's
@@ -6276,17 +6321,20 @@ class NeighbourCheck(SweepCheck):
         sent = send_requests(sender.executor, [Request((prompt,), sender.sampling)],
                              "neighbour requests", beside=neighbour, streams=NEIGHBOUR_STREAMS)
         answer, overlapped = sent.answers[0], sent.background
-        served = (answer.cached_tokens or 0) > 0
+        served = not computed_cold(answer.cached_tokens, sender.isolate)
         if not overlapped or served:
             return None, overlapped, served
         return compare_completions(lone, answer.completions[0],
                                    sender.adapter.logprob_clamps), overlapped, served
 
-    def control(self, run: SweepRun, prompt: str, lone: Completion) -> int:
+    def control(self, run: SweepRun, prompt: str, lone: Completion) -> Optional[int]:
         """The run-to-run control: the measured request alone again; 1 where it equals the
         lone run bitwise (a server that does not honour the seed, or moves run to run, shows
-        here, and nothing is put down to the neighbours)."""
-        again = run.sender.copies(prompt, 1, run.cfg.sweep.seed).completions[0]
+        here, and nothing is put down to the neighbours); None where the cache served it."""
+        sent = run.sender.copies(prompt, 1, run.cfg.sweep.seed)
+        if not computed_cold(sent.cached_tokens, run.sender.isolate):
+            return None
+        again = sent.completions[0]
         return int(compare_completions(lone, again, run.sender.adapter.logprob_clamps)
                    == IDENTICAL and again.text == lone.text)
 
@@ -6296,13 +6344,18 @@ class NeighbourCheck(SweepCheck):
             return None
         lone, parts = batch.completions[0], []
         self.unseeded = samples_unseeded(run.cfg.sampling, run.facts)
+        # the lone run the cache served is no reference: every run against it compares the
+        # cache, and is counted as served
+        lone_cold = computed_cold(batch.cached[0] if batch.cached else batch.cached_tokens,
+                                  run.sender.isolate)
         try:
-            control = self.control(run, prompt, lone)
+            control = self.control(run, prompt, lone) if lone_cold else None
             for length in self.lengths:
                 deltas, alone, served, overlapped = [], 0, 0, 0
                 for _ in range(NEIGHBOUR_RUNS):
                     delta, beside, was_served = self.beside(run, prompt, length, lone)
-                    if delta is None:
+                    was_served = was_served or not lone_cold
+                    if delta is None or was_served:
                         served += was_served
                         alone += not was_served
                         continue
@@ -6326,7 +6379,7 @@ class NeighbourCheck(SweepCheck):
             self.failure = str(err)
             run.out.warn("the neighbour check stops, the sweep goes on: %s" % err)
             return None
-        return NeighbourRow(parts, 1, control)
+        return NeighbourRow(parts, 0 if control is None else 1, control or 0)
 
     def summary_part(self, parts: List[Any],
                      sizes: Optional[List[SizeResult]]) -> Optional[NeighbourSummary]:
@@ -6350,8 +6403,19 @@ class ObserverSetting:
     none asked: the text is compared (with no logprobs asked, vLLM returns no token ids)."""
 
     logprobs: Optional[int]  # None: none asked (the reference)
-    runs: int
+    runs: int  # runs compared: the run and its reference both computed, not cache-served
     equal: int  # runs whose text equals the reference's
+    served: int = 0  # runs the prefix cache served (the run or its reference): compared nothing
+
+
+def observer_uncompared(setting: ObserverSetting, allowed: Optional[int]) -> str:
+    """Why a logprobs setting compared nothing: the cache served its runs, or it was not asked
+    (above what the server allows)."""
+    if setting.served:
+        return "top-%d: nothing compared (the cache served %d run%s)" % (
+            setting.logprobs, setting.served, "" if setting.served == 1 else "s")
+    return "top-%d: not asked (the server allows at most %s)" % (
+        setting.logprobs, fmt_opt(allowed, "fewer"))
 
 
 @dataclass(frozen=True)
@@ -6381,7 +6445,8 @@ class ObserverSummary:
         for row in rows:
             for part in row.settings:
                 by_setting.setdefault(part.logprobs, []).append(part)
-        settings = [ObserverSetting(k, sum(p.runs for p in parts), sum(p.equal for p in parts))
+        settings = [ObserverSetting(k, sum(p.runs for p in parts), sum(p.equal for p in parts),
+                                    sum(p.served for p in parts))
                     for k, parts in by_setting.items()]
         asked = [s for s in settings if s.logprobs is not None]
         control = [s for s in settings if s.logprobs is None]
@@ -6393,8 +6458,7 @@ class ObserverSummary:
                 "top-%d" % k for k in changed) if changed else None,
             held_where_compared="the same text with and without logprobs %s" % ", ".join(
                 "top-%d" % k for k in compared),
-            uncompared=["top-%d: not asked (the server allows at most %s)"
-                        % (s.logprobs, fmt_opt(allowed, "fewer")) for s in asked if not s.runs],
+            uncompared=[observer_uncompared(s, allowed) for s in asked if not s.runs],
             failure=failure, compares_runs=True,
             control_moved=any(s.equal < s.runs for s in control), unseeded=unseeded))
         return cls(found, settings)
@@ -6416,11 +6480,14 @@ class ObserverSummary:
     def lines(self, sizes: List["SizeResult"]) -> List[str]:
         """Its lines after the sweep's summary line (a Bold one states its verdict)."""
         part = self
-        held = ", ".join("top-%d %d/%d" % (s.logprobs, s.equal, s.runs) if s.runs else
-                         "top-%d not asked" % s.logprobs
+        def served(s: ObserverSetting) -> str:
+            return " (%d the cache served)" % s.served if s.served else ""
+
+        held = ", ".join("top-%d %d/%d%s" % (s.logprobs, s.equal, s.runs, served(s))
+                         if s.runs or s.served else "top-%d not asked" % s.logprobs
                          for s in part.settings if s.logprobs is not None)
-        control = ", control %d/%d" % next(((s.equal, s.runs) for s in part.settings
-                                            if s.logprobs is None), (0, 0))
+        control = ", control %s" % next(("%d/%d%s" % (s.equal, s.runs, served(s))
+                                         for s in part.settings if s.logprobs is None), "0/0")
         return [Bold("observer check (runs whose text equals the one with no logprobs: %s%s): %s"
                      % (held, control, part.verdict))]
 
@@ -6429,7 +6496,8 @@ class ObserverCheck(SwitchedCheck):
     """--observer-check: in every pass, batch 1's prompt is sent once with no logprobs asked,
     then once with each top-k of OBSERVER_LOGPROBS: asking for logprobs must not change what
     is generated (a server may take another sampling path when it must return them). The
-    text is compared."""
+    text is compared, only where the run and the first no-logprobs run were both computed:
+    a run the prefix cache served (by its own cached-token count) compares nothing."""
 
     NAME = "observer"
     OPTION = "--observer-check"
@@ -6444,30 +6512,42 @@ class ObserverCheck(SwitchedCheck):
         self.unseeded = False  # its runs sampled by a server that ignores the seed
         self.allowed: Optional[int] = None  # the most top logprobs the server allows, if said
 
-    def once(self, run: SweepRun, prompt: str, logprobs: Optional[int]) -> str:
+    def once(self, run: SweepRun, prompt: str, logprobs: Optional[int]) -> Tuple[str, bool]:
+        """The text of one request with that logprobs setting, and whether it was computed:
+        not known to be served by the prefix cache (by its own cached-token count; a count
+        the server does not give is trusted cold only under the bypass, as the sweep's own
+        comparison does)."""
         sampling = dataclasses.replace(run.cfg.sampling, logprobs=logprobs)
         sent = send_requests(run.sender.executor, [Request((prompt,), sampling)],
                              "the observer check's request")
-        return sent.answers[0].completions[0].text
+        answer = sent.answers[0]
+        count = answer.cached[0] if answer.cached else answer.cached_tokens
+        return answer.completions[0].text, computed_cold(count, run.sender.isolate)
+
+    @staticmethod
+    def setting(logprobs: Optional[int], reference: Tuple[str, bool],
+                run: Tuple[str, bool]) -> ObserverSetting:
+        """One run against the reference: compared only where neither was cache-served."""
+        if not (reference[1] and run[1]):
+            return ObserverSetting(logprobs, 0, 0, 1)
+        return ObserverSetting(logprobs, 1, int(run[0] == reference[0]))
 
     def batch_part(self, run: SweepRun, prompt: str, n: int,
                    batch: SentBatch) -> Optional[ObserverRow]:
         if not self.asked or n != 1 or self.failure is not None:
             return None
         self.unseeded = samples_unseeded(run.cfg.sampling, run.facts)
-        limit = run.facts.max_logprobs
-        self.allowed = limit if is_count(limit) else None
+        self.allowed = logprobs_limit(run.facts.max_logprobs)
         allowed = MAX_LOGPROBS if self.allowed is None else min(self.allowed, MAX_LOGPROBS)
         try:
             reference = self.once(run, prompt, None)
             # the run-to-run control: none asked, again
-            settings = [ObserverSetting(None, 1, int(self.once(run, prompt, None) == reference))]
+            settings = [self.setting(None, reference, self.once(run, prompt, None))]
             for k in OBSERVER_LOGPROBS[1:]:
                 if k > allowed:  # asked only what the server allows: this one compares nothing
                     settings.append(ObserverSetting(k, 0, 0))
                     continue
-                text = self.once(run, prompt, k)
-                settings.append(ObserverSetting(k, 1, int(text == reference)))
+                settings.append(self.setting(k, reference, self.once(run, prompt, k)))
         except ServerError as err:
             if err.kind == ServerError.NETWORK:  # the server itself is gone: the sweep stops
                 raise ServerError("observer check: %s" % err) from None
@@ -6803,7 +6883,7 @@ class SweepOptions:
         group.add_argument(
             "--temperature", type=real_number(0.0), default=DEFAULT_TEMPERATURE,
             help="default %g (greedy); above 0 a --seed is always sent" % DEFAULT_TEMPERATURE)
-        group.add_argument("--seed", type=whole_number(0), default=DEFAULT_SEED,
+        group.add_argument("--seed", type=whole_number(0, MAX_SEED), default=DEFAULT_SEED,
                            help="sampling seed when temperature > 0 (default %d)" % DEFAULT_SEED)
         group.add_argument(
             "--logprobs", type=whole_number(0, MAX_LOGPROBS), default=DEFAULT_LOGPROBS,
@@ -7335,10 +7415,11 @@ def run_sweep(cfg: Config, out: Out) -> int:
     facts = server_facts(cfg, cfg.url)
     refuse_what_cannot_fit(facts, cfg.sampling.max_tokens, options.prompt_tokens,
                            "--prompt-tokens")
-    if is_count(facts.max_logprobs) and cfg.sampling.logprobs > facts.max_logprobs:
+    allowed = logprobs_limit(facts.max_logprobs)
+    if allowed is not None and cfg.sampling.logprobs > allowed:
         raise UsageError("--logprobs %d is more top logprobs than the server allows (its "
                          "max_logprobs is %d): give at most %d"
-                         % (cfg.sampling.logprobs, facts.max_logprobs, facts.max_logprobs))
+                         % (cfg.sampling.logprobs, allowed, allowed))
     if options.prompt_tokens:
         built = built_prompt(client, adapter, facts, options.prompt_tokens)
         refuse_what_cannot_fit(facts, cfg.sampling.max_tokens, built.tokens,
@@ -7359,8 +7440,12 @@ def run_sweep(cfg: Config, out: Out) -> int:
     if cfg.save and finished_sweep(cfg.prior_save):
         keep_finished_sweep(cfg.save, out)
     saves = ThrottledSave(cfg.save, exclusive=True)
+    # each batch weighs the completions it brings back (Progress's work): n, or under mixed
+    # traffic the measured prompt's one (its fillers are not kept)
+    kept = [1 if options.traffic == "mixed" else n for n in sizes]
     progress = Progress(out,
-                        len(options.prompts) * options.repeat * len(sizes), "batches", cfg.quiet)
+                        len(options.prompts) * options.repeat * len(sizes), "batches", cfg.quiet,
+                        work=len(options.prompts) * options.repeat * sum(kept))
     table = None if cfg.json_out else SweepTable(cfg, out)
     if table:
         table.header(run, sizes, header)
@@ -7956,6 +8041,20 @@ def table_degrees(same: Sequence[CellLabels]) -> List[Any]:
     return [1] + tps
 
 
+def release_notes_of(cells: Sequence[CellLabels], same: Sequence[CellLabels]) -> List[str]:
+    """The release notes (tp_cost_release_notes) a table's TP cells call for: its own cells,
+    each arm's release, and the file's cells of the same table measured on another release
+    (one table holds one release; these are the cells a reader holds against it)."""
+    if not same:
+        return []
+    group = same[0].identity.table_group().across_releases()
+    shown = list(same) + [c for c in cells if c not in same
+                          and c.identity.table_group().across_releases() == group]
+    return tp_cost_release_notes(same[0].identity.engine,
+                                 [(version, c.tp) for c in shown
+                                  for version in c.identity.releases])
+
+
 def cost_table_lines(cells: List[CellLabels], current: CellLabels) -> List[str]:
     """The 2x2 table TP=1 / TP=k x cold / shared-prefix of the current cell (table_cells),
     under a heading that names what tells it from the file's other tables."""
@@ -7985,7 +8084,7 @@ def cost_table_lines(cells: List[CellLabels], current: CellLabels) -> List[str]:
     if filled < 4:
         lines.append("One cell alone is not a result: report all four (TP=1 and your real TP, "
                      "cold and shared-prefix), or none.")
-    return lines
+    return lines + release_notes_of(cells, same)
 
 
 def warm_up(cfg: Config, arms: Sequence[Arm], prompts: Callable[[int], List[str]],

@@ -164,6 +164,30 @@ class TheTableShowsThisRunsCells(unittest.TestCase):
         self.assertIn("+50.0%", row)
 
 
+    def test_tp_cells_of_vllm_before_and_from_0_34_0_print_the_release_note(self):
+        def at(version, tp):
+            def change(cell):
+                set_release(version)(cell)
+                set_setting("engine version", version)(cell)
+                cell.update(tp=tp)
+            return change
+
+        note = "Note: vllm TP > 1 costs measured before 0.34.0 and from it are not comparable"
+        older, newer, tp1 = (variant(saved_cell(), at(v, tp)) for v, tp in
+                             (("0.33.0", 2), ("0.34.0", 2), ("0.34.0", 1)))
+        cells = [labels(c) for c in (older, newer, tp1)]
+        for current in cells:
+            with self.subTest(release=current.identity.releases, tp=current.tp):
+                lines = run.cost_table_lines(cells, current)
+                self.assertEqual([l for l in lines if l.startswith("Note: ")],
+                                 [l for l in lines if l.startswith(note)])
+                self.assertEqual(len([l for l in lines if l.startswith(note)]), 1, lines)
+        # one release only, or TP 1 only across releases: no note
+        for shown in ([newer, tp1], [tp1, variant(saved_cell(), at("0.33.0", 1))]):
+            cells = [labels(c) for c in shown]
+            lines = run.cost_table_lines(cells, cells[0])
+            self.assertFalse([l for l in lines if l.startswith("Note: ")], lines)
+
     def test_a_cell_whose_flag_on_arm_measured_faster_is_marked(self):
         faster = variant(saved_cell(), lambda c: c.update(overhead_pct=-7.3, significant=True,
                                                           ci95_pct=[-15.8, -5.6]))

@@ -154,6 +154,17 @@ class InputBoundedBeforeAnyRequest(TempDirTest):
         self.refused(*cost, "--concurrency", 5000, message="give 1 to 4096")
         self.refused(*cost, "--concurrency", 8, "--requests", 10 ** 7, message="give 1 to 1000000")
 
+    def test_a_seed_beyond_a_signed_64_bit_int_is_refused(self):
+        # what vLLM's completions request takes (its 400 would come only after the check's
+        # first request); the largest one is taken, in both modes
+        for mode in (("sweep",), ("cost", "--invariant", "http://127.0.0.1:1")):
+            with self.subTest(mode=mode[0]):
+                self.refused(*mode, "--seed", 2 ** 63, "--temperature", "0.7",
+                             message="--seed: give 0 to %d (got %d)" % (2 ** 63 - 1, 2 ** 63))
+                self.refused(*mode, "--seed", 10 ** 30, message="--seed: give 0 to")
+        self.assertEqual(run.configure(["--mode", "sweep", "--seed", str(2 ** 63 - 1),
+                                        "--temperature", "0.7"]).sampling.seed, 2 ** 63 - 1)
+
     def test_prompt_files_are_bounded_in_count_and_length(self):
         many = self.path("many.txt")
         with open(many, "w") as f:
@@ -168,6 +179,7 @@ class InputBoundedBeforeAnyRequest(TempDirTest):
         text = subprocess.run([sys.executable, RUN_PY, "--help"], capture_output=True, text=True).stdout
         self.assertIn("limits (larger is refused):", text)
         self.assertRegex(text, r"batch sizes, --max-batch, --batch, --concurrency +at most 4096")
+        self.assertRegex(text, r"\n  --seed +at most 9223372036854775807\n")
 
     def test_malformed_urls_get_a_usage_error_and_a_hint(self):
         for url, message in [
@@ -234,6 +246,34 @@ class Urls(unittest.TestCase):
         for given, wanted in cases.items():
             with self.subTest(url=given):
                 self.assertEqual(run.check_url(given, "--url"), wanted)
+
+    def test_a_port_out_of_range_is_refused_as_such(self):
+        for url, port in (("localhost:99999", "99999"), ("http://localhost:99999", "99999"),
+                          ("http://127.0.0.1:65536/v1", "65536"), ("http://[::1]:70000", "70000"),
+                          ("http://localhost:0", "0"), ("localhost:0", "0"),
+                          ("http://localhost:-1", "-1"), ("localhost:-8000", "-8000")):
+            with self.subTest(url=url):
+                with self.assertRaises(run.UsageError) as caught:
+                    run.check_url(url, "--url")
+                self.assertEqual(str(caught.exception),
+                                 "--url: %r has port %s, out of range: a port is from 1 to "
+                                 "65535" % (url, port))
+        for url in ("http://localhost:80x", "http://localhost:+80", "http://localhost:٣",
+                    "http://[::1]:8o"):
+            with self.subTest(url=url):
+                with self.assertRaises(run.UsageError) as caught:
+                    run.check_url(url, "--url")
+                self.assertIn("has a port that is not a number", str(caught.exception))
+        for url in ("http://localhost:1", "http://localhost:65535", "http://[::1]:8000"):
+            with self.subTest(url=url):
+                self.assertEqual(run.check_url(url, "--url"), url)
+
+    def test_a_port_out_of_range_is_one_line_before_any_request(self):
+        r = run_lab("--mode", "sweep", "--url", "localhost:99999")
+        one_error_line(self, r, 2, "has port 99999, out of range: a port is from 1 to 65535")
+        r = run_lab("--mode", "cost", "--url", "http://127.0.0.1:8000", "--invariant",
+                    "http://127.0.0.1:0")
+        one_error_line(self, r, 2, "--invariant: 'http://127.0.0.1:0' has port 0, out of range")
 
     def test_a_v1_url_and_the_address_vllm_logs_work(self):
         with StubServer() as stub:

@@ -62,6 +62,20 @@ class NeighbourCheck(TempDirTest):
                             for b in neighbours))
         self.assertEqual(len({b["cache_salt"] for b in neighbours}), len(neighbours))
 
+    def test_a_control_or_lone_run_the_cache_served_compares_nothing(self):
+        # the cache kept: the lone run of the second pass, and every run again (the control
+        # included), are served from the cache batch 1 filled; only the first lone run is cold
+        with StubServer(StubConfig(prompt_tokens_details=True, scheduler_window=0.05)) as stub:
+            r = short_sweep(stub, "--sizes", "1", "--repeat", 2, "--max-tokens", 16,
+                            "--prefix-cache", "keep", "--neighbours", "16", "--json")
+        self.assertEqual(r.code, 0, r)
+        summary = r.json()["summary"]
+        self.assertEqual(summary["neighbours_control_runs"], 0)
+        length = summary["neighbours_lengths"][0]
+        self.assertEqual((length["runs"], length["served"]), (0, 2 * run.NEIGHBOUR_RUNS))
+        self.assertTrue(summary["neighbours_verdict"].startswith("nothing compared"),
+                        summary["neighbours_verdict"])
+
     def test_bad_lengths_are_refused(self):
         for value in ("", "a", "0", "16,16", "1,,2"):
             with self.subTest(value=value):
@@ -86,6 +100,38 @@ class ObserverCheck(TempDirTest):
             self.assertEqual(moved.code, 1, moved)
             self.assertTrue(moved.json()["summary"]["observer_verdict"].startswith(
                 "the text changed when logprobs"))
+
+    def test_runs_the_cache_served_compare_nothing(self):
+        # the cache serves every prompt whatever its key, and says so: no run of the check
+        # is compared, its control neither, and --expect observer-equal does not hold
+        with StubServer(StubConfig(cache_serves="all", prompt_tokens_details=True)) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1", "--max-tokens", 8,
+                        "--observer-check", "--expect", "observer-equal", "--save",
+                        self.path("s.json"))
+        self.assertEqual(r.code, 1, r)
+        summary = self.load("s.json")["summary"]
+        self.assertTrue(summary["observer_verdict"].startswith("nothing compared: top-0: "
+                                                               "nothing compared (the cache "
+                                                               "served 3 runs)"),
+                        summary["observer_verdict"])
+        runs = {s["logprobs"]: (s["runs"], s["served"]) for s in summary["observer_settings"]}
+        self.assertEqual(runs, {None: (0, 3), 0: (0, 3), 5: (0, 3), 20: (0, 3)})
+        line = next(l for l in r.stdout.splitlines() if l.startswith("observer check ("))
+        self.assertIn("control 0/0 (3 the cache served)", line)
+        self.assertIn("expectation failed: --expect observer-equal", r.stdout)
+
+    def test_a_kept_cache_whose_counts_are_not_said_compares_nothing(self):
+        # --prefix-cache keep: the same prompt again may be served by the cache batch 1
+        # filled; where the server gives no count that is not known, and nothing is compared.
+        # Under the bypass a request with a fresh key is computed, as the sweep trusts it.
+        with StubServer() as stub:
+            kept = short_sweep(stub, "--sizes", "1", "--prefix-cache", "keep",
+                               "--observer-check", "--json")
+            bypassed = short_sweep(stub, "--sizes", "1", "--observer-check", "--json")
+        self.assertTrue(kept.json()["summary"]["observer_verdict"].startswith(
+            "nothing compared"), kept.stdout)
+        self.assertEqual(bypassed.json()["summary"]["observer_verdict"],
+                         "the same text with and without logprobs")
 
 
 class DriftInNats(TempDirTest):

@@ -130,6 +130,37 @@ class Progress(TempDirTest):
             unweighed.finished("batch %d" % n, n)
         self.assertLess(unweighed.left_s(now[0]), sum(sizes[4:]))  # steps alike: too little
 
+    def test_a_sweeps_steps_weigh_their_batch_sizes(self):
+        # each step of a real sweep takes, on an emulated clock, as many seconds as the
+        # completions it brought back (the first 10 more: the start-up); from the third step
+        # on, the time left is the true remainder: a batch of 4 weighs four of batch 1
+        made = []
+
+        class Emulated(run.Progress):
+            def __init__(self, *args, **kwargs):
+                self.now, self.left = 0.0, []
+                super().__init__(*args, clock=lambda: self.now, **kwargs)
+                made.append(self)
+
+            def finished(self, what, completions):
+                self.now += completions + (10.0 if not self.done else 0.0)
+                super().finished(what, completions)
+                self.left.append(self.left_s(self.now))
+
+        for traffic, per_pass in (("concurrent", [1, 2, 4]), ("mixed", [1, 1, 1])):
+            with self.subTest(traffic=traffic), StubServer() as stub, \
+                    mock.patch.object(run, "Progress", Emulated):
+                r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2,4",
+                            "--repeat", 2, "--max-tokens", 4, "--traffic", traffic, "--quiet")
+            self.assertEqual(r.code, 0, r)
+            progress = made.pop()
+            steps = per_pass * 2
+            self.assertEqual(progress.work, sum(steps))
+            self.assertEqual(progress.completions, progress.work)
+            self.assertEqual(progress.left[:2], [None, None])
+            for i, left in enumerate(progress.left[2:-1], start=2):
+                self.assertAlmostEqual(left, sum(steps[i + 1:]), places=6)
+
     def test_a_live_line_on_a_terminal(self):
         class Tty:
             def __init__(self):

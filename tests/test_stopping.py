@@ -44,6 +44,62 @@ class NothingMeasuredLost(TempDirTest):
         with mock.patch.object(target, name, then_signal):
             return run_lab(*args)
 
+    def signalled_at_call(self, target, name, k, *args):
+        """run.py in this process, sending itself SIGTERM as target.name is called the k-th
+        time (counting from 1), before that call runs."""
+        real, calls = getattr(target, name), []
+
+        def signal_kth(*a, **kw):
+            calls.append(True)
+            if len(calls) == k:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return real(*a, **kw)
+
+        with mock.patch.object(target, name, signal_kth):
+            return run_lab(*args)
+
+    def test_a_signal_while_the_last_batch_is_in_flight_ends_143_with_it_saved(self):
+        # copies: each batch is one request (Executor.one); the fourth, the last batch's, gets
+        # the signal as it goes out, and its answer comes well within the signal's grace (a
+        # liveness bound here): the sweep ends having measured everything, and says how
+        for extra in ((), ("--json",)):
+            with self.subTest(extra=extra), StubServer(StubConfig(step_delay=0.01)) as stub, \
+                    mock.patch.object(run, "STOP_GRACE_S", 60.0):
+                r = self.signalled_at_call(
+                    run.Executor, "one", 4, "--mode", "sweep", "--url", stub.url,
+                    "--traffic", "copies", "--sizes", "1,2", "--repeat", 2,
+                    "--max-tokens", 8, "--expect", "invariant", "--save", self.path("s.json"),
+                    *extra)
+                self.assertEqual(len(stub.generation_bodies()), 4)
+            self.assertEqual(r.code, 143, r)
+            self.assertIn("stopping after the current request", r.stderr)
+            self.assertIn("run.py: SIGTERM: every request answered; ending as the signal asked",
+                          r.stderr)
+            self.assertNotIn("expect invariant", r.stdout)  # no verdict of --expect is read
+            self.assertNotIn("Traceback", r.stderr)
+            doc = self.load("s.json")
+            self.assertEqual(doc["summary"]["state"], "complete")  # everything was measured
+            self.assertEqual(doc["summary"]["total_completions"], 6)
+            self.assertEqual([s["batch_size"] for s in doc["prompts"][0]["sizes"]], [1, 2])
+            if extra:
+                self.assertEqual(r.json()["summary"]["total_completions"], 6)
+
+    def test_a_signal_while_the_last_cost_trial_is_in_flight_ends_143_with_the_cell(self):
+        # one request a trial on each arm, no warm-up: the fourth is the last trial's
+        with StubServer(StubConfig(step_delay=0.01)) as off, \
+                StubServer(StubConfig(invariant=True, step_delay=0.01)) as on, \
+                mock.patch.object(run, "STOP_GRACE_S", 60.0):
+            r = self.signalled_at_call(
+                run.Executor, "one", 4, "--mode", "cost", "--url", off.url, "--invariant",
+                on.url, "--batch", 2, "--trials", 2, "--warmup", 0, "--max-tokens", 4,
+                "--save", self.path("c.json"))
+            sent = len(off.generation_bodies()) + len(on.generation_bodies())
+        self.assertEqual(sent, 4)
+        self.assertEqual(r.code, 143, r)
+        self.assertNotIn("Traceback", r.stderr)
+        cells = self.load("c.json")["cells"]
+        self.assertEqual([(c["state"], c["trials"]) for c in cells], [("complete", 2)])
+
     def test_a_signal_during_a_checks_requests_keeps_batch_1(self):
         # the check's request in flight outlasts the signal's grace (set to none here)
         with StubServer(StubConfig(step_delay=0.01)) as stub, \
