@@ -50,7 +50,8 @@ Variables (all optional), with their defaults:
   SERVE_OFF, SERVE_ON   the commands that start each arm (default: this folder's launch
                         script for the engine, with PORT set); the practice engine, for a
                         dry run: SERVE_OFF="python3 tests/stub_server.py --port 8000"
-                        SERVE_ON="python3 tests/stub_server.py --port 8001 --invariant"
+                        SERVE_ON="python3 tests/stub_server.py --port 8001 --invariant
+                        --prefill-agrees" (its decode and prefill agree, as a real flag-on arm's)
   OFF_PORT, ON_PORT     the arms' ports: the launch scripts listen there, the lab asks there
                         (default: a --port in SERVE_OFF/SERVE_ON, else 8000 and 8001 for vllm,
                         30000 and 30001 for sglang)
@@ -69,8 +70,8 @@ configuration, the options the experiment sets itself refused in any spelling, U
 checks them, one address in two spellings, ports against the serve commands, GPUS as CUDA
 reads it.
 
-Exit codes: 0 every step ran, every --expect held and the flag-on arm moved in no shape (as
-the saved results say); otherwise the first failing step's code (run.py's: 1 an --expect did
+Exit codes: 0 every step ran, every --expect held and the flag-on arm moved in no shape and
+no check (as the saved results say); otherwise the first failing step's code (run.py's: 1 an --expect did
 not hold, 3 a server failed, ...), or 1 where every step ran but a saved result breaks the
 claim (the flag-on arm moved, a step saved no whole result); 2 a malformed variable or a busy
 port (nothing was started); 4 an arm exited, could not be started, or was not ready
@@ -1265,6 +1266,34 @@ def moved(doc: Optional[dict]) -> bool:
                                                         and ulp > 0)
 
 
+# run.py's words for a check that compared nothing (check_verdict): it claims nothing either way
+UNCOMPARED_WORDS = (lab.NO_DATA, lab.NOTHING_COMPARED, lab.NOT_SERVED.split("%s")[0])
+# run.py's words for a check that held, everywhere it compared (check_verdict, each check's
+# held wording, whole or where only some of its parts compared): what the flag-on arm's
+# checks must say. Any other verdict of a check that compared is a move, a new check's
+# included, until its held wording is listed here
+HELD_WORDS = (lab.PREFILL_AGREE, lab.CACHE_EQUAL, lab.CACHE_UNVERIFIED, lab.OBSERVER_HELD,
+              lab.NEIGHBOURS_HELD, "held beside neighbours of")
+
+
+def check_moved(verdict: str) -> bool:
+    """Does a check's saved verdict say that what it compared moved (not held, and not
+    compared nothing)? Its first clause is the verdict; later clauses name parts that
+    compared nothing."""
+    first = verdict.split("; ")[0]
+    return not first.startswith(UNCOMPARED_WORDS + HELD_WORDS)
+
+
+def sweep_moved(doc: Optional[dict]) -> bool:
+    """Did the sweep move, by its saved verdict (anything but invariant that compared
+    something: tokens, logprobs, text, a batch 1 that did not repeat) or its saved counts
+    (moved())?"""
+    found = summary_of(doc).get("verdict")
+    said = isinstance(found, str) and found != lab.INVARIANT and not found.startswith(
+        tuple(lab.UNMEASURED_VERDICTS))
+    return said or moved(doc)
+
+
 def check_verdicts(doc: Optional[dict]) -> List[Tuple[str, str]]:
     """Every check the sweep ran, with its verdict, as saved: each check's summary holds its
     verdict under NAME_verdict (prefill, neighbours, observer, cache_check, ...)."""
@@ -1396,8 +1425,10 @@ def status_line(exp: Experiment) -> str:
 def judge(exp: Experiment) -> None:
     """What the saved files say beyond the steps' exit codes: a lab step that exited 0 must
     have saved a whole result, and the flag-on arm must have moved in no shape (a sweep with
-    no --expect, copies in one request, moves with exit 0). Each breach is a reason in the
-    report's first line, and the run's exit code 1 where it had none."""
+    no --expect, copies in one request, moves with exit 0) and in no check a sweep ran (its
+    saved NAME_verdict: the prefill check's, the observer check's, ...; the sweep's --expect
+    invariant reads only its batches). Each breach is a reason in the report's first line,
+    and the run's exit code 1 where it had none."""
     for step in exp.steps:
         if not step.lab or step.exit_code != 0:
             continue
@@ -1412,8 +1443,10 @@ def judge(exp: Experiment) -> None:
     for tp in exp.settings.degrees:
         folder = os.path.join(exp.run_dir, "tp%d" % tp)
         for stem, key, traffic, expect, shape in SWEEPS:
+            if key != "on":
+                continue
             doc = load(os.path.join(folder, stem + ".json"))
-            if key == "on" and moved(doc):
+            if sweep_moved(doc):
                 sm = summary_of(doc)
                 exp.judged.append(
                     "the flag-on arm moved, %s (TP %d): %s, %s unique of %s, max ULP %s, first "
@@ -1421,6 +1454,11 @@ def judge(exp: Experiment) -> None:
                                    fmt(sm.get("unique_completions")),
                                    fmt(sm.get("total_completions")), fmt(sm.get("max_ulp")),
                                    first_moved(doc)))
+            # every check the sweep ran, by its saved verdict: the sweep's --expect invariant
+            # reads only its batches, so a check that moved leaves its exit code 0
+            exp.judged += ["the flag-on arm's %s check moved, %s (TP %d): %s"
+                           % (check, shape, tp, verdict)
+                           for check, verdict in check_verdicts(doc) if check_moved(verdict)]
     if exp.judged and exp.exit_code == 0:
         exp.exit_code = lab.EXIT_EXPECTATION
 

@@ -221,6 +221,35 @@ class ExperimentRuns(Experiment):
             self.assertIn("prefill: %s" % verdict, row)
         self.assertIn("expect invariant: held", report)  # run.py's own --expect line
 
+    def test_a_flag_on_check_that_moved_is_not_as_expected(self):
+        """The flag-on sweep's batches agree (its --expect invariant holds, exit 0), but a
+        check it ran moved: the observer check (the practice engine computes a request that
+        asks for no logprobs another way) or the prefill check (its decode differs from its
+        prefill). The saved check verdict makes the run not as expected, exit 1."""
+        stub = "python3 %s --port {port} --prompt-tokens-details" % (
+            os.path.join(ROOT, "tests", "stub_server.py"))
+        for check, fault, verdict, sweep_args in (
+                ("observer", "--prefill-agrees --logprobs-path-differs",
+                 "the text changed when logprobs top-0, top-5, top-20 were asked for",
+                 " --observer-check"),
+                ("prefill", "", "decode and prefill differ", "")):
+            with self.subTest(check=check):
+                code, out, err = self.finish(self.start(
+                    SERVE_OFF=stub.format(port="{off}"),
+                    SERVE_ON=stub.format(port="{on}") + " --invariant " + fault,
+                    SWEEP_ARGS="--sizes 1,2,9,17 --max-tokens 12 --repeat 2" + sweep_args))
+                self.assertEqual(code, 1, err)
+                on = self.load_run("tp1", "sweep_on.json")["summary"]
+                self.assertEqual(on["verdict"], "invariant")  # the sweep itself held ...
+                self.assertIn("expect invariant: held", self.load_run("tp1", "sweep_on.txt"))
+                self.assertEqual(on["%s_verdict" % check], verdict)  # ... its check did not
+                first = self.load_run("REPORT.md").splitlines()[0]
+                self.assertIn("NOT AS EXPECTED (exit 1, an --expect did not hold)", first)
+                self.assertIn("the flag-on arm's %s check moved, concurrent requests (TP 1): %s"
+                              % (check, verdict), first)
+                self.assertNotIn("complete", first)
+                self.assertTrue(out.startswith(first + "\n"), out)  # printed as written
+
     def test_the_flag_off_arm_is_swept_while_the_flag_on_arm_loads(self):
         """One device: the flag-on arm loads only once the flag-off arm is ready, and the
         flag-off arm's sweeps run meanwhile; each step says when it starts and what it

@@ -296,7 +296,7 @@ class KeysKeptOutOfTheExperiment(Experiment):
             key, os.path.join(ROOT, "tests", "stub_server.py"))
         code, out, err = self.finish(self.start(
             OPENAI_API_KEY=key, VLLM_API_KEY=key, SERVE_OFF=stub.format(port="{off}"),
-            SERVE_ON=stub.format(port="{on}") + " --invariant",
+            SERVE_ON=stub.format(port="{on}") + " --invariant --prefill-agrees",
             COST_ARGS="--batch 2 --trials 2 --warmup 0 --max-tokens 4 --allow-mismatch"))
         self.assertEqual(code, 0, err)
         self.assertIn("VLLM_API_KEY=[api key]", self.load_run("REPORT.md"))
