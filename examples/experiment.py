@@ -1142,6 +1142,28 @@ KEY_VARIABLES = ("OPENAI_API_KEY", "VLLM_API_KEY")
 KEY_STANDS_BEFORE = re.compile(
     r"(?i)(?:api[_-]?key|authorization)['\"]?\s*[:=]?\s*\[?\s*['\"]?(?:bearer\s+)?$|bearer\s+$")
 TOKEN_CHARACTERS = "_-.+/="  # a key's neighbours that would make it part of a longer token
+# The characters bash's printf %q writes with a backslash before them (bash 5.2, a key of
+# printable characters; and # or ~ as its first): how the launch scripts log a command
+SHELL_ESCAPED = frozenset(" \t!\"$&'()*,;<>?[\\]^`{|}")
+
+
+def key_forms(key: str) -> Tuple[List[str], List[str]]:
+    """Every form a key takes in what an engine or a shell writes, from the key itself:
+    (the forms without quotes around them, the quoted forms). As given; quoted for the shell
+    (shlex.quote, and backslash-escaped as bash's printf %q writes it: a launch line); as
+    Python writes it, in either quote style (SGLang's logged server_args, a Namespace); as
+    JSON writes it (with and without non-ASCII escaped). A form is hidden without its quotes
+    where it has any, so that what stands around it stays."""
+    def python_literal(quote: str) -> str:
+        return quote + "".join("\\" + c if c == quote else repr(c)[1:-1] for c in key) + quote
+
+    escaped = "".join("\\" + c if c in SHELL_ESCAPED or (i == 0 and c in "#~") else c
+                      for i, c in enumerate(key))
+    quoted = {shlex.quote(key), python_literal("'"), python_literal('"'), json.dumps(key),
+              json.dumps(key, ensure_ascii=False)}
+    bare = {key, escaped} | {f[1:-1] for f in quoted
+                             if len(f) > 1 and f[0] in "'\"" and f[-1] == f[0]}
+    return sorted(bare, key=len, reverse=True), sorted(quoted - bare, key=len, reverse=True)
 
 
 class Keys:
@@ -1153,27 +1175,41 @@ class Keys:
     variable's as [api key] (lab.key_free_command's rule, for run.py's commands and the
     engines'); text an engine writes (its log, as the experiment writes it) has a known key
     hidden where a key stands (KEY_STANDS_BEFORE), and a key long enough to be told from
-    other text (lab.Secrets) wherever it stands."""
+    other text (lab.Secrets) wherever it stands, each in every form it takes (key_forms:
+    quoted for the shell, written by Python or JSON). EXTRA_ARGS is read as the launch
+    scripts pass it too (split at blanks, quotes kept)."""
 
     LAUNCH_OPTIONS: Tuple[str, ...] = ()  # an engine's options are not known here: any
     # abbreviation of --api-key in a launch command is taken for it
 
     def __init__(self, env: Dict[str, str]):
-        words = []
+        commands = []
         for name in ("SWEEP_ARGS", "COST_ARGS", "EXTRA_ARGS", "SERVE_OFF", "SERVE_ON"):
             try:
-                words += shlex.split(env.get(name, ""))
+                commands.append(shlex.split(env.get(name, "")))
             except ValueError:
                 continue
+        # EXTRA_ARGS as the launch scripts pass it to the engine: split at blanks, its quotes
+        # and backslashes kept (--api-key q'uo\te is the engine's key q'uo\te)
+        commands.append(env.get("EXTRA_ARGS", "").split())
         keys = {env.get(name, "") for name in KEY_VARIABLES}
-        for word, shown in zip(words, self.command(words, launch=True)):
-            if shown == "[api key]":
-                keys.add(word)
-            elif shown.endswith("=[api key]"):
-                keys.add(word.split("=", 1)[1])
-        self.keys = sorted((k for k in keys if k), key=len, reverse=True)
+        for words in commands:
+            for word, shown in zip(words, self.command(words, launch=True)):
+                if shown == "[api key]":
+                    keys.add(word)
+                elif shown.endswith("=[api key]"):
+                    keys.add(word.split("=", 1)[1])
+        # each key in every form it takes (key_forms), hidden as itself: those without quotes
+        # first, so that a logged 'api_key': '...' keeps its quotes
+        given = sorted((k for k in keys if k), key=len, reverse=True)
+        forms = [key_forms(key) for key in given]
+        bare = sorted({f for each, _ in forms for f in each}, key=len, reverse=True)
+        self.keys = list(dict.fromkeys(bare + sorted(
+            (f for _, quoted in forms for f in quoted), key=len, reverse=True)))
+        # anywhere: a long form without its quotes (in every quoted form there is one); a
+        # short key's quoted form is longer than the key, and still hidden only where it stands
         self.secrets = lab.Secrets()
-        self.secrets.keep(*self.keys)
+        self.secrets.keep(*bare)
         self.lab_options = list(lab.build_parser()._option_string_actions)
 
     def command(self, words: List[str], launch: bool = False) -> List[str]:
