@@ -200,10 +200,12 @@ def split_words(name: str, env: Dict[str, str]) -> List[str]:
 # them (an option's dest: --base-url is --url, --exp=variant is --expect): given in SWEEP_ARGS
 # or COST_ARGS they would undo a step (a flag-off sweep's negative control replaced, the flag-on
 # sweep sent to the flag-off arm, the same workload timed twice), so they are refused before
-# any arm starts
+# any arm starts. The sweeps bypass the prefix cache (--prefix-cache bypass): with it kept, a
+# request the cache served compares nothing, and both sweeps' --expect would fail having
+# measured nothing, once the arms had loaded
 OWNED_DESTS = {
     "SWEEP_ARGS": ("mode", "engine", "url", "save", "json_out", "traffic", "expect",
-                   "prefill_check", "baseline", "wait_ready", "invariant"),
+                   "prefill_check", "baseline", "wait_ready", "invariant", "prefix_cache"),
     "COST_ARGS": ("mode", "engine", "url", "invariant", "save", "json_out", "workload", "tp",
                   "wait_ready"),
 }
@@ -694,7 +696,7 @@ def sweep_options(s: Settings, key: str, traffic: str, expect: Optional[str],
     """run.py's options for one sweep of one arm (save None: as checked before any arm
     starts, with nothing to save to yet)."""
     words = ["--mode", "sweep", "--engine", s.engine, "--url", s.urls[key], "--wait-ready", "60",
-             "--traffic", traffic]
+             "--traffic", traffic, "--prefix-cache", "bypass"]
     words += ["--save", save] if save else []
     words += ["--prefill-check"] if traffic == "concurrent" else []
     words += ["--expect", expect] if expect else []

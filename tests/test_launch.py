@@ -511,6 +511,9 @@ class ExperimentFailures(Experiment):
             ({"COST_ARGS": "--workload cold"}, "COST_ARGS: --workload is"),
             ({"COST_ARGS": "--save x.json"}, "COST_ARGS: --save is"),
             ({"SWEEP_ARGS": "--url http://x:1"}, "SWEEP_ARGS: --url is"),
+            # the sweeps bypass the prefix cache: kept, they would compare nothing
+            ({"SWEEP_ARGS": "--prefix-cache keep"}, "SWEEP_ARGS: --prefix-cache is the "
+             "experiment's own"),
             ({"OFF_URL": "http://127.0.0.1:{on}"}, "would both listen at"),
             ({"GPUS": "0,0"}, "names device 0 twice"),
             # by what run.py's parser makes of a word: an alias, and the options with which
@@ -572,6 +575,42 @@ class ExperimentFailures(Experiment):
                 subprocess.run(["pgrep", "-f", "--port %d" % port], capture_output=True).stdout,
                 b"",
             )
+
+
+class EveryOptionTheExperimentRefuses(TempDirTest):
+    """Every option the experiment refuses in SWEEP_ARGS or COST_ARGS (its own, by run.py's
+    dest, and those with which run.py measures nothing) is refused before any arm starts:
+    exit 2, one line, no run folder, no serve command run."""
+
+    def test_each_refused_option_is_refused_before_any_arm_starts(self):
+        import contextlib
+        import io
+        sys.path.insert(0, os.path.join(ROOT, "examples"))
+        import experiment
+        parser = run.build_parser()
+        marker = self.path("an-arm-started")
+        serve = "python3 -c 'open(%r, \"w\")' --port {port}" % marker
+        refused = [(name, dest) for name, dests in experiment.OWNED_DESTS.items()
+                   for dest in dests + experiment.ENDING_DESTS]
+        self.assertIn(("SWEEP_ARGS", "prefix_cache"), refused)
+        for name, dest in refused:
+            action = next(a for a in parser._actions if a.dest == dest)
+            option = next(o for o in action.option_strings if o.startswith("--"))
+            words = [option] + (["x"] if action.nargs != 0 else [])
+            with self.subTest(variable=name, option=option):
+                env = {"PATH": os.environ["PATH"], name: " ".join(words),
+                       "SERVE_OFF": serve.format(port=free_port()),
+                       "SERVE_ON": serve.format(port=free_port())}
+                said = io.StringIO()
+                with contextlib.redirect_stderr(said):
+                    code = experiment.main(["vllm", self.path("out")], env)
+                self.assertEqual(code, 2, said.getvalue())
+                lines = said.getvalue().splitlines()
+                self.assertEqual(len(lines), 1, lines)
+                self.assertTrue(lines[0].startswith("experiment: %s: %s " % (name, option)),
+                                lines)
+                self.assertFalse(os.path.exists(self.path("out")))
+                self.assertFalse(os.path.exists(marker))
 
 
 class ByHandScripts(unittest.TestCase):
