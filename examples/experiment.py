@@ -762,6 +762,8 @@ class Experiment:
         self.ended: Optional[float] = None
         self.exit_code = 0
         self.stopped_by: Optional[str] = None
+        self.stopped_steps: List[Step] = []  # the steps running when a stop signal came
+        self.stopped_during = ""  # what the run was doing then, where no step was running
         self.failure: str = ""  # what ended the run early (an arm), in one line
         self.first_tp: Optional[int] = None  # the first degree measured: the others against it
         self.launched: Dict[str, List[str]] = {}  # arm -> how it was started, as logged
@@ -875,6 +877,27 @@ class Experiment:
         )
         if step.exit_code != 0 and self.exit_code == 0:
             self.exit_code = step.exit_code
+
+    def stopped(self) -> None:
+        """A stop signal came: the steps it stops (every one begun and not ended), or, with
+        none running, what the run was doing (an arm starting, or between steps) and the
+        last step that ended, so that the report's first line says where it stopped."""
+        self.stopped_steps = [step for step in self.steps if step.ended is None]
+        starting = [arm for arm in self.arms if arm.process is not None and arm.ready_at is None]
+        if starting:
+            doing = "%s %s starting (TP %s)" % (" and ".join(arm.name for arm in starting),
+                                                "were" if len(starting) > 1 else "was",
+                                                starting[0].env.get("TP", "?"))
+        else:
+            doing = "between steps"
+        ended = [step for step in self.steps if step.ended is not None]
+        if ended:
+            last = max(ended, key=lambda step: step.ended)
+            doing += ", after step %d of %d (%s)" % (last.number, max(self.planned, last.number),
+                                                     last.title())
+        else:
+            doing += ", before the first step"
+        self.stopped_during = doing
 
     def check_arms(self) -> None:
         for arm in self.arms:
@@ -1436,13 +1459,18 @@ def status_line(exp: Experiment) -> str:
         why.append("stopped by %s" % exp.stopped_by)
     if exp.failure:
         why.append(exp.failure)
-    stopped = [step.title() for step in exp.steps
-               if exp.stopped_by and step.exit_code == exp.exit_code]
+    def was_stopped(step: Step) -> bool:  # by the signal: running when it came, or its code
+        return bool(exp.stopped_by) and (any(step is s for s in exp.stopped_steps)
+                                         or step.exit_code == exp.exit_code)
+
+    stopped = [step.title() for step in exp.steps if was_stopped(step)]
     if stopped:  # stopped by the signal the exit code names: said once, with the steps
         why.append("the step%s it stopped: %s" % ("s" if len(stopped) > 1 else "",
                                                   ", ".join(stopped)))
+    elif exp.stopped_by:
+        why.append("no step was running when it came: %s" % (exp.stopped_during or "-"))
     for step in exp.steps:
-        if exp.stopped_by and step.exit_code == exp.exit_code:
+        if was_stopped(step):
             continue
         if step.exit_code not in (0, None) or (step.exit_code is None and step.note):
             why.append("%s%s: %s%s" % (step.name, " (TP %d)" % step.tp if step.tp else "",
@@ -1454,7 +1482,7 @@ def status_line(exp: Experiment) -> str:
         return ("# Batch-invariance experiment, %s: complete, every step ran and every "
                 "--expect held" % engine)
     # every step ran to its end, and only the saved results say otherwise: not incomplete
-    word = "NOT AS EXPECTED" if why == exp.judged else "INCOMPLETE"
+    word = "NOT AS EXPECTED" if why == exp.judged and not exp.stopped_by else "INCOMPLETE"
     return "# Batch-invariance experiment, %s: %s (exit %d, %s): %s" % (
         engine, word, exp.exit_code, exit_meaning(exp.exit_code),
         "; ".join(why) or "see the steps below")
@@ -1793,6 +1821,7 @@ def main(argv=None, env=None) -> int:
         exp.failure = str(err)
         exp.exit_code = EXIT_ARM
     except Stopped as stop:
+        exp.stopped()
         exp.stopped_by = str(stop)
         exp.exit_code = SIGNAL_EXITS[stop.signum]
         stopping = stop.signum

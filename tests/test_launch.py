@@ -467,6 +467,29 @@ class ExperimentFailures(Experiment):
         self.assertEqual(first.count("Ctrl-C"), 1, first)
         self.assert_no_server_left()
 
+    def test_a_late_term_names_where_it_stopped(self):
+        """SIGTERM once the flag-off arm's sweep has ended, while the flag-on arm is still
+        starting (it loads for ever): no step was running, and the first line says what was,
+        and the last step that ended, not "NOT AS EXPECTED ... see the steps below"."""
+        stub = "python3 %s --port {port}" % os.path.join(ROOT, "tests", "stub_server.py")
+        p = self.start(SERVE_OFF=stub.format(port="{off}"),
+                       SERVE_ON=stub.format(port="{on}") + " --invariant --load-seconds 600")
+        for line in p.stderr:  # said once the step has ended
+            if SWEEP_END.match(line) and line.startswith("experiment: step 1 of 4: flag-off"):
+                break
+        else:
+            self.fail("the flag-off sweep never ended")
+        os.kill(p.pid, signal.SIGTERM)
+        code, out, err = self.finish(p)
+        self.assertEqual(code, 143, err)
+        first = self.load_run("REPORT.md").splitlines()[0]
+        self.assertIn("INCOMPLETE (exit 143, stopped by SIGTERM; each step saved what it had "
+                      "measured): no step was running when it came: the flag-on arm was "
+                      "starting (TP 1), after step 1 of 4 (flag-off sweep, concurrent requests "
+                      "(TP 1))", first)
+        self.assertNotIn("see the steps below", first)
+        self.assert_no_server_left()
+
     def test_a_report_the_terminal_cannot_encode_is_printed_with_replacements(self):
         """PYTHONIOENCODING=latin-1 (an ISO-8859-1 locale) and a model named in another
         script: the report is printed, those characters replaced, and a line says so."""
