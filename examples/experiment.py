@@ -71,9 +71,9 @@ checks them, one address in two spellings, ports against the serve commands, GPU
 reads it.
 
 Exit codes: 0 every step ran, every --expect held and the flag-on arm moved in no shape and
-no check (as the saved results say); otherwise the first failing step's code (run.py's: 1 an --expect did
-not hold, 3 a server failed, ...), or 1 where every step ran but a saved result breaks the
-claim (the flag-on arm moved, a step saved no whole result); 2 a malformed variable or a busy
+no check (as the saved results say); otherwise the first failing step's code (run.py's: 1
+an --expect did not hold, 3 a server failed, ...), or 1 where every step ran but a saved
+result breaks the claim (the flag-on arm moved, a step saved no whole result); 2 a malformed variable or a busy
 port (nothing was started); 4 an arm exited, could not be started, or was not ready
 within WAIT; 5 every step ran, but a TP degree was skipped (GPUS could not hold it);
 129, 130, 143 stopped by SIGHUP, SIGINT or SIGTERM. REPORT.md's first line says which.
