@@ -50,7 +50,8 @@ Variables (all optional), with their defaults:
   SERVE_OFF, SERVE_ON   the commands that start each arm (default: this folder's launch
                         script for the engine, with PORT set); the practice engine, for a
                         dry run: SERVE_OFF="python3 tests/stub_server.py --port 8000"
-                        SERVE_ON="python3 tests/stub_server.py --port 8001 --invariant"
+                        SERVE_ON="python3 tests/stub_server.py --port 8001 --invariant
+                        --prefill-agrees" (its decode and prefill agree, as a real flag-on arm's)
   OFF_PORT, ON_PORT     the arms' ports: the launch scripts listen there, the lab asks there
                         (default: a --port in SERVE_OFF/SERVE_ON, else 8000 and 8001 for vllm,
                         30000 and 30001 for sglang)
@@ -69,10 +70,10 @@ configuration, the options the experiment sets itself refused in any spelling, U
 checks them, one address in two spellings, ports against the serve commands, GPUS as CUDA
 reads it.
 
-Exit codes: 0 every step ran, every --expect held and the flag-on arm moved in no shape (as
-the saved results say); otherwise the first failing step's code (run.py's: 1 an --expect did
-not hold, 3 a server failed, ...), or 1 where every step ran but a saved result breaks the
-claim (the flag-on arm moved, a step saved no whole result); 2 a malformed variable or a busy
+Exit codes: 0 every step ran, every --expect held and the flag-on arm moved in no shape and
+no check (as the saved results say); otherwise the first failing step's code (run.py's: 1
+an --expect did not hold, 3 a server failed, ...), or 1 where every step ran but a saved
+result breaks the claim (the flag-on arm moved, a step saved no whole result); 2 a malformed variable or a busy
 port (nothing was started); 4 an arm exited, could not be started, or was not ready
 within WAIT; 5 every step ran, but a TP degree was skipped (GPUS could not hold it);
 129, 130, 143 stopped by SIGHUP, SIGINT or SIGTERM. REPORT.md's first line says which.
@@ -199,10 +200,12 @@ def split_words(name: str, env: Dict[str, str]) -> List[str]:
 # them (an option's dest: --base-url is --url, --exp=variant is --expect): given in SWEEP_ARGS
 # or COST_ARGS they would undo a step (a flag-off sweep's negative control replaced, the flag-on
 # sweep sent to the flag-off arm, the same workload timed twice), so they are refused before
-# any arm starts
+# any arm starts. The sweeps bypass the prefix cache (--prefix-cache bypass): with it kept, a
+# request the cache served compares nothing, and both sweeps' --expect would fail having
+# measured nothing, once the arms had loaded
 OWNED_DESTS = {
     "SWEEP_ARGS": ("mode", "engine", "url", "save", "json_out", "traffic", "expect",
-                   "prefill_check", "baseline", "wait_ready", "invariant"),
+                   "prefill_check", "baseline", "wait_ready", "invariant", "prefix_cache"),
     "COST_ARGS": ("mode", "engine", "url", "invariant", "save", "json_out", "workload", "tp",
                   "wait_ready"),
 }
@@ -693,7 +696,7 @@ def sweep_options(s: Settings, key: str, traffic: str, expect: Optional[str],
     """run.py's options for one sweep of one arm (save None: as checked before any arm
     starts, with nothing to save to yet)."""
     words = ["--mode", "sweep", "--engine", s.engine, "--url", s.urls[key], "--wait-ready", "60",
-             "--traffic", traffic]
+             "--traffic", traffic, "--prefix-cache", "bypass"]
     words += ["--save", save] if save else []
     words += ["--prefill-check"] if traffic == "concurrent" else []
     words += ["--expect", expect] if expect else []
@@ -759,6 +762,8 @@ class Experiment:
         self.ended: Optional[float] = None
         self.exit_code = 0
         self.stopped_by: Optional[str] = None
+        self.stopped_steps: List[Step] = []  # the steps running when a stop signal came
+        self.stopped_during = ""  # what the run was doing then, where no step was running
         self.failure: str = ""  # what ended the run early (an arm), in one line
         self.first_tp: Optional[int] = None  # the first degree measured: the others against it
         self.launched: Dict[str, List[str]] = {}  # arm -> how it was started, as logged
@@ -872,6 +877,27 @@ class Experiment:
         )
         if step.exit_code != 0 and self.exit_code == 0:
             self.exit_code = step.exit_code
+
+    def stopped(self) -> None:
+        """A stop signal came: the steps it stops (every one begun and not ended), or, with
+        none running, what the run was doing (an arm starting, or between steps) and the
+        last step that ended, so that the report's first line says where it stopped."""
+        self.stopped_steps = [step for step in self.steps if step.ended is None]
+        starting = [arm for arm in self.arms if arm.process is not None and arm.ready_at is None]
+        if starting:
+            doing = "%s %s starting (TP %s)" % (" and ".join(arm.name for arm in starting),
+                                                "were" if len(starting) > 1 else "was",
+                                                starting[0].env.get("TP", "?"))
+        else:
+            doing = "between steps"
+        ended = [step for step in self.steps if step.ended is not None]
+        if ended:
+            last = max(ended, key=lambda step: step.ended)
+            doing += ", after step %d of %d (%s)" % (last.number, max(self.planned, last.number),
+                                                     last.title())
+        else:
+            doing += ", before the first step"
+        self.stopped_during = doing
 
     def check_arms(self) -> None:
         for arm in self.arms:
@@ -1141,6 +1167,28 @@ KEY_VARIABLES = ("OPENAI_API_KEY", "VLLM_API_KEY")
 KEY_STANDS_BEFORE = re.compile(
     r"(?i)(?:api[_-]?key|authorization)['\"]?\s*[:=]?\s*\[?\s*['\"]?(?:bearer\s+)?$|bearer\s+$")
 TOKEN_CHARACTERS = "_-.+/="  # a key's neighbours that would make it part of a longer token
+# The characters bash's printf %q writes with a backslash before them (bash 5.2, a key of
+# printable characters; and # or ~ as its first): how the launch scripts log a command
+SHELL_ESCAPED = frozenset(" \t!\"$&'()*,;<>?[\\]^`{|}")
+
+
+def key_forms(key: str) -> Tuple[List[str], List[str]]:
+    """Every form a key takes in what an engine or a shell writes, from the key itself:
+    (the forms without quotes around them, the quoted forms). As given; quoted for the shell
+    (shlex.quote, and backslash-escaped as bash's printf %q writes it: a launch line); as
+    Python writes it, in either quote style (SGLang's logged server_args, a Namespace); as
+    JSON writes it (with and without non-ASCII escaped). A form is hidden without its quotes
+    where it has any, so that what stands around it stays."""
+    def python_literal(quote: str) -> str:
+        return quote + "".join("\\" + c if c == quote else repr(c)[1:-1] for c in key) + quote
+
+    escaped = "".join("\\" + c if c in SHELL_ESCAPED or (i == 0 and c in "#~") else c
+                      for i, c in enumerate(key))
+    quoted = {shlex.quote(key), python_literal("'"), python_literal('"'), json.dumps(key),
+              json.dumps(key, ensure_ascii=False)}
+    bare = {key, escaped} | {f[1:-1] for f in quoted
+                             if len(f) > 1 and f[0] in "'\"" and f[-1] == f[0]}
+    return sorted(bare, key=len, reverse=True), sorted(quoted - bare, key=len, reverse=True)
 
 
 class Keys:
@@ -1152,27 +1200,41 @@ class Keys:
     variable's as [api key] (lab.key_free_command's rule, for run.py's commands and the
     engines'); text an engine writes (its log, as the experiment writes it) has a known key
     hidden where a key stands (KEY_STANDS_BEFORE), and a key long enough to be told from
-    other text (lab.Secrets) wherever it stands."""
+    other text (lab.Secrets) wherever it stands, each in every form it takes (key_forms:
+    quoted for the shell, written by Python or JSON). EXTRA_ARGS is read as the launch
+    scripts pass it too (split at blanks, quotes kept)."""
 
     LAUNCH_OPTIONS: Tuple[str, ...] = ()  # an engine's options are not known here: any
     # abbreviation of --api-key in a launch command is taken for it
 
     def __init__(self, env: Dict[str, str]):
-        words = []
+        commands = []
         for name in ("SWEEP_ARGS", "COST_ARGS", "EXTRA_ARGS", "SERVE_OFF", "SERVE_ON"):
             try:
-                words += shlex.split(env.get(name, ""))
+                commands.append(shlex.split(env.get(name, "")))
             except ValueError:
                 continue
+        # EXTRA_ARGS as the launch scripts pass it to the engine: split at blanks, its quotes
+        # and backslashes kept (--api-key q'uo\te is the engine's key q'uo\te)
+        commands.append(env.get("EXTRA_ARGS", "").split())
         keys = {env.get(name, "") for name in KEY_VARIABLES}
-        for word, shown in zip(words, self.command(words, launch=True)):
-            if shown == "[api key]":
-                keys.add(word)
-            elif shown.endswith("=[api key]"):
-                keys.add(word.split("=", 1)[1])
-        self.keys = sorted((k for k in keys if k), key=len, reverse=True)
+        for words in commands:
+            for word, shown in zip(words, self.command(words, launch=True)):
+                if shown == "[api key]":
+                    keys.add(word)
+                elif shown.endswith("=[api key]"):
+                    keys.add(word.split("=", 1)[1])
+        # each key in every form it takes (key_forms), hidden as itself: those without quotes
+        # first, so that a logged 'api_key': '...' keeps its quotes
+        given = sorted((k for k in keys if k), key=len, reverse=True)
+        forms = [key_forms(key) for key in given]
+        bare = sorted({f for each, _ in forms for f in each}, key=len, reverse=True)
+        self.keys = list(dict.fromkeys(bare + sorted(
+            (f for _, quoted in forms for f in quoted), key=len, reverse=True)))
+        # anywhere: a long form without its quotes (in every quoted form there is one); a
+        # short key's quoted form is longer than the key, and still hidden only where it stands
         self.secrets = lab.Secrets()
-        self.secrets.keep(*self.keys)
+        self.secrets.keep(*bare)
         self.lab_options = list(lab.build_parser()._option_string_actions)
 
     def command(self, words: List[str], launch: bool = False) -> List[str]:
@@ -1263,6 +1325,34 @@ def moved(doc: Optional[dict]) -> bool:
     unique, ulp = sm.get("unique_completions"), sm.get("max_ulp")
     return (isinstance(unique, int) and unique > 1) or (isinstance(ulp, (int, float))
                                                         and ulp > 0)
+
+
+# run.py's words for a check that compared nothing (check_verdict): it claims nothing either way
+UNCOMPARED_WORDS = (lab.NO_DATA, lab.NOTHING_COMPARED, lab.NOT_SERVED.split("%s")[0])
+# run.py's words for a check that held, everywhere it compared (check_verdict, each check's
+# held wording, whole or where only some of its parts compared): what the flag-on arm's
+# checks must say. Any other verdict of a check that compared is a move, a new check's
+# included, until its held wording is listed here
+HELD_WORDS = (lab.PREFILL_AGREE, lab.CACHE_EQUAL, lab.CACHE_UNVERIFIED, lab.OBSERVER_HELD,
+              lab.NEIGHBOURS_HELD, "held beside neighbours of")
+
+
+def check_moved(verdict: str) -> bool:
+    """Does a check's saved verdict say that what it compared moved (not held, and not
+    compared nothing)? Its first clause is the verdict; later clauses name parts that
+    compared nothing."""
+    first = verdict.split("; ")[0]
+    return not first.startswith(UNCOMPARED_WORDS + HELD_WORDS)
+
+
+def sweep_moved(doc: Optional[dict]) -> bool:
+    """Did the sweep move, by its saved verdict (anything but invariant that compared
+    something: tokens, logprobs, text, a batch 1 that did not repeat) or its saved counts
+    (moved())?"""
+    found = summary_of(doc).get("verdict")
+    said = isinstance(found, str) and found != lab.INVARIANT and not found.startswith(
+        tuple(lab.UNMEASURED_VERDICTS))
+    return said or moved(doc)
 
 
 def check_verdicts(doc: Optional[dict]) -> List[Tuple[str, str]]:
@@ -1369,13 +1459,18 @@ def status_line(exp: Experiment) -> str:
         why.append("stopped by %s" % exp.stopped_by)
     if exp.failure:
         why.append(exp.failure)
-    stopped = [step.title() for step in exp.steps
-               if exp.stopped_by and step.exit_code == exp.exit_code]
+    def was_stopped(step: Step) -> bool:  # by the signal: running when it came, or its code
+        return bool(exp.stopped_by) and (any(step is s for s in exp.stopped_steps)
+                                         or step.exit_code == exp.exit_code)
+
+    stopped = [step.title() for step in exp.steps if was_stopped(step)]
     if stopped:  # stopped by the signal the exit code names: said once, with the steps
         why.append("the step%s it stopped: %s" % ("s" if len(stopped) > 1 else "",
                                                   ", ".join(stopped)))
+    elif exp.stopped_by:
+        why.append("no step was running when it came: %s" % (exp.stopped_during or "-"))
     for step in exp.steps:
-        if exp.stopped_by and step.exit_code == exp.exit_code:
+        if was_stopped(step):
             continue
         if step.exit_code not in (0, None) or (step.exit_code is None and step.note):
             why.append("%s%s: %s%s" % (step.name, " (TP %d)" % step.tp if step.tp else "",
@@ -1387,7 +1482,7 @@ def status_line(exp: Experiment) -> str:
         return ("# Batch-invariance experiment, %s: complete, every step ran and every "
                 "--expect held" % engine)
     # every step ran to its end, and only the saved results say otherwise: not incomplete
-    word = "NOT AS EXPECTED" if why == exp.judged else "INCOMPLETE"
+    word = "NOT AS EXPECTED" if why == exp.judged and not exp.stopped_by else "INCOMPLETE"
     return "# Batch-invariance experiment, %s: %s (exit %d, %s): %s" % (
         engine, word, exp.exit_code, exit_meaning(exp.exit_code),
         "; ".join(why) or "see the steps below")
@@ -1396,8 +1491,10 @@ def status_line(exp: Experiment) -> str:
 def judge(exp: Experiment) -> None:
     """What the saved files say beyond the steps' exit codes: a lab step that exited 0 must
     have saved a whole result, and the flag-on arm must have moved in no shape (a sweep with
-    no --expect, copies in one request, moves with exit 0). Each breach is a reason in the
-    report's first line, and the run's exit code 1 where it had none."""
+    no --expect, copies in one request, moves with exit 0) and in no check a sweep ran (its
+    saved NAME_verdict: the prefill check's, the observer check's, ...; the sweep's --expect
+    invariant reads only its batches). Each breach is a reason in the report's first line,
+    and the run's exit code 1 where it had none."""
     for step in exp.steps:
         if not step.lab or step.exit_code != 0:
             continue
@@ -1412,8 +1509,10 @@ def judge(exp: Experiment) -> None:
     for tp in exp.settings.degrees:
         folder = os.path.join(exp.run_dir, "tp%d" % tp)
         for stem, key, traffic, expect, shape in SWEEPS:
+            if key != "on":
+                continue
             doc = load(os.path.join(folder, stem + ".json"))
-            if key == "on" and moved(doc):
+            if sweep_moved(doc):
                 sm = summary_of(doc)
                 exp.judged.append(
                     "the flag-on arm moved, %s (TP %d): %s, %s unique of %s, max ULP %s, first "
@@ -1421,6 +1520,11 @@ def judge(exp: Experiment) -> None:
                                    fmt(sm.get("unique_completions")),
                                    fmt(sm.get("total_completions")), fmt(sm.get("max_ulp")),
                                    first_moved(doc)))
+            # every check the sweep ran, by its saved verdict: the sweep's --expect invariant
+            # reads only its batches, so a check that moved leaves its exit code 0
+            exp.judged += ["the flag-on arm's %s check moved, %s (TP %d): %s"
+                           % (check, shape, tp, verdict)
+                           for check, verdict in check_verdicts(doc) if check_moved(verdict)]
     if exp.judged and exp.exit_code == 0:
         exp.exit_code = lab.EXIT_EXPECTATION
 
@@ -1717,6 +1821,7 @@ def main(argv=None, env=None) -> int:
         exp.failure = str(err)
         exp.exit_code = EXIT_ARM
     except Stopped as stop:
+        exp.stopped()
         exp.stopped_by = str(stop)
         exp.exit_code = SIGNAL_EXITS[stop.signum]
         stopping = stop.signum

@@ -221,6 +221,35 @@ class ExperimentRuns(Experiment):
             self.assertIn("prefill: %s" % verdict, row)
         self.assertIn("expect invariant: held", report)  # run.py's own --expect line
 
+    def test_a_flag_on_check_that_moved_is_not_as_expected(self):
+        """The flag-on sweep's batches agree (its --expect invariant holds, exit 0), but a
+        check it ran moved: the observer check (the practice engine computes a request that
+        asks for no logprobs another way) or the prefill check (its decode differs from its
+        prefill). The saved check verdict makes the run not as expected, exit 1."""
+        stub = "python3 %s --port {port} --prompt-tokens-details" % (
+            os.path.join(ROOT, "tests", "stub_server.py"))
+        for check, fault, verdict, sweep_args in (
+                ("observer", "--prefill-agrees --logprobs-path-differs",
+                 "the text changed when logprobs top-0, top-5, top-20 were asked for",
+                 " --observer-check"),
+                ("prefill", "", "decode and prefill differ", "")):
+            with self.subTest(check=check):
+                code, out, err = self.finish(self.start(
+                    SERVE_OFF=stub.format(port="{off}"),
+                    SERVE_ON=stub.format(port="{on}") + " --invariant " + fault,
+                    SWEEP_ARGS="--sizes 1,2,9,17 --max-tokens 12 --repeat 2" + sweep_args))
+                self.assertEqual(code, 1, err)
+                on = self.load_run("tp1", "sweep_on.json")["summary"]
+                self.assertEqual(on["verdict"], "invariant")  # the sweep itself held ...
+                self.assertIn("expect invariant: held", self.load_run("tp1", "sweep_on.txt"))
+                self.assertEqual(on["%s_verdict" % check], verdict)  # ... its check did not
+                first = self.load_run("REPORT.md").splitlines()[0]
+                self.assertIn("NOT AS EXPECTED (exit 1, an --expect did not hold)", first)
+                self.assertIn("the flag-on arm's %s check moved, concurrent requests (TP 1): %s"
+                              % (check, verdict), first)
+                self.assertNotIn("complete", first)
+                self.assertTrue(out.startswith(first + "\n"), out)  # printed as written
+
     def test_the_flag_off_arm_is_swept_while_the_flag_on_arm_loads(self):
         """One device: the flag-on arm loads only once the flag-off arm is ready, and the
         flag-off arm's sweeps run meanwhile; each step says when it starts and what it
@@ -438,6 +467,29 @@ class ExperimentFailures(Experiment):
         self.assertEqual(first.count("Ctrl-C"), 1, first)
         self.assert_no_server_left()
 
+    def test_a_late_term_names_where_it_stopped(self):
+        """SIGTERM once the flag-off arm's sweep has ended, while the flag-on arm is still
+        starting (it loads for ever): no step was running, and the first line says what was,
+        and the last step that ended, not "NOT AS EXPECTED ... see the steps below"."""
+        stub = "python3 %s --port {port}" % os.path.join(ROOT, "tests", "stub_server.py")
+        p = self.start(SERVE_OFF=stub.format(port="{off}"),
+                       SERVE_ON=stub.format(port="{on}") + " --invariant --load-seconds 600")
+        for line in p.stderr:  # said once the step has ended
+            if SWEEP_END.match(line) and line.startswith("experiment: step 1 of 4: flag-off"):
+                break
+        else:
+            self.fail("the flag-off sweep never ended")
+        os.kill(p.pid, signal.SIGTERM)
+        code, out, err = self.finish(p)
+        self.assertEqual(code, 143, err)
+        first = self.load_run("REPORT.md").splitlines()[0]
+        self.assertIn("INCOMPLETE (exit 143, stopped by SIGTERM; each step saved what it had "
+                      "measured): no step was running when it came: the flag-on arm was "
+                      "starting (TP 1), after step 1 of 4 (flag-off sweep, concurrent requests "
+                      "(TP 1))", first)
+        self.assertNotIn("see the steps below", first)
+        self.assert_no_server_left()
+
     def test_a_report_the_terminal_cannot_encode_is_printed_with_replacements(self):
         """PYTHONIOENCODING=latin-1 (an ISO-8859-1 locale) and a model named in another
         script: the report is printed, those characters replaced, and a line says so."""
@@ -482,6 +534,9 @@ class ExperimentFailures(Experiment):
             ({"COST_ARGS": "--workload cold"}, "COST_ARGS: --workload is"),
             ({"COST_ARGS": "--save x.json"}, "COST_ARGS: --save is"),
             ({"SWEEP_ARGS": "--url http://x:1"}, "SWEEP_ARGS: --url is"),
+            # the sweeps bypass the prefix cache: kept, they would compare nothing
+            ({"SWEEP_ARGS": "--prefix-cache keep"}, "SWEEP_ARGS: --prefix-cache is the "
+             "experiment's own"),
             ({"OFF_URL": "http://127.0.0.1:{on}"}, "would both listen at"),
             ({"GPUS": "0,0"}, "names device 0 twice"),
             # by what run.py's parser makes of a word: an alias, and the options with which
@@ -543,6 +598,42 @@ class ExperimentFailures(Experiment):
                 subprocess.run(["pgrep", "-f", "--port %d" % port], capture_output=True).stdout,
                 b"",
             )
+
+
+class EveryOptionTheExperimentRefuses(TempDirTest):
+    """Every option the experiment refuses in SWEEP_ARGS or COST_ARGS (its own, by run.py's
+    dest, and those with which run.py measures nothing) is refused before any arm starts:
+    exit 2, one line, no run folder, no serve command run."""
+
+    def test_each_refused_option_is_refused_before_any_arm_starts(self):
+        import contextlib
+        import io
+        sys.path.insert(0, os.path.join(ROOT, "examples"))
+        import experiment
+        parser = run.build_parser()
+        marker = self.path("an-arm-started")
+        serve = "python3 -c 'open(%r, \"w\")' --port {port}" % marker
+        refused = [(name, dest) for name, dests in experiment.OWNED_DESTS.items()
+                   for dest in dests + experiment.ENDING_DESTS]
+        self.assertIn(("SWEEP_ARGS", "prefix_cache"), refused)
+        for name, dest in refused:
+            action = next(a for a in parser._actions if a.dest == dest)
+            option = next(o for o in action.option_strings if o.startswith("--"))
+            words = [option] + (["x"] if action.nargs != 0 else [])
+            with self.subTest(variable=name, option=option):
+                env = {"PATH": os.environ["PATH"], name: " ".join(words),
+                       "SERVE_OFF": serve.format(port=free_port()),
+                       "SERVE_ON": serve.format(port=free_port())}
+                said = io.StringIO()
+                with contextlib.redirect_stderr(said):
+                    code = experiment.main(["vllm", self.path("out")], env)
+                self.assertEqual(code, 2, said.getvalue())
+                lines = said.getvalue().splitlines()
+                self.assertEqual(len(lines), 1, lines)
+                self.assertTrue(lines[0].startswith("experiment: %s: %s " % (name, option)),
+                                lines)
+                self.assertFalse(os.path.exists(self.path("out")))
+                self.assertFalse(os.path.exists(marker))
 
 
 class ByHandScripts(unittest.TestCase):

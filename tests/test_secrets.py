@@ -5,6 +5,9 @@ a URL are refused without being repeated; saves are atomic."""
 import json
 import os
 import re
+import shlex
+import shutil
+import subprocess
 import sys
 import unittest
 from unittest import mock
@@ -288,6 +291,51 @@ class KeysKeptOutOfTheExperiment(Experiment):
         self.assertEqual(self.files_holding(key), [])
         self.assertNotIn(key, out + err)
 
+    def key_forms(self, key):
+        """Every form a key takes in what an engine or a shell writes: as given, quoted for
+        the shell (Python's shlex and bash's printf %q, as the launch scripts log a command),
+        as Python writes it (both quote styles: SGLang's logged server_args) and as JSON
+        writes it, each with and without its quotes."""
+        def literal(quote):
+            return quote + "".join("\\" + c if c == quote else repr(c)[1:-1]
+                                   for c in key) + quote
+        printf = subprocess.run(["bash", "-c", 'printf %q "$1"', "-", key],
+                                capture_output=True, text=True, check=True).stdout
+        forms = {key, shlex.quote(key), printf, repr(key), literal("'"), literal('"'),
+                 json.dumps(key)}
+        return sorted(forms | {f[1:-1] for f in forms if f[:1] in "'\"" and f[-1:] == f[:1]})
+
+    def test_every_form_of_a_key_with_quotes_and_backslashes_is_kept_out(self):
+        """SGLang 0.5.23 logs its arguments as Python writes them (server_args={...
+        'api_key': "q'uo\\\\te" ...}), and a launch line quotes them for the shell
+        (--api-key q\\'uo\\\\te): the key is kept out in every form it takes, a short key
+        with a quote (given to both arms in EXTRA_ARGS, as the launch scripts pass it) and a
+        long one with a double quote and a space (in serve commands of one's own)."""
+        self.engine = "sglang"
+        launch = ("python3 -m sglang.launch_server --model-path stub/tiny-f32 --port {port} "
+                  "--api-key %s")
+        short, long = "q'uo\\te", 's3"cr t\\k-19'
+        serve = {"SERVE_OFF": launch.format(port="{off}") % shlex.quote(long),
+                 "SERVE_ON": launch.format(port="{on}") % shlex.quote(long)
+                 + " --enable-deterministic-inference"}
+        for key, variables in (
+                (short, {"EXTRA_ARGS": "--api-key " + short, "OPENAI_API_KEY": short}),
+                # known from EXTRA_ARGS alone, as the launch scripts pass it (not shell words)
+                (short, {"EXTRA_ARGS": "--api-key " + short}),
+                (long, dict(serve, OPENAI_API_KEY=long))):
+            with self.subTest(key=key, given=sorted(variables)):
+                code, out, err = self.finish(self.start(**variables))
+                self.assertEqual(code, 0, err)
+                logs = self.load_run("tp1", "server_off.log") + self.load_run(
+                    "tp1", "server_on.log")
+                self.assertEqual(logs.count("'api_key': "), 2, logs)  # each line is kept
+                quote = repr(key)[0]  # the quotes Python writes it with stay
+                self.assertIn("'api_key': %s[api key]%s" % (quote, quote), logs)
+                for form in self.key_forms(key):
+                    self.assertEqual(self.files_holding(form), [], form)
+                    self.assertNotIn(form, out + err)
+                shutil.rmtree(self.path("out"))
+
     def test_a_key_set_for_the_engine_in_a_serve_command_is_not_printed(self):
         """vLLM's documented variable, set in a serve command of one's own, the same key in
         OPENAI_API_KEY: the report's launch lines show it as [api key]."""
@@ -296,7 +344,7 @@ class KeysKeptOutOfTheExperiment(Experiment):
             key, os.path.join(ROOT, "tests", "stub_server.py"))
         code, out, err = self.finish(self.start(
             OPENAI_API_KEY=key, VLLM_API_KEY=key, SERVE_OFF=stub.format(port="{off}"),
-            SERVE_ON=stub.format(port="{on}") + " --invariant",
+            SERVE_ON=stub.format(port="{on}") + " --invariant --prefill-agrees",
             COST_ARGS="--batch 2 --trials 2 --warmup 0 --max-tokens 4 --allow-mismatch"))
         self.assertEqual(code, 0, err)
         self.assertIn("VLLM_API_KEY=[api key]", self.load_run("REPORT.md"))
