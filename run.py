@@ -58,7 +58,8 @@ Sections, in the order they appear:
                        records and report lines (BenchServeResult: a load arm's figures
                        under `vllm bench serve`'s result names)
   The sweep's core     Evidence (what each completion showed, and what it can show), the
-                       Sender of every traffic shape, BatchRow, SizeResult, SweepSummary,
+                       Sender of every traffic shape (the server's prefix-cache counters
+                       read around each batch), BatchRow, SizeResult, SweepSummary,
                        PromptSweep (the verdict read request by request), and SweepCheck, the
                        interface every sweep check shares; it names no check
   Sweep checks         one section each, holding its options, what it adds to a request, its
@@ -5245,6 +5246,20 @@ class SweepSummary:
     state: str  # "complete", "running", or what stopped it
     checks: Dict[str, Any] = field(metadata=saved(parts=True))  # SweepCheck.summary_part
     measured: Measured = field(metadata=NOT_SAVED)
+    # each check's summary: did it hold (what its --expect would read)? None: no check ran
+    checks_held: Optional[Dict[str, bool]] = field(default=None, metadata=saved(omit_none=True))
+    # what --expect came to, once the sweep is complete (None: none was asked)
+    expect: Optional["ExpectResult"] = field(default=None, metadata=saved(omit_none=True))
+
+
+@dataclass(frozen=True)
+class ExpectResult:
+    """--expect, as decided (expectation) and saved: what the experiment and the readers of a
+    saved sweep read, never working it out again from the exit code."""
+
+    asked: str  # the --expect value
+    held: bool
+    said: str  # the line printed
 
 
 @dataclass
@@ -7023,6 +7038,8 @@ def sweep_summary(options: SweepOptions, sweeps: List[PromptSweep], state: str) 
                                    if check.NAME in r.checks], sizes)
         if part is not None:
             parts[check.NAME] = part
+    held = {check.NAME: bool(parts[check.NAME].held) for check in options.checks
+            if check.NAME in parts}
     return SweepSummary(
         unique_completions=measured.unique, total_completions=measured.total,
         max_ulp=measured.max_ulp, max_nats=max((r.max_nats for _, r in rows), default=0.0),
@@ -7031,7 +7048,7 @@ def sweep_summary(options: SweepOptions, sweeps: List[PromptSweep], state: str) 
         traffic=options.traffic, repeat=options.repeat, verdict=verdict(measured),
         first_moved=measured.first_moved, served_sizes=measured.served_sizes or None,
         ulp_notes=sorted({u for _, r in rows for u in r.ulp_notes}), state=state,
-        checks=parts, measured=measured)
+        checks=parts, measured=measured, checks_held=held or None)
 
 
 def sweep_params(cfg: Config, facts: ServerFacts, sizes: List[int]) -> Json:
@@ -7450,8 +7467,8 @@ def run_sweep(cfg: Config, out: Out) -> int:
     if table:
         table.header(run, sizes, header)
 
-    def save(path: str, state: str) -> None:
-        summary = sweep_summary(options, sweeps, state)
+    def save(path: str, state: str, summary: Optional[SweepSummary] = None) -> None:
+        summary = summary or sweep_summary(options, sweeps, state)
         doc = sweep_document(cfg, facts, [], sizes, summary)
         write_json_atomic(path, doc, "prompts", [s.record_text() for s in sweeps])
 
@@ -7510,7 +7527,10 @@ def run_sweep(cfg: Config, out: Out) -> int:
     with SavesFirst(out) as late:
         state, code = measure_until_stopped(out, "sweep", measure)
         summary = sweep_summary(options, sweeps, state)
-        saves.write(lambda path: save(path, state))
+        if code == EXIT_OK and options.expect:
+            summary = dataclasses.replace(
+                summary, expect=ExpectResult(options.expect, *expectation(options, summary)))
+        saves.write(lambda path: save(path, state, summary))
         if table:
             table.finish(summary, sweeps)
         else:
@@ -7519,10 +7539,9 @@ def run_sweep(cfg: Config, out: Out) -> int:
         if code == EXIT_OK:
             text = out.line if not cfg.json_out else out.note
             sweep_advice(facts.flag, facts.hazards, options.expect, sizes, summary, text)
-            if options.expect:
-                held, line = expectation(options, summary)
-                text(line)
-                code = EXIT_OK if held else EXIT_EXPECTATION
+            if summary.expect is not None:
+                text(summary.expect.said)
+                code = EXIT_OK if summary.expect.held else EXIT_EXPECTATION
         code = report_save(cfg, saves, code, out)
     return code or late.code()
 

@@ -1364,16 +1364,18 @@ def check_verdicts(doc: Optional[dict]) -> List[Tuple[str, str]]:
             if key.endswith("_verdict") and key != "verdict" and value is not None]
 
 
-def expect_said(stdout_path: str) -> str:
-    """What a step's --expect came to, in run.py's own line ("expect invariant: held (...)"
-    or "expectation failed: ..."), or ""."""
-    try:
-        with open(stdout_path, encoding="utf-8", errors="replace") as f:
-            said = [line.strip() for line in f if line.startswith(("expect ",
-                                                                   "expectation failed"))]
-    except OSError:
-        return ""
-    return said[-1] if said else ""
+def expect_said(doc: Optional[dict]) -> str:
+    """What a sweep's --expect came to, as run.py saved it (its line: "expect invariant: held
+    (...)" or "expectation failed: ..."), or "" where it asked none or did not complete."""
+    expect = summary_of(doc).get("expect")
+    said = expect.get("said") if isinstance(expect, dict) else None
+    return said if isinstance(said, str) else ""
+
+
+def check_held(doc: Optional[dict], check: str) -> bool:
+    """Did a check hold, as run.py decided and saved it (summary's checks_held)?"""
+    held = summary_of(doc).get("checks_held")
+    return isinstance(held, dict) and held.get(check.replace(" ", "_")) is True
 
 
 def sweep_row(name: str, doc: dict) -> List[str]:
@@ -1524,7 +1526,8 @@ def judge(exp: Experiment) -> None:
             # reads only its batches, so a check that moved leaves its exit code 0
             exp.judged += ["the flag-on arm's %s check moved, %s (TP %d): %s"
                            % (check, shape, tp, verdict)
-                           for check, verdict in check_verdicts(doc) if check_moved(verdict)]
+                           for check, verdict in check_verdicts(doc)
+                           if not check_held(doc, check) and check_moved(verdict)]
     if exp.judged and exp.exit_code == 0:
         exp.exit_code = lab.EXIT_EXPECTATION
 
@@ -1549,7 +1552,7 @@ def findings(exp: Experiment) -> List[str]:
                 line += ", first moved: %s" % first_moved(doc)
             for check, verdict in check_verdicts(doc):
                 line += "; %s: %s" % (check, verdict)
-            said = expect_said(os.path.join(folder, stem + ".txt"))
+            said = expect_said(doc)
             if said:
                 line += "; %s" % said
             if sm.get("state") != "complete":

@@ -104,6 +104,26 @@ class CopiesOnTheReal034(unittest.TestCase):
         self.assertEqual(found.served, 768)  # the other three copies, 256 tokens each
         self.assertEqual(found.counted, 256)
 
+    def test_the_sweep_reads_every_copy_as_served(self):
+        # the answer's one count covers one copy; the counters saw the other three served:
+        # the batch compares nothing, whichever copy its count belongs to
+        answer = fixture("copies_one_request.json", FOLDER_034)
+        adapter = run.ADAPTERS["vllm"]
+        prompts = ["the same prompt"] * 4
+        count = adapter.cached_tokens(answer)
+        seen = run.cache_evidence(self.counters("metrics_before.txt"),
+                                  self.counters("metrics_after.txt"), [count],
+                                  adapter.prompt_tokens(answer))
+        self.assertTrue(seen.uncounted)
+        self.assertEqual(seen.note(), "the server's counters: 768 prompt tokens served from "
+                         "the cache, the answers counted 256")
+        batch = run.SentBatch(adapter.completions(answer, 4, False), 1.0, count,
+                              adapter.cached_per_prompt(answer, prompts),
+                              prompt_tokens=adapter.prompt_tokens(answer), cache_seen=seen)
+        self.assertEqual([batch.served(c) for c in batch.cached], [True] * 4)
+        # the same batch had its count said 0: the counters still mark every copy served
+        self.assertEqual([batch.served(c) for c in [0, 0, 0, 0]], [True] * 4)
+
     def test_0_34_0_caches_in_blocks_of_64_tokens(self):
         # vllm/config/cache.py line 185 (0.34.0): DEFAULT_BLOCK_SIZE = 64; a prompt shorter
         # than one block is never served from the prefix cache, shared or not
