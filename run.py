@@ -226,9 +226,11 @@ PROGRESS_INTERVAL_S = 10.0  # off a terminal, at most one progress line this oft
 SAVE_INTERVAL_S = 1.0  # during a run --save is rewritten at most this often (and at every stop)
 SAVE_SHARE = 0.05  # ... and never so often that writing it takes more than this share of the run
 # an engine counts a step's prefix-cache lookups in /metrics a step after it runs it: after a
-# batch the counters are read again until they cover its prompt tokens, at most this long
+# batch the counters are read again until they cover its prompt tokens, at first this long,
 COUNTERS_SETTLE_S = 1.0
+COUNTERS_SETTLE_MAX_S = 8.0  # ... twice as long after each batch they lagged, up to this
 COUNTERS_POLL_S = 0.05  # how often, meanwhile
+METRICS_TIMEOUT_S = 5.0  # the most one read of /metrics may take (a hung one: read no more)
 
 # ----------------------------------------------------------------------------
 # Records: what is measured and saved, as dataclasses written by one function (as_record)
@@ -691,11 +693,15 @@ SERVED_ONLY = "nothing compared: the cache served every request above batch 1"
 # --prefix-cache keep, and no request above batch 1 is known to have been computed cold
 CACHE_UNKNOWN = ("nothing compared: the cache was kept, and whether it served a request above "
                  "batch 1 is not known")
+# the same under the bypass, where the server showed the bypass failing beside those requests
+CACHE_UNCLEAR = ("nothing compared: whether the cache served a request above batch 1 is not "
+                 "known (the bypass did not hold beside it)")
 # the baseline, batch 1, came from the prefix cache: every comparison is one with the cache
 BASELINE_SERVED = "nothing compared: the cache served batch 1, the baseline"
 BATCH_EFFECTS = (TOKENS_DIVERGED, LOGPROBS_MOVED)  # verdicts batching explains
 # they claim nothing either way
-UNMEASURED_VERDICTS = (NO_DATA, NOTHING_COMPARED, SERVED_ONLY, CACHE_UNKNOWN, BASELINE_SERVED)
+UNMEASURED_VERDICTS = (NO_DATA, NOTHING_COMPARED, SERVED_ONLY, CACHE_UNKNOWN, CACHE_UNCLEAR,
+                       BASELINE_SERVED)
 MOVED_NOTES = ("clamped", "non-finite", "top-k changed")  # notes that count as moved, ULPs or not
 
 ULP_NOTE_TEXT = {
@@ -722,7 +728,7 @@ def verdict(m: Measured) -> str:
         if m.served_moved:
             return confounded
         if m.unknown_sizes:
-            return CACHE_UNKNOWN
+            return CACHE_UNKNOWN if m.cache_kept else CACHE_UNCLEAR
         return SERVED_ONLY if m.served_sizes else NOTHING_COMPARED
     moved = m.moved or m.batch1_repeatable is False
     if m.unseeded and (moved or m.served_moved):
@@ -1494,6 +1500,11 @@ def is_count(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= MAX_SERVER_COUNT
 
 
+def total_count(counts: Sequence[Optional[int]]) -> Optional[int]:
+    """The sum of counts a server reported, None where any is not known."""
+    return None if not counts or None in counts else sum(counts)
+
+
 def logprobs_limit(value: Any) -> Optional[int]:
     """The most top logprobs a server allows, from what it states (vLLM's max_logprobs): a
     whole number from 0 (0: none allowed); anything else is unknown (None), -1 included,
@@ -1905,6 +1916,59 @@ def cache_evidence(before: Optional[CacheCounters], after: Optional[CacheCounter
                              "the answers counted %d cached tokens the counters did not see"
                              % counted)
     return CacheEvidence(CACHE_NEITHER, 0, counted, "the cache served no prompt token")
+
+
+class CounterWatch:
+    """The server's own prefix-cache counters, read before and after each batch the lab sends
+    (the sweep's and its checks' alike) and judged against the batch's answers
+    (cache_evidence). Counters that lag are waited for, longer after each batch they did not
+    settle in; counters that never move, or a /metrics that stops answering, are read no
+    more, and why is kept (stopped) for the summary to say."""
+
+    def __init__(self, adapter: EngineAdapter, client: HttpClient, start: CacheCounters):
+        self.adapter = adapter
+        # its own client: a /metrics that hangs costs METRICS_TIMEOUT_S, not --timeout
+        self.client = HttpClient(client.base_url, client.api_key,
+                                 min(client.timeout, METRICS_TIMEOUT_S), client.max_bytes)
+        self.start = start  # at the sweep's start: counters that stay there count nothing
+        self.settle = COUNTERS_SETTLE_S  # how long to wait for a batch to be counted
+        self.stopped = ""  # why the counters are no longer read ("": they are)
+        # the counters have shown the cache serving what the answers did not count: from
+        # then on an answer's count of 0 proves nothing where the counters cannot say
+        self.uncounted_seen = False
+
+    def read(self) -> Optional[CacheCounters]:
+        if self.stopped:
+            return None
+        found = self.adapter.prefix_cache_counters(self.client)
+        if found is None:
+            self.stopped = "its /metrics stopped answering with them"
+        return found
+
+    def after(self, before: Optional[CacheCounters], prompt_tokens: Optional[int],
+              counted: Optional[int]) -> Optional[CacheEvidence]:
+        """The batch's evidence, once its prompt tokens are counted (or the wait is over);
+        None where the counters were not read before it."""
+        if before is None:
+            return None
+        deadline = time.monotonic() + self.settle
+        after = self.read()
+        while (after is not None and prompt_tokens is not None
+               and after.queried - before.queried < prompt_tokens
+               and time.monotonic() < deadline):
+            time.sleep(COUNTERS_POLL_S)
+            after = self.read()
+        seen = cache_evidence(before, after, [counted], prompt_tokens)
+        if after is None:
+            return seen
+        if after.queried == self.start.queried and prompt_tokens:
+            # counters that have looked nothing up since the start, a whole batch included,
+            # are not counting this traffic (vLLM counts none with prefix caching off)
+            self.stopped = "they looked up nothing for a whole batch"
+        elif prompt_tokens is not None and after.queried - before.queried < prompt_tokens:
+            self.settle = min(self.settle * 2, COUNTERS_SETTLE_MAX_S)  # lagging: wait longer
+        self.uncounted_seen = self.uncounted_seen or seen.uncounted
+        return seen
 
 
 class VllmAdapter:
@@ -4185,6 +4249,9 @@ class Sent:
     seconds: float  # from the first send (a burst: once every connection was open) to the last
     in_flight: Optional[int] = None  # scheduled lists: the most of them at the server at once
     background: int = 0  # requests sent beside the list (neighbours) that overlapped it
+    # the prompt tokens of every request sent beside it, as the server counted them (None:
+    # some answer did not say)
+    background_tokens: Optional[int] = 0
 
 
 @dataclass(frozen=True)
@@ -4206,8 +4273,9 @@ class Executor:
     def parse(self, request: Request, answer: Any, sent: float, answered: float) -> Answer:
         """A whole answer, as the adapter reads it."""
         adapter = self.adapter
-        if request.ids is not None:
-            return Answer([], None, [], sent, answered)
+        if request.ids is not None:  # a neighbour: only its prompt tokens are read
+            return Answer([], None, [], sent, answered,
+                          prompt_tokens=parsed("the answer", adapter.prompt_tokens, answer))
         prompts = list(request.prompts)
         logprobs = request.sampling.logprobs is not None
         return Answer(parsed("the answer", adapter.completions, answer, len(prompts), logprobs),
@@ -4297,6 +4365,7 @@ def send_requests(executor: Executor, requests: Sequence[Request], what: str,
     if beside is not None:  # the list's requests in the calling thread, neighbours beside
         done = threading.Event()
         spans: List[Tuple[float, float]] = []
+        tokens: List[Optional[int]] = []  # each neighbour's prompt tokens
         lock = threading.Lock()
 
         def background() -> None:
@@ -4304,9 +4373,10 @@ def send_requests(executor: Executor, requests: Sequence[Request], what: str,
                 with lock:
                     request = beside()
                 sent = CLOCK()
-                executor.one(request)
+                answer = executor.one(request)
                 with lock:
                     spans.append((sent, CLOCK()))
+                    tokens.append(answer.prompt_tokens)
 
         def measured() -> None:
             nonlocal start
@@ -4324,7 +4394,8 @@ def send_requests(executor: Executor, requests: Sequence[Request], what: str,
         overlapped = sum(1 for a, b in spans if a < last and b > first)
         for answer in answers:
             answer.beside = overlapped
-        return Sent(answers, CLOCK() - start, background=overlapped)
+        return Sent(answers, CLOCK() - start, background=overlapped,
+                    background_tokens=total_count(tokens) if tokens else 0)
     if concurrency is not None:  # a closed loop
         pending = list(enumerate(requests))[::-1]  # popped from the end
         failed: List[BaseException] = []  # once a request fails, no worker starts another
@@ -4864,14 +4935,16 @@ class Evidence:
     tokens: int  # generated tokens compared
     served: Optional[bool]  # the cache served its request (None: the server does not say)
     beside: Optional[int]  # other requests of its batch at the server with it (None: unknown)
+    unclear: bool = False  # served is not known even under the bypass (SentBatch.unclear)
 
     def cold(self, cache_kept: bool) -> Optional[bool]:
         """Was its request computed, not served from the prefix cache? None: not known (the
-        server does not say, and the cache was kept: under the bypass every request asked
-        to be cold, and the bypass's proof is BypassCheck's)."""
+        server does not say, and the cache was kept or the bypass is known not to have held
+        for it: under the bypass every request asked to be cold, and the bypass's proof is
+        BypassCheck's)."""
         if self.served is not None:
             return not self.served
-        return None if cache_kept else True
+        return None if cache_kept or self.unclear else True
 
     @property
     def moved(self) -> bool:
@@ -4916,36 +4989,64 @@ class SentBatch:
     # what the server showed of its prefix cache around the batch, against its answers'
     # counts: its counters, or its cache switched off (None: it showed nothing)
     cache_seen: Optional[CacheEvidence] = None
+    # the server's counters have shown it serving what its answers did not count, and could
+    # not say of this batch: its answers' counts of 0 prove nothing here (CounterWatch)
+    counts_doubted: bool = False
+    background: int = 0  # requests sent beside it (neighbours) that overlapped it
 
     def served(self, count: Optional[int]) -> Optional[bool]:
         """Did the prefix cache serve a completion's request, given its own cached-token count
         (None: not known)? Served where the counters show the cache serving more of the batch
-        than its answers counted (which request, they do not say), or where its own count is
-        not known and the cache served its batch; cold where its count says so, or where the
-        counters show the cache serving none of the batch."""
+        than its answers counted (which request, they do not say) or where its count says so;
+        cold where the counters show the cache serving none of the batch, or where its count
+        is 0 and not doubted. A count that belongs to another prompt of its request (vLLM
+        counts a request's last prompt) says nothing of it."""
         counters = self.cache_seen
         if counters is not None and counters.uncounted:
             return True
-        if count is not None:
-            return count > 0
-        if (self.cached_tokens or 0) > 0:
+        if counters is not None and counters.verdict == CACHE_NEITHER:
+            return False
+        if count is not None and count > 0:
             return True
-        return False if counters is not None and counters.verdict == CACHE_NEITHER else None
+        return False if count == 0 and not self.counts_doubted else None
+
+    def unclear(self, count: Optional[int]) -> bool:
+        """Is whether the cache served a completion's request not known even under the
+        bypass? So where its count is doubted, or belongs to another prompt of a request the
+        cache served (the bypass did not hold there)."""
+        return self.served(count) is None and (self.counts_doubted
+                                               or (self.cached_tokens or 0) > 0)
+
+    @property
+    def served_tokens(self) -> Optional[int]:
+        """The prompt tokens the cache served the batch, by its answers' counts and the
+        server's counters together: the counters' figure where they saw more served than the
+        answers counted, 0 where they saw none (None: neither says, or only a doubted 0)."""
+        seen = self.cache_seen
+        if seen is not None and seen.uncounted:
+            return seen.served
+        if seen is not None and seen.verdict == CACHE_NEITHER:
+            return 0
+        if self.counts_doubted and not self.cached_tokens:
+            return None
+        return self.cached_tokens
+
+    def cold(self, isolate: bool) -> bool:
+        """Was its first completion's request computed, not served from the prefix cache,
+        as a check trusts it: known cold, or, with no word either way, sent under the bypass
+        (a fresh cache key each), as the sweep's own comparison trusts it. A run the cache
+        served compares the cache, not what the check varied."""
+        count = self.cached[0] if self.cached else self.cached_tokens
+        served = self.served(count)
+        return not served if served is not None else isolate and not self.unclear(count)
 
     def evidence(self, deltas: List[Delta], baseline: Completion) -> List[Evidence]:
         n = len(self.completions)
         cached = self.cached or [self.cached_tokens] * n
         beside = self.beside or [n - 1] * n  # one request: its prompts are together
-        return [Evidence(d, c.text != baseline.text, len(c.tokens), self.served(k), b)
+        return [Evidence(d, c.text != baseline.text, len(c.tokens), self.served(k), b,
+                         self.unclear(k))
                 for c, d, k, b in zip(self.completions, deltas, cached, beside)]
-
-
-def total_count(counts: Sequence[Optional[int]]) -> Optional[int]:
-    """The sum of counts a server reported, None where any is not known."""
-    return None if not counts or None in counts else sum(counts)
-
-
-
 
 
 @dataclass
@@ -4958,7 +5059,8 @@ class Sender:
     sampling: Sampling
     isolate: bool  # bypass the prefix cache
     arrivals: Arrivals = Arrivals()  # when concurrent requests go out
-    read_counters: bool = False  # the server exposes prefix-cache counters: read around each batch
+    # the server's prefix-cache counters, read around every batch (None: it exposes none)
+    watch: Optional[CounterWatch] = None
     cache_off: bool = False  # the server's settings say its prefix cache is off
 
     def shape(self, traffic: str) -> Callable[[str, int, int], SentBatch]:
@@ -4966,29 +5068,25 @@ class Sender:
         return {"copies": self.copies, "concurrent": self.concurrent, "mixed": self.mixed}[traffic]
 
     def send(self, traffic: str, prompt: str, n: int, seed: int) -> SentBatch:
-        """Batch size n in a traffic shape, with the server's prefix-cache counters read
-        around it where it exposes them (SentBatch.cache_seen)."""
-        read = self.adapter.prefix_cache_counters
-        before = read(self.client) if self.read_counters else None
-        batch = self.shape(traffic)(prompt, n, seed)
+        """Batch size n in a traffic shape, watched (Sender.watched)."""
+        return self.watched(lambda: self.shape(traffic)(prompt, n, seed))
+
+    def watched(self, send: Callable[[], SentBatch]) -> SentBatch:
+        """What send() brought back, with what the server showed of its prefix cache around
+        it (SentBatch.cache_seen): its counters read before and after where it exposes them,
+        or its cache switched off. Every batch the sweep and its checks compare is sent so."""
+        watch = self.watch
+        before = watch.read() if watch is not None else None
+        batch = send()
         if self.cache_off:
             batch.cache_seen = CacheEvidence(CACHE_NEITHER, 0, batch.cached_tokens,
                                              "the server's settings say its prefix cache is off")
-        if before is None:
             return batch
-        deadline = time.monotonic() + COUNTERS_SETTLE_S
-        after = read(self.client)
-        while (after is not None and batch.prompt_tokens is not None
-               and after.queried - before.queried < batch.prompt_tokens
-               and time.monotonic() < deadline):
-            time.sleep(COUNTERS_POLL_S)
-            after = read(self.client)
-        batch.cache_seen = cache_evidence(before, after, [batch.cached_tokens],
-                                          batch.prompt_tokens)
-        if after is not None and after.queried == before.queried and batch.prompt_tokens:
-            # counters that looked nothing up for a whole batch are not counting this
-            # traffic (vLLM counts none with prefix caching off): not read again
-            self.read_counters = False
+        if watch is None:
+            return batch
+        batch.cache_seen = watch.after(before, batch.prompt_tokens, batch.cached_tokens)
+        batch.counts_doubted = watch.uncounted_seen and (
+            batch.cache_seen is None or batch.cache_seen.verdict == CACHE_EVIDENCE_UNKNOWN)
         return batch
 
     @property
@@ -4996,14 +5094,22 @@ class Sender:
         """What sends its requests, to its server, under its cache policy."""
         return Executor(self.client, self.adapter, self.model, self.isolate)
 
-    def one_request(self, prompts: List[str], cache_key: Optional[str] = None) -> SentBatch:
+    def one_request(self, prompts: List[str], cache_key: Optional[str] = None,
+                    sampling: Optional[Sampling] = None, what: str = "the request",
+                    beside: Optional[Callable[[], Request]] = None,
+                    streams: int = 0) -> SentBatch:
+        """One request of the prompts (sampling: the sweep's unless given), alone or with
+        streams clients sending beside()'s requests meanwhile (send_requests); its prompt
+        tokens count theirs too, as the server's counters do."""
         if cache_key is None and self.isolate:
             cache_key = fresh_cache_key()  # kept: a repeat under it is served from the cache
-        sent = send_requests(self.executor, [Request(tuple(prompts), self.sampling, cache_key)],
-                             "the request")
+        request = Request(tuple(prompts), sampling or self.sampling, cache_key)
+        sent = send_requests(self.executor, [request], what, beside=beside, streams=streams)
         answer = sent.answers[0]
         return SentBatch(answer.completions, sent.seconds, answer.cached_tokens, answer.cached,
-                         cache_key=cache_key, prompt_tokens=answer.prompt_tokens)
+                         cache_key=cache_key, background=sent.background,
+                         prompt_tokens=total_count([answer.prompt_tokens,
+                                                    sent.background_tokens]))
 
     def copies(self, prompt: str, n: int, seed: int, cache_key: Optional[str] = None) -> SentBatch:
         """n copies of the prompt in one request (cache_key: see EngineAdapter.body), each with
@@ -5458,14 +5564,6 @@ def check_verdict(found: CheckFinding) -> str:
     return verdict + "".join("; %s" % part for part in list(found.uncompared) + stopped)
 
 
-def computed_cold(cached: Optional[int], isolate: bool) -> bool:
-    """Was a check's one-prompt request computed, not served by the prefix cache, by its own
-    cached-token count? A count the server does not give is trusted cold only under the
-    bypass (a fresh cache key each), as the sweep's own comparison trusts it; a run the cache
-    served compares the cache, not what the check varied."""
-    return cached == 0 or (cached is None and isolate)
-
-
 class SweepCheck:
     """One check a sweep runs beside its comparison of every batch with batch 1: its name and
     --expect values, its options (add_arguments, from_args, params), what the server's
@@ -5591,9 +5689,9 @@ class BypassCheck:
     @classmethod
     def of(cls, rows: Sequence[Tuple[int, BatchRow]]) -> "BypassCheck":
         """rows: (batch size, its row) of every pass."""
+        # counters that saw other clients' traffic served say nothing of the pass's own
         hits = sorted({n for n, row in rows if (row.cached_tokens or 0) > 0
-                       or (row.cache_seen is not None
-                           and (row.cache_seen.served or 0) > 0)})
+                       or (row.cache_seen is not None and row.cache_seen.uncounted)})
         known = [row for _, row in rows if row.cached_tokens is not None
                  or (row.cache_seen is not None
                      and row.cache_seen.verdict != CACHE_EVIDENCE_UNKNOWN)]
@@ -5616,9 +5714,9 @@ class CachePolicy:
     def __init__(self, choice: str = DEFAULT_PREFIX_CACHE):
         self.choice = choice  # one of PREFIX_CACHE_CHOICES
         self.hint = ""  # how the engine reports cached tokens, once the server is known
-        # the server's prefix-cache counters at the start (None: it exposes none, or its
-        # cache is off): read around each batch too, a second source beside the answers' counts
-        self.counters: Optional[CacheCounters] = None
+        # the server's prefix-cache counters (None: it exposes none, or its cache is off):
+        # read around each batch too, a second source beside the answers' counts
+        self.watch: Optional[CounterWatch] = None
         self.off = False  # the server's settings say its prefix cache is off
 
     @classmethod
@@ -5640,16 +5738,17 @@ class CachePolicy:
     def open(self, adapter: EngineAdapter, client: HttpClient, facts: ServerFacts) -> None:
         self.hint = adapter.CACHE_COUNTS_HINT
         self.off = adapter.prefix_cache_off(facts.settings)
-        self.counters = None if self.off else adapter.prefix_cache_counters(client)
+        start = None if self.off else adapter.prefix_cache_counters(client)
+        self.watch = None if start is None else CounterWatch(adapter, client, start)
 
     def header_lines(self) -> List[str]:
         if self.off:
             return ["        prefix cache off (the server's settings): no request can be "
                     "served from it"]
-        if self.counters is None:
+        if self.watch is None:
             return []
         return ["        prefix-cache counters read around each batch (%s)"
-                % self.counters.source]
+                % self.watch.start.source]
 
     def params(self) -> Json:
         return {"prefix_cache": self.choice}
@@ -5686,13 +5785,30 @@ class CachePolicy:
         return ["cache hit: bypass did not hold at batch size%s %s" % (
             "" if len(sizes) == 1 else "s", ",".join(map(str, sizes)))]
 
-    def summary_notes(self, summary: SweepSummary) -> List[str]:
+    def summary_notes(self, summary: SweepSummary, sizes: List[SizeResult]) -> List[str]:
+        """What the summary holds only so far as the cache's evidence goes: a bypass nothing
+        proved, counters that could not say of some batches, counters no longer read."""
+        notes = []
         check = summary.checks.get(self.NAME)
-        if check is None or check.status != BYPASS_UNVERIFIED:
-            return []
-        return ["prefix cache bypass unverified: the server reports no cached-token counts (%s)"
-                "%s" % (self.hint, "" if self.counters is None else
-                        ", and its prefix-cache counters saw other traffic or did not settle")]
+        if check is not None and check.status == BYPASS_UNVERIFIED:
+            notes.append("prefix cache bypass unverified: the server reports no cached-token "
+                         "counts (%s)%s" % (self.hint, "" if self.watch is None else
+                                            ", and its prefix-cache counters could not say"))
+        if self.watch is None:
+            return notes
+        runs = [r for size in sizes for r in size.runs]
+        unknown = [r.cache_seen for r in runs
+                   if r.cache_seen is not None and r.cache_seen.verdict == CACHE_EVIDENCE_UNKNOWN]
+        if unknown:
+            notes.append("prefix-cache counters could not say of %d of %d passes (%s): there "
+                         "the answers' counts alone say what the cache served"
+                         % (len(unknown), len(runs), unknown[0].why))
+        if self.watch.stopped:
+            notes.append("prefix-cache counters read no more once %s: %d of %d passes rest on "
+                         "the answers' counts alone" % (self.watch.stopped,
+                                                        sum(r.cache_seen is None for r in runs),
+                                                        len(runs)))
+        return notes
 
 
 # ----------------------------------------------------------------------------
@@ -5717,8 +5833,10 @@ class CacheComparison:
     tokens_diverged: bool
     notes: Tuple[str, ...]
     margin: Optional[Margin]  # at the first token divergence
-    cached_tokens: Optional[int]  # of the repeat, as the server reports them
-    cold_cached_tokens: Optional[int]
+    # of the repeat, the prompt tokens the cache served: as its answers count them, or as the
+    # server's counters saw them served where those saw more (SentBatch.served_tokens)
+    cached_tokens: Optional[int]
+    cold_cached_tokens: Optional[int]  # the same, of the cold request
 
     @classmethod
     def of(cls, cold: SentBatch, warm: SentBatch, clamps: Sequence[float]) -> "CacheComparison":
@@ -5733,7 +5851,7 @@ class CacheComparison:
             notes.add("text differs")
         return cls(max((d.max_ulp for d in deltas), default=0),
                    min(steps) if steps else None, bool(diverged), tuple(sorted(notes)),
-                   first.margin if first else None, warm.cached_tokens, cold.cached_tokens)
+                   first.margin if first else None, warm.served_tokens, cold.served_tokens)
 
 
 @dataclass(frozen=True)
@@ -5845,7 +5963,9 @@ class CacheCheck(SwitchedCheck):
             return None
         self.unseeded = samples_unseeded(run.cfg.sampling, run.facts)
         try:
-            warm = run.sender.copies(prompt, n, run.cfg.sweep.seed, batch.cache_key)
+            sender = run.sender
+            warm = sender.watched(lambda: sender.copies(prompt, n, run.cfg.sweep.seed,
+                                                        batch.cache_key))
         except ServerError as err:
             if err.kind == ServerError.NETWORK:  # the server itself is gone: the sweep stops
                 raise ServerError("cache check at batch size %d: %s" % (n, err)) from None
@@ -6333,21 +6453,21 @@ class NeighbourCheck(SweepCheck):
             ids = tuple(self.rng.randrange(*NEIGHBOUR_IDS) for _ in range(length))
             return Request((), sender.sampling, ids=ids)
 
-        sent = send_requests(sender.executor, [Request((prompt,), sender.sampling)],
-                             "neighbour requests", beside=neighbour, streams=NEIGHBOUR_STREAMS)
-        answer, overlapped = sent.answers[0], sent.background
-        served = not computed_cold(answer.cached_tokens, sender.isolate)
+        sent = sender.watched(lambda: sender.one_request(
+            [prompt], what="neighbour requests", beside=neighbour, streams=NEIGHBOUR_STREAMS))
+        overlapped, served = sent.background, not sent.cold(sender.isolate)
         if not overlapped or served:
             return None, overlapped, served
-        return compare_completions(lone, answer.completions[0],
+        return compare_completions(lone, sent.completions[0],
                                    sender.adapter.logprob_clamps), overlapped, served
 
     def control(self, run: SweepRun, prompt: str, lone: Completion) -> Optional[int]:
         """The run-to-run control: the measured request alone again; 1 where it equals the
         lone run bitwise (a server that does not honour the seed, or moves run to run, shows
         here, and nothing is put down to the neighbours); None where the cache served it."""
-        sent = run.sender.copies(prompt, 1, run.cfg.sweep.seed)
-        if not computed_cold(sent.cached_tokens, run.sender.isolate):
+        sender = run.sender
+        sent = sender.watched(lambda: sender.copies(prompt, 1, run.cfg.sweep.seed))
+        if not sent.cold(sender.isolate):
             return None
         again = sent.completions[0]
         return int(compare_completions(lone, again, run.sender.adapter.logprob_clamps)
@@ -6361,8 +6481,7 @@ class NeighbourCheck(SweepCheck):
         self.unseeded = samples_unseeded(run.cfg.sampling, run.facts)
         # the lone run the cache served is no reference: every run against it compares the
         # cache, and is counted as served
-        lone_cold = computed_cold(batch.cached[0] if batch.cached else batch.cached_tokens,
-                                  run.sender.isolate)
+        lone_cold = batch.cold(run.sender.isolate)
         try:
             control = self.control(run, prompt, lone) if lone_cold else None
             for length in self.lengths:
@@ -6533,11 +6652,10 @@ class ObserverCheck(SwitchedCheck):
         the server does not give is trusted cold only under the bypass, as the sweep's own
         comparison does)."""
         sampling = dataclasses.replace(run.cfg.sampling, logprobs=logprobs)
-        sent = send_requests(run.sender.executor, [Request((prompt,), sampling)],
-                             "the observer check's request")
-        answer = sent.answers[0]
-        count = answer.cached[0] if answer.cached else answer.cached_tokens
-        return answer.completions[0].text, computed_cold(count, run.sender.isolate)
+        sender = run.sender
+        sent = sender.watched(lambda: sender.one_request(
+            [prompt], sampling=sampling, what="the observer check's request"))
+        return sent.completions[0].text, sent.cold(sender.isolate)
 
     @staticmethod
     def setting(logprobs: Optional[int], reference: Tuple[str, bool],
@@ -7179,8 +7297,9 @@ def verdict_reasons(summary: SweepSummary) -> List[str]:
         reasons.append("%s; %s served from the cache, not compared"
                        % (where, sizes_text(m.served_sizes)))
     if m.unknown_sizes and summary.verdict not in UNMEASURED_VERDICTS:
-        reasons.append("%s: the cache was kept and its state is not known, not compared"
-                       % sizes_text(m.unknown_sizes))
+        reasons.append("%s: %s, not compared" % (
+            sizes_text(m.unknown_sizes), "the cache was kept and its state is not known"
+            if m.cache_kept else "whether the cache served them is not known"))
     if m.alone_sizes and summary.verdict not in UNMEASURED_VERDICTS:
         reasons.append("some requests at %s were alone at the server, not compared"
                        % sizes_text(m.alone_sizes))
@@ -7265,7 +7384,7 @@ class SweepTable:
         reasons = [] if summary.state == "complete" else [summary.state]
         reasons += verdict_reasons(summary)
         reasons += options.cache.summary_reasons(summary)
-        for line in options.cache.summary_notes(summary):
+        for line in options.cache.summary_notes(summary, sizes):
             out.line(line)
         out.bold("summary: unique completions %d, total %d, max ULP %d, %s: %s%s"
                  % (m.unique, m.total, m.max_ulp, control, summary.verdict,
@@ -7306,6 +7425,11 @@ VERDICT_ADVICE = {  # what else explains what moved, by the verdict that says so
     "(cache hit in the table, or its counters): the cache, not the batch, may explain it, and "
     "a request the cache served compares nothing about batching. Sweep with --prefix-cache "
     "bypass.",
+    CACHE_UNCLEAR: "The cache served requests it was asked not to (cache hit in the table, or "
+    "its counters), and of the requests compared the server did not say which it served: a "
+    "vLLM request of several prompts counts only its last prompt's cached tokens, and counters "
+    "that lag or see other traffic say nothing of one batch. Sweep with --traffic concurrent "
+    "on a server no one else uses.",
     BASELINE_SERVED: "Batch 1, the baseline every other size is compared with, was served from "
     "the prefix cache (an earlier request's prefill, or a cache the bypass did not keep apart): "
     "every comparison would be one with the cache, not with a computed batch 1. Sweep with "
@@ -7448,7 +7572,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
     isolate = options.cache.bypass
     options.cache.open(adapter, client, facts)
     sender = Sender(client, adapter, facts.model_id, cfg.sampling, isolate, options.arrivals,
-                    options.cache.counters is not None, options.cache.off)
+                    options.cache.watch, options.cache.off)
     run = SweepRun(cfg, facts, sender, out)
     options.baseline_source.open(run)
     header = [line for check in options.checks for line in check.open(run)]

@@ -46,10 +46,33 @@ class CacheCheck(TempDirTest):
                 self.assertEqual([b[key] for b in bodies[0::2]], [b[key] for b in bodies[1::2]])
 
     def test_without_counts_the_hit_is_unverified(self):
-        r, _ = self.check("vllm", "--expect", "cache-equal", prompt_tokens_details=False)
+        r, _ = self.check("vllm", "--expect", "cache-equal", prompt_tokens_details=False,
+                          no_metrics=True)
         self.assertEqual(r.code, 1, r)
         self.assertEqual(r.json()["summary"]["cache_verdict"],
                          "equal, but the hit is unverified (the server reports no cached-token counts)")
+
+    def test_without_counts_the_servers_counters_prove_the_hit(self):
+        # the answers count nothing; the server's own counters saw every repeat served
+        for config in ({"prompt_tokens_details": False}, {"uncounted_cache_hits": True}):
+            with self.subTest(**config):
+                r, _ = self.check("vllm", "--expect", "cache-equal", **config)
+                self.assertEqual(r.code, 0, r)
+                sm = r.json()["summary"]
+                self.assertEqual(sm["cache_verdict"].split(";")[0],
+                                 "cache hit equals cold prefill bitwise")
+                rows = [run_ for size in r.json()["prompts"][0]["sizes"]
+                        for run_ in size["runs"]]
+                self.assertTrue(all(row["cache_check"]["cached_tokens"] > 0 for row in rows))
+
+    def test_an_uncounted_hit_is_found_differing(self):
+        # the server serves the repeat from its cache, says 0 cached tokens, and its cache
+        # path computes otherwise: the counters prove the hit, and the difference is found
+        r, _ = self.check("vllm", "--expect", "cache-equal", uncounted_cache_hits=True,
+                          cache_path_differs=True)
+        self.assertEqual(r.code, 1, r)
+        self.assertEqual(r.json()["summary"]["cache_verdict"].split(";")[0],
+                         "cache hit differs from cold prefill")
 
     def test_a_server_without_a_cache_misses(self):
         r, _ = self.check("sglang", prefix_caching=False)
