@@ -5271,6 +5271,7 @@ class PromptSweep:
     baseline_source: str = "batch 1"
     runs: Dict[int, List[BatchRow]] = field(default_factory=dict)  # batch size -> its passes
     buckets: Dict[int, Bucket] = field(default_factory=dict)
+    stored_served: bool = False  # the cache served the stored baseline: nothing is compared
     batch1: List[Completion] = field(default_factory=list)  # batch 1's completion in every pass
     unseeded: bool = False  # sampled at temperature > 0 by a server that ignores the seed
     # --prefix-cache keep: a request whose cache state is not known may have been served
@@ -5282,8 +5283,10 @@ class PromptSweep:
     kept_measured: Optional[Measured] = field(default=None, compare=False, repr=False)
     kept_text: Optional[str] = field(default=None, compare=False, repr=False)
 
-    def set_baseline(self, baseline: Completion, source: str) -> None:
+    def set_baseline(self, baseline: Completion, source: str, served: bool = False) -> None:
+        """served: a stored baseline the prefix cache served (--baseline's server said so)."""
         self.baseline, self.baseline_source = baseline, source
+        self.stored_served = served
 
     def add(self, n: int, bucket: Bucket, row: BatchRow, completions: List[Completion]) -> None:
         self.runs.setdefault(n, []).append(row)
@@ -5333,17 +5336,19 @@ class PromptSweep:
         other = self.baseline_source != "batch 1"  # a stored baseline: batch 1 is compared too
         candidates = [(n, e) for n, r in included if n > 1 or other for e in r.evidence
                       if e.tokens and (n == 1 or e.beside != 0)]
-        # batch 1 as the baseline: one the cache served (or may have) makes every comparison
-        # one with the cache, not with a computed batch 1
+        # batch 1 as the baseline, or a stored one: one the cache served (or may have) makes
+        # every comparison one with the cache, not with a computed batch 1
         baseline_row = self.runs.get(1, [None])[0] if not other else None
         baseline_cold = (baseline_row.evidence[0].cold(self.cache_kept)
-                         if baseline_row is not None and baseline_row.evidence else True)
+                         if baseline_row is not None and baseline_row.evidence
+                         else not (other and self.stored_served))
         unknown = [(n, e) for n, e in candidates if e.cold(self.cache_kept) is None]
         computed = [(n, e) for n, e in candidates if e.cold(self.cache_kept)]
         served = [(n, e) for n, e in candidates if e.served]
         if not baseline_cold:
             computed = []
-            unknown += [(1, e) for e in baseline_row.evidence[:1] if baseline_cold is None]
+            if baseline_cold is None:
+                unknown += [(1, e) for e in baseline_row.evidence[:1]]
         moved = [(n, e) for n, e in computed if e.moved]
         first = None
         if moved:
@@ -6615,6 +6620,31 @@ def baseline_fault(rec: Any) -> Optional[str]:
     return None
 
 
+def baseline_served_why(entry: Json) -> Optional[str]:
+    """Why the baseline a saved prompt record holds was served from the prefix cache, not
+    computed (None: nothing says so): its verdict, or (its own batch 1 the baseline) its
+    first batch-1 pass's count of served requests or cached tokens (a first-schema file
+    keeps one pass, and no runs)."""
+    if entry.get("verdict") == BASELINE_SERVED:
+        return "its verdict: %s" % BASELINE_SERVED
+    if entry.get("baseline_source") not in (None, "batch 1"):
+        return None  # another file's or server's batch 1: that sweep's verdict says
+    sizes = entry.get("sizes")
+    size = next((s for s in sizes if isinstance(s, dict) and s.get("batch_size") == 1),
+                None) if isinstance(sizes, list) else None
+    if size is None:
+        return None
+    runs = size.get("runs")
+    row = size if "runs" not in size else runs[0] if isinstance(runs, list) and runs else None
+    if not isinstance(row, dict):
+        return None
+    if is_count(row.get("cached_tokens")):
+        return "its batch 1 came with %d cached tokens" % row["cached_tokens"]
+    if is_count(row.get("served")):
+        return "its batch 1's request was served"
+    return None
+
+
 @dataclass
 class BaselineFile:
     """--baseline PATH: the batch-1 completions an earlier sweep saved."""
@@ -6662,6 +6692,12 @@ class BaselineFile:
             if fault:
                 raise UsageError("--baseline: %s: the baseline of %r: %s" %
                                  (path, prompt[:60], fault))
+            served = baseline_served_why(entry)
+            if served:
+                raise UsageError(
+                    "--baseline: %s: the baseline of %r was served from the prefix cache, not "
+                    "computed (%s): it is no baseline; save a sweep whose batch 1 was computed"
+                    % (path, prompt[:60], served))
 
     def check_engine(self, engine: str) -> None:
         recorded = self.doc.get("engine")
@@ -6680,10 +6716,11 @@ class BaselineFile:
             raise UsageError("--baseline: %s was recorded for model %s, this server serves %s" %
                              (self.path, self.doc.get("model"), run.facts.model))
 
-    def batch1(self, prompt: str) -> Tuple[Completion, str]:
-        """The prompt's baseline and where it came from."""
+    def batch1(self, prompt: str) -> Tuple[Completion, str, bool]:
+        """The prompt's baseline, where it came from, and that the cache did not serve it (a
+        served one is refused before any request: check_prompts)."""
         entry = next(p for p in self.doc["prompts"] if p.get("prompt") == prompt)
-        return Completion.from_record(entry["baseline"]), self.path
+        return Completion.from_record(entry["baseline"]), self.path, False
 
     def params(self) -> Json:
         return {"baseline_file": self.path}
@@ -6703,6 +6740,7 @@ class BaselineServer:
     url: str
     sender: Optional[Sender] = None  # once open
     differences: List[SettingDifference] = field(default_factory=list)  # theirs and ours
+    served: int = 0  # prompts whose batch 1 there the prefix cache served: no baseline
 
     def open(self, run: SweepRun) -> None:
         """Once the server under test is known: the same model, and what the two report
@@ -6717,13 +6755,20 @@ class BaselineServer:
         self.differences = SettingDifference.between(theirs, facts, ("baseline", "here"),
                                                      flag=True)
 
-    def batch1(self, prompt: str) -> Tuple[Completion, str]:
+    def batch1(self, prompt: str) -> Tuple[Completion, str, bool]:
+        """Batch 1 of the baseline server, where it came from, and whether its prefix cache
+        served it (by its answer's count): one it served is no baseline."""
         sender = self.sender
         try:
             sender.adapter.before_batch(sender.client, sender.isolate)
-            return sender.copies(prompt, 1, 0).completions[0], "batch 1 of %s" % self.url
+            batch = sender.copies(prompt, 1, 0)
         except ServerError as err:
             raise ServerError("the baseline server, batch 1: %s" % err) from None
+        count = batch.cached[0] if batch.cached else batch.cached_tokens
+        served = batch.served(count) is True
+        if served:
+            self.served += 1
+        return batch.completions[0], "batch 1 of %s" % self.url, served
 
     def params(self) -> Json:
         return {"baseline_server": self.url, "baseline_differences": as_record(self.differences)}
@@ -6737,7 +6782,9 @@ class BaselineServer:
         return ["        baseline: batch 1 of %s, %s" % (self.url, shown)]
 
     def summary_lines(self) -> List[str]:
-        return ["  against batch 1 of %s" % self.url]
+        served = (", which its prefix cache served (%d prompt%s): no baseline, nothing compared"
+                  % (self.served, "" if self.served == 1 else "s")) if self.served else ""
+        return ["  against batch 1 of %s%s" % (self.url, served)]
 
 
 class BaselineSource:
@@ -6783,7 +6830,8 @@ class BaselineSource:
         if self.source:
             self.source.open(run)
 
-    def batch1(self, prompt: str) -> Optional[Tuple[Completion, str]]:
+    def batch1(self, prompt: str) -> Optional[Tuple[Completion, str, bool]]:
+        """(the prompt's baseline, where it came from, whether the prefix cache served it)."""
         return self.source.batch1(prompt) if self.source else None
 
     def params(self) -> Json:
