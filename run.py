@@ -7166,14 +7166,25 @@ SWEEP_COLUMNS = ("  batch  bucket  distinct  same/all  runs matched  first token
 
 
 def control_text(repeatable: Optional[bool], repeat: int, sweeps: List[PromptSweep]) -> str:
-    """The run-to-run control as the table's last line says it, and why there is none."""
-    if repeatable is not None:
-        return ("batch 1 repeatable over %d passes"
-                % repeat if repeatable else "batch 1 NOT repeatable")
-    if repeat == 1:
+    """The run-to-run control as the table's last line says it: how many batch-1 runs it
+    compared (PromptSweep.batch1 holds only the computed ones), or why there is none."""
+    if repeatable is False:
+        return "batch 1 NOT repeatable"
+    if repeatable is None and repeat == 1:
         return "no run-to-run control (one pass)"
-    if any(len(s.batch1) < 2 for s in sweeps):
+    # the prompt whose control compared fewest runs speaks for the sweep
+    least = min(sweeps, key=lambda s: len(s.batch1), default=PromptSweep(""))
+    compared, sent = len(least.batch1), len(least.runs.get(1, []))
+    served = "%s batch 1 in %s" % (
+        "the kept cache served, or may have served," if least.cache_kept else "the cache served",
+        "every pass" if not compared else "%d of %d passes" % (sent - compared, sent))
+    if repeatable:
+        return "batch 1 repeatable over %d passes%s" % (
+            compared, " (%s)" % served if sent > compared else "")
+    if sent < 2:
         return "no run-to-run control (stopped before a second pass)"
+    if compared < 2:
+        return "no run-to-run control (%s)" % served
     return "no run-to-run control (batch 1's logprobs hold NaN, which compares to nothing)"
 
 
