@@ -647,6 +647,9 @@ class Measured:
     first_moved: Optional[Any] = None  # the FirstMoved of the computed evidence
     baseline_served: bool = False  # the cache served batch 1, the baseline: nothing compared
     cache_kept: bool = False  # --prefix-cache keep: no bypass was asked
+    # sampled (temperature > 0) with no run-to-run control: nothing checked that the seed
+    # fixes each sample, so what moved may be sampling noise
+    uncontrolled: bool = False
 
     @classmethod
     def combined(cls, parts: Sequence["Measured"]) -> "Measured":
@@ -669,7 +672,8 @@ class Measured:
             unoverlapped=any(m.unoverlapped for m in parts),
             first_moved=min(firsts, key=lambda f: f.batch) if firsts else None,
             baseline_served=any(m.baseline_served for m in parts),
-            cache_kept=any(m.cache_kept for m in parts))
+            cache_kept=any(m.cache_kept for m in parts),
+            uncontrolled=any(m.uncontrolled for m in parts))
 
 
 INVARIANT = "invariant"
@@ -711,8 +715,9 @@ ULP_NOTE_TEXT = {
 def verdict(m: Measured) -> str:
     """The one place a sweep's verdict is decided (printed, saved and read by --expect): what
     the computed requests show, claiming nothing that was not compared and never blaming
-    batching for what something else explains (sampling the server does not seed, a batch 1
-    that does not repeat itself, a prefix cache that served what moved)."""
+    batching for what something else explains (sampling the server does not seed, or whose
+    seed no run-to-run control checked, a batch 1 that does not repeat itself, a prefix cache
+    that served what moved)."""
     if not m.total:
         return NO_DATA
     confounded = KEPT_CACHE_MOVED if m.cache_kept else CACHE_CONFOUNDED
@@ -725,7 +730,7 @@ def verdict(m: Measured) -> str:
             return CACHE_UNKNOWN
         return SERVED_ONLY if m.served_sizes else NOTHING_COMPARED
     moved = m.moved or m.batch1_repeatable is False
-    if m.unseeded and (moved or m.served_moved):
+    if (m.unseeded and (moved or m.served_moved)) or (m.uncontrolled and moved):
         return NOISE_NOT_RULED_OUT
     if m.batch1_repeatable is False:
         return NOT_REPEATABLE
@@ -5274,6 +5279,7 @@ class PromptSweep:
     stored_served: bool = False  # the cache served the stored baseline: nothing is compared
     batch1: List[Completion] = field(default_factory=list)  # batch 1's completion in every pass
     unseeded: bool = False  # sampled at temperature > 0 by a server that ignores the seed
+    sampled: bool = False  # sampled at temperature > 0: batch 1's control checks the seed
     # --prefix-cache keep: a request whose cache state is not known may have been served
     cache_kept: bool = False
     checks: Sequence["SweepCheck"] = ()  # the sweep's checks, for each size's parts
@@ -5365,6 +5371,7 @@ class PromptSweep:
                           for _, e in computed),
             moved=bool(moved), compared=bool(computed),
             batch1_repeatable=self.batch1_repeatable(), unseeded=self.unseeded,
+            uncontrolled=self.sampled and self.batch1_repeatable() is None,
             served_moved=any(e.moved for _, e in served),
             served_sizes=sorted({n for n, _ in served}),
             alone_sizes=sorted({n for n, r in included if n > 1
@@ -7265,10 +7272,16 @@ class SweepTable:
         sampling = cfg.sampling
         if sampling.temperature == 0:
             how = "greedy"
-        else:
-            honoured = {True: " (honoured)", False: " (IGNORED by the server)"}
-            how = "temperature %g, seed %s%s" % (sampling.temperature, sampling.seed,
-                                                 honoured.get(facts.seed_honoured, ""))
+        elif facts.seed_honoured is False:
+            how = "temperature %g, seed %s (IGNORED by the server)" % (sampling.temperature,
+                                                                      sampling.seed)
+        else:  # what the engine is known to do, never checked but by batch 1's control
+            taken = ("the engine takes a per-request seed" if facts.seed_honoured else
+                     "whether the server honours it is not known")
+            checked = ("batch 1's run-to-run control checks it" if options.repeat > 1 else
+                       "not checked: --repeat 1 runs no run-to-run control")
+            how = "temperature %g, seed %s (%s; %s)" % (sampling.temperature, sampling.seed,
+                                                       taken, checked)
         out.line("params: %d tokens, %s, top-%d logprobs, sizes %s" %
                  (sampling.max_tokens, how, sampling.logprobs, ",".join(str(s) for s in sizes)))
         out.line("        traffic %s, %d pass%s through the ladder, prefix cache %s" %
@@ -7376,6 +7389,14 @@ VERDICT_ADVICE = {  # what else explains what moved, by the verdict that says so
     "other traffic on it."}
 
 
+# NOISE_NOT_RULED_OUT where the server takes the seed, but no run-to-run control checked it
+UNCONTROLLED_ADVICE = (
+    "At this temperature only the seed makes two samples of one prompt alike, and no run-to-run "
+    "control checked that it does (batch 1 was not computed twice: one pass, a run stopped "
+    "early, or a batch 1 the cache served): what moved may be sampling noise alone. Sweep with "
+    "--repeat 2 or more, or greedy (--temperature 0).")
+
+
 def sweep_advice(flag: Optional[bool], hazards: Optional[List[Json]], expect: Optional[str],
                  sizes: List[int], summary: SweepSummary, text: Callable[[str], None]) -> None:
     """What to make of the verdict, once the table is out: why nothing was compared, what
@@ -7385,7 +7406,8 @@ def sweep_advice(flag: Optional[bool], hazards: Optional[List[Json]], expect: Op
     moved = sweep_verdict != INVARIANT and not unmeasured
     if sweep_verdict in VERDICT_ADVICE:
         text("")
-        text(VERDICT_ADVICE[sweep_verdict])
+        uncontrolled = sweep_verdict == NOISE_NOT_RULED_OUT and not summary.measured.unseeded
+        text(UNCONTROLLED_ADVICE if uncontrolled else VERDICT_ADVICE[sweep_verdict])
     elif unmeasured and sizes == [1] and any(k != CachePolicy.NAME for k in summary.checks):
         text("")
         text("Batch 1 only: this sweep ran for its checks, whose verdicts are above; it compared "
@@ -7559,6 +7581,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
         prompts = len(options.prompts)
         for pi, prompt in enumerate(options.prompts, 1):
             sweep = PromptSweep(prompt, unseeded=samples_unseeded(cfg.sampling, facts),
+                                sampled=cfg.sampling.temperature > 0,
                                 cache_kept=not options.cache.bypass, checks=options.checks)
             sweeps.append(sweep)
             baseline = options.baseline_source.batch1(prompt)
