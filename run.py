@@ -1612,6 +1612,9 @@ class EngineAdapter(Protocol):
     logprob_clamps: Tuple[float, ...]  # the engine's stand-ins for a -inf logprob
     CACHE_COUNTS_HINT: str  # how to have the server report cached prompt tokens
     PREFILL_BUDGET: str  # the settings label of the chunked-prefill budget
+    # verdict -> what this engine's prefix cache adds to the sweep's advice on it (sweep_advice):
+    # only an adapter knows how its engine keeps requests apart, or counts what it served
+    CACHE_ADVICE: Dict[str, str]
 
     def answers_like(self, client: HttpClient) -> bool:
         """Does the server at client answer this engine's own info endpoint as this engine does?
@@ -1924,6 +1927,14 @@ class VllmAdapter:
     SETTINGS_HINT = "start vLLM with VLLM_SERVER_DEV_MODE=1 to expose /server_info"
     CACHE_COUNTS_HINT = "start vLLM with --enable-prompt-tokens-details to have them reported"
     PREFILL_BUDGET = "max num batched tokens"  # the setting that splits a long prefill into chunks
+    CACHE_ADVICE = {
+        CACHE_CONFOUNDED: "vLLM's copies of one request share its cache whatever the salt: sweep "
+        "with --traffic concurrent, whose requests carry a salt each.",
+        SERVED_ONLY: "vLLM's copies of one request share its cache whatever the salt: sweep with "
+        "--traffic concurrent, whose requests carry a salt each.",
+        CACHE_UNKNOWN: "vLLM counts cached tokens only with --enable-prompt-tokens-details, and "
+        "for a request of several prompts only its last prompt's count.",
+        BASELINE_SERVED: "vLLM keeps requests apart by their cache_salt, which the bypass sends."}
 
     # (label, path in /server_info) of every setting that changes the arithmetic or the batching
     SETTINGS = [
@@ -2194,6 +2205,13 @@ class SglangAdapter:
     logprob_clamps = (-3.4028234663852886e38,)
     GRAPH_SIZES = [1, 2, 4, 8, 12, 16, 24, 32]  # decode graphs with --cuda-graph-max-bs-decode 32
     CACHE_COUNTS_HINT = "SGLang reports them in meta_info.cached_tokens; this server did not"
+    _KEPT_APART = ("SGLang's bypass empties the radix cache before every batch (/flush_cache) "
+                   "and gives every prompt a cache key of its own (extra_key): a request served "
+                   "all the same is one the cache did not keep apart (a release that does not "
+                   "take extra_key, or other traffic on the server). Start it with "
+                   "--disable-radix-cache to compare computed prefills only.")
+    CACHE_ADVICE = {CACHE_CONFOUNDED: _KEPT_APART, SERVED_ONLY: _KEPT_APART,
+                    BASELINE_SERVED: _KEPT_APART}
     PREFILL_BUDGET = "chunked prefill size"  # the setting that splits a long prefill into chunks
     SEED_NOTE = ("SGLang honours sampling_seed only with --enable-deterministic-inference "
                  "(python/sglang/srt/sampling/sampling_batch_info.py, 0.5.23 lines 157-171)")
@@ -7357,23 +7375,20 @@ class SweepTable:
                     out.line(line)
 
 
-VERDICT_ADVICE = {  # what else explains what moved, by the verdict that says so
+# What else explains what moved, by the verdict that says so, in any engine's terms; what an
+# engine's own cache adds is its adapter's (CACHE_ADVICE)
+VERDICT_ADVICE = {
     NOISE_NOT_RULED_OUT: "The server ignores the seed, so at this temperature every request "
     "samples on its own: the differences above may be sampling noise alone. Measure batching "
     "greedy (--temperature 0), or with the flag on, where the seed is honoured.",
     CACHE_CONFOUNDED: "Everything that moved, moved in requests the prefix cache served "
     "(cache hit in the table): the cache, not the batch, may explain it, and a request the "
-    "cache served compares nothing about batching. vLLM's copies of one request share its "
-    "cache whatever the salt: sweep with --traffic concurrent, whose requests carry a salt "
-    "each.",
+    "cache served compares nothing about batching.",
     SERVED_ONLY: "Every request above batch 1 was served from the prefix cache (cache hit in "
-    "the table), so no batched prefill was computed and nothing about batching was compared. "
-    "vLLM's copies of one request share its cache whatever the salt: sweep with --traffic "
-    "concurrent, whose requests carry a salt each.",
+    "the table), so no batched prefill was computed and nothing about batching was compared.",
     CACHE_UNKNOWN: "With --prefix-cache keep a request the cache served compares nothing, and "
-    "the server did not say of any request above batch 1 that the cache left it cold (vLLM "
-    "counts only with --enable-prompt-tokens-details, and for a request of several prompts "
-    "only its last prompt's count): sweep with --prefix-cache bypass.",
+    "the server did not say of any request above batch 1 that the cache left it cold: sweep "
+    "with --prefix-cache bypass.",
     KEPT_CACHE_MOVED: "Everything that moved, moved in requests the prefix cache served "
     "(cache hit in the table, or its counters): the cache, not the batch, may explain it, and "
     "a request the cache served compares nothing about batching. Sweep with --prefix-cache "
@@ -7381,8 +7396,7 @@ VERDICT_ADVICE = {  # what else explains what moved, by the verdict that says so
     BASELINE_SERVED: "Batch 1, the baseline every other size is compared with, was served from "
     "the prefix cache (an earlier request's prefill, or a cache the bypass did not keep apart): "
     "every comparison would be one with the cache, not with a computed batch 1. Sweep with "
-    "--prefix-cache bypass on a server whose cache keys hold (vLLM's cache_salt, SGLang's "
-    "extra_key), or restart it.",
+    "--prefix-cache bypass on a server whose cache keys hold, or restart it.",
     NOT_REPEATABLE: "Batch 1 alone gave different answers on different passes: the server is not "
     "repeatable even without other requests beside it, so differences at other sizes cannot be "
     "put down to batching. Check for unseeded sampling, a server restarted between passes, or "
@@ -7397,17 +7411,21 @@ UNCONTROLLED_ADVICE = (
     "--repeat 2 or more, or greedy (--temperature 0).")
 
 
-def sweep_advice(flag: Optional[bool], hazards: Optional[List[Json]], expect: Optional[str],
-                 sizes: List[int], summary: SweepSummary, text: Callable[[str], None]) -> None:
+def sweep_advice(adapter: EngineAdapter, flag: Optional[bool], hazards: Optional[List[Json]],
+                 expect: Optional[str], sizes: List[int], summary: SweepSummary,
+                 text: Callable[[str], None]) -> None:
     """What to make of the verdict, once the table is out: why nothing was compared, what
-    else explains what moved, or where to look next."""
+    else explains what moved (with what the engine's own cache adds), or where to look
+    next."""
     sweep_verdict = summary.verdict
     unmeasured = sweep_verdict in UNMEASURED_VERDICTS
     moved = sweep_verdict != INVARIANT and not unmeasured
     if sweep_verdict in VERDICT_ADVICE:
         text("")
         uncontrolled = sweep_verdict == NOISE_NOT_RULED_OUT and not summary.measured.unseeded
-        text(UNCONTROLLED_ADVICE if uncontrolled else VERDICT_ADVICE[sweep_verdict])
+        advice = UNCONTROLLED_ADVICE if uncontrolled else VERDICT_ADVICE[sweep_verdict]
+        engine = adapter.CACHE_ADVICE.get(sweep_verdict)
+        text(advice + (" " + engine if engine else ""))
     elif unmeasured and sizes == [1] and any(k != CachePolicy.NAME for k in summary.checks):
         text("")
         text("Batch 1 only: this sweep ran for its checks, whose verdicts are above; it compared "
@@ -7620,7 +7638,8 @@ def run_sweep(cfg: Config, out: Out) -> int:
             out.line(json_text(sweep_document(cfg, facts, prompts, sizes, summary), indent=1))
         if code == EXIT_OK:
             text = out.line if not cfg.json_out else out.note
-            sweep_advice(facts.flag, facts.hazards, options.expect, sizes, summary, text)
+            sweep_advice(adapter, facts.flag, facts.hazards, options.expect, sizes, summary,
+                         text)
             if summary.expect is not None:
                 text(summary.expect.said)
                 code = EXIT_OK if summary.expect.held else EXIT_EXPECTATION

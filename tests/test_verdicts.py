@@ -37,6 +37,28 @@ class NothingCompared(TempDirTest):
         self.assertEqual(r.json()["summary"]["verdict"], "invariant")
 
 
+class AdviceForTheEngineAtHand(TempDirTest):
+    """What the advice says of an engine's prefix cache is that engine's, never another's."""
+
+    def test_a_cache_that_served_copies_is_explained_in_the_engines_own_terms(self):
+        own = {"vllm": "vLLM's copies of one request share its cache whatever the salt",
+               "sglang": "gives every prompt a cache key of its own (extra_key)"}
+        for engine, words in own.items():
+            config = StubConfig(engine=engine, invariant=True, cache_serves="one",
+                                cache_path_differs=True, prompt_tokens_details=True)
+            with self.subTest(engine=engine), StubServer(config) as stub:
+                r = short_sweep(stub, "--sizes", "1,2,4", "--save", self.path(engine + ".json"))
+                self.assertEqual(r.code, 0, r)
+                self.assertEqual(self.load(engine + ".json")["summary"]["verdict"],
+                                 "moved only where the cache served (bypass did not hold)")
+                advice = r.stdout.split("summary:")[1]
+                self.assertIn(words, advice)
+                other = own["sglang" if engine == "vllm" else "vllm"]
+                self.assertNotIn(other, advice)
+                if engine == "sglang":
+                    self.assertNotIn("vLLM", advice)
+
+
 class SamplingWithoutAControl(TempDirTest):
     """At temperature > 0 only the seed makes samples alike: with no run-to-run control to
     check it, what moved is not put down to batching, and the header claims no seed held."""
