@@ -649,6 +649,9 @@ class Measured:
     first_moved: Optional[Any] = None  # the FirstMoved of the computed evidence
     baseline_served: bool = False  # the cache served batch 1, the baseline: nothing compared
     cache_kept: bool = False  # --prefix-cache keep: no bypass was asked
+    # sampled (temperature > 0) with no run-to-run control: nothing checked that the seed
+    # fixes each sample, so what moved may be sampling noise
+    uncontrolled: bool = False
 
     @classmethod
     def combined(cls, parts: Sequence["Measured"]) -> "Measured":
@@ -671,7 +674,8 @@ class Measured:
             unoverlapped=any(m.unoverlapped for m in parts),
             first_moved=min(firsts, key=lambda f: f.batch) if firsts else None,
             baseline_served=any(m.baseline_served for m in parts),
-            cache_kept=any(m.cache_kept for m in parts))
+            cache_kept=any(m.cache_kept for m in parts),
+            uncontrolled=any(m.uncontrolled for m in parts))
 
 
 INVARIANT = "invariant"
@@ -717,8 +721,9 @@ ULP_NOTE_TEXT = {
 def verdict(m: Measured) -> str:
     """The one place a sweep's verdict is decided (printed, saved and read by --expect): what
     the computed requests show, claiming nothing that was not compared and never blaming
-    batching for what something else explains (sampling the server does not seed, a batch 1
-    that does not repeat itself, a prefix cache that served what moved)."""
+    batching for what something else explains (sampling the server does not seed, or whose
+    seed no run-to-run control checked, a batch 1 that does not repeat itself, a prefix cache
+    that served what moved)."""
     if not m.total:
         return NO_DATA
     confounded = KEPT_CACHE_MOVED if m.cache_kept else CACHE_CONFOUNDED
@@ -731,7 +736,7 @@ def verdict(m: Measured) -> str:
             return CACHE_UNKNOWN if m.cache_kept else CACHE_UNCLEAR
         return SERVED_ONLY if m.served_sizes else NOTHING_COMPARED
     moved = m.moved or m.batch1_repeatable is False
-    if m.unseeded and (moved or m.served_moved):
+    if (m.unseeded and (moved or m.served_moved)) or (m.uncontrolled and moved):
         return NOISE_NOT_RULED_OUT
     if m.batch1_repeatable is False:
         return NOT_REPEATABLE
@@ -1618,6 +1623,9 @@ class EngineAdapter(Protocol):
     logprob_clamps: Tuple[float, ...]  # the engine's stand-ins for a -inf logprob
     CACHE_COUNTS_HINT: str  # how to have the server report cached prompt tokens
     PREFILL_BUDGET: str  # the settings label of the chunked-prefill budget
+    # verdict -> what this engine's prefix cache adds to the sweep's advice on it (sweep_advice):
+    # only an adapter knows how its engine keeps requests apart, or counts what it served
+    CACHE_ADVICE: Dict[str, str]
 
     def answers_like(self, client: HttpClient) -> bool:
         """Does the server at client answer this engine's own info endpoint as this engine does?
@@ -1983,6 +1991,14 @@ class VllmAdapter:
     SETTINGS_HINT = "start vLLM with VLLM_SERVER_DEV_MODE=1 to expose /server_info"
     CACHE_COUNTS_HINT = "start vLLM with --enable-prompt-tokens-details to have them reported"
     PREFILL_BUDGET = "max num batched tokens"  # the setting that splits a long prefill into chunks
+    CACHE_ADVICE = {
+        CACHE_CONFOUNDED: "vLLM's copies of one request share its cache whatever the salt: sweep "
+        "with --traffic concurrent, whose requests carry a salt each.",
+        SERVED_ONLY: "vLLM's copies of one request share its cache whatever the salt: sweep with "
+        "--traffic concurrent, whose requests carry a salt each.",
+        CACHE_UNKNOWN: "vLLM counts cached tokens only with --enable-prompt-tokens-details, and "
+        "for a request of several prompts only its last prompt's count.",
+        BASELINE_SERVED: "vLLM keeps requests apart by their cache_salt, which the bypass sends."}
 
     # (label, path in /server_info) of every setting that changes the arithmetic or the batching
     SETTINGS = [
@@ -2253,6 +2269,13 @@ class SglangAdapter:
     logprob_clamps = (-3.4028234663852886e38,)
     GRAPH_SIZES = [1, 2, 4, 8, 12, 16, 24, 32]  # decode graphs with --cuda-graph-max-bs-decode 32
     CACHE_COUNTS_HINT = "SGLang reports them in meta_info.cached_tokens; this server did not"
+    _KEPT_APART = ("SGLang's bypass empties the radix cache before every batch (/flush_cache) "
+                   "and gives every prompt a cache key of its own (extra_key): a request served "
+                   "all the same is one the cache did not keep apart (a release that does not "
+                   "take extra_key, or other traffic on the server). Start it with "
+                   "--disable-radix-cache to compare computed prefills only.")
+    CACHE_ADVICE = {CACHE_CONFOUNDED: _KEPT_APART, SERVED_ONLY: _KEPT_APART,
+                    BASELINE_SERVED: _KEPT_APART}
     PREFILL_BUDGET = "chunked prefill size"  # the setting that splits a long prefill into chunks
     SEED_NOTE = ("SGLang honours sampling_seed only with --enable-deterministic-inference "
                  "(python/sglang/srt/sampling/sampling_batch_info.py, 0.5.23 lines 157-171)")
@@ -5377,8 +5400,10 @@ class PromptSweep:
     baseline_source: str = "batch 1"
     runs: Dict[int, List[BatchRow]] = field(default_factory=dict)  # batch size -> its passes
     buckets: Dict[int, Bucket] = field(default_factory=dict)
+    stored_served: bool = False  # the cache served the stored baseline: nothing is compared
     batch1: List[Completion] = field(default_factory=list)  # batch 1's completion in every pass
     unseeded: bool = False  # sampled at temperature > 0 by a server that ignores the seed
+    sampled: bool = False  # sampled at temperature > 0: batch 1's control checks the seed
     # --prefix-cache keep: a request whose cache state is not known may have been served
     cache_kept: bool = False
     checks: Sequence["SweepCheck"] = ()  # the sweep's checks, for each size's parts
@@ -5388,8 +5413,10 @@ class PromptSweep:
     kept_measured: Optional[Measured] = field(default=None, compare=False, repr=False)
     kept_text: Optional[str] = field(default=None, compare=False, repr=False)
 
-    def set_baseline(self, baseline: Completion, source: str) -> None:
+    def set_baseline(self, baseline: Completion, source: str, served: bool = False) -> None:
+        """served: a stored baseline the prefix cache served (--baseline's server said so)."""
         self.baseline, self.baseline_source = baseline, source
+        self.stored_served = served
 
     def add(self, n: int, bucket: Bucket, row: BatchRow, completions: List[Completion]) -> None:
         self.runs.setdefault(n, []).append(row)
@@ -5439,17 +5466,19 @@ class PromptSweep:
         other = self.baseline_source != "batch 1"  # a stored baseline: batch 1 is compared too
         candidates = [(n, e) for n, r in included if n > 1 or other for e in r.evidence
                       if e.tokens and (n == 1 or e.beside != 0)]
-        # batch 1 as the baseline: one the cache served (or may have) makes every comparison
-        # one with the cache, not with a computed batch 1
+        # batch 1 as the baseline, or a stored one: one the cache served (or may have) makes
+        # every comparison one with the cache, not with a computed batch 1
         baseline_row = self.runs.get(1, [None])[0] if not other else None
         baseline_cold = (baseline_row.evidence[0].cold(self.cache_kept)
-                         if baseline_row is not None and baseline_row.evidence else True)
+                         if baseline_row is not None and baseline_row.evidence
+                         else not (other and self.stored_served))
         unknown = [(n, e) for n, e in candidates if e.cold(self.cache_kept) is None]
         computed = [(n, e) for n, e in candidates if e.cold(self.cache_kept)]
         served = [(n, e) for n, e in candidates if e.served]
         if not baseline_cold:
             computed = []
-            unknown += [(1, e) for e in baseline_row.evidence[:1] if baseline_cold is None]
+            if baseline_cold is None:
+                unknown += [(1, e) for e in baseline_row.evidence[:1]]
         moved = [(n, e) for n, e in computed if e.moved]
         first = None
         if moved:
@@ -5466,6 +5495,7 @@ class PromptSweep:
                           for _, e in computed),
             moved=bool(moved), compared=bool(computed),
             batch1_repeatable=self.batch1_repeatable(), unseeded=self.unseeded,
+            uncontrolled=self.sampled and self.batch1_repeatable() is None,
             served_moved=any(e.moved for _, e in served),
             served_sizes=sorted({n for n, _ in served}),
             alone_sizes=sorted({n for n, r in included if n > 1
@@ -6733,6 +6763,31 @@ def baseline_fault(rec: Any) -> Optional[str]:
     return None
 
 
+def baseline_served_why(entry: Json) -> Optional[str]:
+    """Why the baseline a saved prompt record holds was served from the prefix cache, not
+    computed (None: nothing says so): its verdict, or (its own batch 1 the baseline) its
+    first batch-1 pass's count of served requests or cached tokens (a first-schema file
+    keeps one pass, and no runs)."""
+    if entry.get("verdict") == BASELINE_SERVED:
+        return "its verdict: %s" % BASELINE_SERVED
+    if entry.get("baseline_source") not in (None, "batch 1"):
+        return None  # another file's or server's batch 1: that sweep's verdict says
+    sizes = entry.get("sizes")
+    size = next((s for s in sizes if isinstance(s, dict) and s.get("batch_size") == 1),
+                None) if isinstance(sizes, list) else None
+    if size is None:
+        return None
+    runs = size.get("runs")
+    row = size if "runs" not in size else runs[0] if isinstance(runs, list) and runs else None
+    if not isinstance(row, dict):
+        return None
+    if is_count(row.get("cached_tokens")):
+        return "its batch 1 came with %d cached tokens" % row["cached_tokens"]
+    if is_count(row.get("served")):
+        return "its batch 1's request was served"
+    return None
+
+
 @dataclass
 class BaselineFile:
     """--baseline PATH: the batch-1 completions an earlier sweep saved."""
@@ -6780,6 +6835,12 @@ class BaselineFile:
             if fault:
                 raise UsageError("--baseline: %s: the baseline of %r: %s" %
                                  (path, prompt[:60], fault))
+            served = baseline_served_why(entry)
+            if served:
+                raise UsageError(
+                    "--baseline: %s: the baseline of %r was served from the prefix cache, not "
+                    "computed (%s): it is no baseline; save a sweep whose batch 1 was computed"
+                    % (path, prompt[:60], served))
 
     def check_engine(self, engine: str) -> None:
         recorded = self.doc.get("engine")
@@ -6798,10 +6859,11 @@ class BaselineFile:
             raise UsageError("--baseline: %s was recorded for model %s, this server serves %s" %
                              (self.path, self.doc.get("model"), run.facts.model))
 
-    def batch1(self, prompt: str) -> Tuple[Completion, str]:
-        """The prompt's baseline and where it came from."""
+    def batch1(self, prompt: str) -> Tuple[Completion, str, bool]:
+        """The prompt's baseline, where it came from, and that the cache did not serve it (a
+        served one is refused before any request: check_prompts)."""
         entry = next(p for p in self.doc["prompts"] if p.get("prompt") == prompt)
-        return Completion.from_record(entry["baseline"]), self.path
+        return Completion.from_record(entry["baseline"]), self.path, False
 
     def params(self) -> Json:
         return {"baseline_file": self.path}
@@ -6821,6 +6883,7 @@ class BaselineServer:
     url: str
     sender: Optional[Sender] = None  # once open
     differences: List[SettingDifference] = field(default_factory=list)  # theirs and ours
+    served: int = 0  # prompts whose batch 1 there the prefix cache served: no baseline
 
     def open(self, run: SweepRun) -> None:
         """Once the server under test is known: the same model, and what the two report
@@ -6835,13 +6898,20 @@ class BaselineServer:
         self.differences = SettingDifference.between(theirs, facts, ("baseline", "here"),
                                                      flag=True)
 
-    def batch1(self, prompt: str) -> Tuple[Completion, str]:
+    def batch1(self, prompt: str) -> Tuple[Completion, str, bool]:
+        """Batch 1 of the baseline server, where it came from, and whether its prefix cache
+        served it (by its answer's count): one it served is no baseline."""
         sender = self.sender
         try:
             sender.adapter.before_batch(sender.client, sender.isolate)
-            return sender.copies(prompt, 1, 0).completions[0], "batch 1 of %s" % self.url
+            batch = sender.copies(prompt, 1, 0)
         except ServerError as err:
             raise ServerError("the baseline server, batch 1: %s" % err) from None
+        count = batch.cached[0] if batch.cached else batch.cached_tokens
+        served = batch.served(count) is True
+        if served:
+            self.served += 1
+        return batch.completions[0], "batch 1 of %s" % self.url, served
 
     def params(self) -> Json:
         return {"baseline_server": self.url, "baseline_differences": as_record(self.differences)}
@@ -6855,7 +6925,9 @@ class BaselineServer:
         return ["        baseline: batch 1 of %s, %s" % (self.url, shown)]
 
     def summary_lines(self) -> List[str]:
-        return ["  against batch 1 of %s" % self.url]
+        served = (", which its prefix cache served (%d prompt%s): no baseline, nothing compared"
+                  % (self.served, "" if self.served == 1 else "s")) if self.served else ""
+        return ["  against batch 1 of %s%s" % (self.url, served)]
 
 
 class BaselineSource:
@@ -6901,7 +6973,8 @@ class BaselineSource:
         if self.source:
             self.source.open(run)
 
-    def batch1(self, prompt: str) -> Optional[Tuple[Completion, str]]:
+    def batch1(self, prompt: str) -> Optional[Tuple[Completion, str, bool]]:
+        """(the prompt's baseline, where it came from, whether the prefix cache served it)."""
         return self.source.batch1(prompt) if self.source else None
 
     def params(self) -> Json:
@@ -7236,14 +7309,25 @@ SWEEP_COLUMNS = ("  batch  bucket  distinct  same/all  runs matched  first token
 
 
 def control_text(repeatable: Optional[bool], repeat: int, sweeps: List[PromptSweep]) -> str:
-    """The run-to-run control as the table's last line says it, and why there is none."""
-    if repeatable is not None:
-        return ("batch 1 repeatable over %d passes"
-                % repeat if repeatable else "batch 1 NOT repeatable")
-    if repeat == 1:
+    """The run-to-run control as the table's last line says it: how many batch-1 runs it
+    compared (PromptSweep.batch1 holds only the computed ones), or why there is none."""
+    if repeatable is False:
+        return "batch 1 NOT repeatable"
+    if repeatable is None and repeat == 1:
         return "no run-to-run control (one pass)"
-    if any(len(s.batch1) < 2 for s in sweeps):
+    # the prompt whose control compared fewest runs speaks for the sweep
+    least = min(sweeps, key=lambda s: len(s.batch1), default=PromptSweep(""))
+    compared, sent = len(least.batch1), len(least.runs.get(1, []))
+    served = "%s batch 1 in %s" % (
+        "the kept cache served, or may have served," if least.cache_kept else "the cache served",
+        "every pass" if not compared else "%d of %d passes" % (sent - compared, sent))
+    if repeatable:
+        return "batch 1 repeatable over %d passes%s" % (
+            compared, " (%s)" % served if sent > compared else "")
+    if sent < 2:
         return "no run-to-run control (stopped before a second pass)"
+    if compared < 2:
+        return "no run-to-run control (%s)" % served
     return "no run-to-run control (batch 1's logprobs hold NaN, which compares to nothing)"
 
 
@@ -7325,10 +7409,16 @@ class SweepTable:
         sampling = cfg.sampling
         if sampling.temperature == 0:
             how = "greedy"
-        else:
-            honoured = {True: " (honoured)", False: " (IGNORED by the server)"}
-            how = "temperature %g, seed %s%s" % (sampling.temperature, sampling.seed,
-                                                 honoured.get(facts.seed_honoured, ""))
+        elif facts.seed_honoured is False:
+            how = "temperature %g, seed %s (IGNORED by the server)" % (sampling.temperature,
+                                                                      sampling.seed)
+        else:  # what the engine is known to do, never checked but by batch 1's control
+            taken = ("the engine takes a per-request seed" if facts.seed_honoured else
+                     "whether the server honours it is not known")
+            checked = ("batch 1's run-to-run control checks it" if options.repeat > 1 else
+                       "not checked: --repeat 1 runs no run-to-run control")
+            how = "temperature %g, seed %s (%s; %s)" % (sampling.temperature, sampling.seed,
+                                                       taken, checked)
         out.line("params: %d tokens, %s, top-%d logprobs, sizes %s" %
                  (sampling.max_tokens, how, sampling.logprobs, ",".join(str(s) for s in sizes)))
         out.line("        traffic %s, %d pass%s through the ladder, prefix cache %s" %
@@ -7404,23 +7494,20 @@ class SweepTable:
                     out.line(line)
 
 
-VERDICT_ADVICE = {  # what else explains what moved, by the verdict that says so
+# What else explains what moved, by the verdict that says so, in any engine's terms; what an
+# engine's own cache adds is its adapter's (CACHE_ADVICE)
+VERDICT_ADVICE = {
     NOISE_NOT_RULED_OUT: "The server ignores the seed, so at this temperature every request "
     "samples on its own: the differences above may be sampling noise alone. Measure batching "
     "greedy (--temperature 0), or with the flag on, where the seed is honoured.",
     CACHE_CONFOUNDED: "Everything that moved, moved in requests the prefix cache served "
     "(cache hit in the table): the cache, not the batch, may explain it, and a request the "
-    "cache served compares nothing about batching. vLLM's copies of one request share its "
-    "cache whatever the salt: sweep with --traffic concurrent, whose requests carry a salt "
-    "each.",
+    "cache served compares nothing about batching.",
     SERVED_ONLY: "Every request above batch 1 was served from the prefix cache (cache hit in "
-    "the table), so no batched prefill was computed and nothing about batching was compared. "
-    "vLLM's copies of one request share its cache whatever the salt: sweep with --traffic "
-    "concurrent, whose requests carry a salt each.",
+    "the table), so no batched prefill was computed and nothing about batching was compared.",
     CACHE_UNKNOWN: "With --prefix-cache keep a request the cache served compares nothing, and "
-    "the server did not say of any request above batch 1 that the cache left it cold (vLLM "
-    "counts only with --enable-prompt-tokens-details, and for a request of several prompts "
-    "only its last prompt's count): sweep with --prefix-cache bypass.",
+    "the server did not say of any request above batch 1 that the cache left it cold: sweep "
+    "with --prefix-cache bypass.",
     KEPT_CACHE_MOVED: "Everything that moved, moved in requests the prefix cache served "
     "(cache hit in the table, or its counters): the cache, not the batch, may explain it, and "
     "a request the cache served compares nothing about batching. Sweep with --prefix-cache "
@@ -7433,24 +7520,36 @@ VERDICT_ADVICE = {  # what else explains what moved, by the verdict that says so
     BASELINE_SERVED: "Batch 1, the baseline every other size is compared with, was served from "
     "the prefix cache (an earlier request's prefill, or a cache the bypass did not keep apart): "
     "every comparison would be one with the cache, not with a computed batch 1. Sweep with "
-    "--prefix-cache bypass on a server whose cache keys hold (vLLM's cache_salt, SGLang's "
-    "extra_key), or restart it.",
+    "--prefix-cache bypass on a server whose cache keys hold, or restart it.",
     NOT_REPEATABLE: "Batch 1 alone gave different answers on different passes: the server is not "
     "repeatable even without other requests beside it, so differences at other sizes cannot be "
     "put down to batching. Check for unseeded sampling, a server restarted between passes, or "
     "other traffic on it."}
 
 
-def sweep_advice(flag: Optional[bool], hazards: Optional[List[Json]], expect: Optional[str],
-                 sizes: List[int], summary: SweepSummary, text: Callable[[str], None]) -> None:
+# NOISE_NOT_RULED_OUT where the server takes the seed, but no run-to-run control checked it
+UNCONTROLLED_ADVICE = (
+    "At this temperature only the seed makes two samples of one prompt alike, and no run-to-run "
+    "control checked that it does (batch 1 was not computed twice: one pass, a run stopped "
+    "early, or a batch 1 the cache served): what moved may be sampling noise alone. Sweep with "
+    "--repeat 2 or more, or greedy (--temperature 0).")
+
+
+def sweep_advice(adapter: EngineAdapter, flag: Optional[bool], hazards: Optional[List[Json]],
+                 expect: Optional[str], sizes: List[int], summary: SweepSummary,
+                 text: Callable[[str], None]) -> None:
     """What to make of the verdict, once the table is out: why nothing was compared, what
-    else explains what moved, or where to look next."""
+    else explains what moved (with what the engine's own cache adds), or where to look
+    next."""
     sweep_verdict = summary.verdict
     unmeasured = sweep_verdict in UNMEASURED_VERDICTS
     moved = sweep_verdict != INVARIANT and not unmeasured
     if sweep_verdict in VERDICT_ADVICE:
         text("")
-        text(VERDICT_ADVICE[sweep_verdict])
+        uncontrolled = sweep_verdict == NOISE_NOT_RULED_OUT and not summary.measured.unseeded
+        advice = UNCONTROLLED_ADVICE if uncontrolled else VERDICT_ADVICE[sweep_verdict]
+        engine = adapter.CACHE_ADVICE.get(sweep_verdict)
+        text(advice + (" " + engine if engine else ""))
     elif unmeasured and sizes == [1] and any(k != CachePolicy.NAME for k in summary.checks):
         text("")
         text("Batch 1 only: this sweep ran for its checks, whose verdicts are above; it compared "
@@ -7624,6 +7723,7 @@ def run_sweep(cfg: Config, out: Out) -> int:
         prompts = len(options.prompts)
         for pi, prompt in enumerate(options.prompts, 1):
             sweep = PromptSweep(prompt, unseeded=samples_unseeded(cfg.sampling, facts),
+                                sampled=cfg.sampling.temperature > 0,
                                 cache_kept=not options.cache.bypass, checks=options.checks)
             sweeps.append(sweep)
             baseline = options.baseline_source.batch1(prompt)
@@ -7662,7 +7762,8 @@ def run_sweep(cfg: Config, out: Out) -> int:
             out.line(json_text(sweep_document(cfg, facts, prompts, sizes, summary), indent=1))
         if code == EXIT_OK:
             text = out.line if not cfg.json_out else out.note
-            sweep_advice(facts.flag, facts.hazards, options.expect, sizes, summary, text)
+            sweep_advice(adapter, facts.flag, facts.hazards, options.expect, sizes, summary,
+                         text)
             if summary.expect is not None:
                 text(summary.expect.said)
                 code = EXIT_OK if summary.expect.held else EXIT_EXPECTATION

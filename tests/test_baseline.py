@@ -66,6 +66,37 @@ class BaselinesThatMatch(TempDirTest):
         self.assertEqual(r.code, 0, r)
 
 
+class ServedBaselines(TempDirTest):
+    """A saved sweep whose batch 1 the prefix cache served holds no baseline: refused before
+    any request, whatever says so (its verdict, or its batch-1 row)."""
+
+    def test_a_saved_sweep_whose_batch_1_was_served_is_refused_before_any_request(self):
+        served = StubConfig(invariant=True, prompt_tokens_details=True, cache_serves="all")
+        with StubServer(served) as stub:
+            first = short_sweep(stub, "--sizes", "1,2", "--repeat", 2,
+                                "--save", self.path("s.json"))
+        self.assertEqual(first.code, 0, first)
+        doc = self.load("s.json")
+        self.assertEqual(doc["prompts"][0]["verdict"],
+                         "nothing compared: the cache served batch 1, the baseline")
+        # the same file with its verdict worded otherwise (an older lab's): its row says it
+        older = copy.deepcopy(doc)
+        older["prompts"][0]["verdict"] = older["summary"]["verdict"] = "invariant"
+        with open(self.path("older.json"), "w") as f:
+            json.dump(older, f)
+        with StubServer(StubConfig(invariant=True, prompt_tokens_details=True)) as clean:
+            for name, why in (("s.json", "its verdict: nothing compared"),
+                              ("older.json", "its batch 1 came with")):
+                with self.subTest(name):
+                    r = short_sweep(clean, "--sizes", "1,2", "--baseline", self.path(name),
+                                    "--repeat", 2, "--expect", "invariant")
+                    self.assertEqual(r.code, 2, r)
+                    self.assertEqual(clean.generation_bodies(), [])  # before any request
+                    self.assertIn("was served from the prefix cache, not computed (%s" % why,
+                                  r.stderr)
+                    self.assertEqual(len(r.stderr.strip().splitlines()), 1, r.stderr)
+
+
 class AgainstAnotherServer(TempDirTest):
     """--baseline URL: batch 1 of another server (a TP degree, a version, a restart)."""
 
@@ -91,6 +122,26 @@ class AgainstAnotherServer(TempDirTest):
             r = short_sweep(other, "--sizes", "1,2,9", "--baseline", base.url, "--repeat", 2, "--expect", "invariant")
         self.assertEqual(r.code, 0, r)
         self.assertIn("reporting the same settings", r.stdout)
+
+    def test_a_baseline_server_whose_cache_served_batch_1_is_no_baseline(self):
+        # Its cache serves every prompt, computed another way: against it a clean server
+        # would seem to move, and the move be put down to batching
+        served = StubConfig(invariant=True, prompt_tokens_details=True, cache_serves="all",
+                            cache_path_differs=True)
+        with StubServer(served) as base, \
+                StubServer(StubConfig(invariant=True, prompt_tokens_details=True)) as other:
+            r = short_sweep(other, "--sizes", "1,2,4", "--baseline", base.url, "--repeat", 2,
+                            "--traffic", "concurrent", "--expect", "invariant",
+                            "--save", self.path("s.json"))
+        self.assertEqual(r.code, 1, r)
+        doc = self.load("s.json")
+        verdict = "nothing compared: the cache served batch 1, the baseline"
+        self.assertEqual(doc["summary"]["verdict"], verdict)
+        self.assertEqual(doc["prompts"][0]["verdict"], verdict)
+        self.assertNotIn("logprobs moved", r.stdout)
+        self.assertNotIn("bug report", r.stdout)
+        self.assertIn("against batch 1 of %s, which its prefix cache served (1 prompt): no "
+                      "baseline, nothing compared" % base.url, r.stdout)
 
     def test_the_server_under_test_is_no_baseline(self):
         with StubServer(StubConfig()) as stub:

@@ -365,6 +365,24 @@ class MessagesSayWhatHappened(TempDirTest):
         self.assertEqual(r.code, 3, r)
         self.assertIn("no run-to-run control (stopped before a second pass)", r.stdout)
 
+    def test_a_run_stopped_in_a_later_pass_counts_the_batch_1_runs_it_compared(self):
+        # the 5th request is pass 3's batch 1: two batch-1 runs came back, not three
+        with StubServer(StubConfig(faults={5: "http500"})) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 4,
+                        "--traffic", "copies", "--repeat", 3)
+        self.assertEqual(r.code, 3, r)
+        self.assertIn("batch 1 repeatable over 2 passes:", r.stdout)
+        self.assertNotIn("over 3 passes", r.stdout)
+
+    def test_a_batch_1_the_cache_served_in_every_pass_is_no_control_and_says_why(self):
+        config = StubConfig(invariant=True, prompt_tokens_details=True, cache_serves="all")
+        with StubServer(config) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 4,
+                        "--repeat", 2)
+        self.assertEqual(r.code, 0, r)
+        self.assertIn("no run-to-run control (the cache served batch 1 in every pass)", r.stdout)
+        self.assertNotIn("stopped before a second pass", r.stdout)
+
     def test_tpot_of_one_token_requests_says_why_it_is_unmeasured(self):
         with StubServer() as off, StubServer(StubConfig(invariant=True)) as on:
             r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--concurrency", 1,

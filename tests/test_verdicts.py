@@ -37,6 +37,68 @@ class NothingCompared(TempDirTest):
         self.assertEqual(r.json()["summary"]["verdict"], "invariant")
 
 
+class AdviceForTheEngineAtHand(TempDirTest):
+    """What the advice says of an engine's prefix cache is that engine's, never another's."""
+
+    def test_a_cache_that_served_copies_is_explained_in_the_engines_own_terms(self):
+        own = {"vllm": "vLLM's copies of one request share its cache whatever the salt",
+               "sglang": "gives every prompt a cache key of its own (extra_key)"}
+        for engine, words in own.items():
+            config = StubConfig(engine=engine, invariant=True, cache_serves="one",
+                                cache_path_differs=True, prompt_tokens_details=True)
+            with self.subTest(engine=engine), StubServer(config) as stub:
+                r = short_sweep(stub, "--sizes", "1,2,4", "--save", self.path(engine + ".json"))
+                self.assertEqual(r.code, 0, r)
+                self.assertEqual(self.load(engine + ".json")["summary"]["verdict"],
+                                 "moved only where the cache served (bypass did not hold)")
+                advice = r.stdout.split("summary:")[1]
+                self.assertIn(words, advice)
+                other = own["sglang" if engine == "vllm" else "vllm"]
+                self.assertNotIn(other, advice)
+                if engine == "sglang":
+                    self.assertNotIn("vLLM", advice)
+
+
+class SamplingWithoutAControl(TempDirTest):
+    """At temperature > 0 only the seed makes samples alike: with no run-to-run control to
+    check it, what moved is not put down to batching, and the header claims no seed held."""
+
+    def test_one_pass_of_a_server_that_ignores_the_seed_blames_no_batching(self):
+        # vLLM is taken to honour the seed; this one takes it and does not use it
+        with StubServer(StubConfig(ignore_seed=True, prompt_tokens_details=True)) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2,4", "--repeat", 1,
+                        "--max-tokens", 16, "--temperature", "0.8", "--expect", "variant",
+                        "--save", self.path("s.json"))
+        self.assertEqual(r.code, 1, r)
+        self.assertNotIn("(honoured)", r.stdout)
+        self.assertIn("seed 42 (the engine takes a per-request seed; not checked: --repeat 1 "
+                      "runs no run-to-run control)", r.stdout)
+        self.assertEqual(self.load("s.json")["summary"]["verdict"], "sampling noise not ruled out")
+        self.assertNotIn("tokens diverged", r.stdout)
+        self.assertIn("no run-to-run control checked that it does", r.stdout)
+        self.assertIn("Sweep with --repeat 2 or more", r.stdout)
+        self.assertNotIn("The server ignores the seed", r.stdout)
+
+    def test_with_a_control_the_header_says_it_checks_the_seed(self):
+        with StubServer(StubConfig(prompt_tokens_details=True)) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--repeat", 2,
+                        "--max-tokens", 8, "--temperature", "0.8", "--save", self.path("s.json"))
+        self.assertEqual(r.code, 0, r)
+        self.assertIn("seed 42 (the engine takes a per-request seed; batch 1's run-to-run "
+                      "control checks it)", r.stdout)
+        summary = self.load("s.json")["summary"]
+        self.assertIs(summary["batch1_repeatable"], True)
+        self.assertNotEqual(summary["verdict"], "sampling noise not ruled out")
+
+    def test_the_verdict_rule(self):
+        m = run.Measured
+        moved = dict(moved=True, compared=True, tokens_diverged=True)
+        self.assertEqual(run.verdict(m(6, 3, 5, **moved, uncontrolled=True)),
+                         run.NOISE_NOT_RULED_OUT)
+        self.assertEqual(run.verdict(m(6, 3, 5, **moved)), run.TOKENS_DIVERGED)
+        self.assertEqual(run.verdict(m(6, 1, compared=True, uncontrolled=True)), run.INVARIANT)
+
+
 class EvidenceForABatch(TempDirTest):
     """A difference is put down to batching only where a batch was formed and served cold."""
 
