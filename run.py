@@ -228,7 +228,7 @@ SAVE_SHARE = 0.05  # ... and never so often that writing it takes more than this
 # an engine counts a step's prefix-cache lookups in /metrics a step after it runs it: after a
 # batch the counters are read again until they cover its prompt tokens, at first this long,
 COUNTERS_SETTLE_S = 1.0
-COUNTERS_SETTLE_MAX_S = 8.0  # ... twice as long after each batch they lagged, up to this
+COUNTERS_SETTLE_MAX_S = 4.0  # ... twice as long after each batch they lagged, up to this
 COUNTERS_POLL_S = 0.05  # how often, meanwhile
 METRICS_TIMEOUT_S = 5.0  # the most one read of /metrics may take (a hung one: read no more)
 
@@ -1931,7 +1931,9 @@ class CounterWatch:
     (the sweep's and its checks' alike) and judged against the batch's answers
     (cache_evidence). Counters that lag are waited for, longer after each batch they did not
     settle in; counters that never move, or a /metrics that stops answering, are read no
-    more, and why is kept (stopped) for the summary to say."""
+    more, and why is kept (stopped) for the summary to say. A batch they had not counted by
+    the end of the wait is waited for again before the next one starts, so that its late
+    count is not taken for the next batch's."""
 
     def __init__(self, adapter: EngineAdapter, client: HttpClient, start: CacheCounters):
         self.adapter = adapter
@@ -1944,6 +1946,7 @@ class CounterWatch:
         # the counters have shown the cache serving what the answers did not count: from
         # then on an answer's count of 0 proves nothing where the counters cannot say
         self.uncounted_seen = False
+        self.owed: Optional[int] = None  # the lookups a batch not yet counted brings them to
 
     def read(self) -> Optional[CacheCounters]:
         if self.stopped:
@@ -1951,6 +1954,17 @@ class CounterWatch:
         found = self.adapter.prefix_cache_counters(self.client)
         if found is None:
             self.stopped = "its /metrics stopped answering with them"
+        return found
+
+    def before(self) -> Optional[CacheCounters]:
+        """The counters before a batch, once they have counted the last one."""
+        found = self.read()
+        deadline = time.monotonic() + self.settle
+        while (found is not None and self.owed is not None and found.queried < self.owed
+               and time.monotonic() < deadline):
+            time.sleep(COUNTERS_POLL_S)
+            found = self.read()
+        self.owed = None
         return found
 
     def after(self, before: Optional[CacheCounters], prompt_tokens: Optional[int],
@@ -1969,12 +1983,14 @@ class CounterWatch:
         seen = cache_evidence(before, after, [counted], prompt_tokens)
         if after is None:
             return seen
-        if after.queried == self.start.queried and prompt_tokens:
-            # counters that have looked nothing up since the start, a whole batch included,
-            # are not counting this traffic (vLLM counts none with prefix caching off)
-            self.stopped = "they looked up nothing for a whole batch"
-        elif prompt_tokens is not None and after.queried - before.queried < prompt_tokens:
+        if prompt_tokens is not None and after.queried - before.queried < prompt_tokens:
+            if after.queried == self.start.queried and self.settle >= COUNTERS_SETTLE_MAX_S:
+                # counters that have looked nothing up since the start, through the longest
+                # wait, are not counting this traffic (vLLM counts none with prefix caching
+                # off)
+                self.stopped = "they looked up nothing through a wait of %gs" % self.settle
             self.settle = min(self.settle * 2, COUNTERS_SETTLE_MAX_S)  # lagging: wait longer
+            self.owed = before.queried + prompt_tokens
         self.uncounted_seen = self.uncounted_seen or seen.uncounted
         return seen
 
@@ -5054,14 +5070,17 @@ class SentBatch:
             return None
         return self.cached_tokens
 
-    def cold(self, isolate: bool) -> bool:
-        """Was its first completion's request computed, not served from the prefix cache,
-        as a check trusts it: known cold, or, with no word either way, sent under the bypass
-        (a fresh cache key each), as the sweep's own comparison trusts it. A run the cache
-        served compares the cache, not what the check varied."""
-        count = self.cached[0] if self.cached else self.cached_tokens
+    def computed(self, count: Optional[int], isolate: bool) -> bool:
+        """Was a completion's request (of that cached-token count) computed, not served from
+        the prefix cache, as a check trusts it: known cold, or, with no word either way, sent
+        under the bypass (a fresh cache key each), as the sweep's own comparison trusts it. A
+        run the cache served compares the cache, not what the check varied."""
         served = self.served(count)
         return not served if served is not None else isolate and not self.unclear(count)
+
+    def cold(self, isolate: bool) -> bool:
+        """Was its first completion's request computed (SentBatch.computed)?"""
+        return self.computed(self.cached[0] if self.cached else self.cached_tokens, isolate)
 
     def evidence(self, deltas: List[Delta], baseline: Completion) -> List[Evidence]:
         n = len(self.completions)
@@ -5099,7 +5118,7 @@ class Sender:
         it (SentBatch.cache_seen): its counters read before and after where it exposes them,
         or its cache switched off. Every batch the sweep and its checks compare is sent so."""
         watch = self.watch
-        before = watch.read() if watch is not None else None
+        before = watch.before() if watch is not None else None
         batch = send()
         if self.cache_off:
             batch.cache_seen = CacheEvidence(CACHE_NEITHER, 0, batch.cached_tokens,
@@ -5797,8 +5816,13 @@ class CachePolicy:
                                        sum(e.served for e in uncounted),
                                        sum(e.counted or 0 for e in uncounted), "").note())
         if notes:
-            notes[-1] += (" (%d of %d requests served, not compared)"
-                          % (size.served, size.completions))
+            # requests whose own state the server did not say (a count of another prompt of
+            # theirs, or none under keep) compare nothing either
+            unknown = sum(1 for r in size.runs for e in r.evidence
+                          if e.cold(not self.bypass) is None)
+            notes[-1] += (" (%d of %d requests served%s, not compared)"
+                          % (size.served, size.completions,
+                             ", %d not known to be cold" % unknown if unknown else ""))
         return notes
 
     def proof(self, sizes: List[SizeResult]) -> Optional[BypassCheck]:
@@ -6048,6 +6072,9 @@ class PrefillRow:
     divergent: int  # of them, those whose two logprobs differ
     kl_sum: float  # K3 terms of the divergent tokens, summed (KlEstimate)
     kl_max: Optional[float]  # the largest of them; None with none divergent
+    # completions not compared: the prefix cache served their request (or may have), and a
+    # decode from the cache compares the cache, not decode with prefill (None: none)
+    served: Optional[int] = field(default=None, metadata=saved(omit_none=True))
 
 
 @dataclass(frozen=True)
@@ -6070,6 +6097,7 @@ class PrefillSummary:
     kl_max: Optional[float]
     notes: List[str]
     verdict: Optional[str] = field(default=None, metadata=saved(omit_none=True))  # a sweep's
+    served: Optional[int] = field(default=None, metadata=saved(omit_none=True))  # PrefillRow's
 
     @classmethod
     def of(cls, rows: Sequence[PrefillRow]) -> "PrefillSummary":
@@ -6084,14 +6112,19 @@ class PrefillSummary:
                    divergent=divergent, kl_sum=kl_sum,
                    kl_mean=kl_sum / divergent if divergent else None,
                    kl_max=max(largest) if largest else None,
-                   notes=sorted({n for r in rows for n in r.notes}))
+                   notes=sorted({n for r in rows for n in r.notes}),
+                   served=sum(r.served or 0 for r in rows) or None)
 
     def judged(self, failure: Optional[str] = None) -> "PrefillSummary":
         """This summary with its verdict (failure: why the server could not serve the
         check, if it could not)."""
+        served = ["the cache served %d completion%s, not compared"
+                  % (self.served, "" if self.served == 1 else "s")] if self.served else []
         found = check_verdict(CheckFinding(
             parts=self.checked, compared=1 if self.tokens else 0, held=PREFILL_AGREE,
-            moved=PREFILL_DIFFER if self.max_ulp or self.notes else None, failure=failure))
+            moved=PREFILL_DIFFER if self.max_ulp or self.notes else None,
+            held_where_compared=PREFILL_AGREE + " where compared", uncompared=served,
+            failure=failure))
         return dataclasses.replace(self, verdict=found)
 
     @property
@@ -6226,9 +6259,12 @@ class PrefillCheck(SwitchedCheck):
         worst, first, notes, margin, compared = 0, None, set(), None, 0
         kl = KlEstimate()
         seen: List[Completion] = []
+        cached = batch.cached or [batch.cached_tokens] * len(batch.completions)
+        # a completion whose request the cache served (or may have) compares nothing
+        cold = [batch.computed(k, sender.isolate) for k in cached]
         try:
-            for c in batch.completions:
-                if any(same_completion(c, s) for s in seen):
+            for c, is_cold in zip(batch.completions, cold):
+                if not is_cold or any(same_completion(c, s) for s in seen):
                     continue
                 seen.append(c)
                 prefill = self.prefill(sender, prompt, c.tokens)
@@ -6249,7 +6285,8 @@ class PrefillCheck(SwitchedCheck):
             return None
         return PrefillRow(max_ulp=worst, first_step=first, notes=sorted(notes), margin=margin,
                           tokens=compared, divergent=kl.divergent, kl_sum=kl.total,
-                          kl_max=kl.largest if kl.divergent else None)
+                          kl_max=kl.largest if kl.divergent else None,
+                          served=cold.count(False) or None)
 
     def summary_part(self, parts: List[Any],
                      sizes: Optional[List[SizeResult]]) -> Optional[PrefillSummary]:
@@ -6893,22 +6930,28 @@ class BaselineServer:
         if theirs.model != facts.model:
             raise UsageError("--baseline: %s serves %s, the server under test %s" %
                              (self.url, theirs.model, facts.model))
-        self.sender = Sender(cfg.client(self.url), cfg.adapter, theirs.model_id, cfg.sampling,
-                             run.sender.isolate)
+        client, adapter = cfg.client(self.url), cfg.adapter
+        # its prefix cache read as the sweep reads its own server's (CachePolicy.open)
+        off = adapter.prefix_cache_off(theirs.settings)
+        start = None if off else adapter.prefix_cache_counters(client)
+        self.sender = Sender(client, adapter, theirs.model_id, cfg.sampling, run.sender.isolate,
+                             watch=None if start is None else CounterWatch(adapter, client, start),
+                             cache_off=off)
         self.differences = SettingDifference.between(theirs, facts, ("baseline", "here"),
                                                      flag=True)
 
     def batch1(self, prompt: str) -> Tuple[Completion, str, bool]:
         """Batch 1 of the baseline server, where it came from, and whether its prefix cache
-        served it (by its answer's count): one it served is no baseline."""
+        served it (by its answer's count and its counters), or may have where the bypass did
+        not hold beside it: one it served is no baseline."""
         sender = self.sender
         try:
             sender.adapter.before_batch(sender.client, sender.isolate)
-            batch = sender.copies(prompt, 1, 0)
+            batch = sender.watched(lambda: sender.copies(prompt, 1, 0))
         except ServerError as err:
             raise ServerError("the baseline server, batch 1: %s" % err) from None
         count = batch.cached[0] if batch.cached else batch.cached_tokens
-        served = batch.served(count) is True
+        served = batch.served(count) is True or batch.unclear(count)
         if served:
             self.served += 1
         return batch.completions[0], "batch 1 of %s" % self.url, served

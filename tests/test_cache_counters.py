@@ -2,6 +2,8 @@
 before and after a batch, against the cached-token counts its answers report."""
 
 import os
+import threading
+import time
 import unittest
 
 from support import (FIXTURES, StubConfig, StubServer, TempDirTest, free_port, run, short_sweep,
@@ -241,6 +243,148 @@ class TheSweepReadsTheCounters(TempDirTest):
                 else:
                     self.assertIsNone(seen)
                     self.assertNotIn("prefix-cache counters read", r.stdout)
+
+
+class FakeCounters:
+    """An adapter whose counters are read from a list, one reading a call (the last repeats)."""
+
+    def __init__(self, *readings):
+        self.readings = [run.CacheCounters(q, h, "fake") if q is not None else None
+                         for q, h in readings]
+
+    def prefix_cache_counters(self, client):
+        return self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
+
+
+def watch_of(adapter, start=(100, 0)):
+    return run.CounterWatch(adapter, client("http://127.0.0.1:9"),
+                            run.CacheCounters(start[0], start[1], "fake"))
+
+
+class CounterWatchAtTheSeams(unittest.TestCase):
+    """How the counters are read: late ones waited for, flat or failing ones read no more."""
+
+    def test_counters_that_never_move_are_read_no_more(self):
+        # a counter over any count a server keeps is skipped, so it reads flat: batch after
+        # batch looked up nothing, waited for longer each time (they may only lag), until
+        # the longest wait: then the counters are no longer taken as evidence
+        settle, longest = run.COUNTERS_SETTLE_S, run.COUNTERS_SETTLE_MAX_S
+        try:
+            run.COUNTERS_SETTLE_S, run.COUNTERS_SETTLE_MAX_S = 0.01, 0.04
+            watch = watch_of(FakeCounters((100, 0)))
+            for waited in (0.01, 0.02, 0.04):
+                self.assertEqual(watch.stopped, "")
+                self.assertEqual(watch.settle, waited)
+                seen = watch.after(watch.before(), 20, 0)
+                self.assertEqual(seen.verdict, run.CACHE_EVIDENCE_UNKNOWN)
+            self.assertEqual(watch.stopped, "they looked up nothing through a wait of 0.04s")
+            self.assertIsNone(watch.before())
+        finally:
+            run.COUNTERS_SETTLE_S, run.COUNTERS_SETTLE_MAX_S = settle, longest
+
+    def test_a_metrics_that_stops_answering_is_read_no_more(self):
+        watch = watch_of(FakeCounters((100, 0), (None, None)))
+        before = watch.before()
+        seen = watch.after(before, 20, 0)
+        self.assertEqual(seen.verdict, run.CACHE_EVIDENCE_UNKNOWN)
+        self.assertEqual(watch.stopped, "its /metrics stopped answering with them")
+
+    def test_a_hung_metrics_costs_its_own_timeout_not_the_sweeps(self):
+        slow = run.HttpClient("http://127.0.0.1:9", None, 600.0, 1 << 20)
+        watch = run.CounterWatch(FakeCounters((100, 0)), slow, run.CacheCounters(0, 0, "fake"))
+        self.assertEqual(watch.client.timeout, run.METRICS_TIMEOUT_S)
+
+    def test_a_batch_counted_late_is_waited_for_before_the_next(self):
+        # the first batch's 20 lookups land only after the wait: the next batch's "before"
+        # waits for them, so they are not taken for the next batch's own
+        fake = FakeCounters((100, 0))
+        watch = watch_of(fake, start=(90, 0))
+        watch.settle = 0.01
+        first = watch.after(watch.before(), 20, 0)
+        self.assertEqual(first.verdict, run.CACHE_EVIDENCE_UNKNOWN)
+        self.assertIn("had not counted it all yet", first.why)
+        self.assertEqual(watch.settle, 0.02)  # lagging: waited for longer from now on
+        watch.settle = 10.0  # long enough for the readings below
+        fake.readings = [run.CacheCounters(q, 0, "fake") for q in (100, 100, 120)]
+        before = watch.before()
+        self.assertEqual(before.queried, 120)  # read again until the late lookups landed
+        fake.readings = [run.CacheCounters(140, 0, "fake")]
+        second = watch.after(before, 20, 0)
+        self.assertEqual(second.verdict, run.CACHE_NEITHER, second)
+        self.assertEqual(watch.stopped, "")
+
+
+class TheSweepAtTheSeams(TempDirTest):
+    """The counters against what a hostile server or a busy one does."""
+
+    def test_the_checks_read_the_counters(self):
+        # the cache serves every run and the answers count none: only the counters say so,
+        # and a check that compared only served runs compared nothing
+        config = StubConfig(invariant=True, prompt_tokens_details=True,
+                            uncounted_cache_hits=True, cache_serves="all")
+        for check, expect in (("--neighbours=16", "neighbours-equal"),
+                              ("--observer-check", "observer-equal")):
+            with self.subTest(check=check), StubServer(config) as stub:
+                r = short_sweep(stub, "--sizes", "1,2", "--repeat", 2, "--traffic",
+                                "concurrent", check, "--expect", expect, "--json")
+                self.assertEqual(r.code, 1, r)
+                checks = r.json()["summary"]
+                verdict = checks["neighbours_verdict" if "neigh" in check else "observer_verdict"]
+                self.assertTrue(verdict.startswith("nothing compared"), verdict)
+
+    def test_counters_that_lag_past_the_first_wait(self):
+        # the counters count a prefill 1.2 s after it, beyond the first wait: the lab waits
+        # longer from then on, and the copies the cache served are found served, not moved
+        config = StubConfig(invariant=True, prompt_tokens_details=True, uncounted_cache_hits=True,
+                            cache_serves="one", cache_path_differs=True, counters_lag=1.2)
+        with StubServer(config) as stub:
+            r = short_sweep(stub, "--sizes", "1,2,4", "--repeat", 2, "--save", self.path("s.json"))
+        doc = self.load("s.json")
+        self.assertEqual(doc["summary"]["verdict"], run.CACHE_CONFOUNDED, r)
+        # the first batch was not counted in the first wait: said, not taken as cold
+        self.assertIn("prefix-cache counters could not say of 1 of 6 passes", r.stdout)
+        self.assertIsNotNone(counters_of(doc, 4)[-1])
+
+    def test_another_clients_hits_are_not_the_bypass_failing(self):
+        # another client keeps sending one unsalted prompt, served from the cache: the
+        # counters see its hits beside the sweep's batches, which its answers count cold
+        config = StubConfig(invariant=True, prompt_tokens_details=True)
+        with StubServer(config) as stub:
+            stop = threading.Event()
+
+            def other_client():
+                http = client(stub.url)
+                body = {"model": stub.config.model, "prompt": "another client's prompt " * 8,
+                        "max_tokens": 1, "temperature": 0}
+                while not stop.is_set():
+                    http.request("/v1/completions", body)
+                    time.sleep(0.01)
+
+            thread = threading.Thread(target=other_client)
+            thread.start()
+            try:
+                r = short_sweep(stub, "--sizes", "1,2,4", "--repeat", 2, "--traffic",
+                                "concurrent", "--save", self.path("s.json"))
+            finally:
+                stop.set()
+                thread.join()
+        doc = self.load("s.json")
+        self.assertEqual(doc["summary"]["prefix_cache_bypass"]["status"], "held", r)
+        self.assertEqual(doc["summary"]["verdict"], "invariant", r)
+        self.assertNotIn("bypass did not hold", r.stdout)
+
+    def test_mixed_traffic_a_filler_the_cache_served_says_nothing_of_the_prompt(self):
+        # vLLM counts a request's last prompt only, here a filler the cache served: the
+        # measured prompt's own state is not known, so it is neither served nor cold
+        config = StubConfig(invariant=True, prompt_tokens_details=True, cache_serves="one",
+                            cache_path_differs=True)
+        with StubServer(config) as stub:
+            r = short_sweep(stub, "--sizes", "1,2,4", "--repeat", 2, "--traffic", "mixed",
+                            "--save", self.path("s.json"))
+        doc = self.load("s.json")
+        self.assertEqual(doc["summary"]["verdict"], run.CACHE_UNCLEAR, r)
+        self.assertIsNone(doc["summary"].get("served_sizes"))  # none is known served
+        self.assertIn("(0 of 2 requests served, 2 not known to be cold, not compared)", r.stdout)
 
 
 class Vllm034Copies(TempDirTest):

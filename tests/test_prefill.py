@@ -19,6 +19,8 @@ TOKENS = 24
 
 def sweep(stub, *extra):
     # copies in one request: each size one batch of the stub's, whose prefill it computes
+    # (its prefix cache off: copies of one request share it, and a decode the cache served
+    # is not compared)
     return run_lab("--mode", "sweep", "--engine", stub.config.engine, "--url", stub.url, "--sizes",
                    ",".join(map(str, SIZES)), "--max-tokens", TOKENS, "--repeat", 1, "--prefill-check", "--json",
                    "--traffic", "copies", *extra)
@@ -45,7 +47,8 @@ def expected_kl(engine, invariant):
 class DecodeVersusPrefill(TempDirTest):
     def test_the_kl_estimate_of_the_divergent_tokens(self):
         for engine in ("vllm", "sglang"):
-            with self.subTest(engine=engine), StubServer(StubConfig(engine=engine, invariant=True)) as stub:
+            config = StubConfig(engine=engine, invariant=True, prefix_caching=False)
+            with self.subTest(engine=engine), StubServer(config) as stub:
                 r = sweep(stub)
             self.assertEqual(r.code, 0, r)
             sm = r.json()["summary"]
@@ -61,7 +64,8 @@ class DecodeVersusPrefill(TempDirTest):
     def test_with_the_agreement_switch_they_agree_bitwise(self):
         for engine in ("vllm", "sglang"):
             with self.subTest(engine=engine):
-                with StubServer(StubConfig(engine=engine, invariant=True, prefill_agrees=True)) as stub:
+                with StubServer(StubConfig(engine=engine, invariant=True, prefill_agrees=True,
+                                           prefix_caching=False)) as stub:
                     r = sweep(stub, "--expect", "prefill-equal")
                 self.assertEqual(r.code, 0, r)
                 sm = r.json()["summary"]
@@ -72,7 +76,8 @@ class DecodeVersusPrefill(TempDirTest):
         for engine in ("vllm", "sglang"):
             for invariant in (True, False):
                 with self.subTest(engine=engine, invariant=invariant):
-                    with StubServer(StubConfig(engine=engine, invariant=invariant)) as stub:
+                    with StubServer(StubConfig(engine=engine, invariant=invariant,
+                                               prefix_caching=False)) as stub:
                         r = sweep(stub)
                     self.assertEqual(r.code, 0, r)
                     doc = r.json()
@@ -85,20 +90,20 @@ class DecodeVersusPrefill(TempDirTest):
                     self.assertEqual(doc["summary"]["prefill_max_ulp"], max(u for u, _ in wanted.values()))
 
     def test_expect_prefill_equal_fails_when_they_differ(self):
-        with StubServer(StubConfig(invariant=True)) as stub:
+        with StubServer(StubConfig(invariant=True, prefix_caching=False)) as stub:
             r = sweep(stub, "--expect", "prefill-equal")
         self.assertEqual(r.code, 1, r)
         self.assertIn("--expect prefill-equal", r.stderr)
 
     def test_the_table_keeps_the_prefill_verdict_apart(self):
-        with StubServer(StubConfig(invariant=True, prefill_agrees=True)) as stub:
+        with StubServer(StubConfig(invariant=True, prefill_agrees=True, prefix_caching=False)) as stub:
             r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 8, "--repeat", 1,
                         "--prefill-check")
         self.assertIn("summary: unique completions 1", r.stdout)
         self.assertIn("prefill check: max ULP 0, first differing step -: decode and prefill agree bitwise", r.stdout)
 
     def test_one_prefill_per_distinct_sequence(self):
-        with StubServer(StubConfig(invariant=True)) as stub:
+        with StubServer(StubConfig(invariant=True, prefix_caching=False)) as stub:
             sweep(stub)
             bodies = [json.loads(b) for b in stub.generation_bodies()]
         token_prompts = [b for b in bodies if isinstance(b["prompt"], list) and isinstance(b["prompt"][0], int)]
@@ -177,10 +182,43 @@ class Missing(unittest.TestCase):
         self.assertIn("needs --prefill-check", r.stderr)
 
 
+class ServedDecodes(unittest.TestCase):
+    """A decode whose prompt the prefix cache served compares the cache, not decode with
+    prefill: it is not compared, whether the answer counts the hit or only the server's
+    counters do."""
+
+    def test_a_decode_the_cache_served_is_not_compared(self):
+        for counted in (True, False):
+            config = StubConfig(invariant=True, prefill_agrees=True, cache_serves="all",
+                                cache_path_differs=True, uncounted_cache_hits=not counted)
+            with self.subTest(counted=counted), StubServer(config) as stub:
+                r = short_sweep(stub, "--sizes", "1,2", "--prefill-check", "--json",
+                                "--traffic", "concurrent", "--expect", "prefill-equal")
+            sm = r.json()["summary"]
+            # had the served decodes been compared, the cache path's difference would read
+            # "decode and prefill differ"
+            self.assertEqual(sm["prefill_verdict"],
+                             "nothing compared: the cache served 3 completions, not compared")
+            self.assertEqual((sm["prefill_tokens"], sm["prefill_served"]), (0, 3))
+            self.assertEqual(r.code, 1, r)  # nothing compared holds no --expect
+
+    def test_some_served_some_compared(self):
+        # SGLang counts each copy's own hits: the copies from the middle on were served
+        config = StubConfig(engine="sglang", invariant=True, prefill_agrees=True,
+                            cache_serves="some", cache_path_differs=True)
+        with StubServer(config) as stub:
+            r = short_sweep(stub, "--sizes", "1,4", "--prefill-check", "--json")
+        sm = r.json()["summary"]
+        self.assertEqual(sm["prefill_verdict"].split(";")[0],
+                         "decode and prefill agree bitwise where compared")
+        self.assertIn("not compared", sm["prefill_verdict"])
+        self.assertGreater(sm["prefill_tokens"], 0)
+
+
 class PrefillMargin(unittest.TestCase):
     def test_the_decodes_runner_up_margin_at_the_first_differing_step(self):
         # Flag on, every completion is batch 1's; its prefill reduces in another order.
-        with StubServer(StubConfig(invariant=True)) as stub:
+        with StubServer(StubConfig(invariant=True, prefix_caching=False)) as stub:
             doc = short_sweep(stub, "--sizes", "1,2", "--prefill-check", "--json").json()
         sm = doc["summary"]
         self.assertEqual(sm["prefill_verdict"], "decode and prefill differ")
