@@ -47,7 +47,8 @@ Sections, in the order they appear:
                        keeps every deadline and a stop signal's grace, the secrets never shown
   Engine adapters      Sampling, ServerFacts, the EngineAdapter protocol, VllmAdapter,
                        SglangAdapter, the known-hazards table, engine detection: all that is
-                       known of each engine lives here
+                       known of each engine lives here; the prefix cache's evidence from the
+                       server's own counters (cache_evidence, CounterWatch)
   Shared by the modes  output, progress, atomic saves, signals, the one map of exceptions to
                        exit codes (ending), waiting for servers, table headers, the settings
                        two servers report otherwise (SettingDifference)
@@ -58,8 +59,9 @@ Sections, in the order they appear:
                        records and report lines (BenchServeResult: a load arm's figures
                        under `vllm bench serve`'s result names)
   The sweep's core     Evidence (what each completion showed, and what it can show), the
-                       Sender of every traffic shape (the server's prefix-cache counters
-                       read around each batch), BatchRow, SizeResult, SweepSummary,
+                       Sender of every traffic shape (Sender.watched: the server's
+                       prefix-cache counters read around every batch the sweep and its checks
+                       compare), BatchRow, SizeResult, SweepSummary,
                        PromptSweep (the verdict read request by request), and SweepCheck, the
                        interface every sweep check shares; it names no check
   Sweep checks         one section each, holding its options, what it adds to a request, its
