@@ -2016,6 +2016,8 @@ class VllmAdapter:
         "--traffic concurrent, whose requests carry a salt each.",
         CACHE_UNKNOWN: "vLLM counts cached tokens only with --enable-prompt-tokens-details, and "
         "for a request of several prompts only its last prompt's count.",
+        CACHE_UNCLEAR: "vLLM counts a request of several prompts' cached tokens for its last "
+        "prompt only (under --traffic mixed, often a filler).",
         BASELINE_SERVED: "vLLM keeps requests apart by their cache_salt, which the bypass sends."}
 
     # (label, path in /server_info) of every setting that changes the arithmetic or the batching
@@ -7558,10 +7560,9 @@ VERDICT_ADVICE = {
     "a request the cache served compares nothing about batching. Sweep with --prefix-cache "
     "bypass.",
     CACHE_UNCLEAR: "The cache served requests it was asked not to (cache hit in the table, or "
-    "its counters), and of the requests compared the server did not say which it served: a "
-    "vLLM request of several prompts counts only its last prompt's cached tokens, and counters "
-    "that lag or see other traffic say nothing of one batch. Sweep with --traffic concurrent "
-    "on a server no one else uses.",
+    "its counters), and of the requests compared the server did not say which it served "
+    "(counters that lag or see other traffic say nothing of one batch). Sweep with --traffic "
+    "concurrent, a request a prompt, on a server no one else uses.",
     BASELINE_SERVED: "Batch 1, the baseline every other size is compared with, was served from "
     "the prefix cache (an earlier request's prefill, or a cache the bypass did not keep apart): "
     "every comparison would be one with the cache, not with a computed batch 1. Sweep with "
