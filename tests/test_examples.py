@@ -341,6 +341,39 @@ class PlotScripts(unittest.TestCase):
                     with open(out, "rb") as f:
                         self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
 
+    def test_a_file_missing_what_the_picture_reads_is_refused_naming_it(self):
+        """A sweep file without its prompts or with a null summary, a cost cell whose interval
+        holds one value: one line naming what is wrong with the file, exit 2 (the checks need
+        no matplotlib: they read the file before anything is drawn)."""
+        sys.path.insert(0, EXAMPLES)
+        import plot_cost
+        import plot_sweep
+        with tempfile.TemporaryDirectory() as tmp:
+            sweep = json.loads(read("sample_sweep_on.json"))
+            cost = json.loads(read("sample_cost.json"))
+            cost["cells"][0]["ci95_pct"] = [1.5]
+            cases = [(plot_sweep.load, dict(sweep, prompts=None), "it holds no prompts"),
+                     (plot_sweep.load, {k: v for k, v in sweep.items() if k != "prompts"},
+                      "it holds no prompts"),
+                     (plot_sweep.load, dict(sweep, summary=None), "its summary is null"),
+                     (lambda path: plot_cost.load([path]), cost,
+                      "cell 1 (cold, TP 1): its ci95_pct is a list of 1 value, not an "
+                      "interval [low, high] or null")]
+            for i, (load, doc, words) in enumerate(cases):
+                path = os.path.join(tmp, "%d.json" % i)
+                with open(path, "w") as f:
+                    json.dump(doc, f)
+                with self.subTest(words=words):
+                    with self.assertRaises(ValueError) as caught:
+                        load(path)
+                    self.assertIn("%s: %s" % (path, words), str(caught.exception))
+                    script = "plot_cost.py" if "ci95" in words else "plot_sweep.py"
+                    p = self.plot(script, path, "-o", os.path.join(tmp, "x.png"))
+                    self.assertEqual(p.returncode, 2, p.stderr)
+                    self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+                    if HAVE_MATPLOTLIB:
+                        self.assertIn(words, p.stderr)
+
     def test_json_that_is_not_the_labs_is_refused_with_one_line(self):
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "list.json")
