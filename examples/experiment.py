@@ -909,6 +909,8 @@ class Experiment:
         the current request, a second at once; either way it saves what it measured, marked
         as the signal says. The steps' groups are signalled together, then waited for."""
         jobs, self.running = list(self.running), []
+        for job in [job for job in jobs if job.process.poll() is not None]:
+            self.ended_alone(job)  # it had ended before the stop: it was not stopped
         for _ in range(2):
             live = [job for job in jobs if job.process.poll() is None]
             for job in live:
@@ -927,6 +929,21 @@ class Experiment:
                 step.exit_code, step.ended = job.process.returncode, time.time()
                 if not step.note:
                     step.note = exit_meaning(job.process.returncode)
+
+    def ended_alone(self, job: Job) -> None:
+        """A running step whose process had ended before the stop could reach it: its own
+        exit, said as any step's end is (finish_job), and not among the steps stopped."""
+        step = job.step
+        self.stopped_steps = [s for s in self.stopped_steps if s is not step]
+        if step.exit_code is not None:
+            return
+        step.exit_code, step.ended = job.process.returncode, time.time()
+        if step.note and step.exit_code != 0:  # an arm's exit names a failed step's end
+            return
+        step.note = exit_meaning(step.exit_code) if step.lab else (
+            "drawn" if step.exit_code == 0 else "failed")
+        if step.exit_code != 0 and job.err_path:
+            step.reason = failure_reason(job.stdout_path, job.err_path)
 
     def stop_arms(self) -> None:
         for arm in self.arms:  # what the launch scripts logged they ran, for the report
@@ -1700,9 +1717,16 @@ def report(exp: Experiment) -> str:
         [str(step.number), str(step.tp or "-"), step.name, since(exp, step.started),
          duration(step.started, step.ended), fmt(step.exit_code, "not finished"),
          step.note + (": " + step.reason if step.reason else ""),
-         ", ".join("`%s`" % os.path.relpath(p, exp.run_dir) for p in step.outputs)]
+         saved_outputs(exp, step)]
         for step in exp.steps])
     return "\n".join(lines) + "\n"
+
+
+def saved_outputs(exp: Experiment, step: Step) -> str:
+    """A step's outputs, as the Steps table lists them: only the files that exist (a step
+    stopped before it saved names none)."""
+    found = [p for p in step.outputs if os.path.exists(p)]
+    return ", ".join("`%s`" % os.path.relpath(p, exp.run_dir) for p in found) or "none saved"
 
 
 # ----------------------------------------------------------------------------
@@ -1839,18 +1863,44 @@ def main(argv=None, env=None) -> int:
         judge(exp)
         text = report(exp)
         write_report(os.path.join(run_dir, "REPORT.md"), text)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     if exp.stopped_by:
         say("stopped by %s" % exp.stopped_by)
+    code = show_report(text, exp.exit_code, previous)
+    say("report: %s" % os.path.join(run_dir, "REPORT.md"))
+    return code
+
+
+def show_report(text: str, code: int, previous: Dict[int, object]) -> int:
+    """Print the report once REPORT.md holds it, and give the stop signals back their previous
+    handlers; returns the exit code. The run is over and its report written: a first stop
+    signal now waits until the report is printed whole, so that what is printed is what
+    REPORT.md says (its first line, its exit code), and is said on stderr; a second one cuts
+    the print at once, exits with its code, and says that REPORT.md holds the report whole."""
+    late: List[int] = []
+
+    def defer(signum, frame):
+        late.append(signum)
+        if len(late) > 1:
+            raise Stopped(signum)
+
+    for s in SIGNAL_EXITS:
+        signal.signal(s, defer)
     try:
         print_report(text)
     except (OSError, ValueError):  # the pipe closed: REPORT.md holds the report whole
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # nothing more to flush at exit, and no traceback
         os.close(devnull)
-    say("report: %s" % os.path.join(run_dir, "REPORT.md"))
-    return exp.exit_code
+    except Stopped as stop:
+        say("stopped by %s while the report was printed: REPORT.md holds it whole" % stop)
+        code = SIGNAL_EXITS[stop.signum]
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if len(late) == 1:
+        say("%s came once the report was written: the run had ended, and the report was "
+            "printed whole; the exit code is the report's" % Stopped(late[0]))
+    return code
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import unittest
+from unittest import mock
 
 from support import ROOT, TempDirTest, run
 
@@ -512,6 +513,65 @@ class TheExperimentSays(TempDirTest):
     def test_ctrl_c_is_said_as_ctrl_c(self):
         self.assertEqual(str(experiment.Stopped(signal.SIGINT)), "Ctrl-C (SIGINT)")
         self.assertEqual(str(experiment.Stopped(signal.SIGTERM)), "SIGTERM")
+
+    def experiment_here(self):
+        """An Experiment of this folder, as main() makes one (no arm started)."""
+        settings = experiment.read_settings(["vllm", self.path("out")], {"COPIES": "off"})
+        os.makedirs(self.path("run"))
+        return experiment.Experiment(settings, {}, self.path("run"))
+
+    def test_a_step_that_had_ended_when_the_stop_came_was_not_stopped(self):
+        """TERM as the flag-off sweep exits: its process has ended (exit 0) before the
+        experiment could stop it. It is not among the steps the signal stopped, and its own
+        exit is the one said."""
+        exp = self.experiment_here()
+        step = experiment.Step("flag-off sweep, concurrent requests", 1)
+        job = experiment.Job(step, [sys.executable, "-c", "pass"], self.path("run/s.txt"))
+        with contextlib.redirect_stderr(io.StringIO()):
+            exp.begin_job(job)
+        job.process.wait()  # it ended by itself; finish_job had not seen it yet
+        exp.stopped()
+        self.assertEqual(exp.stopped_steps, [step])
+        exp.stop_steps(signal.SIGTERM)
+        exp.stopped_by, exp.exit_code = "SIGTERM", 143
+        self.assertEqual(exp.stopped_steps, [])
+        self.assertEqual((step.exit_code, step.note), (0, experiment.exit_meaning(0)))
+        first = experiment.status_line(exp)
+        self.assertIn("INCOMPLETE (exit 143", first)
+        self.assertNotIn("the step it stopped", first)
+        self.assertNotIn("flag-off sweep", first.split("no step was running")[0])
+
+    def test_the_steps_table_lists_only_the_outputs_that_exist(self):
+        exp = self.experiment_here()
+        cost = self.path("run/cost.json")
+        step = experiment.Step("cost, cold", 1, outputs=[cost])
+        self.assertEqual(experiment.saved_outputs(exp, step), "none saved")
+        with open(cost, "w") as f:
+            f.write("{}")
+        self.assertEqual(experiment.saved_outputs(exp, step), "`cost.json`")
+
+    def test_a_stop_signal_while_the_report_prints_waits_for_the_print(self):
+        """TERM once REPORT.md is written, while the report is printed: the print goes on to
+        its end, the exit code is the report's, and a line says the signal came late; a
+        second one cuts the print at once with the signal's code."""
+        previous = {s: signal.getsignal(s) for s in experiment.SIGNAL_EXITS}
+        for signals, code in (([signal.SIGTERM], 6), ([signal.SIGTERM, signal.SIGTERM], 143)):
+            with self.subTest(signals=len(signals)):
+                printed = []
+
+                def print_report(text):
+                    for signum in signals:  # the signal comes mid-print
+                        os.kill(os.getpid(), signum)
+                    printed.append(text)
+
+                said = io.StringIO()
+                with mock.patch.object(experiment, "print_report", print_report), \
+                        contextlib.redirect_stderr(said):
+                    found = experiment.show_report("# report\n", 6, previous)
+                self.assertEqual(found, code)
+                self.assertEqual(printed, ["# report\n"] if len(signals) == 1 else [])
+                self.assertIn("SIGTERM", said.getvalue())
+                self.assertEqual({s: signal.getsignal(s) for s in previous}, previous)
 
 
 if __name__ == "__main__":
