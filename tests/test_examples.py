@@ -541,6 +541,36 @@ class TheExperimentSays(TempDirTest):
         self.assertNotIn("the step it stopped", first)
         self.assertNotIn("flag-off sweep", first.split("no step was running")[0])
 
+    def test_an_expect_that_failed_in_a_step_that_ran_to_its_end_is_not_as_expected(self):
+        """Every step ran to its end, and the flag-on sweep's own --expect caught a move (exit
+        1, its saved result complete, its saved expect not held): a negative result, NOT AS
+        EXPECTED, as when only the saved verdicts catch it; never INCOMPLETE. The same
+        --expect failing where nothing moved (its run-to-run control compared nothing) is
+        INCONCLUSIVE; a step that did not end its run is INCOMPLETE."""
+        exp = self.experiment_here()
+        os.makedirs(self.path("run/tp1"))
+        path = self.path("run/tp1/sweep_on.json")
+        step = experiment.Step("flag-on sweep, concurrent requests", 1, exit_code=1,
+                               note=experiment.exit_meaning(1), outputs=[path],
+                               reason="expectation failed: --expect invariant, but ...")
+        exp.steps, exp.exit_code = [step], 1
+        for verdict, unique, ulp, state, word in (
+                ("logprobs moved but tokens held", 1, 2, "complete", "NOT AS EXPECTED"),
+                ("invariant", 1, 0, "complete", "INCONCLUSIVE"),
+                ("logprobs moved but tokens held", 1, 2, "terminated", "INCOMPLETE")):
+            with self.subTest(verdict=verdict, state=state):
+                with open(path, "w") as f:
+                    json.dump({"summary": {
+                        "verdict": verdict, "unique_completions": unique, "max_ulp": ulp,
+                        "state": state, "expect": {"asked": "invariant", "held": False,
+                                                   "said": "expectation failed: ..."}}}, f)
+                exp.judged, exp.uncompared, exp.unsaved = [], [], []
+                experiment.judge(exp)
+                first = experiment.status_line(exp)
+                self.assertIn(": %s (exit 1, an --expect did not hold): " % word, first)
+                self.assertEqual(first.count("flag-on sweep, concurrent requests (TP 1)"), 1,
+                                 first)
+
     def test_the_steps_table_lists_only_the_outputs_that_exist(self):
         exp = self.experiment_here()
         cost = self.path("run/cost.json")
