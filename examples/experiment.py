@@ -70,13 +70,22 @@ configuration, the options the experiment sets itself refused in any spelling, U
 checks them, one address in two spellings, ports against the serve commands, GPUS as CUDA
 reads it.
 
-Exit codes: 0 every step ran, every --expect held and the flag-on arm moved in no shape and
-no check (as the saved results say); otherwise the first failing step's code (run.py's: 1
-an --expect did not hold, 3 a server failed, ...), or 1 where every step ran but a saved
-result breaks the claim (the flag-on arm moved, a step saved no whole result); 2 a malformed variable or a busy
-port (nothing was started); 4 an arm exited, could not be started, or was not ready
-within WAIT; 5 every step ran, but a TP degree was skipped (GPUS could not hold it);
-129, 130, 143 stopped by SIGHUP, SIGINT or SIGTERM. REPORT.md's first line says which.
+Exit codes: 0 every step ran, every --expect held, the flag-on arm moved in no shape and no
+check, and every flag-on sweep and check compared something (as the saved results say);
+otherwise the first failing step's code (run.py's: 1 an --expect did not hold, 3 a server
+failed, ...), or 1 where every step ran but a saved result breaks the claim (the flag-on arm
+moved, a step saved no whole result); 2 a malformed variable or a busy port (nothing was
+started); 4 an arm exited, could not be started, or was not ready within WAIT; 5 every step
+ran, but a TP degree was skipped (GPUS could not hold it); 6 every step ran and nothing
+moved, but a flag-on sweep or check compared nothing (the cache served every request above
+batch 1, the server could not serve the check, the servers report another TP than asked):
+the claim is not shown; 129, 130, 143 stopped by SIGHUP, SIGINT or SIGTERM.
+
+REPORT.md's first line says which: "complete" (exit 0); INCOMPLETE (a step failed or did not
+finish, an arm exited, a degree was skipped, a signal); NOT AS EXPECTED (every step ran to
+its end, and an --expect did not hold or the flag-on arm moved); INCONCLUSIVE (every step
+ran and nothing moved, but a flag-on result compared nothing: each named by its step and
+check).
 """
 
 import dataclasses
@@ -118,6 +127,7 @@ PROGRESS_EVERY_S = 15.0  # a running step's newest progress line is said at most
 
 EXIT_ARM = 4  # an arm exited, could not be started, or was not ready within WAIT
 EXIT_SKIPPED = 5  # every step ran, but a TP degree was skipped: the report is not whole
+EXIT_UNCOMPARED = 6  # every step ran, none moved, but a flag-on result compared nothing
 SIGNAL_EXITS = {
     signal.SIGINT: lab.EXIT_INTERRUPTED,
     signal.SIGTERM: lab.EXIT_TERMINATED,
@@ -126,6 +136,7 @@ SIGNAL_EXITS = {
 EXIT_MEANINGS = dict(lab.EXIT_CODES)  # exit code -> what it means, the lab's and the experiment's
 EXIT_MEANINGS[EXIT_ARM] = "an arm exited, could not be started, or was not ready in time"
 EXIT_MEANINGS[EXIT_SKIPPED] = "a TP degree was skipped"
+EXIT_MEANINGS[EXIT_UNCOMPARED] = "every step ran, but a flag-on result compared nothing"
 for _signum, _code in SIGNAL_EXITS.items():  # the experiment's own words: each step saved
     EXIT_MEANINGS[_code] = "stopped by %s; each step saved what it had measured" % (
         "Ctrl-C (SIGINT)" if _signum == signal.SIGINT else _signum.name)
@@ -768,7 +779,9 @@ class Experiment:
         self.first_tp: Optional[int] = None  # the first degree measured: the others against it
         self.launched: Dict[str, List[str]] = {}  # arm -> how it was started, as logged
         self.environment: List[Tuple[str, str]] = []  # (what, value) for the report
-        self.judged: List[str] = []  # what the saved files say went wrong (judge)
+        self.judged: List[str] = []  # what the saved files say moved with the flag on (judge)
+        self.unsaved: List[str] = []  # steps that exited 0 and saved no whole result (judge)
+        self.uncompared: List[str] = []  # flag-on results that compared nothing (judge)
 
     def lab(self, *args: str) -> List[str]:
         return [sys.executable, os.path.join(ROOT, "run.py")] + list(args)
@@ -909,6 +922,8 @@ class Experiment:
         the current request, a second at once; either way it saves what it measured, marked
         as the signal says. The steps' groups are signalled together, then waited for."""
         jobs, self.running = list(self.running), []
+        for job in [job for job in jobs if job.process.poll() is not None]:
+            self.ended_alone(job)  # it had ended before the stop: it was not stopped
         for _ in range(2):
             live = [job for job in jobs if job.process.poll() is None]
             for job in live:
@@ -927,6 +942,21 @@ class Experiment:
                 step.exit_code, step.ended = job.process.returncode, time.time()
                 if not step.note:
                     step.note = exit_meaning(job.process.returncode)
+
+    def ended_alone(self, job: Job) -> None:
+        """A running step whose process had ended before the stop could reach it: its own
+        exit, said as any step's end is (finish_job), and not among the steps stopped."""
+        step = job.step
+        self.stopped_steps = [s for s in self.stopped_steps if s is not step]
+        if step.exit_code is not None:
+            return
+        step.exit_code, step.ended = job.process.returncode, time.time()
+        if step.note and step.exit_code != 0:  # an arm's exit names a failed step's end
+            return
+        step.note = exit_meaning(step.exit_code) if step.lab else (
+            "drawn" if step.exit_code == 0 else "failed")
+        if step.exit_code != 0 and job.err_path:
+            step.reason = failure_reason(job.stdout_path, job.err_path)
 
     def stop_arms(self) -> None:
         for arm in self.arms:  # what the launch scripts logged they ran, for the report
@@ -1454,13 +1484,57 @@ def stamp(seconds: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seconds))
 
 
+def ran_to_its_end(step: Step) -> Optional[dict]:
+    """The summary a lab step saved, where it ran to its end and only its --expect did not
+    hold (exit 1, its saved result complete, its saved expect not held): a negative result,
+    not an incomplete run. None otherwise."""
+    if not step.lab or step.exit_code != lab.EXIT_EXPECTATION or not step.outputs:
+        return None
+    sm = summary_of(load(step.outputs[0]))
+    expect = sm.get("expect")
+    if sm.get("state") != "complete" or not isinstance(expect, dict) or expect.get("held") \
+            is not False:
+        return None
+    return sm
+
+
+def expect_uncompared(step: Step) -> bool:
+    """Did a step's --expect fail on what the sweep could not compare, not on a move? Its
+    saved verdict claims nothing either way, or its --expect invariant failed where nothing
+    moved (the run-to-run control compared nothing: unknown is not different)."""
+    doc = load(step.outputs[0])
+    expect = summary_of(doc).get("expect") or {}
+    return sweep_uncompared(doc) or (expect.get("asked") == "invariant"
+                                     and not sweep_moved(doc))
+
+
+def sweep_uncompared(doc: Optional[dict]) -> bool:
+    """Did the sweep compare nothing, by its saved verdict (one of run.py's verdicts that claim
+    nothing either way: no data, nothing compared, the cache served everything)?"""
+    found = summary_of(doc).get("verdict")
+    return isinstance(found, str) and found.startswith(tuple(lab.UNMEASURED_VERDICTS))
+
+
+def check_uncompared(verdict: str) -> bool:
+    """Did a check compare nothing, by its saved verdict (its first clause is one of run.py's
+    words for a check that claims nothing: no data, nothing compared, not served)?"""
+    return verdict.split("; ")[0].startswith(UNCOMPARED_WORDS)
+
+
 def status_line(exp: Experiment) -> str:
-    """The report's first line: whether the run is whole, and if not, why."""
-    why = []
+    """The report's first line: whether the run is whole, and if not, why. Its word: complete
+    (every step ran, every --expect held, the flag-on arm moved nowhere and every flag-on result
+    compared something); INCOMPLETE (a step failed or did not finish, an arm exited, a degree
+    was skipped, a signal stopped it, a step saved no whole result); else NOT AS EXPECTED
+    (every step ran to its end, and an --expect did not hold or the flag-on arm moved); else
+    INCONCLUSIVE (every step ran, nothing moved, but a flag-on result compared nothing)."""
+    why, incomplete, negative = [], False, False
     if exp.stopped_by and exp.exit_code not in SIGNAL_EXITS.values():  # else the exit says it
         why.append("stopped by %s" % exp.stopped_by)
     if exp.failure:
         why.append(exp.failure)
+    incomplete = bool(why or exp.stopped_by)
+
     def was_stopped(step: Step) -> bool:  # by the signal: running when it came, or its code
         return bool(exp.stopped_by) and (any(step is s for s in exp.stopped_steps)
                                          or step.exit_code == exp.exit_code)
@@ -1471,32 +1545,72 @@ def status_line(exp: Experiment) -> str:
                                                   ", ".join(stopped)))
     elif exp.stopped_by:
         why.append("no step was running when it came: %s" % (exp.stopped_during or "-"))
+    uncompared = list(exp.uncompared)
     for step in exp.steps:
         if was_stopped(step):
             continue
         if step.exit_code not in (0, None) or (step.exit_code is None and step.note):
-            why.append("%s%s: %s%s" % (step.name, " (TP %d)" % step.tp if step.tp else "",
-                                       step.note or "did not finish",
-                                       " (%s)" % step.reason if step.reason else ""))
-    why += exp.skipped + exp.judged
+            said = "%s: %s%s" % (step.title(), step.note or "did not finish",
+                                 " (%s)" % step.reason if step.reason else "")
+            ended = ran_to_its_end(step)
+            if ended is None:
+                incomplete = True
+                why.append(said)
+            elif expect_uncompared(step):
+                uncompared.append(said)  # its --expect failed on what it could not compare
+            else:
+                negative = True
+                why.append(said)
+    incomplete = incomplete or bool(exp.skipped or exp.unsaved)
+    negative = negative or bool(exp.judged)
+    why += exp.skipped + exp.unsaved + exp.judged
     engine = exp.settings.engine
-    if not why and exp.exit_code == 0:
+    if not why and not uncompared and exp.exit_code == 0:
         return ("# Batch-invariance experiment, %s: complete, every step ran and every "
                 "--expect held" % engine)
-    # every step ran to its end, and only the saved results say otherwise: not incomplete
-    word = "NOT AS EXPECTED" if why == exp.judged and not exp.stopped_by else "INCOMPLETE"
+    why += ["compared nothing: %s" % line for line in uncompared]
+    if incomplete or (not negative and not uncompared):
+        word = "INCOMPLETE"
+    elif negative:  # every step ran to its end: a negative result, not an incomplete run
+        word = "NOT AS EXPECTED"
+    else:
+        word = "INCONCLUSIVE"
     return "# Batch-invariance experiment, %s: %s (exit %d, %s): %s" % (
         engine, word, exp.exit_code, exit_meaning(exp.exit_code),
         "; ".join(why) or "see the steps below")
 
 
+def reported_tp(doc: Optional[dict]) -> Optional[int]:
+    """The TP degree a saved sweep's server reported (None: not reported)."""
+    server = (doc or {}).get("server")
+    found = server.get("tp") if isinstance(server, dict) else None
+    return found if isinstance(found, int) and not isinstance(found, bool) else None
+
+
+def tp_compared(exp: Experiment, tp: int, versus: Optional[dict]) -> Optional[str]:
+    """Whether a TP-against-TP sweep compared across TP, as the servers report it: None where
+    both degrees' flag-on arms reported the TP asked (or did not report it: not known is not
+    different), else why it compared nothing across TP."""
+    first = exp.first_tp if exp.first_tp is not None else exp.settings.degrees[0]
+    baseline = load(os.path.join(exp.run_dir, "tp%d" % first, "sweep_on.json"))
+    said = [(asked, reported_tp(doc)) for asked, doc in ((tp, versus), (first, baseline))]
+    wrong = ["TP %d asked, the server reports TP %d" % (asked, found)
+             for asked, found in said if found is not None and found != asked]
+    if not wrong:
+        return None
+    return "; ".join(wrong)
+
+
 def judge(exp: Experiment) -> None:
     """What the saved files say beyond the steps' exit codes: a lab step that exited 0 must
-    have saved a whole result, and the flag-on arm must have moved in no shape (a sweep with
-    no --expect, copies in one request, moves with exit 0) and in no check a sweep ran (its
-    saved NAME_verdict: the prefill check's, the observer check's, ...; the sweep's --expect
-    invariant reads only its batches). Each breach is a reason in the report's first line,
-    and the run's exit code 1 where it had none."""
+    have saved a whole result (else exp.unsaved), the flag-on arm must have moved in no shape
+    (a sweep with no --expect, copies in one request, moves with exit 0) and in no check a
+    sweep ran (its saved NAME_verdict: the prefill check's, the observer check's, ...; the
+    sweep's --expect invariant reads only its batches) (else exp.judged), and every flag-on
+    result must have compared something, a TP-against-TP sweep across the TP degrees the
+    servers report (else exp.uncompared: nothing compared is never held). Each is a reason in
+    the report's first line; where the run had no exit code yet, a step that saved no whole
+    result or a move makes it 1, a flag-on result that compared nothing EXIT_UNCOMPARED."""
     for step in exp.steps:
         if not step.lab or step.exit_code != 0:
             continue
@@ -1504,17 +1618,23 @@ def judge(exp: Experiment) -> None:
             doc = load(path)
             where = os.path.relpath(path, exp.run_dir)
             if doc is None:
-                exp.judged.append("%s: exit 0, but nothing saved in %s" % (step.title(), where))
+                exp.unsaved.append("%s: exit 0, but nothing saved in %s" % (step.title(), where))
             elif "summary" in doc and summary_of(doc).get("state") != "complete":
-                exp.judged.append("%s: exit 0, but %s is %s" % (
+                exp.unsaved.append("%s: exit 0, but %s is %s" % (
                     step.title(), where, fmt(summary_of(doc).get("state"))))
+    expect_failed = {step.outputs[0] for step in exp.steps if step.outputs
+                     and ran_to_its_end(step) is not None}  # said with their step
     for tp in exp.settings.degrees:
         folder = os.path.join(exp.run_dir, "tp%d" % tp)
         for stem, key, traffic, expect, shape in SWEEPS:
             if key != "on":
                 continue
-            doc = load(os.path.join(folder, stem + ".json"))
-            if sweep_moved(doc):
+            path = os.path.join(folder, stem + ".json")
+            doc = load(path)
+            sweep = "flag-on sweep, %s (TP %d)" % (shape, tp)
+            if path in expect_failed:
+                pass  # its --expect said what moved, or that it compared nothing, with its step
+            elif sweep_moved(doc):
                 sm = summary_of(doc)
                 exp.judged.append(
                     "the flag-on arm moved, %s (TP %d): %s, %s unique of %s, max ULP %s, first "
@@ -1522,14 +1642,36 @@ def judge(exp: Experiment) -> None:
                                    fmt(sm.get("unique_completions")),
                                    fmt(sm.get("total_completions")), fmt(sm.get("max_ulp")),
                                    first_moved(doc)))
+            elif sweep_uncompared(doc) and summary_of(doc).get("state") == "complete":
+                exp.uncompared.append("%s: %s" % (sweep, summary_of(doc)["verdict"]))
             # every check the sweep ran, by its saved verdict: the sweep's --expect invariant
             # reads only its batches, so a check that moved leaves its exit code 0
-            exp.judged += ["the flag-on arm's %s check moved, %s (TP %d): %s"
-                           % (check, shape, tp, verdict)
-                           for check, verdict in check_verdicts(doc)
-                           if not check_held(doc, check) and check_moved(verdict)]
-    if exp.judged and exp.exit_code == 0:
+            for check, verdict in check_verdicts(doc):
+                if check_held(doc, check):
+                    continue
+                if check_uncompared(verdict):
+                    exp.uncompared.append("%s, %s check: %s" % (sweep, check, verdict))
+                elif check_moved(verdict):
+                    exp.judged.append("the flag-on arm's %s check moved, %s (TP %d): %s"
+                                      % (check, shape, tp, verdict))
+        for name in versus_files(folder, tp):
+            versus = load(os.path.join(folder, name))
+            across = tp_compared(exp, tp, versus)
+            if across and summary_of(versus).get("state") == "complete":
+                exp.uncompared.append("TP against TP, batch 1, flag on (`%s`), across TP: %s"
+                                      % (name, across))
+    if (exp.judged or exp.unsaved) and exp.exit_code == 0:
         exp.exit_code = lab.EXIT_EXPECTATION
+    if exp.uncompared and exp.exit_code == 0:
+        exp.exit_code = EXIT_UNCOMPARED
+
+
+def versus_files(folder: str, tp: int) -> List[str]:
+    """The TP-against-TP sweeps saved at one degree (tpN_vs_tpM.json)."""
+    if not os.path.isdir(folder):
+        return []
+    return [name for name in sorted(os.listdir(folder))
+            if name.startswith("tp%d_vs_tp" % tp) and name.endswith(".json")]
 
 
 def findings(exp: Experiment) -> List[str]:
@@ -1679,12 +1821,14 @@ def report(exp: Experiment) -> str:
             lines += ["No sweep was saved at TP %d: what the arms served is not known (see the "
                       "first line, and the logs)." % tp, ""]
         lines += ["Logs: `tp%d/server_off.log`, `tp%d/server_on.log`." % (tp, tp)]
-        for name in sorted(os.listdir(folder)):
-            if name.startswith("tp%d_vs_tp" % tp) and name.endswith(".json"):
-                versus = load(os.path.join(folder, name)) or {}
-                sm = versus.get("summary") if isinstance(versus.get("summary"), dict) else {}
-                lines += ["", "TP invariance of batch 1 (flag on, `%s`): %s, max ULP %s." % (
-                    name, fmt(sm.get("verdict")), fmt(sm.get("max_ulp")))]
+        for name in versus_files(folder, tp):
+            versus = load(os.path.join(folder, name))
+            sm = summary_of(versus)
+            across = tp_compared(exp, tp, versus)
+            found = "%s, max ULP %s" % (fmt(sm.get("verdict")), fmt(sm.get("max_ulp")))
+            lines += ["", "TP invariance of batch 1 (flag on, `%s`): %s." % (
+                name, "compared nothing across TP (%s); batch 1 against batch 1: %s"
+                % (across, found) if across else found)]
         if os.path.exists(os.path.join(folder, "sweep.png")):
             lines += ["", "![sweeps at TP %d](tp%d/sweep.png)" % (tp, tp)]
         lines.append("")
@@ -1700,9 +1844,16 @@ def report(exp: Experiment) -> str:
         [str(step.number), str(step.tp or "-"), step.name, since(exp, step.started),
          duration(step.started, step.ended), fmt(step.exit_code, "not finished"),
          step.note + (": " + step.reason if step.reason else ""),
-         ", ".join("`%s`" % os.path.relpath(p, exp.run_dir) for p in step.outputs)]
+         saved_outputs(exp, step)]
         for step in exp.steps])
     return "\n".join(lines) + "\n"
+
+
+def saved_outputs(exp: Experiment, step: Step) -> str:
+    """A step's outputs, as the Steps table lists them: only the files that exist (a step
+    stopped before it saved names none)."""
+    found = [p for p in step.outputs if os.path.exists(p)]
+    return ", ".join("`%s`" % os.path.relpath(p, exp.run_dir) for p in found) or "none saved"
 
 
 # ----------------------------------------------------------------------------
@@ -1839,18 +1990,44 @@ def main(argv=None, env=None) -> int:
         judge(exp)
         text = report(exp)
         write_report(os.path.join(run_dir, "REPORT.md"), text)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     if exp.stopped_by:
         say("stopped by %s" % exp.stopped_by)
+    code = show_report(text, exp.exit_code, previous)
+    say("report: %s" % os.path.join(run_dir, "REPORT.md"))
+    return code
+
+
+def show_report(text: str, code: int, previous: Dict[int, object]) -> int:
+    """Print the report once REPORT.md holds it, and give the stop signals back their previous
+    handlers; returns the exit code. The run is over and its report written: a first stop
+    signal now waits until the report is printed whole, so that what is printed is what
+    REPORT.md says (its first line, its exit code), and is said on stderr; a second one cuts
+    the print at once, exits with its code, and says that REPORT.md holds the report whole."""
+    late: List[int] = []
+
+    def defer(signum, frame):
+        late.append(signum)
+        if len(late) > 1:
+            raise Stopped(signum)
+
+    for s in SIGNAL_EXITS:
+        signal.signal(s, defer)
     try:
         print_report(text)
     except (OSError, ValueError):  # the pipe closed: REPORT.md holds the report whole
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # nothing more to flush at exit, and no traceback
         os.close(devnull)
-    say("report: %s" % os.path.join(run_dir, "REPORT.md"))
-    return exp.exit_code
+    except Stopped as stop:
+        say("stopped by %s while the report was printed: REPORT.md holds it whole" % stop)
+        code = SIGNAL_EXITS[stop.signum]
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if len(late) == 1:
+        say("%s came once the report was written: the run had ended, and the report was "
+            "printed whole; the exit code is the report's" % Stopped(late[0]))
+    return code
 
 
 if __name__ == "__main__":

@@ -46,6 +46,25 @@ def is_cell(doc):
     return "workload" in doc and "overhead_pct" in doc and "schema" not in doc
 
 
+def cell_fault(cell):
+    """What is wrong with a cell's figures as the picture reads them, or None: its overhead a
+    number or null, its interval null or two numbers (low, high)."""
+    overhead, ci = cell.get("overhead_pct"), cell.get("ci95_pct")
+    if overhead is not None and not (isinstance(overhead, (int, float))
+                                     and not isinstance(overhead, bool)):
+        return "its overhead_pct is %r, not a number or null" % (overhead,)
+    if ci is None:
+        return None
+    if not isinstance(ci, list) or len(ci) != 2:
+        return "its ci95_pct is %s, not an interval [low, high] or null" % (
+            "a list of %d value%s" % (len(ci), "" if len(ci) == 1 else "s")
+            if isinstance(ci, list) else repr(ci))
+    if not all(x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))
+               for x in ci):
+        return "its ci95_pct %r holds something other than numbers" % (ci,)
+    return None
+
+
 def load(paths, say=lambda line: sys.stderr.write(line + "\n")):
     """One cost document holding every cell of paths (cost files, or cells run.py --json printed)."""
     merged, found = [], []  # merged: [cell, path] in the order first seen
@@ -55,9 +74,13 @@ def load(paths, say=lambda line: sys.stderr.write(line + "\n")):
             cells = [doc]
         else:
             cells = labplot.load(path, COST_SCHEMAS, "cost").get("cells") or []
-        for cell in cells:
+        for i, cell in enumerate(cells, 1):
             if not isinstance(cell, dict) or not is_cell(cell):
                 raise ValueError("%s holds something that is not a cost cell" % path)
+            fault = cell_fault(cell)
+            if fault:
+                raise ValueError("%s: cell %d (%s, TP %s): %s" % (
+                    path, i, cell.get("workload"), cell.get("tp", "?"), fault))
             found.append((path, cell))
     # a setting an earlier lab did not read is unknown, not a difference
     read = run.settings_read_by_all([cell for _, cell in found])

@@ -141,9 +141,53 @@ def figure(docs, paths):
     return fig
 
 
+def is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def load(path):
+    """A sweep file, refused in one line naming what is wrong with it where it lacks what
+    the picture reads: its summary, its params' max_tokens, and per prompt its batch sizes,
+    each with its batch size, largest ULP and first divergence."""
+    doc = labplot.load(path, SWEEP_SCHEMAS, "sweep")
+    if not isinstance(doc.get("summary"), dict):
+        raise ValueError("%s: its summary is %s, not the sweep's summary (an object): not a "
+                         "sweep file run.py saved" % (path, json_type(doc.get("summary"))))
+    params = doc.get("params")
+    if not isinstance(params, dict) or not is_number(params.get("max_tokens")):
+        raise ValueError("%s: its params hold no max_tokens: not a sweep file run.py saved"
+                         % path)
+    prompts = doc.get("prompts")
+    if not isinstance(prompts, list):
+        raise ValueError("%s: it holds no prompts (the list of each prompt's batch sizes, "
+                         "found %s): not a sweep file run.py saved" % (path, json_type(prompts)))
+    for i, prompt in enumerate(prompts, 1):
+        sizes = prompt.get("sizes") if isinstance(prompt, dict) else None
+        if not isinstance(sizes, list) or not all(
+                isinstance(s, dict) and is_number(s.get("batch_size")) and is_number(
+                    s.get("max_ulp")) and (s.get("first_token_divergence") is None
+                                           or is_number(s.get("first_token_divergence")))
+                for s in sizes):
+            raise ValueError("%s: prompt %d has no list of batch sizes, each with batch_size, "
+                             "max_ulp and first_token_divergence: not a sweep file run.py saved"
+                             % (path, i))
+    if not any(prompt["sizes"] for prompt in prompts):
+        raise ValueError("%s: no batch size was measured yet (the sweep is %s): nothing to "
+                         "draw" % (path, doc["summary"].get("state") or "not complete"))
+    return doc
+
+
+def json_type(value):
+    """How JSON names a value's type: null, a list, a number, ..."""
+    if value is None:
+        return "null"
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
+    return next((name for kind, name in names.items() if isinstance(value, kind)), "a number")
+
+
 def plot(paths, out):
     plt = labplot.pyplot()
-    fig = figure([labplot.load(p, SWEEP_SCHEMAS, "sweep") for p in paths], paths)
+    fig = figure([load(p) for p in paths], paths)
     fig.savefig(out, dpi=110)
     plt.close(fig)
 

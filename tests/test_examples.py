@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import unittest
+from unittest import mock
 
 from support import ROOT, TempDirTest, run
 
@@ -341,6 +342,39 @@ class PlotScripts(unittest.TestCase):
                     with open(out, "rb") as f:
                         self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
 
+    def test_a_file_missing_what_the_picture_reads_is_refused_naming_it(self):
+        """A sweep file without its prompts or with a null summary, a cost cell whose interval
+        holds one value: one line naming what is wrong with the file, exit 2 (the checks need
+        no matplotlib: they read the file before anything is drawn)."""
+        sys.path.insert(0, EXAMPLES)
+        import plot_cost
+        import plot_sweep
+        with tempfile.TemporaryDirectory() as tmp:
+            sweep = json.loads(read("sample_sweep_on.json"))
+            cost = json.loads(read("sample_cost.json"))
+            cost["cells"][0]["ci95_pct"] = [1.5]
+            cases = [(plot_sweep.load, dict(sweep, prompts=None), "it holds no prompts"),
+                     (plot_sweep.load, {k: v for k, v in sweep.items() if k != "prompts"},
+                      "it holds no prompts"),
+                     (plot_sweep.load, dict(sweep, summary=None), "its summary is null"),
+                     (lambda path: plot_cost.load([path]), cost,
+                      "cell 1 (cold, TP 1): its ci95_pct is a list of 1 value, not an "
+                      "interval [low, high] or null")]
+            for i, (load, doc, words) in enumerate(cases):
+                path = os.path.join(tmp, "%d.json" % i)
+                with open(path, "w") as f:
+                    json.dump(doc, f)
+                with self.subTest(words=words):
+                    with self.assertRaises(ValueError) as caught:
+                        load(path)
+                    self.assertIn("%s: %s" % (path, words), str(caught.exception))
+                    script = "plot_cost.py" if "ci95" in words else "plot_sweep.py"
+                    p = self.plot(script, path, "-o", os.path.join(tmp, "x.png"))
+                    self.assertEqual(p.returncode, 2, p.stderr)
+                    self.assertEqual(len(p.stderr.strip().splitlines()), 1, p.stderr)
+                    if HAVE_MATPLOTLIB:
+                        self.assertIn(words, p.stderr)
+
     def test_json_that_is_not_the_labs_is_refused_with_one_line(self):
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "list.json")
@@ -479,6 +513,95 @@ class TheExperimentSays(TempDirTest):
     def test_ctrl_c_is_said_as_ctrl_c(self):
         self.assertEqual(str(experiment.Stopped(signal.SIGINT)), "Ctrl-C (SIGINT)")
         self.assertEqual(str(experiment.Stopped(signal.SIGTERM)), "SIGTERM")
+
+    def experiment_here(self):
+        """An Experiment of this folder, as main() makes one (no arm started)."""
+        settings = experiment.read_settings(["vllm", self.path("out")], {"COPIES": "off"})
+        os.makedirs(self.path("run"))
+        return experiment.Experiment(settings, {}, self.path("run"))
+
+    def test_a_step_that_had_ended_when_the_stop_came_was_not_stopped(self):
+        """TERM as the flag-off sweep exits: its process has ended (exit 0) before the
+        experiment could stop it. It is not among the steps the signal stopped, and its own
+        exit is the one said."""
+        exp = self.experiment_here()
+        step = experiment.Step("flag-off sweep, concurrent requests", 1)
+        job = experiment.Job(step, [sys.executable, "-c", "pass"], self.path("run/s.txt"))
+        with contextlib.redirect_stderr(io.StringIO()):
+            exp.begin_job(job)
+        job.process.wait()  # it ended by itself; finish_job had not seen it yet
+        exp.stopped()
+        self.assertEqual(exp.stopped_steps, [step])
+        exp.stop_steps(signal.SIGTERM)
+        exp.stopped_by, exp.exit_code = "SIGTERM", 143
+        self.assertEqual(exp.stopped_steps, [])
+        self.assertEqual((step.exit_code, step.note), (0, experiment.exit_meaning(0)))
+        first = experiment.status_line(exp)
+        self.assertIn("INCOMPLETE (exit 143", first)
+        self.assertNotIn("the step it stopped", first)
+        self.assertNotIn("flag-off sweep", first.split("no step was running")[0])
+
+    def test_an_expect_that_failed_in_a_step_that_ran_to_its_end_is_not_as_expected(self):
+        """Every step ran to its end, and the flag-on sweep's own --expect caught a move (exit
+        1, its saved result complete, its saved expect not held): a negative result, NOT AS
+        EXPECTED, as when only the saved verdicts catch it; never INCOMPLETE. The same
+        --expect failing where nothing moved (its run-to-run control compared nothing) is
+        INCONCLUSIVE; a step that did not end its run is INCOMPLETE."""
+        exp = self.experiment_here()
+        os.makedirs(self.path("run/tp1"))
+        path = self.path("run/tp1/sweep_on.json")
+        step = experiment.Step("flag-on sweep, concurrent requests", 1, exit_code=1,
+                               note=experiment.exit_meaning(1), outputs=[path],
+                               reason="expectation failed: --expect invariant, but ...")
+        exp.steps, exp.exit_code = [step], 1
+        for verdict, unique, ulp, state, word in (
+                ("logprobs moved but tokens held", 1, 2, "complete", "NOT AS EXPECTED"),
+                ("invariant", 1, 0, "complete", "INCONCLUSIVE"),
+                ("logprobs moved but tokens held", 1, 2, "terminated", "INCOMPLETE")):
+            with self.subTest(verdict=verdict, state=state):
+                with open(path, "w") as f:
+                    json.dump({"summary": {
+                        "verdict": verdict, "unique_completions": unique, "max_ulp": ulp,
+                        "state": state, "expect": {"asked": "invariant", "held": False,
+                                                   "said": "expectation failed: ..."}}}, f)
+                exp.judged, exp.uncompared, exp.unsaved = [], [], []
+                experiment.judge(exp)
+                first = experiment.status_line(exp)
+                self.assertIn(": %s (exit 1, an --expect did not hold): " % word, first)
+                self.assertEqual(first.count("flag-on sweep, concurrent requests (TP 1)"), 1,
+                                 first)
+
+    def test_the_steps_table_lists_only_the_outputs_that_exist(self):
+        exp = self.experiment_here()
+        cost = self.path("run/cost.json")
+        step = experiment.Step("cost, cold", 1, outputs=[cost])
+        self.assertEqual(experiment.saved_outputs(exp, step), "none saved")
+        with open(cost, "w") as f:
+            f.write("{}")
+        self.assertEqual(experiment.saved_outputs(exp, step), "`cost.json`")
+
+    def test_a_stop_signal_while_the_report_prints_waits_for_the_print(self):
+        """TERM once REPORT.md is written, while the report is printed: the print goes on to
+        its end, the exit code is the report's, and a line says the signal came late; a
+        second one cuts the print at once with the signal's code."""
+        previous = {s: signal.getsignal(s) for s in experiment.SIGNAL_EXITS}
+        for signals, code in (([signal.SIGTERM], 6), ([signal.SIGTERM, signal.SIGTERM], 143)):
+            with self.subTest(signals=len(signals)):
+                printed = []
+
+                def print_report(text):
+                    for signum in signals:  # the signal comes mid-print
+                        os.kill(os.getpid(), signum)
+                    printed.append(text)
+
+                said = io.StringIO()
+                with mock.patch.object(experiment, "print_report", print_report), \
+                        contextlib.redirect_stderr(said):
+                    found = experiment.show_report("# report\n", 6, previous)
+                self.assertEqual(found, code)
+                self.assertEqual(printed, ["# report\n"] if len(signals) == 1 else [])
+                self.assertIn("SIGTERM", said.getvalue())
+                self.assertEqual({s: signal.getsignal(s) for s in previous}, previous)
 
 
 if __name__ == "__main__":

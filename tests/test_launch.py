@@ -145,7 +145,9 @@ class ExperimentRuns(Experiment):
         code, out, err = self.finish(self.start(
             COPIES="on", OPENAI_API_KEY="2",
             SWEEP_ARGS="--sizes 1,2,9,17 --max-tokens 12 --repeat 2 --api " + long_key))
-        self.assertEqual(code, 0, err)
+        # the flag-on copies sweep compared nothing (the cache served every copy above batch
+        # 1, as vLLM's): every step ran and nothing moved, but that claim is not shown
+        self.assertEqual(code, 6, err)
         self.assertNotIn(long_key, out + err)
         self.assertIn("--api '[api key]'", out)
         self.assertNotIn("[api key]", out.replace("--api '[api key]'", ""))
@@ -156,7 +158,10 @@ class ExperimentRuns(Experiment):
         self.assertIn("the arms share device(s) 0", err)
         report = self.load_run("REPORT.md")
         self.assertEqual(out, report)  # printed as well as written
-        self.assertTrue(report.startswith("# Batch-invariance experiment, vllm: complete"), report)
+        self.assertEqual(report.splitlines()[0], (
+            "# Batch-invariance experiment, vllm: INCONCLUSIVE (exit 6, every step ran, but a "
+            "flag-on result compared nothing): compared nothing: flag-on sweep, copies in one "
+            "request (TP 1): nothing compared: the cache served every request above batch 1"))
         for words in (
             "| flag off | vllm |",
             "| flag on | vllm |",
@@ -370,9 +375,55 @@ class ExperimentRuns(Experiment):
         self.assertIn("expectation failed: --expect variant, but nothing moved", err)
         self.assertIn("flag-on sweep, concurrent requests (TP 1): exit 0", err)
         first = self.load_run("REPORT.md").splitlines()[0]
+        # the cost cells refuse two flag-on arms: not every step ran, so the run is incomplete
         self.assertIn("INCOMPLETE (exit 1, an --expect did not hold", first)
         self.assertIn("flag-off sweep, concurrent requests (TP 1): an --expect did not hold "
                       "(expectation failed: --expect variant, but nothing moved)", first)
+
+    def test_a_flag_on_result_that_compared_nothing_is_inconclusive(self):
+        """Every step ran and nothing moved, but a flag-on result compared nothing: the
+        prefill check the server could not serve (HTTP 500), or a sweep whose --expect
+        invariant failed only because its run-to-run control compared nothing (the cache
+        served every batch 1). Neither is held, and neither is a move: INCONCLUSIVE, naming
+        the step and the check."""
+        stub = "python3 %s --port {port} --prompt-tokens-details" % (
+            os.path.join(ROOT, "tests", "stub_server.py"))
+        for fault, code, words in (
+                ("--prefill-agrees --fault 2=http500", 6,
+                 "INCONCLUSIVE (exit 6, every step ran, but a flag-on result compared nothing): "
+                 "compared nothing: flag-on sweep, concurrent requests (TP 1), prefill check: "
+                 "not measured: the server could not serve it (HTTP 500"),
+                ("--prefill-agrees --uncounted-cache-hits --cache-serves all --counters-lag 3",
+                 1, "INCONCLUSIVE (exit 1, an --expect did not hold): compared nothing: flag-on "
+                 "sweep, concurrent requests (TP 1): an --expect did not hold (expectation "
+                 "failed: --expect invariant needs a repeatable batch 1")):
+            with self.subTest(fault=fault):
+                code_found, out, err = self.finish(self.start(
+                    SERVE_OFF=stub.format(port="{off}"),
+                    SERVE_ON=stub.format(port="{on}") + " --invariant " + fault))
+                self.assertEqual(code_found, code, err)
+                first = self.load_run("REPORT.md").splitlines()[0]
+                self.assertIn(words, first)
+                self.assertNotIn("complete", first)
+                self.assertTrue(out.startswith(first + "\n"), out)
+
+    def test_tp_against_tp_with_servers_that_report_another_tp_compared_nothing_across_tp(
+            self):
+        """TP=1,2 with arms that report TP 1 at both degrees: batch 1 at "TP 2" against TP 1
+        is TP 1 against TP 1, so the report says it compared nothing across TP (as run.py
+        saved each server's TP), never "invariant"."""
+        stub = "python3 %s --port {port}" % os.path.join(ROOT, "tests", "stub_server.py")
+        code, out, err = self.finish(self.start(
+            GPUS="0,1,2,3", TP="1,2", SERVE_OFF=stub.format(port="{off}"),
+            SERVE_ON=stub.format(port="{on}") + " --invariant --prefill-agrees"))
+        self.assertNotEqual(code, 0, err)
+        self.assertEqual(self.load_run("tp2", "tp2_vs_tp1.json")["server"]["tp"], 1)
+        report = self.load_run("REPORT.md")
+        self.assertIn("TP invariance of batch 1 (flag on, `tp2_vs_tp1.json`): compared nothing "
+                      "across TP (TP 2 asked, the server reports TP 1); batch 1 against batch "
+                      "1: invariant, max ULP 0.", report)
+        self.assertIn("compared nothing: TP against TP, batch 1, flag on (`tp2_vs_tp1.json`), "
+                      "across TP: TP 2 asked, the server reports TP 1", report.splitlines()[0])
 
 
 class ExperimentFailures(Experiment):
