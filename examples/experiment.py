@@ -1798,6 +1798,12 @@ def main(argv=None, env=None) -> int:
     KEYS = Keys(env)
     try:
         settings = read_settings(argv, env)
+        for name in KEY_VARIABLES:  # a key no request could carry, refused as run.py does
+            if env.get(name):
+                try:
+                    lab.check_api_key(env[name])
+                except lab.UsageError as err:
+                    raise UsageError("%s: %s; nothing was started" % (name, err)) from None
         check_steps(settings, [sweep for sweep in SWEEPS
                                if sweep[2] != "copies" or settings.copies])
         for tp in settings.degrees:  # every variable checked before anything starts

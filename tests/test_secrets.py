@@ -9,6 +9,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import unittest
 from unittest import mock
 
@@ -376,3 +377,22 @@ class KeysKeptOutOfTheExperiment(Experiment):
             "abcd 22")
         self.assertEqual(keys.line("env VLLM_API_KEY=abc vllm serve m --api-key zz9", True),
                          "env 'VLLM_API_KEY=[api key]' vllm serve m --api-key '[api key]'")
+
+
+class KeysInEngineCommands(Experiment):
+    """Keys as an engine's command gives them: several after one --api-key, --api_key, in
+    the string a shell runs; and a short key a server repeats after "Bearer "."""
+
+    files_holding = KeysKeptOutOfTheExperiment.files_holding
+
+    def test_a_key_no_request_could_carry_is_refused_before_any_arm_starts(self):
+        for name in ("VLLM_API_KEY", "OPENAI_API_KEY"):
+            with self.subTest(name=name):
+                key = "Zq9x\u00e9\u20ac\u00fcn\u00ef"
+                code, out, err = self.finish(self.start(**{name: key}))
+                self.assertEqual(code, 2, err)
+                self.assertEqual(len(err.strip().splitlines()), 1, err)
+                self.assertIn("%s: the API key" % name, err)
+                self.assertIn("nothing was started", err)
+                self.assertEqual(self.runs(), [])
+                self.assertNotIn("Zq9x", out + err)
