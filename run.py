@@ -846,25 +846,32 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+BEARER = re.compile(r"(?i)\bbearer\s+")  # where a key stands in an echoed Authorization header
+
+
 class Secrets:
     """The API key, kept out of what the lab prints and saves by where it stands, never by
     rewriting the lab's own values: the recorded command line has the key option's value
     replaced where it stands (key_free_command); and text a server sends back (its error
     bodies, what its info endpoints answer) is searched for the key, in any case and cut
     short from SHORT_SECRET characters on, only when the key is long enough to be told from
-    data. A shorter key is said once on stderr: the lab never writes it, and cannot look for
-    it in a server's answers."""
+    data; a key of any length where it stands after "Bearer " (a server repeating the header
+    it was sent). A shorter key is said once on stderr: the lab never writes it, and looks
+    for it in a server's answers only there."""
 
     def __init__(self) -> None:
         self.pattern: Optional["re.Pattern[str]"] = None
         self.rests: Dict[str, str] = {}
+        self.words: List[str] = []  # every key kept, the longest first
         self.short = False  # a key was given that is too short to search for
 
     def keep(self, *secrets: Optional[str]) -> None:
         """Hide these from now on in what servers send: a key in any case, and any start of
         it of SHORT_SECRET characters or more (a server may echo a key cut short), whatever
-        stands at its edges."""
+        stands at its edges; and a key of any length where a key stands (after "Bearer ", as
+        a server repeats the Authorization header it was sent)."""
         words = sorted({w for w in secrets if w}, key=len, reverse=True)
+        self.words = words
         self.short = any(len(w) < SHORT_SECRET for w in words)
         self.rests = {}  # a long key's first SHORT_SECRET characters -> the rest, lower case
         for w in words:
@@ -875,7 +882,9 @@ class Secrets:
 
     def hide(self, text: str) -> str:
         """Server text with each key's start, and as much more of that key as follows, hidden
-        (a loop, not a pattern: a key of a thousand characters nests no thousand groups)."""
+        (a loop, not a pattern: a key of a thousand characters nests no thousand groups); and
+        a key standing after "Bearer ", whatever its length."""
+        text = self.hide_standing(text)
         if self.pattern is None:
             return text
         parts, end = [], 0
@@ -887,10 +896,28 @@ class Secrets:
                 end = found.end() + len(os.path.commonprefix([more, rest]))
         return "".join(parts) + text[end:]
 
+    def hide_standing(self, text: str) -> str:
+        """A kept key of any length, in any case, hidden where it stands after "Bearer " and
+        is the whole word there (a short key, which is searched for nowhere else)."""
+        if not self.words:
+            return text
+        parts, end = [], 0
+        for found in BEARER.finditer(text):
+            at = found.end()
+            if found.start() < end:
+                continue
+            for word in self.words:
+                after = text[at + len(word):at + len(word) + 1]
+                if text[at:at + len(word)].lower() == word.lower() and not after.isalnum():
+                    parts += [text[end:at], "[api key]"]
+                    end = at + len(word)
+                    break
+        return "".join(parts) + text[end:]
+
     def hidden(self, value: Any) -> Any:
         """A decoded JSON answer of a server with the key hidden in every string of it, keys
         of objects too: done once decoded, never by rewriting encoded text."""
-        if self.pattern is None:
+        if not self.words:
             return value
         if isinstance(value, str):
             return self.hide(value)
@@ -9147,7 +9174,7 @@ def run_mode(argv: Optional[Sequence[str]], out: Out) -> int:
         if SECRETS.short:
             out.warn("the API key has fewer than %d characters: the lab never prints or saves "
                      "it, but cannot tell it from other text in what a server sends back, so it "
-                     "does not look for it there" % SHORT_SECRET)
+                     "hides it there only after \"Bearer \"" % SHORT_SECRET)
         out.use_colour(cfg.color)
         code = RUNNERS[cfg.mode](cfg, out)
     except (Exception, KeyboardInterrupt) as err:  # one line, never a traceback

@@ -847,7 +847,9 @@ class Experiment:
         lines = [line for line in complete.decode("utf-8", "replace").splitlines()
                  if line.startswith(marker)]
         if lines:
-            say("  step %d: %s" % (job.step.number, lines[-1][len(marker):]))
+            line = lines[-1][len(marker):]
+            say("  step %d: %s" % (job.step.number,
+                                   KEYS.engine_text(line) if KEYS is not None else line))
 
     def finish_job(self, job: Job) -> None:
         step = job.step
@@ -1198,8 +1200,8 @@ class Keys:
     command's own, SGLang's --api-key included), and a key variable set in a serve command
     (env VLLM_API_KEY=K vllm serve ...). A command shows the key option's value and a key
     variable's as [api key] (lab.key_free_command's rule, for run.py's commands and the
-    engines'); text an engine writes (its log, as the experiment writes it) has a known key
-    hidden where a key stands (KEY_STANDS_BEFORE), and a key long enough to be told from
+    engines'); text an engine writes (its log, as the experiment writes it) and a step's
+    failure line have a known key hidden where a key stands (KEY_STANDS_BEFORE), and a key long enough to be told from
     other text (lab.Secrets) wherever it stands, each in every form it takes (key_forms:
     quoted for the shell, written by Python or JSON). EXTRA_ARGS is read as the launch
     scripts pass it too (split at blanks, quotes kept)."""
@@ -1747,8 +1749,8 @@ def failure_reason(stdout_path: str, err_path: str) -> str:
                 said = [x.strip() for x in f.read().splitlines() if keep(x.strip())]
         except OSError:
             said = []
-        if said:
-            return said[-1][:300]
+        if said:  # a server's words in it (HTTP 401 ... Bearer K): a key hidden where it stands
+            return (KEYS.engine_text(said[-1]) if KEYS is not None else said[-1])[:300]
     return ""
 
 

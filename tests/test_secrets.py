@@ -385,6 +385,22 @@ class KeysInEngineCommands(Experiment):
 
     files_holding = KeysKeptOutOfTheExperiment.files_holding
 
+    def assert_kept_out(self, out, err, *keys):
+        for key in keys:
+            self.assertEqual(self.files_holding(key), [], key)
+            self.assertNotIn(key, out + err)
+
+    def test_a_short_key_a_server_repeats_after_bearer_is_kept_out(self):
+        """A short key (under run.py's length for searching server text) that a server echoes
+        in an error (HTTP 401 ... invalid key Bearer K) is hidden where it stands: in the
+        step's files, the report's first line and Steps table, and what is said."""
+        stub = "python3 %s --port {on} --invariant --prefill-agrees --fault 3=echokey" % (
+            os.path.join(ROOT, "tests", "stub_server.py"))
+        code, out, err = self.finish(self.start(OPENAI_API_KEY="shk9x7", SERVE_ON=stub))
+        self.assertNotEqual(code, 0, err)
+        self.assertIn("Bearer [api key]", self.load_run("REPORT.md"))
+        self.assert_kept_out(out, err, "shk9x7")
+
     def test_a_key_no_request_could_carry_is_refused_before_any_arm_starts(self):
         for name in ("VLLM_API_KEY", "OPENAI_API_KEY"):
             with self.subTest(name=name):
@@ -396,3 +412,31 @@ class KeysInEngineCommands(Experiment):
                 self.assertIn("nothing was started", err)
                 self.assertEqual(self.runs(), [])
                 self.assertNotIn("Zq9x", out + err)
+
+class KeysInCommandsByStructure(unittest.TestCase):
+    """How a command's keys are found, where they stand, without running anything."""
+
+    def setUp(self):
+        sys.path.insert(0, os.path.join(ROOT, "examples"))
+        import experiment
+        self.experiment = experiment
+
+    def test_a_failure_line_quoting_a_short_key_after_bearer_hides_it(self):
+        e = self.experiment
+        folder = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, folder)
+        err = os.path.join(folder, "s.err")
+        with open(err, "w") as f:
+            f.write("run.py: HTTP 401 from /v1/completions: invalid key Bearer shk9x7\n")
+        saved = e.KEYS
+        e.KEYS = e.Keys({"OPENAI_API_KEY": "shk9x7"})
+        try:
+            reason = e.failure_reason(os.devnull, err)
+        finally:
+            e.KEYS = saved
+        self.assertEqual(reason, "run.py: HTTP 401 from /v1/completions: invalid key Bearer "
+                                 "[api key]")
+        secrets = run.Secrets()
+        secrets.keep("shk9x7")
+        self.assertEqual(secrets.hide("invalid key bearer SHK9X7, Bearer shk9x7x"),
+                         "invalid key bearer [api key], Bearer shk9x7x")
