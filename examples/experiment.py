@@ -1174,13 +1174,34 @@ TOKEN_CHARACTERS = "_-.+/="  # a key's neighbours that would make it part of a l
 SHELL_ESCAPED = frozenset(" \t!\"$&'()*,;<>?[\\]^`{|}")
 
 
+# How bash's printf %q writes a character in its $'...' form (bash 5.2, lib/sh/strtrans.c's
+# ansic_quote): these with a backslash, another that the locale cannot print as octal bytes
+ANSI_C_ESCAPES = {"\a": "\\a", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r",
+                  "\t": "\\t", "\v": "\\v", "\x1b": "\\E", "\\": "\\\\", "'": "\\'"}
+
+
+def ansi_c_quoted(key: str, utf8: bool) -> str:
+    """The inside of bash's printf %q form $'...' of a key, under a C locale (every byte
+    beyond ASCII as octal: $'Zq9x\\303\\251') or a UTF-8 one (a character it prints kept)."""
+    def char(c: str) -> str:
+        if c in ANSI_C_ESCAPES:
+            return ANSI_C_ESCAPES[c]
+        if c.isprintable() and (c.isascii() or utf8):
+            return c
+        if utf8 and not c.isascii() and c.isspace():  # a no-break space: printed as it is
+            return c
+        return "".join("\\%03o" % b for b in c.encode("utf-8", "surrogateescape"))
+    return "".join(char(c) for c in key)
+
+
 def key_forms(key: str) -> Tuple[List[str], List[str]]:
     """Every form a key takes in what an engine or a shell writes, from the key itself:
     (the forms without quotes around them, the quoted forms). As given; quoted for the shell
-    (shlex.quote, and backslash-escaped as bash's printf %q writes it: a launch line); as
-    Python writes it, in either quote style (SGLang's logged server_args, a Namespace); as
-    JSON writes it (with and without non-ASCII escaped). A form is hidden without its quotes
-    where it has any, so that what stands around it stays."""
+    (shlex.quote, and as bash's printf %q writes it: backslash-escaped, or $'...' with octal
+    bytes for a key beyond printable ASCII: a launch line); as Python writes it, in either
+    quote style (SGLang's logged server_args, a Namespace); as JSON writes it (with and
+    without non-ASCII escaped). A form is hidden without its quotes where it has any, so
+    that what stands around it stays."""
     def python_literal(quote: str) -> str:
         return quote + "".join("\\" + c if c == quote else repr(c)[1:-1] for c in key) + quote
 
@@ -1190,6 +1211,11 @@ def key_forms(key: str) -> Tuple[List[str], List[str]]:
               json.dumps(key, ensure_ascii=False)}
     bare = {key, escaped} | {f[1:-1] for f in quoted
                              if len(f) > 1 and f[0] in "'\"" and f[-1] == f[0]}
+    if not (key.isascii() and key.isprintable()):
+        for utf8 in (False, True):
+            inside = ansi_c_quoted(key, utf8)
+            bare.add(inside)
+            quoted.add("$'%s'" % inside)
     return sorted(bare, key=len, reverse=True), sorted(quoted - bare, key=len, reverse=True)
 
 

@@ -413,6 +413,23 @@ class KeysInEngineCommands(Experiment):
                 self.assertEqual(self.runs(), [])
                 self.assertNotIn("Zq9x", out + err)
 
+    def test_a_launch_line_bash_quotes_in_octal_is_kept_out(self):
+        """Under LC_ALL=C bash's printf %q writes a key beyond ASCII as $'Zq9x\\303\\251...'."""
+        key = "Zq9x\u00e9\u00a0\u03a9tail"
+        octal = subprocess.run(["bash", "-c", 'printf %q "$1"', "-", key], capture_output=True,
+                               env=dict(os.environ, LC_ALL="C"), check=True).stdout.decode()
+        self.assertTrue(octal.startswith("$'Zq9x\\303\\251"), octal)
+        code, out, err = self.finish(self.start(LC_ALL="C", EXTRA_ARGS="--api-key " + key))
+        self.assertEqual(code, 0, err)
+        for form in (key, octal, octal[2:-1]):
+            self.assert_kept_out(out, err, form)
+        sys.path.insert(0, os.path.join(ROOT, "examples"))
+        import experiment
+        keys = experiment.Keys({"EXTRA_ARGS": "--api-key " + key})
+        self.assertEqual(keys.engine_text("the key %s was refused" % octal),
+                         "the key $'[api key]' was refused")
+
+
 class KeysInCommandsByStructure(unittest.TestCase):
     """How a command's keys are found, where they stand, without running anything."""
 
