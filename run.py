@@ -931,22 +931,33 @@ class Secrets:
 KEY_OPTION = "--api-key"  # the one option whose value is a secret
 
 
-def key_free_command(argv: Sequence[str], options: Sequence[str]) -> List[str]:
+def key_free_command(argv: Sequence[str], options: Sequence[str],
+                     engine: bool = False) -> List[str]:
     """A command line as it may be recorded: the key option's value replaced where it stands,
     in every spelling argparse takes (--api-key K, --api-key=K, and any abbreviation of it
     that no other of options begins: --api K). One rule, for run.py's own record and the
-    experiment's."""
+    experiment's. An engine's command (engine=True) is read as vLLM's parser reads it: an
+    underscore in an option's name is a dash (--api_key K: FlexibleArgumentParser,
+    vllm/utils/argparse_utils.py, 0.34.0 lines 378-391), and the option takes several keys,
+    each word up to the next option (--api-key K1 K2: api_key is list[str],
+    vllm/entrypoints/common/cli_args.py line 336, given nargs="+" by
+    vllm/engine/arg_utils.py line 258)."""
     def is_key_option(word: str) -> bool:
         name = word.split("=", 1)[0]
+        if engine:
+            name = name.replace("_", "-")
         if len(name) < 3 or not KEY_OPTION.startswith(name):
             return False
         return name == KEY_OPTION or not any(o.startswith(name) for o in options
                                              if o != KEY_OPTION)
 
-    command, expects_value = [], False
+    command, expects_value, more_values = [], False, False
     for i, word in enumerate(argv):
-        if expects_value:
+        if more_values and word.startswith("-"):
+            more_values = False
+        if expects_value or more_values:
             command.append("[api key]")
+            more_values = engine
             expects_value = False
         elif word == "--":
             return command + list(argv[i:])
@@ -3619,8 +3630,22 @@ def options_from(kind: Type[OptionsT], args: argparse.Namespace, **given: Any) -
 
 
 class _Parser(argparse.ArgumentParser):
+    argv: List[str] = []  # the words being parsed: where a key stands in them
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.argv = [str(a) for a in (sys.argv[1:] if args is None else args)]
+        return super().parse_known_args(args, namespace)
+
     def error(self, message):
         words = message.split(": ", 1)[-1].split() if "unrecognized arguments" in message else []
+        if words:
+            # more keys after --api-key's one, as an engine's --api-key K1 K2 takes them: the
+            # lab takes one, and the words it does not know are keys all the same
+            standing = {w for w, shown in zip(self.argv, key_free_command(
+                self.argv, list(self._option_string_actions), engine=True))
+                        if shown == "[api key]"}
+            words = ["[api key]" if w in standing else w for w in words]
+            message = "%s: %s" % (message.split(": ", 1)[0], " ".join(words))
         mode = next((word for word in words if word in MODES), None)
         if mode is not None:  # `run.py sweep`: a mode is an option's value here, not a command
             message += " (a mode is chosen with --mode: run.py --mode %s ...)" % mode

@@ -478,7 +478,8 @@ class Arm:
             for raw in iter(output.readline, b""):
                 text = raw.decode("utf-8", "surrogateescape")
                 if KEYS is not None:
-                    text = KEYS.engine_text(text)
+                    text = (KEYS.launch_line(text) if text.startswith("launch: ")
+                            else KEYS.engine_text(text))
                 log.write(text.encode("utf-8", "surrogateescape"))
                 log.flush()
         output.close()
@@ -1164,10 +1165,14 @@ def subprocess_lines(argv: List[str], env: Dict[str, str], timeout: float = 20) 
 KEY_VARIABLES = ("OPENAI_API_KEY", "VLLM_API_KEY")
 # Where a key stands in text an engine writes, just before its value: a key option or
 # variable (--api-key K, --api-key=K, VLLM_API_KEY=K), a field of a logged argument list
-# (SGLang 0.5.23's `server_args={... 'api_key': 'K' ...}`, a Namespace's api_key='K'), or a
-# header (Authorization: Bearer K)
+# (SGLang 0.5.23's `server_args={... 'api_key': 'K' ...}`, a Namespace's api_key='K', vLLM's
+# list of keys api_key=['K1', 'K2'] after the first), an option's later keys (vLLM's
+# --api-key K1 K2) or a header (Authorization: Bearer K)
 KEY_STANDS_BEFORE = re.compile(
-    r"(?i)(?:api[_-]?key|authorization)['\"]?\s*[:=]?\s*\[?\s*['\"]?(?:bearer\s+)?$|bearer\s+$")
+    r"(?i)(?:(?:api[_-]?key|authorization)['\"]?\s*[:=]?\s*"
+    r"(?:\[\s*(?:(?:'[^']*'|\"[^\"]*\"|\[api key\])\s*,\s*)*)?['\"]?(?:bearer\s+)?"
+    r"|--api[_-]key(?:\s+[^\s-]\S*)+\s+|bearer\s+)$")
+KEY_CONTEXT = 200  # how far before a key its option or field is looked for
 TOKEN_CHARACTERS = "_-.+/="  # a key's neighbours that would make it part of a longer token
 # The characters bash's printf %q writes with a backslash before them (bash 5.2, a key of
 # printable characters; and # or ~ as its first): how the launch scripts log a command
@@ -1224,12 +1229,14 @@ class Keys:
     where they stand and with their own value known, never by rewriting the experiment's own
     values: from OPENAI_API_KEY and VLLM_API_KEY, an --api-key in any variable (a serve
     command's own, SGLang's --api-key included), and a key variable set in a serve command
-    (env VLLM_API_KEY=K vllm serve ...). A command shows the key option's value and a key
-    variable's as [api key] (lab.key_free_command's rule, for run.py's commands and the
-    engines'); text an engine writes (its log, as the experiment writes it) and a step's
-    failure line have a known key hidden where a key stands (KEY_STANDS_BEFORE), and a key long enough to be told from
-    other text (lab.Secrets) wherever it stands, each in every form it takes (key_forms:
-    quoted for the shell, written by Python or JSON). EXTRA_ARGS is read as the launch
+    (env VLLM_API_KEY=K vllm serve ...). A command shows the key option's value and a key variable's as [api key]
+    (lab.key_free_command's rule, for run.py's commands and the engines': an engine's
+    --api-key takes several keys, and --api_key is --api-key, as vLLM reads them); text an
+    engine writes (its log, as the experiment writes it; a launch line read as the command it
+    is) and a step's failure line have a known key hidden where a key stands
+    (KEY_STANDS_BEFORE), and a key long enough to be told from other text (lab.Secrets)
+    wherever it stands, each in every form it takes (key_forms: quoted for the shell,
+    written by Python or JSON). EXTRA_ARGS is read as the launch
     scripts pass it too (split at blanks, quotes kept)."""
 
     LAUNCH_OPTIONS: Tuple[str, ...] = ()  # an engine's options are not known here: any
@@ -1267,10 +1274,12 @@ class Keys:
 
     def command(self, words: List[str], launch: bool = False) -> List[str]:
         """A command as the report may show it: run.py's (launch=False) or an engine's, a key
-        variable's value hidden too (VLLM_API_KEY=K before the engine's command)."""
+        variable's value hidden too (VLLM_API_KEY=K before the engine's command). An engine's
+        is read as vLLM reads it (--api_key, several keys after --api-key:
+        lab.key_free_command)."""
         options = self.LAUNCH_OPTIONS if launch else getattr(self, "lab_options", [])
         shown = []
-        for word in lab.key_free_command(words, options):
+        for word in lab.key_free_command(words, options, engine=launch):
             name = word.split("=", 1)[0]
             shown.append(name + "=[api key]" if "=" in word and name in KEY_VARIABLES else word)
         return shown
@@ -1285,6 +1294,21 @@ class Keys:
         redacted = self.command(words, launch)
         return text if redacted == words else " ".join(shlex.quote(w) for w in redacted)
 
+    def launch_line(self, text: str) -> str:
+        """A launch script's line in an engine's log ("launch: CUDA_VISIBLE_DEVICES=0 ...
+        vllm serve ... --api-key K1 K2"): the command read as shell words, its keys hidden
+        where they stand (command), then as any text an engine writes (engine_text)."""
+        body = text.rstrip("\r\n")
+        ending = text[len(body):]
+        try:
+            words = shlex.split(body[len("launch: "):])
+        except ValueError:
+            return self.engine_text(text)
+        shown = self.command(words, launch=True)
+        if shown != words:
+            body = "launch: " + " ".join(shlex.quote(w) for w in shown)
+        return self.engine_text(body) + ending
+
     def engine_text(self, text: str) -> str:
         """Text an engine wrote (a log line), each known key hidden where a key stands, and a
         long enough key wherever it stands."""
@@ -1294,7 +1318,7 @@ class Keys:
             at = text.find(key)
             while at >= 0:
                 after = text[at + len(key): at + len(key) + 1]
-                before = text[max(0, at - 40):at]
+                before = text[max(0, at - KEY_CONTEXT):at]
                 if (KEY_STANDS_BEFORE.search(before) and not (before[-1:].isalnum())
                         and not (after.isalnum() or (after and after in TOKEN_CHARACTERS))):
                     parts += [text[end:at], "[api key]"]
@@ -1662,8 +1686,10 @@ def report(exp: Experiment) -> str:
     can paste: the status, the findings, the cost table, the environment, the launch commands,
     the parameters, then each degree's servers and sweeps, and every step."""
     keys = Keys(exp.env)
-    settings = ["%s=%s" % (k, keys.line(exp.env[k])) for k in REPORTED_VARIABLES
-                if exp.env.get(k)]
+    # EXTRA_ARGS as the engines read it (several keys after --api-key, --api_key), the
+    # others as run.py reads them
+    settings = ["%s=%s" % (k, keys.line(exp.env[k], launch=k == "EXTRA_ARGS"))
+                for k in REPORTED_VARIABLES if exp.env.get(k)]
     lines = [status_line(exp), "",
              "Started %s, ended %s. Output: `%s`." % (stamp(exp.started),
                                                       stamp(exp.ended or time.time()),

@@ -379,16 +379,70 @@ class KeysKeptOutOfTheExperiment(Experiment):
                          "env 'VLLM_API_KEY=[api key]' vllm serve m --api-key '[api key]'")
 
 
+# `vllm serve`, as an engine that logs the arguments it parsed: vLLM's own parser rules (an
+# underscore in an option's name is a dash, --api-key takes several keys), its keys logged as
+# vLLM logged its non-default args, then the practice engine
+LOGGING_VLLM = r'''#!/usr/bin/env python3
+import argparse, os, sys
+argv = ["--" + a[2:].split("=", 1)[0].replace("_", "-") + a[2:][len(a[2:].split("=", 1)[0]):]
+        if a.startswith("--") else a for a in sys.argv[2:]]
+p = argparse.ArgumentParser(prog="vllm")
+p.add_argument("model")
+p.add_argument("--port", type=int, default=8000)
+p.add_argument("--api-key", nargs="+")
+args, _ = p.parse_known_args(argv)
+key = os.environ.get("VLLM_API_KEY")
+print("INFO non-default args: %%r" %% {"model": args.model, "port": args.port,
+      "api_key": args.api_key or ([key] if key else None)}, file=sys.stderr, flush=True)
+on = os.environ.get("VLLM_BATCH_INVARIANT") == "1"
+os.execv(sys.executable, [sys.executable, %r, "--port", str(args.port),
+         "--prompt-tokens-details"] + (["--invariant", "--prefill-agrees"] if on else []))
+''' % os.path.join(ROOT, "tests", "stub_server.py")
+
+
 class KeysInEngineCommands(Experiment):
     """Keys as an engine's command gives them: several after one --api-key, --api_key, in
     the string a shell runs; and a short key a server repeats after "Bearer "."""
 
     files_holding = KeysKeptOutOfTheExperiment.files_holding
 
+    def logging_vllm(self):
+        """PATH with a `vllm` that logs its keys first."""
+        folder = self.path("bin")
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "vllm"), "w") as f:
+            f.write(LOGGING_VLLM)
+        os.chmod(os.path.join(folder, "vllm"), 0o755)
+        return folder + os.pathsep + os.environ["PATH"]
+
     def assert_kept_out(self, out, err, *keys):
         for key in keys:
             self.assertEqual(self.files_holding(key), [], key)
             self.assertNotIn(key, out + err)
+
+    def test_every_key_of_several_after_one_option_is_kept_out(self):
+        """vLLM's --api-key takes several keys (api_key is list[str],
+        vllm/entrypoints/common/cli_args.py, 0.34.0 line 336): the second one, short, is a
+        key too, in the report, the launch lines and the engine's logged arguments."""
+        code, out, err = self.finish(self.start(
+            PATH=self.logging_vllm(), EXTRA_ARGS="--api-key Zq9xFIRST k2q"))
+        self.assertEqual(code, 0, err)
+        report = self.load_run("REPORT.md")
+        self.assertIn("EXTRA_ARGS=--api-key '[api key]' '[api key]',", report)
+        self.assertEqual(report.count("--api-key '[api key]' '[api key]'\n"), 2, report)
+        log = self.load_run("tp1", "server_on.log")
+        self.assertIn("'api_key': ['[api key]', '[api key]']", log)
+        self.assert_kept_out(out, err, "Zq9xFIRST", "k2q")
+
+    def test_a_key_option_with_an_underscore_is_kept_out(self):
+        """vLLM reads --api_key as --api-key (FlexibleArgumentParser, vllm/utils/
+        argparse_utils.py, 0.34.0 lines 378-391)."""
+        code, out, err = self.finish(self.start(
+            PATH=self.logging_vllm(), EXTRA_ARGS="--api_key Zq9xUNDERSCORE"))
+        self.assertEqual(code, 0, err)
+        self.assertIn("EXTRA_ARGS=--api_key '[api key]',", self.load_run("REPORT.md"))
+        self.assertIn("'api_key': ['[api key]']", self.load_run("tp1", "server_on.log"))
+        self.assert_kept_out(out, err, "Zq9xUNDERSCORE")
 
     def test_a_short_key_a_server_repeats_after_bearer_is_kept_out(self):
         """A short key (under run.py's length for searching server text) that a server echoes
@@ -412,6 +466,15 @@ class KeysInEngineCommands(Experiment):
                 self.assertIn("nothing was started", err)
                 self.assertEqual(self.runs(), [])
                 self.assertNotIn("Zq9x", out + err)
+
+    def test_several_keys_given_to_the_lab_are_not_printed_in_its_refusal(self):
+        code, out, err = self.finish(self.start(SWEEP_ARGS="--api-key Zq9xONE Zq9xTWO"))
+        self.assertEqual(code, 2, err)
+        self.assertIn("unrecognized arguments: [api key]", err)
+        self.assertNotIn("Zq9x", out + err)
+        r = run_lab("--mode", "sweep", "--api-key", "Zq9xONE", "Zq9xTWO", "--sizes", "1")
+        one_error_line(self, r, 2, "unrecognized arguments: [api key]")
+        self.assertNotIn("Zq9x", r.stdout + r.stderr)
 
     def test_a_launch_line_bash_quotes_in_octal_is_kept_out(self):
         """Under LC_ALL=C bash's printf %q writes a key beyond ASCII as $'Zq9x\\303\\251...'."""
@@ -437,6 +500,17 @@ class KeysInCommandsByStructure(unittest.TestCase):
         sys.path.insert(0, os.path.join(ROOT, "examples"))
         import experiment
         self.experiment = experiment
+
+    def test_an_engine_command_is_read_as_vllm_reads_its_key_option(self):
+        shown = run.key_free_command(
+            ["vllm", "serve", "m", "--api-key", "K1", "K2", "--port", "1", "--api_key", "K3",
+             "--api_key=K4"], [], engine=True)
+        self.assertEqual(shown, ["vllm", "serve", "m", "--api-key", "[api key]", "[api key]",
+                                 "--port", "1", "--api_key", "[api key]",
+                                 "--api_key=[api key]"])
+        # run.py's own --api-key takes one key: its next word is its own
+        self.assertEqual(run.key_free_command(["--api-key", "K1", "K2"], []),
+                         ["--api-key", "[api key]", "K2"])
 
     def test_a_failure_line_quoting_a_short_key_after_bearer_hides_it(self):
         e = self.experiment
