@@ -53,8 +53,8 @@ Variables (all optional), with their defaults:
                         SERVE_ON="python3 tests/stub_server.py --port 8001 --invariant
                         --prefill-agrees" (its decode and prefill agree, as a real flag-on arm's)
   OFF_PORT, ON_PORT     the arms' ports: the launch scripts listen there, the lab asks there
-                        (default: a --port in SERVE_OFF/SERVE_ON, else 8000 and 8001 for vllm,
-                        30000 and 30001 for sglang)
+                        (default: a --port in SERVE_OFF/SERVE_ON, in a sh -c string too,
+                        else 8000 and 8001 for vllm, 30000 and 30001 for sglang)
   OFF_URL, ON_URL       where the arms answer, for arms behind another address (default
                         http://localhost:PORT; their port is the launch scripts' too)
   WAIT=900              seconds an arm may take to answer its health check
@@ -196,6 +196,36 @@ def split_words(name: str, env: Dict[str, str]) -> List[str]:
         raise UsageError("%s: %s" % (name, err)) from None
 
 
+# The shells whose -c string is a command of its own: a serve command may be one
+# (SERVE_ON="sh -c 'VLLM_BATCH_INVARIANT=1 exec vllm serve ...'"), its key and its --port in it
+SHELLS = ("sh", "bash", "dash", "zsh", "ksh")
+
+
+def shell_string_at(words: List[str]) -> Optional[int]:
+    """Where, in a command's words, the string a shell runs stands (sh -c '...',
+    bash -ec '...', env X=1 bash -o pipefail -c '...'); None where the command runs none."""
+    at = next((i for i, w in enumerate(words) if os.path.basename(w) in SHELLS), None)
+    if at is None:
+        return None
+    i = at + 1
+    while i < len(words) and words[i][:1] in "-+" and words[i] not in ("-", "--", "+"):
+        word = words[i]
+        if not word.startswith("--") and "c" in word[1:]:
+            return i + 1 if i + 1 < len(words) else None
+        i += 2 if word in ("-o", "+o", "-O", "+O") else 1  # an option with its argument
+    return None
+
+
+def shell_words(words: List[str]) -> List[str]:
+    """A command's words with the string a shell runs read as the words it holds (sh -c
+    strings within sh -c strings too): where its keys and its --port stand. A string that is
+    not shell words raises ValueError."""
+    at = shell_string_at(words)
+    if at is None:
+        return list(words)
+    return words[:at] + shell_words(shlex.split(words[at])) + words[at + 1:]
+
+
 # The run.py options the experiment sets itself in its steps, by what run.py's parser makes of
 # them (an option's dest: --base-url is --url, --exp=variant is --expect): given in SWEEP_ARGS
 # or COST_ARGS they would undo a step (a flag-off sweep's negative control replaced, the flag-on
@@ -275,7 +305,11 @@ def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
     for arm, port in zip(("off", "on"), ENGINE_PORTS[engine]):
         name = arm.upper()
         command = split_words("SERVE_" + name, env)
-        listens = serve_port(command, "SERVE_" + name)  # a command of one's own's --port
+        try:  # a command of one's own's --port, in the string a shell runs too
+            listens = serve_port(shell_words(command), "SERVE_" + name)
+        except ValueError as err:
+            raise UsageError("SERVE_%s: the string its shell runs (-c) is not shell words (%s)"
+                             % (name, err)) from None
         if env.get(name + "_PORT"):
             port = whole_port(env[name + "_PORT"], name + "_PORT")
             if listens is not None and listens != port:
@@ -1224,12 +1258,25 @@ def key_forms(key: str) -> Tuple[List[str], List[str]]:
     return sorted(bare, key=len, reverse=True), sorted(quoted - bare, key=len, reverse=True)
 
 
+def inner_word(word: str) -> str:
+    """A word of the string a shell runs, quoted for it so that the string, quoted in turn,
+    still reads: in double quotes where they need no escape (--api-key "[api key]",
+    VLLM_API_KEY="[api key]"), else as shlex quotes it."""
+    if shlex.quote(word) == word:
+        return word
+    name, equals, value = word.partition("=")
+    if equals and name.isidentifier():
+        return name + "=" + inner_word(value)
+    return '"%s"' % word if not any(c in word for c in '"$`\\!') else shlex.quote(word)
+
+
 class Keys:
     """The API keys a run was given, kept out of every line said and every file written, by
     where they stand and with their own value known, never by rewriting the experiment's own
     values: from OPENAI_API_KEY and VLLM_API_KEY, an --api-key in any variable (a serve
     command's own, SGLang's --api-key included), and a key variable set in a serve command
-    (env VLLM_API_KEY=K vllm serve ...). A command shows the key option's value and a key variable's as [api key]
+    (env VLLM_API_KEY=K vllm serve ...), in the string a shell runs too (sh -c '...'). A
+    command shows the key option's value and a key variable's as [api key]
     (lab.key_free_command's rule, for run.py's commands and the engines': an engine's
     --api-key takes several keys, and --api_key is --api-key, as vLLM reads them); text an
     engine writes (its log, as the experiment writes it; a launch line read as the command it
@@ -1253,12 +1300,22 @@ class Keys:
         # and backslashes kept (--api-key q'uo\te is the engine's key q'uo\te)
         commands.append(env.get("EXTRA_ARGS", "").split())
         keys = {env.get(name, "") for name in KEY_VARIABLES}
-        for words in commands:
-            for word, shown in zip(words, self.command(words, launch=True)):
-                if shown == "[api key]":
+
+        def collect(words: List[str]) -> None:
+            at = shell_string_at(words)
+            for i, (word, shown) in enumerate(zip(words, self.command(words, launch=True))):
+                if i == at:  # the keys in the string a shell runs too (sh -c '... --api-key K')
+                    try:
+                        collect(shlex.split(word))
+                    except ValueError:
+                        pass
+                elif shown == "[api key]":
                     keys.add(word)
                 elif shown.endswith("=[api key]"):
                     keys.add(word.split("=", 1)[1])
+
+        for words in commands:
+            collect(words)
         # each key in every form it takes (key_forms), hidden as itself: those without quotes
         # first, so that a logged 'api_key': '...' keeps its quotes
         given = sorted((k for k in keys if k), key=len, reverse=True)
@@ -1276,12 +1333,24 @@ class Keys:
         """A command as the report may show it: run.py's (launch=False) or an engine's, a key
         variable's value hidden too (VLLM_API_KEY=K before the engine's command). An engine's
         is read as vLLM reads it (--api_key, several keys after --api-key:
-        lab.key_free_command)."""
+        lab.key_free_command), and the string a shell runs in it (sh -c '...') as the
+        command it is, shown with the rest of it; one that is not shell words is not shown."""
         options = self.LAUNCH_OPTIONS if launch else getattr(self, "lab_options", [])
+        at = shell_string_at(list(words)) if launch else None
         shown = []
-        for word in lab.key_free_command(words, options, engine=launch):
+        for i, word in enumerate(lab.key_free_command(words, options, engine=launch)):
             name = word.split("=", 1)[0]
-            shown.append(name + "=[api key]" if "=" in word and name in KEY_VARIABLES else word)
+            assignment = "=" in word and name in KEY_VARIABLES and i != at
+            shown.append(name + "=[api key]" if assignment else word)
+        if at is not None and shown[at] == words[at]:
+            try:
+                inner = shlex.split(words[at])
+            except ValueError:
+                shown[at] = "(not shown: not shell words)"
+            else:
+                hidden = self.command(inner, launch)
+                shown[at] = words[at] if hidden == inner else " ".join(
+                    inner_word(w) for w in hidden)
         return shown
 
     def line(self, text: str, launch: bool = False) -> str:

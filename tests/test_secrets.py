@@ -444,6 +444,36 @@ class KeysInEngineCommands(Experiment):
         self.assertIn("'api_key': ['[api key]']", self.load_run("tp1", "server_on.log"))
         self.assert_kept_out(out, err, "Zq9xUNDERSCORE")
 
+    def test_keys_and_the_port_in_the_string_a_shell_runs(self):
+        """sh -c '... --api-key K', bash -c 'VLLM_API_KEY=K exec ...': the keys are kept out,
+        the rest of each command is shown, and the arm's --port in it is where the lab asks
+        (no ON_PORT, no ON_URL)."""
+        stub = os.path.join(ROOT, "tests", "stub_server.py")
+        code, out, err = self.finish(self.start(
+            PATH=self.logging_vllm(), OFF_URL="", ON_URL="",
+            SERVE_OFF="bash -c 'VLLM_API_KEY=zk5 exec python3 %s --port {off}'" % stub,
+            SERVE_ON="sh -c 'VLLM_BATCH_INVARIANT=1 exec vllm serve m --port {on} "
+                     "--api-key Zq9xSHKEY2'",
+            OFF_PORT="{off}", COST_ARGS="--batch 2 --trials 2 --warmup 0 --max-tokens 4 "
+                                        "--allow-mismatch"))
+        self.assertEqual(code, 0, err)
+        report = self.load_run("REPORT.md")
+        self.assertIn("bash -c 'VLLM_API_KEY=\"[api key]\" exec python3 %s --port %d'"
+                      % (stub, self.ports[0]), report)
+        self.assertIn("sh -c 'VLLM_BATCH_INVARIANT=1 exec vllm serve m --port %d --api-key "
+                      "\"[api key]\"'" % self.ports[1], report)
+        self.assertIn("--url http://localhost:%d" % self.ports[1], report)
+        self.assertIn("'api_key': ['[api key]']", self.load_run("tp1", "server_on.log"))
+        self.assert_kept_out(out, err, "Zq9xSHKEY2", "zk5")
+
+    def test_a_shell_string_that_is_not_shell_words_is_refused_before_anything_starts(self):
+        code, out, err = self.finish(self.start(
+            SERVE_ON="sh -c 'exec vllm serve m --api-key \"Zq9xUNCLOSED'"))
+        self.assertEqual(code, 2, err)
+        self.assertIn("SERVE_ON: the string its shell runs (-c) is not shell words", err)
+        self.assertEqual(self.runs(), [])
+        self.assertNotIn("Zq9xUNCLOSED", out + err)
+
     def test_a_short_key_a_server_repeats_after_bearer_is_kept_out(self):
         """A short key (under run.py's length for searching server text) that a server echoes
         in an error (HTTP 401 ... invalid key Bearer K) is hidden where it stands: in the
@@ -511,6 +541,20 @@ class KeysInCommandsByStructure(unittest.TestCase):
         # run.py's own --api-key takes one key: its next word is its own
         self.assertEqual(run.key_free_command(["--api-key", "K1", "K2"], []),
                          ["--api-key", "[api key]", "K2"])
+
+    def test_the_port_in_the_string_a_shell_runs_is_followed(self):
+        e = self.experiment
+        settings = e.read_settings(["vllm", "/tmp/x"], {
+            "SERVE_ON": "sh -c 'VLLM_BATCH_INVARIANT=1 exec vllm serve m --port 18601'",
+            "SERVE_OFF": "env X=1 bash -ec \"exec vllm serve m --port=18600\""})
+        self.assertEqual(settings.urls, {"off": "http://localhost:18600",
+                                         "on": "http://localhost:18601"})
+
+    def test_the_rest_of_a_shell_string_is_shown(self):
+        keys = self.experiment.Keys({})
+        self.assertEqual(
+            keys.line("bash -c 'VLLM_API_KEY=K exec python3 s.py --port 5'", launch=True),
+            "bash -c 'VLLM_API_KEY=\"[api key]\" exec python3 s.py --port 5'")
 
     def test_a_failure_line_quoting_a_short_key_after_bearer_hides_it(self):
         e = self.experiment
