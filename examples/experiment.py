@@ -306,10 +306,16 @@ def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
         name = arm.upper()
         command = split_words("SERVE_" + name, env)
         try:  # a command of one's own's --port, in the string a shell runs too
-            listens = serve_port(shell_words(command), "SERVE_" + name)
+            listens = serve_port(shell_words(command), "SERVE_" + name,
+                                 expands=shell_string_at(command) is not None)
         except ValueError as err:
             raise UsageError("SERVE_%s: the string its shell runs (-c) is not shell words (%s)"
                              % (name, err)) from None
+        if listens == SHELL_PORT:  # sh -c '... --port $P': the shell's, known as N_PORT only
+            if not env.get(name + "_PORT"):
+                raise UsageError("SERVE_%s: its --port is the shell's to expand: give the port "
+                                 "in %s_PORT too (the lab asks there)" % (name, name))
+            listens = None
         if env.get(name + "_PORT"):
             port = whole_port(env[name + "_PORT"], name + "_PORT")
             if listens is not None and listens != port:
@@ -365,15 +371,20 @@ def lab_check(check, *args):
         raise UsageError(str(err)) from None
 
 
-def serve_port(command: List[str], name: str) -> Optional[int]:
+SHELL_PORT = -1  # a --port a shell expands ($PORT in an sh -c string): not known here
+
+
+def serve_port(command: List[str], name: str, expands: bool = False) -> Optional[int]:
     """The --port a serve command of one's own gives its engine (--port N or --port=N; the
-    last one, as the engines' parsers take it), or None."""
+    last one, as the engines' parsers take it), SHELL_PORT for one a shell expands (expands:
+    the command runs a shell's string), or None."""
     port = None
     for i, word in enumerate(command):
-        if word == "--port" and i + 1 < len(command):
-            port = whole_port(command[i + 1], name + " --port")
-        elif word.startswith("--port="):
-            port = whole_port(word.split("=", 1)[1], name + " --port")
+        value = (command[i + 1] if word == "--port" and i + 1 < len(command)
+                 else word.split("=", 1)[1] if word.startswith("--port=") else None)
+        if value is not None:
+            port = (SHELL_PORT if expands and "$" in value
+                    else whole_port(value, name + " --port"))
     return port
 
 

@@ -549,6 +549,13 @@ class KeysInCommandsByStructure(unittest.TestCase):
             "SERVE_OFF": "env X=1 bash -ec \"exec vllm serve m --port=18600\""})
         self.assertEqual(settings.urls, {"off": "http://localhost:18600",
                                          "on": "http://localhost:18601"})
+        # a port the shell expands: known from ON_PORT, else refused with one line
+        shell = {"SERVE_ON": "sh -c 'exec vllm serve m --port $P'"}
+        settings = e.read_settings(["vllm", "/tmp/x"], dict(shell, ON_PORT="18602"))
+        self.assertEqual(settings.urls["on"], "http://localhost:18602")
+        with self.assertRaisesRegex(e.UsageError, "SERVE_ON: its --port is the shell's to "
+                                                  "expand: give the port in ON_PORT too"):
+            e.read_settings(["vllm", "/tmp/x"], shell)
 
     def test_the_rest_of_a_shell_string_is_shown(self):
         keys = self.experiment.Keys({})
