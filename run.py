@@ -848,25 +848,32 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+BEARER = re.compile(r"(?i)\bbearer\s+")  # where a key stands in an echoed Authorization header
+
+
 class Secrets:
     """The API key, kept out of what the lab prints and saves by where it stands, never by
     rewriting the lab's own values: the recorded command line has the key option's value
     replaced where it stands (key_free_command); and text a server sends back (its error
     bodies, what its info endpoints answer) is searched for the key, in any case and cut
     short from SHORT_SECRET characters on, only when the key is long enough to be told from
-    data. A shorter key is said once on stderr: the lab never writes it, and cannot look for
-    it in a server's answers."""
+    data; a key of any length where it stands after "Bearer " (a server repeating the header
+    it was sent). A shorter key is said once on stderr: the lab never writes it, and looks
+    for it in a server's answers only there."""
 
     def __init__(self) -> None:
         self.pattern: Optional["re.Pattern[str]"] = None
         self.rests: Dict[str, str] = {}
+        self.words: List[str] = []  # every key kept, the longest first
         self.short = False  # a key was given that is too short to search for
 
     def keep(self, *secrets: Optional[str]) -> None:
         """Hide these from now on in what servers send: a key in any case, and any start of
         it of SHORT_SECRET characters or more (a server may echo a key cut short), whatever
-        stands at its edges."""
+        stands at its edges; and a key of any length where a key stands (after "Bearer ", as
+        a server repeats the Authorization header it was sent)."""
         words = sorted({w for w in secrets if w}, key=len, reverse=True)
+        self.words = words
         self.short = any(len(w) < SHORT_SECRET for w in words)
         self.rests = {}  # a long key's first SHORT_SECRET characters -> the rest, lower case
         for w in words:
@@ -877,7 +884,9 @@ class Secrets:
 
     def hide(self, text: str) -> str:
         """Server text with each key's start, and as much more of that key as follows, hidden
-        (a loop, not a pattern: a key of a thousand characters nests no thousand groups)."""
+        (a loop, not a pattern: a key of a thousand characters nests no thousand groups); and
+        a key standing after "Bearer ", whatever its length."""
+        text = self.hide_standing(text)
         if self.pattern is None:
             return text
         parts, end = [], 0
@@ -889,10 +898,28 @@ class Secrets:
                 end = found.end() + len(os.path.commonprefix([more, rest]))
         return "".join(parts) + text[end:]
 
+    def hide_standing(self, text: str) -> str:
+        """A kept key of any length, in any case, hidden where it stands after "Bearer " and
+        is the whole word there (a short key, which is searched for nowhere else)."""
+        if not self.words:
+            return text
+        parts, end = [], 0
+        for found in BEARER.finditer(text):
+            at = found.end()
+            if found.start() < end:
+                continue
+            for word in self.words:
+                after = text[at + len(word):at + len(word) + 1]
+                if text[at:at + len(word)].lower() == word.lower() and not after.isalnum():
+                    parts += [text[end:at], "[api key]"]
+                    end = at + len(word)
+                    break
+        return "".join(parts) + text[end:]
+
     def hidden(self, value: Any) -> Any:
         """A decoded JSON answer of a server with the key hidden in every string of it, keys
         of objects too: done once decoded, never by rewriting encoded text."""
-        if self.pattern is None:
+        if not self.words:
             return value
         if isinstance(value, str):
             return self.hide(value)
@@ -906,22 +933,33 @@ class Secrets:
 KEY_OPTION = "--api-key"  # the one option whose value is a secret
 
 
-def key_free_command(argv: Sequence[str], options: Sequence[str]) -> List[str]:
+def key_free_command(argv: Sequence[str], options: Sequence[str],
+                     engine: bool = False) -> List[str]:
     """A command line as it may be recorded: the key option's value replaced where it stands,
     in every spelling argparse takes (--api-key K, --api-key=K, and any abbreviation of it
     that no other of options begins: --api K). One rule, for run.py's own record and the
-    experiment's."""
+    experiment's. An engine's command (engine=True) is read as vLLM's parser reads it: an
+    underscore in an option's name is a dash (--api_key K: FlexibleArgumentParser,
+    vllm/utils/argparse_utils.py, 0.34.0 lines 378-391), and the option takes several keys,
+    each word up to the next option (--api-key K1 K2: api_key is list[str],
+    vllm/entrypoints/common/cli_args.py line 336, given nargs="+" by
+    vllm/engine/arg_utils.py line 258)."""
     def is_key_option(word: str) -> bool:
         name = word.split("=", 1)[0]
+        if engine:
+            name = name.replace("_", "-")
         if len(name) < 3 or not KEY_OPTION.startswith(name):
             return False
         return name == KEY_OPTION or not any(o.startswith(name) for o in options
                                              if o != KEY_OPTION)
 
-    command, expects_value = [], False
+    command, expects_value, more_values = [], False, False
     for i, word in enumerate(argv):
-        if expects_value:
+        if more_values and word.startswith("-"):
+            more_values = False
+        if expects_value or more_values:
             command.append("[api key]")
+            more_values = engine
             expects_value = False
         elif word == "--":
             return command + list(argv[i:])
@@ -3596,8 +3634,22 @@ def options_from(kind: Type[OptionsT], args: argparse.Namespace, **given: Any) -
 
 
 class _Parser(argparse.ArgumentParser):
+    argv: List[str] = []  # the words being parsed: where a key stands in them
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.argv = [str(a) for a in (sys.argv[1:] if args is None else args)]
+        return super().parse_known_args(args, namespace)
+
     def error(self, message):
         words = message.split(": ", 1)[-1].split() if "unrecognized arguments" in message else []
+        if words:
+            # more keys after --api-key's one, as an engine's --api-key K1 K2 takes them: the
+            # lab takes one, and the words it does not know are keys all the same
+            standing = {w for w, shown in zip(self.argv, key_free_command(
+                self.argv, list(self._option_string_actions), engine=True))
+                        if shown == "[api key]"}
+            words = ["[api key]" if w in standing else w for w in words]
+            message = "%s: %s" % (message.split(": ", 1)[0], " ".join(words))
         mode = next((word for word in words if word in MODES), None)
         if mode is not None:  # `run.py sweep`: a mode is an option's value here, not a command
             message += " (a mode is chosen with --mode: run.py --mode %s ...)" % mode
@@ -9150,7 +9202,7 @@ def run_mode(argv: Optional[Sequence[str]], out: Out) -> int:
         if SECRETS.short:
             out.warn("the API key has fewer than %d characters: the lab never prints or saves "
                      "it, but cannot tell it from other text in what a server sends back, so it "
-                     "does not look for it there" % SHORT_SECRET)
+                     "hides it there only after \"Bearer \"" % SHORT_SECRET)
         out.use_colour(cfg.color)
         code = RUNNERS[cfg.mode](cfg, out)
     except (Exception, KeyboardInterrupt) as err:  # one line, never a traceback

@@ -53,8 +53,8 @@ Variables (all optional), with their defaults:
                         SERVE_ON="python3 tests/stub_server.py --port 8001 --invariant
                         --prefill-agrees" (its decode and prefill agree, as a real flag-on arm's)
   OFF_PORT, ON_PORT     the arms' ports: the launch scripts listen there, the lab asks there
-                        (default: a --port in SERVE_OFF/SERVE_ON, else 8000 and 8001 for vllm,
-                        30000 and 30001 for sglang)
+                        (default: a --port in SERVE_OFF/SERVE_ON, in a sh -c string too,
+                        else 8000 and 8001 for vllm, 30000 and 30001 for sglang)
   OFF_URL, ON_URL       where the arms answer, for arms behind another address (default
                         http://localhost:PORT; their port is the launch scripts' too)
   WAIT=900              seconds an arm may take to answer its health check
@@ -207,6 +207,36 @@ def split_words(name: str, env: Dict[str, str]) -> List[str]:
         raise UsageError("%s: %s" % (name, err)) from None
 
 
+# The shells whose -c string is a command of its own: a serve command may be one
+# (SERVE_ON="sh -c 'VLLM_BATCH_INVARIANT=1 exec vllm serve ...'"), its key and its --port in it
+SHELLS = ("sh", "bash", "dash", "zsh", "ksh")
+
+
+def shell_string_at(words: List[str]) -> Optional[int]:
+    """Where, in a command's words, the string a shell runs stands (sh -c '...',
+    bash -ec '...', env X=1 bash -o pipefail -c '...'); None where the command runs none."""
+    at = next((i for i, w in enumerate(words) if os.path.basename(w) in SHELLS), None)
+    if at is None:
+        return None
+    i = at + 1
+    while i < len(words) and words[i][:1] in "-+" and words[i] not in ("-", "--", "+"):
+        word = words[i]
+        if not word.startswith("--") and "c" in word[1:]:
+            return i + 1 if i + 1 < len(words) else None
+        i += 2 if word in ("-o", "+o", "-O", "+O") else 1  # an option with its argument
+    return None
+
+
+def shell_words(words: List[str]) -> List[str]:
+    """A command's words with the string a shell runs read as the words it holds (sh -c
+    strings within sh -c strings too): where its keys and its --port stand. A string that is
+    not shell words raises ValueError."""
+    at = shell_string_at(words)
+    if at is None:
+        return list(words)
+    return words[:at] + shell_words(shlex.split(words[at])) + words[at + 1:]
+
+
 # The run.py options the experiment sets itself in its steps, by what run.py's parser makes of
 # them (an option's dest: --base-url is --url, --exp=variant is --expect): given in SWEEP_ARGS
 # or COST_ARGS they would undo a step (a flag-off sweep's negative control replaced, the flag-on
@@ -286,7 +316,17 @@ def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
     for arm, port in zip(("off", "on"), ENGINE_PORTS[engine]):
         name = arm.upper()
         command = split_words("SERVE_" + name, env)
-        listens = serve_port(command, "SERVE_" + name)  # a command of one's own's --port
+        try:  # a command of one's own's --port, in the string a shell runs too
+            listens = serve_port(shell_words(command), "SERVE_" + name,
+                                 expands=shell_string_at(command) is not None)
+        except ValueError as err:
+            raise UsageError("SERVE_%s: the string its shell runs (-c) is not shell words (%s)"
+                             % (name, err)) from None
+        if listens == SHELL_PORT:  # sh -c '... --port $P': the shell's, known as N_PORT only
+            if not env.get(name + "_PORT"):
+                raise UsageError("SERVE_%s: its --port is the shell's to expand: give the port "
+                                 "in %s_PORT too (the lab asks there)" % (name, name))
+            listens = None
         if env.get(name + "_PORT"):
             port = whole_port(env[name + "_PORT"], name + "_PORT")
             if listens is not None and listens != port:
@@ -342,15 +382,20 @@ def lab_check(check, *args):
         raise UsageError(str(err)) from None
 
 
-def serve_port(command: List[str], name: str) -> Optional[int]:
+SHELL_PORT = -1  # a --port a shell expands ($PORT in an sh -c string): not known here
+
+
+def serve_port(command: List[str], name: str, expands: bool = False) -> Optional[int]:
     """The --port a serve command of one's own gives its engine (--port N or --port=N; the
-    last one, as the engines' parsers take it), or None."""
+    last one, as the engines' parsers take it), SHELL_PORT for one a shell expands (expands:
+    the command runs a shell's string), or None."""
     port = None
     for i, word in enumerate(command):
-        if word == "--port" and i + 1 < len(command):
-            port = whole_port(command[i + 1], name + " --port")
-        elif word.startswith("--port="):
-            port = whole_port(word.split("=", 1)[1], name + " --port")
+        value = (command[i + 1] if word == "--port" and i + 1 < len(command)
+                 else word.split("=", 1)[1] if word.startswith("--port=") else None)
+        if value is not None:
+            port = (SHELL_PORT if expands and "$" in value
+                    else whole_port(value, name + " --port"))
     return port
 
 
@@ -489,7 +534,8 @@ class Arm:
             for raw in iter(output.readline, b""):
                 text = raw.decode("utf-8", "surrogateescape")
                 if KEYS is not None:
-                    text = KEYS.engine_text(text)
+                    text = (KEYS.launch_line(text) if text.startswith("launch: ")
+                            else KEYS.engine_text(text))
                 log.write(text.encode("utf-8", "surrogateescape"))
                 log.flush()
         output.close()
@@ -860,7 +906,9 @@ class Experiment:
         lines = [line for line in complete.decode("utf-8", "replace").splitlines()
                  if line.startswith(marker)]
         if lines:
-            say("  step %d: %s" % (job.step.number, lines[-1][len(marker):]))
+            line = lines[-1][len(marker):]
+            say("  step %d: %s" % (job.step.number,
+                                   KEYS.engine_text(line) if KEYS is not None else line))
 
     def finish_job(self, job: Job) -> None:
         step = job.step
@@ -1192,23 +1240,48 @@ def subprocess_lines(argv: List[str], env: Dict[str, str], timeout: float = 20) 
 KEY_VARIABLES = ("OPENAI_API_KEY", "VLLM_API_KEY")
 # Where a key stands in text an engine writes, just before its value: a key option or
 # variable (--api-key K, --api-key=K, VLLM_API_KEY=K), a field of a logged argument list
-# (SGLang 0.5.23's `server_args={... 'api_key': 'K' ...}`, a Namespace's api_key='K'), or a
-# header (Authorization: Bearer K)
+# (SGLang 0.5.23's `server_args={... 'api_key': 'K' ...}`, a Namespace's api_key='K', vLLM's
+# list of keys api_key=['K1', 'K2'] after the first), an option's later keys (vLLM's
+# --api-key K1 K2) or a header (Authorization: Bearer K)
 KEY_STANDS_BEFORE = re.compile(
-    r"(?i)(?:api[_-]?key|authorization)['\"]?\s*[:=]?\s*\[?\s*['\"]?(?:bearer\s+)?$|bearer\s+$")
+    r"(?i)(?:(?:api[_-]?key|authorization)['\"]?\s*[:=]?\s*"
+    r"(?:\[\s*(?:(?:'[^']*'|\"[^\"]*\"|\[api key\])\s*,\s*)*)?['\"]?(?:bearer\s+)?"
+    r"|--api[_-]key(?:\s+[^\s-]\S*)+\s+|bearer\s+)$")
+KEY_CONTEXT = 200  # how far before a key its option or field is looked for
 TOKEN_CHARACTERS = "_-.+/="  # a key's neighbours that would make it part of a longer token
 # The characters bash's printf %q writes with a backslash before them (bash 5.2, a key of
 # printable characters; and # or ~ as its first): how the launch scripts log a command
 SHELL_ESCAPED = frozenset(" \t!\"$&'()*,;<>?[\\]^`{|}")
 
 
+# How bash's printf %q writes a character in its $'...' form (bash 5.2, lib/sh/strtrans.c's
+# ansic_quote): these with a backslash, another that the locale cannot print as octal bytes
+ANSI_C_ESCAPES = {"\a": "\\a", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r",
+                  "\t": "\\t", "\v": "\\v", "\x1b": "\\E", "\\": "\\\\", "'": "\\'"}
+
+
+def ansi_c_quoted(key: str, utf8: bool) -> str:
+    """The inside of bash's printf %q form $'...' of a key, under a C locale (every byte
+    beyond ASCII as octal: $'Zq9x\\303\\251') or a UTF-8 one (a character it prints kept)."""
+    def char(c: str) -> str:
+        if c in ANSI_C_ESCAPES:
+            return ANSI_C_ESCAPES[c]
+        if c.isprintable() and (c.isascii() or utf8):
+            return c
+        if utf8 and not c.isascii() and c.isspace():  # a no-break space: printed as it is
+            return c
+        return "".join("\\%03o" % b for b in c.encode("utf-8", "surrogateescape"))
+    return "".join(char(c) for c in key)
+
+
 def key_forms(key: str) -> Tuple[List[str], List[str]]:
     """Every form a key takes in what an engine or a shell writes, from the key itself:
     (the forms without quotes around them, the quoted forms). As given; quoted for the shell
-    (shlex.quote, and backslash-escaped as bash's printf %q writes it: a launch line); as
-    Python writes it, in either quote style (SGLang's logged server_args, a Namespace); as
-    JSON writes it (with and without non-ASCII escaped). A form is hidden without its quotes
-    where it has any, so that what stands around it stays."""
+    (shlex.quote, and as bash's printf %q writes it: backslash-escaped, or $'...' with octal
+    bytes for a key beyond printable ASCII: a launch line); as Python writes it, in either
+    quote style (SGLang's logged server_args, a Namespace); as JSON writes it (with and
+    without non-ASCII escaped). A form is hidden without its quotes where it has any, so
+    that what stands around it stays."""
     def python_literal(quote: str) -> str:
         return quote + "".join("\\" + c if c == quote else repr(c)[1:-1] for c in key) + quote
 
@@ -1218,7 +1291,24 @@ def key_forms(key: str) -> Tuple[List[str], List[str]]:
               json.dumps(key, ensure_ascii=False)}
     bare = {key, escaped} | {f[1:-1] for f in quoted
                              if len(f) > 1 and f[0] in "'\"" and f[-1] == f[0]}
+    if not (key.isascii() and key.isprintable()):
+        for utf8 in (False, True):
+            inside = ansi_c_quoted(key, utf8)
+            bare.add(inside)
+            quoted.add("$'%s'" % inside)
     return sorted(bare, key=len, reverse=True), sorted(quoted - bare, key=len, reverse=True)
+
+
+def inner_word(word: str) -> str:
+    """A word of the string a shell runs, quoted for it so that the string, quoted in turn,
+    still reads: in double quotes where they need no escape (--api-key "[api key]",
+    VLLM_API_KEY="[api key]"), else as shlex quotes it."""
+    if shlex.quote(word) == word:
+        return word
+    name, equals, value = word.partition("=")
+    if equals and name.isidentifier():
+        return name + "=" + inner_word(value)
+    return '"%s"' % word if not any(c in word for c in '"$`\\!') else shlex.quote(word)
 
 
 class Keys:
@@ -1226,12 +1316,15 @@ class Keys:
     where they stand and with their own value known, never by rewriting the experiment's own
     values: from OPENAI_API_KEY and VLLM_API_KEY, an --api-key in any variable (a serve
     command's own, SGLang's --api-key included), and a key variable set in a serve command
-    (env VLLM_API_KEY=K vllm serve ...). A command shows the key option's value and a key
-    variable's as [api key] (lab.key_free_command's rule, for run.py's commands and the
-    engines'); text an engine writes (its log, as the experiment writes it) has a known key
-    hidden where a key stands (KEY_STANDS_BEFORE), and a key long enough to be told from
-    other text (lab.Secrets) wherever it stands, each in every form it takes (key_forms:
-    quoted for the shell, written by Python or JSON). EXTRA_ARGS is read as the launch
+    (env VLLM_API_KEY=K vllm serve ...), in the string a shell runs too (sh -c '...'). A
+    command shows the key option's value and a key variable's as [api key]
+    (lab.key_free_command's rule, for run.py's commands and the engines': an engine's
+    --api-key takes several keys, and --api_key is --api-key, as vLLM reads them); text an
+    engine writes (its log, as the experiment writes it; a launch line read as the command it
+    is) and a step's failure line have a known key hidden where a key stands
+    (KEY_STANDS_BEFORE), and a key long enough to be told from other text (lab.Secrets)
+    wherever it stands, each in every form it takes (key_forms: quoted for the shell,
+    written by Python or JSON). EXTRA_ARGS is read as the launch
     scripts pass it too (split at blanks, quotes kept)."""
 
     LAUNCH_OPTIONS: Tuple[str, ...] = ()  # an engine's options are not known here: any
@@ -1248,12 +1341,22 @@ class Keys:
         # and backslashes kept (--api-key q'uo\te is the engine's key q'uo\te)
         commands.append(env.get("EXTRA_ARGS", "").split())
         keys = {env.get(name, "") for name in KEY_VARIABLES}
-        for words in commands:
-            for word, shown in zip(words, self.command(words, launch=True)):
-                if shown == "[api key]":
+
+        def collect(words: List[str]) -> None:
+            at = shell_string_at(words)
+            for i, (word, shown) in enumerate(zip(words, self.command(words, launch=True))):
+                if i == at:  # the keys in the string a shell runs too (sh -c '... --api-key K')
+                    try:
+                        collect(shlex.split(word))
+                    except ValueError:
+                        pass
+                elif shown == "[api key]":
                     keys.add(word)
                 elif shown.endswith("=[api key]"):
                     keys.add(word.split("=", 1)[1])
+
+        for words in commands:
+            collect(words)
         # each key in every form it takes (key_forms), hidden as itself: those without quotes
         # first, so that a logged 'api_key': '...' keeps its quotes
         given = sorted((k for k in keys if k), key=len, reverse=True)
@@ -1269,12 +1372,26 @@ class Keys:
 
     def command(self, words: List[str], launch: bool = False) -> List[str]:
         """A command as the report may show it: run.py's (launch=False) or an engine's, a key
-        variable's value hidden too (VLLM_API_KEY=K before the engine's command)."""
+        variable's value hidden too (VLLM_API_KEY=K before the engine's command). An engine's
+        is read as vLLM reads it (--api_key, several keys after --api-key:
+        lab.key_free_command), and the string a shell runs in it (sh -c '...') as the
+        command it is, shown with the rest of it; one that is not shell words is not shown."""
         options = self.LAUNCH_OPTIONS if launch else getattr(self, "lab_options", [])
+        at = shell_string_at(list(words)) if launch else None
         shown = []
-        for word in lab.key_free_command(words, options):
+        for i, word in enumerate(lab.key_free_command(words, options, engine=launch)):
             name = word.split("=", 1)[0]
-            shown.append(name + "=[api key]" if "=" in word and name in KEY_VARIABLES else word)
+            assignment = "=" in word and name in KEY_VARIABLES and i != at
+            shown.append(name + "=[api key]" if assignment else word)
+        if at is not None and shown[at] == words[at]:
+            try:
+                inner = shlex.split(words[at])
+            except ValueError:
+                shown[at] = "(not shown: not shell words)"
+            else:
+                hidden = self.command(inner, launch)
+                shown[at] = words[at] if hidden == inner else " ".join(
+                    inner_word(w) for w in hidden)
         return shown
 
     def line(self, text: str, launch: bool = False) -> str:
@@ -1287,6 +1404,21 @@ class Keys:
         redacted = self.command(words, launch)
         return text if redacted == words else " ".join(shlex.quote(w) for w in redacted)
 
+    def launch_line(self, text: str) -> str:
+        """A launch script's line in an engine's log ("launch: CUDA_VISIBLE_DEVICES=0 ...
+        vllm serve ... --api-key K1 K2"): the command read as shell words, its keys hidden
+        where they stand (command), then as any text an engine writes (engine_text)."""
+        body = text.rstrip("\r\n")
+        ending = text[len(body):]
+        try:
+            words = shlex.split(body[len("launch: "):])
+        except ValueError:
+            return self.engine_text(text)
+        shown = self.command(words, launch=True)
+        if shown != words:
+            body = "launch: " + " ".join(shlex.quote(w) for w in shown)
+        return self.engine_text(body) + ending
+
     def engine_text(self, text: str) -> str:
         """Text an engine wrote (a log line), each known key hidden where a key stands, and a
         long enough key wherever it stands."""
@@ -1296,7 +1428,7 @@ class Keys:
             at = text.find(key)
             while at >= 0:
                 after = text[at + len(key): at + len(key) + 1]
-                before = text[max(0, at - 40):at]
+                before = text[max(0, at - KEY_CONTEXT):at]
                 if (KEY_STANDS_BEFORE.search(before) and not (before[-1:].isalnum())
                         and not (after.isalnum() or (after and after in TOKEN_CHARACTERS))):
                     parts += [text[end:at], "[api key]"]
@@ -1776,8 +1908,10 @@ def report(exp: Experiment) -> str:
     can paste: the status, the findings, the cost table, the environment, the launch commands,
     the parameters, then each degree's servers and sweeps, and every step."""
     keys = Keys(exp.env)
-    settings = ["%s=%s" % (k, keys.line(exp.env[k])) for k in REPORTED_VARIABLES
-                if exp.env.get(k)]
+    # EXTRA_ARGS as the engines read it (several keys after --api-key, --api_key), the
+    # others as run.py reads them
+    settings = ["%s=%s" % (k, keys.line(exp.env[k], launch=k == "EXTRA_ARGS"))
+                for k in REPORTED_VARIABLES if exp.env.get(k)]
     lines = [status_line(exp), "",
              "Started %s, ended %s. Output: `%s`." % (stamp(exp.started),
                                                       stamp(exp.ended or time.time()),
@@ -1898,8 +2032,8 @@ def failure_reason(stdout_path: str, err_path: str) -> str:
                 said = [x.strip() for x in f.read().splitlines() if keep(x.strip())]
         except OSError:
             said = []
-        if said:
-            return said[-1][:300]
+        if said:  # a server's words in it (HTTP 401 ... Bearer K): a key hidden where it stands
+            return (KEYS.engine_text(said[-1]) if KEYS is not None else said[-1])[:300]
     return ""
 
 
@@ -1949,6 +2083,12 @@ def main(argv=None, env=None) -> int:
     KEYS = Keys(env)
     try:
         settings = read_settings(argv, env)
+        for name in KEY_VARIABLES:  # a key no request could carry, refused as run.py does
+            if env.get(name):
+                try:
+                    lab.check_api_key(env[name])
+                except lab.UsageError as err:
+                    raise UsageError("%s: %s; nothing was started" % (name, err)) from None
         check_steps(settings, [sweep for sweep in SWEEPS
                                if sweep[2] != "copies" or settings.copies])
         for tp in settings.degrees:  # every variable checked before anything starts

@@ -9,6 +9,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import unittest
 from unittest import mock
 
@@ -376,3 +377,208 @@ class KeysKeptOutOfTheExperiment(Experiment):
             "abcd 22")
         self.assertEqual(keys.line("env VLLM_API_KEY=abc vllm serve m --api-key zz9", True),
                          "env 'VLLM_API_KEY=[api key]' vllm serve m --api-key '[api key]'")
+
+
+# `vllm serve`, as an engine that logs the arguments it parsed: vLLM's own parser rules (an
+# underscore in an option's name is a dash, --api-key takes several keys), its keys logged as
+# vLLM logged its non-default args, then the practice engine
+LOGGING_VLLM = r'''#!/usr/bin/env python3
+import argparse, os, sys
+argv = ["--" + a[2:].split("=", 1)[0].replace("_", "-") + a[2:][len(a[2:].split("=", 1)[0]):]
+        if a.startswith("--") else a for a in sys.argv[2:]]
+p = argparse.ArgumentParser(prog="vllm")
+p.add_argument("model")
+p.add_argument("--port", type=int, default=8000)
+p.add_argument("--api-key", nargs="+")
+args, _ = p.parse_known_args(argv)
+key = os.environ.get("VLLM_API_KEY")
+print("INFO non-default args: %%r" %% {"model": args.model, "port": args.port,
+      "api_key": args.api_key or ([key] if key else None)}, file=sys.stderr, flush=True)
+on = os.environ.get("VLLM_BATCH_INVARIANT") == "1"
+os.execv(sys.executable, [sys.executable, %r, "--port", str(args.port),
+         "--prompt-tokens-details"] + (["--invariant", "--prefill-agrees"] if on else []))
+''' % os.path.join(ROOT, "tests", "stub_server.py")
+
+
+class KeysInEngineCommands(Experiment):
+    """Keys as an engine's command gives them: several after one --api-key, --api_key, in
+    the string a shell runs; and a short key a server repeats after "Bearer "."""
+
+    files_holding = KeysKeptOutOfTheExperiment.files_holding
+
+    def logging_vllm(self):
+        """PATH with a `vllm` that logs its keys first."""
+        folder = self.path("bin")
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "vllm"), "w") as f:
+            f.write(LOGGING_VLLM)
+        os.chmod(os.path.join(folder, "vllm"), 0o755)
+        return folder + os.pathsep + os.environ["PATH"]
+
+    def assert_kept_out(self, out, err, *keys):
+        for key in keys:
+            self.assertEqual(self.files_holding(key), [], key)
+            self.assertNotIn(key, out + err)
+
+    def test_every_key_of_several_after_one_option_is_kept_out(self):
+        """vLLM's --api-key takes several keys (api_key is list[str],
+        vllm/entrypoints/common/cli_args.py, 0.34.0 line 336): the second one, short, is a
+        key too, in the report, the launch lines and the engine's logged arguments."""
+        code, out, err = self.finish(self.start(
+            PATH=self.logging_vllm(), EXTRA_ARGS="--api-key Zq9xFIRST k2q"))
+        self.assertEqual(code, 0, err)
+        report = self.load_run("REPORT.md")
+        self.assertIn("EXTRA_ARGS=--api-key '[api key]' '[api key]',", report)
+        self.assertEqual(report.count("--api-key '[api key]' '[api key]'\n"), 2, report)
+        log = self.load_run("tp1", "server_on.log")
+        self.assertIn("'api_key': ['[api key]', '[api key]']", log)
+        self.assert_kept_out(out, err, "Zq9xFIRST", "k2q")
+
+    def test_a_key_option_with_an_underscore_is_kept_out(self):
+        """vLLM reads --api_key as --api-key (FlexibleArgumentParser, vllm/utils/
+        argparse_utils.py, 0.34.0 lines 378-391)."""
+        code, out, err = self.finish(self.start(
+            PATH=self.logging_vllm(), EXTRA_ARGS="--api_key Zq9xUNDERSCORE"))
+        self.assertEqual(code, 0, err)
+        self.assertIn("EXTRA_ARGS=--api_key '[api key]',", self.load_run("REPORT.md"))
+        self.assertIn("'api_key': ['[api key]']", self.load_run("tp1", "server_on.log"))
+        self.assert_kept_out(out, err, "Zq9xUNDERSCORE")
+
+    def test_keys_and_the_port_in_the_string_a_shell_runs(self):
+        """sh -c '... --api-key K', bash -c 'VLLM_API_KEY=K exec ...': the keys are kept out,
+        the rest of each command is shown, and the arm's --port in it is where the lab asks
+        (no ON_PORT, no ON_URL)."""
+        stub = os.path.join(ROOT, "tests", "stub_server.py")
+        code, out, err = self.finish(self.start(
+            PATH=self.logging_vllm(), OFF_URL="", ON_URL="",
+            SERVE_OFF="bash -c 'VLLM_API_KEY=zk5 exec python3 %s --port {off}'" % stub,
+            SERVE_ON="sh -c 'VLLM_BATCH_INVARIANT=1 exec vllm serve m --port {on} "
+                     "--api-key Zq9xSHKEY2'",
+            OFF_PORT="{off}", COST_ARGS="--batch 2 --trials 2 --warmup 0 --max-tokens 4 "
+                                        "--allow-mismatch"))
+        self.assertEqual(code, 0, err)
+        report = self.load_run("REPORT.md")
+        self.assertIn("bash -c 'VLLM_API_KEY=\"[api key]\" exec python3 %s --port %d'"
+                      % (stub, self.ports[0]), report)
+        self.assertIn("sh -c 'VLLM_BATCH_INVARIANT=1 exec vllm serve m --port %d --api-key "
+                      "\"[api key]\"'" % self.ports[1], report)
+        self.assertIn("--url http://localhost:%d" % self.ports[1], report)
+        self.assertIn("'api_key': ['[api key]']", self.load_run("tp1", "server_on.log"))
+        self.assert_kept_out(out, err, "Zq9xSHKEY2", "zk5")
+
+    def test_a_shell_string_that_is_not_shell_words_is_refused_before_anything_starts(self):
+        code, out, err = self.finish(self.start(
+            SERVE_ON="sh -c 'exec vllm serve m --api-key \"Zq9xUNCLOSED'"))
+        self.assertEqual(code, 2, err)
+        self.assertIn("SERVE_ON: the string its shell runs (-c) is not shell words", err)
+        self.assertEqual(self.runs(), [])
+        self.assertNotIn("Zq9xUNCLOSED", out + err)
+
+    def test_a_short_key_a_server_repeats_after_bearer_is_kept_out(self):
+        """A short key (under run.py's length for searching server text) that a server echoes
+        in an error (HTTP 401 ... invalid key Bearer K) is hidden where it stands: in the
+        step's files, the report's first line and Steps table, and what is said."""
+        stub = "python3 %s --port {on} --invariant --prefill-agrees --fault 3=echokey" % (
+            os.path.join(ROOT, "tests", "stub_server.py"))
+        code, out, err = self.finish(self.start(OPENAI_API_KEY="shk9x7", SERVE_ON=stub))
+        self.assertNotEqual(code, 0, err)
+        self.assertIn("Bearer [api key]", self.load_run("REPORT.md"))
+        self.assert_kept_out(out, err, "shk9x7")
+
+    def test_a_key_no_request_could_carry_is_refused_before_any_arm_starts(self):
+        for name in ("VLLM_API_KEY", "OPENAI_API_KEY"):
+            with self.subTest(name=name):
+                key = "Zq9x\u00e9\u20ac\u00fcn\u00ef"
+                code, out, err = self.finish(self.start(**{name: key}))
+                self.assertEqual(code, 2, err)
+                self.assertEqual(len(err.strip().splitlines()), 1, err)
+                self.assertIn("%s: the API key" % name, err)
+                self.assertIn("nothing was started", err)
+                self.assertEqual(self.runs(), [])
+                self.assertNotIn("Zq9x", out + err)
+
+    def test_several_keys_given_to_the_lab_are_not_printed_in_its_refusal(self):
+        code, out, err = self.finish(self.start(SWEEP_ARGS="--api-key Zq9xONE Zq9xTWO"))
+        self.assertEqual(code, 2, err)
+        self.assertIn("unrecognized arguments: [api key]", err)
+        self.assertNotIn("Zq9x", out + err)
+        r = run_lab("--mode", "sweep", "--api-key", "Zq9xONE", "Zq9xTWO", "--sizes", "1")
+        one_error_line(self, r, 2, "unrecognized arguments: [api key]")
+        self.assertNotIn("Zq9x", r.stdout + r.stderr)
+
+    def test_a_launch_line_bash_quotes_in_octal_is_kept_out(self):
+        """Under LC_ALL=C bash's printf %q writes a key beyond ASCII as $'Zq9x\\303\\251...'."""
+        key = "Zq9x\u00e9\u00a0\u03a9tail"
+        octal = subprocess.run(["bash", "-c", 'printf %q "$1"', "-", key], capture_output=True,
+                               env=dict(os.environ, LC_ALL="C"), check=True).stdout.decode()
+        self.assertTrue(octal.startswith("$'Zq9x\\303\\251"), octal)
+        code, out, err = self.finish(self.start(LC_ALL="C", EXTRA_ARGS="--api-key " + key))
+        self.assertEqual(code, 0, err)
+        for form in (key, octal, octal[2:-1]):
+            self.assert_kept_out(out, err, form)
+        sys.path.insert(0, os.path.join(ROOT, "examples"))
+        import experiment
+        keys = experiment.Keys({"EXTRA_ARGS": "--api-key " + key})
+        self.assertEqual(keys.engine_text("the key %s was refused" % octal),
+                         "the key $'[api key]' was refused")
+
+
+class KeysInCommandsByStructure(unittest.TestCase):
+    """How a command's keys are found, where they stand, without running anything."""
+
+    def setUp(self):
+        sys.path.insert(0, os.path.join(ROOT, "examples"))
+        import experiment
+        self.experiment = experiment
+
+    def test_an_engine_command_is_read_as_vllm_reads_its_key_option(self):
+        shown = run.key_free_command(
+            ["vllm", "serve", "m", "--api-key", "K1", "K2", "--port", "1", "--api_key", "K3",
+             "--api_key=K4"], [], engine=True)
+        self.assertEqual(shown, ["vllm", "serve", "m", "--api-key", "[api key]", "[api key]",
+                                 "--port", "1", "--api_key", "[api key]",
+                                 "--api_key=[api key]"])
+        # run.py's own --api-key takes one key: its next word is its own
+        self.assertEqual(run.key_free_command(["--api-key", "K1", "K2"], []),
+                         ["--api-key", "[api key]", "K2"])
+
+    def test_the_port_in_the_string_a_shell_runs_is_followed(self):
+        e = self.experiment
+        settings = e.read_settings(["vllm", "/tmp/x"], {
+            "SERVE_ON": "sh -c 'VLLM_BATCH_INVARIANT=1 exec vllm serve m --port 18601'",
+            "SERVE_OFF": "env X=1 bash -ec \"exec vllm serve m --port=18600\""})
+        self.assertEqual(settings.urls, {"off": "http://localhost:18600",
+                                         "on": "http://localhost:18601"})
+        # a port the shell expands: known from ON_PORT, else refused with one line
+        shell = {"SERVE_ON": "sh -c 'exec vllm serve m --port $P'"}
+        settings = e.read_settings(["vllm", "/tmp/x"], dict(shell, ON_PORT="18602"))
+        self.assertEqual(settings.urls["on"], "http://localhost:18602")
+        with self.assertRaisesRegex(e.UsageError, "SERVE_ON: its --port is the shell's to "
+                                                  "expand: give the port in ON_PORT too"):
+            e.read_settings(["vllm", "/tmp/x"], shell)
+
+    def test_the_rest_of_a_shell_string_is_shown(self):
+        keys = self.experiment.Keys({})
+        self.assertEqual(
+            keys.line("bash -c 'VLLM_API_KEY=K exec python3 s.py --port 5'", launch=True),
+            "bash -c 'VLLM_API_KEY=\"[api key]\" exec python3 s.py --port 5'")
+
+    def test_a_failure_line_quoting_a_short_key_after_bearer_hides_it(self):
+        e = self.experiment
+        folder = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, folder)
+        err = os.path.join(folder, "s.err")
+        with open(err, "w") as f:
+            f.write("run.py: HTTP 401 from /v1/completions: invalid key Bearer shk9x7\n")
+        saved = e.KEYS
+        e.KEYS = e.Keys({"OPENAI_API_KEY": "shk9x7"})
+        try:
+            reason = e.failure_reason(os.devnull, err)
+        finally:
+            e.KEYS = saved
+        self.assertEqual(reason, "run.py: HTTP 401 from /v1/completions: invalid key Bearer "
+                                 "[api key]")
+        secrets = run.Secrets()
+        secrets.keep("shk9x7")
+        self.assertEqual(secrets.hide("invalid key bearer SHK9X7, Bearer shk9x7x"),
+                         "invalid key bearer [api key], Bearer shk9x7x")
