@@ -2024,11 +2024,14 @@ class CounterWatch:
         if after is None:
             return seen
         if prompt_tokens is not None and after.queried - before.queried < prompt_tokens:
-            if after.queried == self.start.queried and self.settle >= COUNTERS_SETTLE_MAX_S:
-                # counters that have looked nothing up since the start, through the longest
-                # wait, are not counting this traffic (vLLM counts none with prefix caching
-                # off)
-                self.stopped = "they looked up nothing through a wait of %gs" % self.settle
+            if self.settle >= COUNTERS_SETTLE_MAX_S:
+                # not counted through the longest wait: counters that lag so far would pin
+                # each batch's lookups on the next, and counters that looked nothing up are
+                # not counting this traffic (vLLM counts none with prefix caching off)
+                self.stopped = ("they looked up nothing through a wait of %gs"
+                                if after.queried == self.start.queried else
+                                "they had not counted a batch after a wait of %gs"
+                                ) % self.settle
             self.settle = min(self.settle * 2, COUNTERS_SETTLE_MAX_S)  # lagging: wait longer
             self.owed = before.queried + prompt_tokens
         self.uncounted_seen = self.uncounted_seen or seen.uncounted
@@ -5088,6 +5091,7 @@ class SentBatch:
     # not say of this batch: its answers' counts of 0 prove nothing here (CounterWatch)
     counts_doubted: bool = False
     background: int = 0  # requests sent beside it (neighbours) that overlapped it
+    fillers: int = 0  # prompts sent in its request and not kept (mixed traffic)
 
     def served(self, count: Optional[int]) -> Optional[bool]:
         """Did the prefix cache serve a completion's request, given its own cached-token count
@@ -5098,7 +5102,9 @@ class SentBatch:
         counts a request's last prompt) says nothing of it."""
         counters = self.cache_seen
         if counters is not None and counters.uncounted:
-            return True
+            # served: the batch's every request, or, with fillers beside it, one of its
+            # prompts, which the counters do not say
+            return None if self.fillers else True
         if counters is not None and counters.verdict == CACHE_NEITHER:
             return False
         if count is not None and count > 0:
@@ -5109,8 +5115,10 @@ class SentBatch:
         """Is whether the cache served a completion's request not known even under the
         bypass? So where its count is doubted, or belongs to another prompt of a request the
         cache served (the bypass did not hold there)."""
-        return self.served(count) is None and (self.counts_doubted
-                                               or (self.cached_tokens or 0) > 0)
+        counters = self.cache_seen
+        return self.served(count) is None and (
+            self.counts_doubted or (self.cached_tokens or 0) > 0
+            or (counters is not None and counters.uncounted))
 
     @property
     def served_tokens(self) -> Optional[int]:
@@ -5220,7 +5228,8 @@ class Sender:
         prompts, position = mixed_batch(prompt, n, seed)
         batch = self.one_request(prompts)
         return dataclasses.replace(batch, completions=[batch.completions[position]],
-                                   cached=[batch.cached[position]], beside=[n - 1])
+                                   cached=[batch.cached[position]], beside=[n - 1],
+                                   fillers=n - 1)
 
     def concurrent(self, prompt: str, n: int, seed: int) -> SentBatch:
         """n one-prompt requests in flight at once, as independent clients send them: all at
@@ -5477,6 +5486,7 @@ class PromptSweep:
     buckets: Dict[int, Bucket] = field(default_factory=dict)
     stored_served: bool = False  # the cache served the stored baseline: nothing is compared
     batch1: List[Completion] = field(default_factory=list)  # batch 1's completion in every pass
+    batch1_rows: List[int] = field(default_factory=list)  # each one's row in runs[1]
     unseeded: bool = False  # sampled at temperature > 0 by a server that ignores the seed
     sampled: bool = False  # sampled at temperature > 0: batch 1's control checks the seed
     # --prefix-cache keep: a request whose cache state is not known may have been served
@@ -5487,6 +5497,7 @@ class PromptSweep:
     # of 1000 prompts saves many times): kept once the prompt is finished
     kept_measured: Optional[Measured] = field(default=None, compare=False, repr=False)
     kept_text: Optional[str] = field(default=None, compare=False, repr=False)
+    doubted: bool = False  # its passes' zero counts were doubted after the fact (doubt)
 
     def set_baseline(self, baseline: Completion, source: str, served: bool = False) -> None:
         """served: a stored baseline the prefix cache served (--baseline's server said so)."""
@@ -5500,6 +5511,28 @@ class PromptSweep:
         # the cache served repeats the cache)
         if n == 1 and row.evidence and row.evidence[0].cold(self.cache_kept):
             self.batch1.append(completions[0])
+            self.batch1_rows.append(len(self.runs[1]) - 1)
+
+    def doubt(self) -> None:
+        """The server's counters have since shown it serving what its answers did not count:
+        a pass whose counters could not say, judged cold by its answers' count of 0 or by the
+        bypass where they gave none, is no longer known to be cold (SentBatch.counts_doubted,
+        after the fact), nor its batch 1 a run of the control."""
+        doubted = set()
+        for n, rows in self.runs.items():
+            for i, row in enumerate(rows):
+                seen = row.cache_seen
+                if seen is None or seen.verdict != CACHE_EVIDENCE_UNKNOWN:
+                    continue
+                evidence = [e if e.served else dataclasses.replace(e, served=None, unclear=True)
+                            for e in row.evidence]
+                if evidence != row.evidence:
+                    rows[i] = dataclasses.replace(row, evidence=evidence)
+                    doubted.update([i] if n == 1 else [])
+        self.doubted = True
+        kept = [(c, i) for c, i in zip(self.batch1, self.batch1_rows) if i not in doubted]
+        self.batch1, self.batch1_rows = [c for c, _ in kept], [i for _, i in kept]
+        self.kept_measured = self.kept_text = None
 
     def finish(self) -> None:
         """Every pass is in: what it measured is kept."""
@@ -6200,10 +6233,13 @@ class PrefillSummary:
     def lines(self, sizes: List["SizeResult"]) -> List[str]:
         """Its lines after the sweep's summary line (a Bold one states its verdict)."""
         part = self
-        per_size = ", ".join(
-            "%d: %s" % (size.batch_size, fmt_opt(size.checks.get(self.KEY)
-                                                 and size.checks[self.KEY].max_ulp, "?"))
-            for size in sizes)
+        def size_ulp(size: SizeResult) -> str:  # "-": none of its tokens was compared
+            found = size.checks.get(self.KEY)
+            if found is not None and not found.tokens:
+                return "-"
+            return fmt_opt(found and found.max_ulp, "?")
+
+        per_size = ", ".join("%d: %s" % (size.batch_size, size_ulp(size)) for size in sizes)
         lines = ["prefill check, max ULP per batch size: %s" % per_size]
         margin = ""
         if part.margin:
@@ -6878,6 +6914,14 @@ def baseline_served_why(entry: Json) -> Optional[str]:
         return "its batch 1 came with %d cached tokens" % row["cached_tokens"]
     if is_count(row.get("served")):
         return "its batch 1's request was served"
+    seen = row.get("cache_seen") if isinstance(row.get("cache_seen"), dict) else {}
+    served, counted = seen.get("served"), seen.get("counted")
+    if seen.get("verdict") == CACHE_SERVED_NOT_COUNTED or (
+            seen.get("verdict") == CACHE_COUNTED_AND_SERVED and is_count(served)
+            and served > (counted if is_count(counted) else 0)):
+        return "the server's counters saw its batch 1 served"
+    if entry.get("verdict") == CACHE_UNCLEAR:
+        return "its verdict: %s" % CACHE_UNCLEAR
     return None
 
 
@@ -6990,9 +7034,11 @@ class BaselineServer:
         # its prefix cache read as the sweep reads its own server's (CachePolicy.open)
         off = adapter.prefix_cache_off(theirs.settings)
         start = None if off else adapter.prefix_cache_counters(client)
+        watch = None if start is None else CounterWatch(adapter, client, start)
+        if watch is not None:  # one batch a prompt: worth the longest wait for its count
+            watch.settle = COUNTERS_SETTLE_MAX_S
         self.sender = Sender(client, adapter, theirs.model_id, cfg.sampling, run.sender.isolate,
-                             watch=None if start is None else CounterWatch(adapter, client, start),
-                             cache_off=off)
+                             watch=watch, cache_off=off)
         self.differences = SettingDifference.between(theirs, facts, ("baseline", "here"),
                                                      flag=True)
 
@@ -7476,8 +7522,9 @@ def verdict_reasons(summary: SweepSummary) -> List[str]:
     m, reasons = summary.measured, []
     if m.served_sizes and summary.verdict not in (CACHE_CONFOUNDED, KEPT_CACHE_MOVED,
                                                    SERVED_ONLY):
-        where = "invariant where computed" if summary.verdict == INVARIANT else "where computed"
-        reasons.append("%s; %s served from the cache, not compared"
+        where = ("invariant where computed; " if summary.verdict == INVARIANT else
+                 "" if summary.verdict in UNMEASURED_VERDICTS else "where computed; ")
+        reasons.append("%s%s served from the cache, not compared"
                        % (where, sizes_text(m.served_sizes)))
     if m.unknown_sizes and summary.verdict not in UNMEASURED_VERDICTS:
         reasons.append("%s: %s, not compared" % (
@@ -7809,6 +7856,10 @@ def run_sweep(cfg: Config, out: Out) -> int:
         # The row is kept before the checks send their own requests: whatever stops them
         # (a signal, a failure), what the batch measured is saved
         sweep.add(n, facts.bucket(n), row, batch.completions)
+        watch = options.cache.watch
+        if watch is not None and watch.uncounted_seen and not any(s.doubted for s in sweeps):
+            for each in sweeps:  # once: the batches after are doubted as they are sent
+                each.doubt()
         parts = {}
         for check in options.checks:
             part = check.batch_part(run, prompt, n, batch)

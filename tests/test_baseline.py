@@ -143,6 +143,20 @@ class AgainstAnotherServer(TempDirTest):
         self.assertIn("against batch 1 of %s, which its prefix cache served (1 prompt): no "
                       "baseline, nothing compared" % base.url, r.stdout)
 
+    def test_a_baseline_served_uncounted_is_found_by_its_counters_that_lag(self):
+        # its answers count no hit, and its counters count a prefill 1.5 s late: its one
+        # batch 1 a prompt is waited for as long as counters are ever waited for
+        served = StubConfig(invariant=True, uncounted_cache_hits=True, cache_serves="all",
+                            cache_path_differs=True, counters_lag=1.5)
+        with StubServer(served) as base, StubServer(StubConfig(invariant=True)) as other:
+            r = short_sweep(other, "--sizes", "1,2", "--baseline", base.url, "--repeat", 2,
+                            "--traffic", "concurrent", "--expect", "invariant",
+                            "--save", self.path("s.json"))
+        self.assertEqual(r.code, 1, r)
+        self.assertEqual(self.load("s.json")["summary"]["verdict"],
+                         "nothing compared: the cache served batch 1, the baseline")
+        self.assertNotIn("bug report", r.stdout)
+
     def test_the_server_under_test_is_no_baseline(self):
         with StubServer(StubConfig()) as stub:
             r = short_sweep(stub, "--baseline", stub.url.replace("127.0.0.1", "localhost"))

@@ -387,6 +387,52 @@ class TheSweepAtTheSeams(TempDirTest):
         self.assertIn("(0 of 2 requests served, 2 not known to be cold, not compared)", r.stdout)
 
 
+class CountersThatLag(TempDirTest):
+    """Counters that lag past the first wait, against a server that counts no hit in its
+    answers: what they show once they have counted is read back over the passes before."""
+
+    def test_passes_judged_before_the_counters_caught_up_are_not_known_cold(self):
+        # batch 1 of pass 1 is judged before its lookups are counted, and the answers count
+        # nothing: only the next batch's counters show the cache serving uncounted; from then
+        # on, that batch 1 is not known to be cold either, and the sweep compared nothing
+        config = StubConfig(invariant=True, uncounted_cache_hits=True, cache_serves="all",
+                            cache_path_differs=True, counters_lag=1.5)
+        with StubServer(config) as stub:
+            r = short_sweep(stub, "--sizes", "1,2", "--repeat", 2, "--traffic", "concurrent",
+                            "--expect", "invariant", "--save", self.path("s.json"))
+        self.assertEqual(r.code, 1, r)
+        verdict = self.load("s.json")["summary"]["verdict"]
+        self.assertTrue(verdict.startswith("nothing compared"), verdict)
+        self.assertNotIn(": invariant", r.stdout)
+
+    def test_mixed_traffic_an_uncounted_hit_says_nothing_of_the_prompt(self):
+        # the counters saw a request of the prompt and its fillers served, and do not say
+        # which of its prompts: the measured one is not known to be cold, not served
+        config = StubConfig(invariant=True, uncounted_cache_hits=True, cache_serves="one",
+                            cache_path_differs=True, prompt_tokens_details=True)
+        with StubServer(config) as stub:
+            r = short_sweep(stub, "--sizes", "1,3,4", "--repeat", 2, "--traffic", "mixed",
+                            "--save", self.path("s.json"))
+        verdict = self.load("s.json")["summary"]["verdict"]
+        self.assertEqual(verdict, run.CACHE_UNCLEAR, r)
+        self.assertNotIn("the cache served every request", r.stdout)
+
+    def test_counters_not_counted_through_the_longest_wait_are_read_no_more(self):
+        # they move, but a batch is never counted whole within the longest wait: read on,
+        # they would pin each batch's lookups on the next
+        settle, longest = run.COUNTERS_SETTLE_S, run.COUNTERS_SETTLE_MAX_S
+        try:
+            run.COUNTERS_SETTLE_S, run.COUNTERS_SETTLE_MAX_S = 0.01, 0.02
+            fake = FakeCounters((105, 0))
+            watch = watch_of(fake)
+            for _ in range(2):
+                watch.after(watch.before(), 20, 0)
+            self.assertEqual(watch.stopped,
+                             "they had not counted a batch after a wait of 0.02s")
+        finally:
+            run.COUNTERS_SETTLE_S, run.COUNTERS_SETTLE_MAX_S = settle, longest
+
+
 class Vllm034Copies(TempDirTest):
     """vLLM 0.34.0 serves whole 64-token blocks of a prompt from its cache, and answers copies
     in one request with one copy's count while its counters count every copy served (the real

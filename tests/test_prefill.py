@@ -201,6 +201,11 @@ class ServedDecodes(unittest.TestCase):
                              "nothing compared: the cache served 3 completions, not compared")
             self.assertEqual((sm["prefill_tokens"], sm["prefill_served"]), (0, 3))
             self.assertEqual(r.code, 1, r)  # nothing compared holds no --expect
+            # the table: no size shows a max ULP where none of its tokens was compared
+            with StubServer(config) as stub:
+                table = short_sweep(stub, "--sizes", "1,2", "--prefill-check", "--traffic",
+                                    "concurrent").stdout
+            self.assertIn("prefill check, max ULP per batch size: 1: -, 2: -", table)
 
     def test_some_served_some_compared(self):
         # SGLang counts each copy's own hits: the copies from the middle on were served
