@@ -78,8 +78,9 @@ moved, a step saved no whole result); 2 a malformed variable or a busy port (not
 started); 4 an arm exited, could not be started, or was not ready within WAIT; 5 every step
 ran, but a TP degree was skipped (GPUS could not hold it); 6 every step ran and nothing
 moved, but a flag-on sweep or check compared nothing (the cache served every request above
-batch 1, the server could not serve the check, the servers report another TP than asked):
-the claim is not shown; 129, 130, 143 stopped by SIGHUP, SIGINT or SIGTERM.
+batch 1, the server could not serve the check, the servers report another TP than asked;
+an --expect that failed only there included): the claim is not shown; 129, 130, 143
+stopped by SIGHUP, SIGINT or SIGTERM.
 
 REPORT.md's first line says which: "complete" (exit 0); INCOMPLETE (a step failed or did not
 finish, an arm exited, a degree was skipped, a signal); NOT AS EXPECTED (every step ran to
@@ -1243,10 +1244,10 @@ KEY_VARIABLES = ("OPENAI_API_KEY", "VLLM_API_KEY")
 # (SGLang 0.5.23's `server_args={... 'api_key': 'K' ...}`, a Namespace's api_key='K', vLLM's
 # list of keys api_key=['K1', 'K2'] after the first), an option's later keys (vLLM's
 # --api-key K1 K2) or a header (Authorization: Bearer K)
-KEY_STANDS_BEFORE = re.compile(
-    r"(?i)(?:(?:api[_-]?key|authorization)['\"]?\s*[:=]?\s*"
-    r"(?:\[\s*(?:(?:'[^']*'|\"[^\"]*\"|\[api key\])\s*,\s*)*)?['\"]?(?:bearer\s+)?"
-    r"|--api[_-]key(?:\s+[^\s-]\S*)+\s+|bearer\s+)$")
+KEY_STANDS_BEFORE = re.compile(  # api_key=K, 'api_key': ['K'] or ('K',), --api-k K1 K2, ...
+    r"(?i)(?:(?:api[_-]?k(?:ey?)?|authorization)['\"]?\s*[:=]?\s*"
+    r"(?:[\[(]\s*(?:(?:'[^']*'|\"[^\"]*\"|\[api key\])\s*,\s*)*)?['\"]?(?:bearer\s+)?"
+    r"|--api[_-]k(?:ey?)?(?:\s+[^\s-]\S*)+\s+|bearer\s+)$")
 KEY_CONTEXT = 200  # how far before a key its option or field is looked for
 TOKEN_CHARACTERS = "_-.+/="  # a key's neighbours that would make it part of a longer token
 # The characters bash's printf %q writes with a backslash before them (bash 5.2, a key of
@@ -1280,8 +1281,8 @@ def key_forms(key: str) -> Tuple[List[str], List[str]]:
     (shlex.quote, and as bash's printf %q writes it: backslash-escaped, or $'...' with octal
     bytes for a key beyond printable ASCII: a launch line); as Python writes it, in either
     quote style (SGLang's logged server_args, a Namespace); as JSON writes it (with and
-    without non-ASCII escaped). A form is hidden without its quotes where it has any, so
-    that what stands around it stays."""
+    without non-ASCII escaped); URL-encoded (a logged URL or query). A form is hidden
+    without its quotes where it has any, so that what stands around it stays."""
     def python_literal(quote: str) -> str:
         return quote + "".join("\\" + c if c == quote else repr(c)[1:-1] for c in key) + quote
 
@@ -1289,8 +1290,8 @@ def key_forms(key: str) -> Tuple[List[str], List[str]]:
                       for i, c in enumerate(key))
     quoted = {shlex.quote(key), python_literal("'"), python_literal('"'), json.dumps(key),
               json.dumps(key, ensure_ascii=False)}
-    bare = {key, escaped} | {f[1:-1] for f in quoted
-                             if len(f) > 1 and f[0] in "'\"" and f[-1] == f[0]}
+    bare = {key, escaped, urllib.parse.quote(key, safe=""), urllib.parse.quote_plus(key)}
+    bare |= {f[1:-1] for f in quoted if len(f) > 1 and f[0] in "'\"" and f[-1] == f[0]}
     if not (key.isascii() and key.isprintable()):
         for utf8 in (False, True):
             inside = ansi_c_quoted(key, utf8)
@@ -1324,7 +1325,7 @@ class Keys:
     is) and a step's failure line have a known key hidden where a key stands
     (KEY_STANDS_BEFORE), and a key long enough to be told from other text (lab.Secrets)
     wherever it stands, each in every form it takes (key_forms: quoted for the shell,
-    written by Python or JSON). EXTRA_ARGS is read as the launch
+    written by Python or JSON, URL-encoded). EXTRA_ARGS is read as the launch
     scripts pass it too (split at blanks, quotes kept)."""
 
     LAUNCH_OPTIONS: Tuple[str, ...] = ()  # an engine's options are not known here: any
@@ -1795,6 +1796,13 @@ def judge(exp: Experiment) -> None:
     if (exp.judged or exp.unsaved) and exp.exit_code == 0:
         exp.exit_code = lab.EXIT_EXPECTATION
     if exp.uncompared and exp.exit_code == 0:
+        exp.exit_code = EXIT_UNCOMPARED
+    failed = [step for step in exp.steps if step.exit_code not in (0, None)]
+    if (exp.exit_code == lab.EXIT_EXPECTATION and failed and not (exp.judged or exp.unsaved)
+            and all(ran_to_its_end(step) is not None and expect_uncompared(step)
+                    for step in failed)):
+        # every --expect that failed, failed on what its sweep could not compare, not on a
+        # move: the run is inconclusive, and its exit code says so, not "an --expect failed"
         exp.exit_code = EXIT_UNCOMPARED
 
 

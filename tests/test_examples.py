@@ -554,20 +554,23 @@ class TheExperimentSays(TempDirTest):
                                note=experiment.exit_meaning(1), outputs=[path],
                                reason="expectation failed: --expect invariant, but ...")
         exp.steps, exp.exit_code = [step], 1
-        for verdict, unique, ulp, state, word in (
-                ("logprobs moved but tokens held", 1, 2, "complete", "NOT AS EXPECTED"),
-                ("invariant", 1, 0, "complete", "INCONCLUSIVE"),
-                ("logprobs moved but tokens held", 1, 2, "terminated", "INCOMPLETE")):
+        for verdict, unique, ulp, state, word, code in (
+                ("logprobs moved but tokens held", 1, 2, "complete", "NOT AS EXPECTED", 1),
+                # the only --expect that failed, failed on what could not be compared
+                ("invariant", 1, 0, "complete", "INCONCLUSIVE", 6),
+                ("logprobs moved but tokens held", 1, 2, "terminated", "INCOMPLETE", 1)):
             with self.subTest(verdict=verdict, state=state):
                 with open(path, "w") as f:
                     json.dump({"summary": {
                         "verdict": verdict, "unique_completions": unique, "max_ulp": ulp,
                         "state": state, "expect": {"asked": "invariant", "held": False,
                                                    "said": "expectation failed: ..."}}}, f)
-                exp.judged, exp.uncompared, exp.unsaved = [], [], []
+                exp.judged, exp.uncompared, exp.unsaved, exp.exit_code = [], [], [], 1
                 experiment.judge(exp)
                 first = experiment.status_line(exp)
-                self.assertIn(": %s (exit 1, an --expect did not hold): " % word, first)
+                self.assertEqual(exp.exit_code, code)
+                self.assertIn(": %s (exit %d, %s): " % (word, code, experiment.exit_meaning(
+                    code)), first)
                 self.assertEqual(first.count("flag-on sweep, concurrent requests (TP 1)"), 1,
                                  first)
 

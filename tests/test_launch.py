@@ -383,9 +383,9 @@ class ExperimentRuns(Experiment):
     def test_a_flag_on_result_that_compared_nothing_is_inconclusive(self):
         """Every step ran and nothing moved, but a flag-on result compared nothing: the
         prefill check the server could not serve (HTTP 500), or a sweep whose --expect
-        invariant failed only because its run-to-run control compared nothing (the cache
-        served every batch 1). Neither is held, and neither is a move: INCONCLUSIVE, naming
-        the step and the check."""
+        invariant failed only because it compared nothing (the cache served every request,
+        seen only by counters that lag past the first wait). Neither is held, and neither is
+        a move: INCONCLUSIVE, exit 6, naming the step and the check."""
         stub = "python3 %s --port {port} --prompt-tokens-details" % (
             os.path.join(ROOT, "tests", "stub_server.py"))
         for fault, code, words in (
@@ -394,9 +394,10 @@ class ExperimentRuns(Experiment):
                  "compared nothing: flag-on sweep, concurrent requests (TP 1), prefill check: "
                  "not measured: the server could not serve it (HTTP 500"),
                 ("--prefill-agrees --uncounted-cache-hits --cache-serves all --counters-lag 3",
-                 1, "INCONCLUSIVE (exit 1, an --expect did not hold): compared nothing: flag-on "
-                 "sweep, concurrent requests (TP 1): an --expect did not hold (expectation "
-                 "failed: --expect invariant needs a repeatable batch 1")):
+                 6, "INCONCLUSIVE (exit 6, every step ran, but a flag-on result compared "
+                 "nothing): compared nothing: flag-on sweep, concurrent requests (TP 1): an "
+                 "--expect did not hold (expectation failed: --expect invariant, but the "
+                 "result is: nothing compared")):
             with self.subTest(fault=fault):
                 code_found, out, err = self.finish(self.start(
                     SERVE_OFF=stub.format(port="{off}"),
