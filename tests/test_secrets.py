@@ -378,6 +378,21 @@ class KeysKeptOutOfTheExperiment(Experiment):
         self.assertEqual(keys.line("env VLLM_API_KEY=abc vllm serve m --api-key zz9", True),
                          "env 'VLLM_API_KEY=[api key]' vllm serve m --api-key '[api key]'")
 
+    def test_a_key_is_hidden_where_an_abbreviated_option_or_a_tuple_holds_it(self):
+        # an engine that logs its arguments as given (--api-k, argparse's abbreviation) or
+        # its settings as a tuple; and a long key URL-encoded, wherever it stands
+        sys.path.insert(0, os.path.join(ROOT, "examples"))
+        import experiment
+        keys = experiment.Keys({"OPENAI_API_KEY": "k3y9",
+                                "SERVE_ON": "vllm serve m --api-k 'k D4'"})
+        self.assertEqual(keys.engine_text("argv: serve m --api-k k D4 --port 1"),
+                         "argv: serve m --api-k [api key] --port 1")
+        self.assertEqual(keys.engine_text("settings: api_key=('k3y9',)"),
+                         "settings: api_key=('[api key]',)")
+        long = experiment.Keys({"OPENAI_API_KEY": "Ab/c+d=EFGH12345xyz"})
+        self.assertEqual(long.engine_text("GET /v1/x?key=Ab%2Fc%2Bd%3DEFGH12345xyz done"),
+                         "GET /v1/x?key=[api key] done")
+
 
 # `vllm serve`, as an engine that logs the arguments it parsed: vLLM's own parser rules (an
 # underscore in an option's name is a dash, --api-key takes several keys), its keys logged as
