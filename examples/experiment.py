@@ -612,9 +612,9 @@ MISSING = re.compile(r"ModuleNotFoundError|ImportError|FileNotFoundError|No modu
 
 def root_cause(lines: List[str]) -> str:
     """Why an engine died, from its log: the first line that names a missing thing (a
-    module, a file, a library, the engine's own command), else the first error of the log's last traceback (an engine
-    that reraises ends its log with a wrapper, "Engine core initialization failed. See root
-    cause above"); "" where the log holds no error line."""
+    module, a file, a library, the engine's own command), else the first error of the log's
+    last traceback (an engine that reraises ends its log with a wrapper, "Engine core
+    initialization failed. See root cause above"); "" where the log holds no error line."""
     bare = [LOG_PREFIX.sub("", line).strip() for line in lines]
     errors = [(i, line) for i, line in enumerate(bare) if ERROR_LINE.match(line)]
     for _, line in errors:
@@ -1824,7 +1824,7 @@ def findings(exp: Experiment) -> List[str]:
             if doc is None:
                 continue
             sm = doc.get("summary") if isinstance(doc.get("summary"), dict) else {}
-            reported = (doc.get("server") or {}).get("tp") if isinstance(doc.get("server"), dict) else None
+            reported = reported_tp(doc)
             degree = "TP %d" % tp if reported in (None, tp) else (
                 "TP %d asked, the servers report TP %s" % (tp, reported))
             line = "- %s, flag %s, %s: **%s**, %s unique of %s, max ULP %s" % (
