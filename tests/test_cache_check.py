@@ -82,7 +82,8 @@ class CacheCheck(TempDirTest):
 
     def test_a_cold_request_served_from_the_cache_compares_nothing(self):
         def compared(cold, warm):
-            return run.CacheComparison(0, None, False, (), None, warm, cold)
+            # the cache states as cache_states decides them from these counts
+            return run.CacheComparison(0, None, False, (), None, warm, cold, cold == 0, warm > 0)
 
         every_cold_hit = run.CacheSummary.of([compared(19, 19), compared(19, 19)])
         self.assertEqual(every_cold_hit.verdict,

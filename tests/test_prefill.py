@@ -122,9 +122,11 @@ class RequestBodies(unittest.TestCase):
 
         with mock.patch.object(run.HttpClient, "request", request):
             client = run.HttpClient("http://127.0.0.1:9", None, 5, 1 << 20)
-            adapter = run.ADAPTERS[engine]
-            ids = adapter.prompt_token_ids(client, "m", "Tell me")
-            values = adapter.prefill_logprobs(client, "m", ids + [7, 9], len(ids), False)
+            # through the Sender, which sends every generation request the check makes
+            sender = run.Sender(client, run.ADAPTERS[engine], "m",
+                                run.Sampling.of(0.0, 8, 5, 42), False)
+            ids = sender.prompt_ids("Tell me")
+            values = sender.prefill(ids + [7, 9], len(ids))[1]
         return sent, ids, values
 
     def test_vllm(self):
