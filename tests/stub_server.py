@@ -590,7 +590,11 @@ def vllm_completions(config: StubConfig, body: Dict, state: EngineState) -> Dict
         raise BadRequest(400, "1 validation error:\n  {'type': 'value_error', 'loc': ('body',), 'msg': \"Value "
                          "error, Parameter 'cache_salt' must be a non-empty string if provided. "
                          "(parameter=cache_salt)\"}", "Bad Request", "cache_salt")
-    cached = [state.cached_tokens(salt, p, hit)
+    # a request that asks for prompt_logprobs skips the prefix cache, and is neither served
+    # nor counted in /metrics (vLLM 0.34.0: vllm/v1/core/kv_cache_manager.py lines 277-286
+    # and 311-316)
+    skips_cache = body.get("prompt_logprobs") is not None
+    cached = [0 if skips_cache else state.cached_tokens(salt, p, hit)
               for p, hit in zip(prompts, forced_hits(config, len(prompts)))]
     lengths = [len(prompt)] if token_prompt else [prompt_token_count(p) for p in prompts]
     outs = run_batch(config, state, prompts, max_tokens, temperature, float(body.get("top_p", 1.0)),

@@ -243,3 +243,16 @@ def finish(p, timeout=30):
         p.kill()
         p.communicate()
         raise
+
+
+def sent_batch(completions, cached_tokens=None, cached=(), seen=None, **fields):
+    """A batch as the Sender makes it: its completions, its answers' counts and what the
+    counters saw (seen), with each completion's cache state decided by run.cache_states."""
+    block = fields.pop("block", None)
+    batch = run.SentBatch(list(completions), 0.0, cached_tokens, list(cached), cache_seen=seen,
+                          **fields)
+    counts = batch.cached or [cached_tokens] * len(batch.completions)
+    batch.states, batch.cold_copies = run.cache_states(
+        counts, cached_tokens, seen, False, batch.fillers, batch.copies, batch.prompt_tokens,
+        block)
+    return batch

@@ -13,7 +13,8 @@ import unittest
 from unittest import mock
 
 from stub_server import (BadRequest, EngineState, models_list, sglang_generate, sglang_server_info, vllm_completions, vllm_server_info)
-from support import StubConfig, StubServer, TempDirTest, finish, free_port, run, run_lab, start_lab
+from support import (StubConfig, StubServer, TempDirTest, finish, free_port, run, run_lab,
+                     sent_batch, start_lab)
 
 
 SIZES = "1,2,4,8"   # the fault is injected at the 3rd generation request: batch size 4
@@ -288,7 +289,7 @@ class MangledAnswers(unittest.TestCase):
                         comps = adapter.completions(bad, 2, True)
                     except run.ServerError:
                         continue
-                    run.compare_batch(run.SentBatch(comps, 0.0, None), base, adapter.logprob_clamps)
+                    run.compare_batch(sent_batch(comps), base, adapter.logprob_clamps)
 
 
 class ValuesFromServers(TempDirTest):

@@ -79,7 +79,7 @@ class ACheckTheServerCannotServe(TempDirTest):
         self.assertEqual([s["batch_size"] for s in doc["prompts"][0]["sizes"]], [1, 2])
         self.assertTrue(doc["summary"]["observer_verdict"].startswith(
             "not measured: the server could not serve it"), doc["summary"]["observer_verdict"])
-        self.assertIn("the observer check stops, the sweep goes on", r.stderr)
+        self.assertIn("the observer check stops at batch size 1, the sweep goes on", r.stderr)
 
 
 if __name__ == "__main__":

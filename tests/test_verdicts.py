@@ -6,7 +6,7 @@ engine's own arithmetic."""
 import unittest
 
 from support import (PROMPT, StubConfig, StubServer, TempDirTest, run, run_lab, short_sweep,
-                     sizes_of, stub_completion, ulps32)
+                     sent_batch, sizes_of, stub_completion, ulps32)
 
 
 class NothingCompared(TempDirTest):
@@ -142,14 +142,15 @@ class EvidenceForABatch(TempDirTest):
         empty = run.Completion("", [], [], [])
         sweep.set_baseline(empty, "batch 1")
         for n in (1, 4):
-            row = run.compare_batch(run.SentBatch([empty] * n, 0.0, None), empty, ())
+            row = run.compare_batch(sent_batch([empty] * n, 0), empty, ())
             sweep.add(n, n, row, [empty] * n)
         self.assertEqual(run.verdict(sweep.measured()), "nothing compared")
         token = run.Completion("a", ["token_id:1"], [-0.5], [{"token_id:1": -0.5}])
         sweep = run.PromptSweep("p")
         sweep.set_baseline(token, "batch 1")
         for n in (1, 4):
-            sweep.add(n, n, run.compare_batch(run.SentBatch([token] * n, 0.0, None), token, ()), [token] * n)
+            # each request's answer counted 0 cached tokens: computed cold
+            sweep.add(n, n, run.compare_batch(sent_batch([token] * n, 0), token, ()), [token] * n)
         self.assertEqual(run.verdict(sweep.measured()), "invariant")
 
 
@@ -195,7 +196,7 @@ class EvidencePerRequest(TempDirTest):
         token = run.Completion("a", ["token_id:1"], [-0.5], [{"token_id:1": -0.5}])
         sweep.set_baseline(token, "batch 1")
         for n, cached in ((1, 0), (2, 0), (8, 40)):
-            batch = run.SentBatch([token] * n, 0.0, cached)
+            batch = sent_batch([token] * n, cached)
             sweep.add(n, n, run.compare_batch(batch, token, ()), [token] * n)
         m = sweep.measured()
         self.assertEqual(run.verdict(m), "invariant")

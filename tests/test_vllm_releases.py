@@ -6,7 +6,7 @@ import os
 import re
 import unittest
 
-from support import HERE, StubConfig, StubServer, fixture, get, run, run_lab
+from support import HERE, StubConfig, StubServer, fixture, get, run, run_lab, sent_batch
 
 FOLDER_034 = "vllm-0.34.0"
 
@@ -117,12 +117,18 @@ class CopiesOnTheReal034(unittest.TestCase):
         self.assertTrue(seen.uncounted)
         self.assertEqual(seen.note(), "the server's counters: 768 prompt tokens served from "
                          "the cache, the answers counted 256")
-        batch = run.SentBatch(adapter.completions(answer, 4, False), 1.0, count,
-                              adapter.cached_per_prompt(answer, prompts),
-                              prompt_tokens=adapter.prompt_tokens(answer), cache_seen=seen)
-        self.assertEqual([batch.served(c) for c in batch.cached], [True] * 4)
+        # three of the four copies served one whole 64-token block short of each prompt's
+        # last token (3 x 256), the answer counting one copy's 256: one copy was computed
+        # cold, which one is not known
+        batch = sent_batch(adapter.completions(answer, 4, False), count,
+                           adapter.cached_per_prompt(answer, prompts),
+                           prompt_tokens=adapter.prompt_tokens(answer), seen=seen, copies=4,
+                           block=64)
+        self.assertEqual([s.state for s in batch.states], [run.CACHE_NOT_KNOWN] * 4)
+        self.assertEqual(batch.cold_copies, 1)
         # the same batch had its count said 0: the counters still mark every copy served
-        self.assertEqual([batch.served(c) for c in [0, 0, 0, 0]], [True] * 4)
+        said_none = sent_batch(batch.completions, 0, [0] * 4, seen=seen, copies=4, block=64)
+        self.assertEqual([s.state for s in said_none.states], [run.CACHE_SERVED] * 4)
 
     def test_0_34_0_caches_in_blocks_of_64_tokens(self):
         # vllm/config/cache.py line 185 (0.34.0): DEFAULT_BLOCK_SIZE = 64; a prompt shorter
