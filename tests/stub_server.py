@@ -35,6 +35,7 @@ arms that take seconds to be ready).
 """
 
 import argparse
+import collections
 import copy
 import json
 import math
@@ -286,6 +287,9 @@ class StubConfig:
     no_metrics: bool = False                 # vLLM: /metrics not found (behind a proxy that passes the API only)
     counters_lag: float = 0.0                # seconds before /metrics counts a prefill (engines count a
                                              # step's lookups after it runs)
+    metrics_faults: Tuple[int, ...] = ()     # the k-th reads of /metrics (from 1) answer 503, once each
+    hits_beyond: int = 0                     # /metrics counts this many more hits for each prefill
+                                             # counted than the cache served (impossible counters)
     flush_refused: bool = False              # SGLang: answer /flush_cache as with requests in flight
     decode_graphs: bool = True               # SGLang: False reports decode graphs switched off
     prefill_agrees: bool = False             # prefill computes as a batch-1 decode step does
@@ -406,11 +410,17 @@ class EngineState:
         self.computed = {}          # reproducible completions by all they depend on (bounded)
         self.served_requests = 0    # generation requests answered
         self.served_texts = set()   # every distinct completion text answered
+        # what it computed, completion by completion (the last SERVED_LOG): its prompt, the
+        # longest neighbour prefill in its step, its token ids and each step's chosen logprob.
+        # The ground truth a test holds a check's account against (GET /stub/served)
+        self.served_log = collections.deque(maxlen=SERVED_LOG)
         self.local = threading.local()  # per request thread: is it streamed
         self.cache_queried = 0      # prompt tokens looked up in the prefix cache (/metrics)
         self.cache_served = 0       # of them, tokens the cache served (/metrics)
         self.counted = []           # (when, queried, served) of lookups not yet in the counters
         self.counters_lag = config.counters_lag
+        self.metrics_reads = 0      # reads of /metrics so far (--metrics-fault)
+        self.config_hits_beyond = config.hits_beyond
         # the cache serves whole blocks of a prompt, never its last token: vLLM 0.34.0 in
         # blocks of 64 tokens (vllm/config/cache.py line 185, 0.34.0), so that a prompt of
         # fewer than 65 tokens is never served; a token at a time otherwise
@@ -440,7 +450,7 @@ class EngineState:
             while self.counted and self.counted[0][0] + self.counters_lag <= now:
                 _, queried, served = self.counted.pop(0)
                 self.cache_queried += queried
-                self.cache_served += served
+                self.cache_served += served + self.config_hits_beyond
             return self.cache_queried, self.cache_served
 
     def flush(self) -> None:
@@ -534,6 +544,12 @@ def run_batch(config: StubConfig, state: EngineState, prompts: List[str], max_to
         if reproducible:
             state.remember(key, out)
         results.append(out)
+    if max_tokens > 1:
+        with state.lock:
+            state.served_log.extend(
+                {"prompt": prompt, "neighbour": neighbour, "ids": out["ids"],
+                 "logprobs": [step[v] for v, step in zip(out["ids"], out["logprobs"])]}
+                for prompt, out in zip(prompts, results))
     if config.step_delay > 0 and not state.streaming():
         # Emulated GPU time: the batch takes steps x delay, however long the arithmetic above
         # took. On the virtual clock the flag's slowdown multiplies it here; on the real
@@ -676,6 +692,12 @@ def vllm_metrics(config: StubConfig, state: "EngineState") -> bytes:
              "Prefix cache hits, in terms of number of cached tokens.")):
         lines += ["# HELP %s %s" % (name, doc), "# TYPE %s counter" % name,
                   "%s{%s} %.1f" % (name, labels, value)]
+    if state.cache_block > 1:  # 0.34.0 states its cache's settings as labels of one gauge
+        name = "vllm:cache_config_info"
+        lines += ["# HELP %s Information of the LLMEngine CacheConfig" % name,
+                  "# TYPE %s gauge" % name,
+                  '%s{block_size="%d",enable_prefix_caching="%s",engine="0"} 1.0'
+                  % (name, state.cache_block, config.prefix_caching)]
     return ("\n".join(lines) + "\n").encode()
 
 
@@ -925,8 +947,16 @@ class StubHandler(BaseHTTPRequestHandler):
             return self.send_json(200, None, raw=b"")
         if path == "/stub/stats":
             return self.send_json(200, self.server.state.stats())
+        if path == "/stub/served":
+            with self.server.state.lock:
+                return self.send_json(200, list(self.server.state.served_log))
         if path == "/metrics" and (self.config.engine == "vllm" or self.config.enable_metrics) \
                 and not self.config.no_metrics:
+            with self.server.state.lock:
+                self.server.state.metrics_reads += 1
+                read = self.server.state.metrics_reads
+            if read in self.config.metrics_faults:
+                return self.send_text(503, b"Service Unavailable\n")
             write = vllm_metrics if self.config.engine == "vllm" else sglang_metrics
             return self.send_text(200, write(self.config, self.server.state))
         if self.config.engine == "vllm":
@@ -1273,6 +1303,7 @@ class StubServer:
 # a seed taken and not used
 
 
+SERVED_LOG = 4096  # completions GET /stub/served keeps
 CACHE_SERVES = ("all", "some", "one")
 
 
@@ -1344,6 +1375,10 @@ def main(argv=None) -> int:
                    "but report 0 cached tokens in the answer (/metrics still counts the hits)")
     p.add_argument("--enable-metrics", action="store_true", help="SGLang: serve /metrics (vLLM always does)")
     p.add_argument("--no-metrics", action="store_true", help="vLLM: /metrics not found")
+    p.add_argument("--metrics-fault", type=int, action="append", default=[], metavar="K",
+                   help="the K-th read of /metrics answers 503 (repeatable)")
+    p.add_argument("--hits-beyond", type=int, default=0, help="/metrics counts this many more "
+                   "hits for each prefill than the cache served (impossible counters)")
     p.add_argument("--counters-lag", type=float, default=0.0, help="seconds before /metrics "
                    "counts a prefill's prefix-cache lookups")
     p.add_argument("--no-decode-graphs", action="store_true", help="SGLang: report decode CUDA graphs as off")
@@ -1380,6 +1415,7 @@ def main(argv=None) -> int:
         max_logprobs=args.max_logprobs,
         uncounted_cache_hits=args.uncounted_cache_hits, enable_metrics=args.enable_metrics,
         no_metrics=args.no_metrics, counters_lag=args.counters_lag,
+        metrics_faults=tuple(args.metrics_fault), hits_beyond=args.hits_beyond,
         faults=parse_faults(args.fault))
     server = StubHTTPServer(config)
     print("stub %s server (flag %s) on http://%s:%d" % (

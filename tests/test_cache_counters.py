@@ -5,8 +5,9 @@ import os
 import threading
 import time
 import unittest
+from unittest import mock
 
-from support import (FIXTURES, StubConfig, StubServer, TempDirTest, free_port, run, short_sweep,
+from support import (FIXTURES, HERE, StubConfig, StubServer, TempDirTest, free_port, run, short_sweep,
                      sizes_of)
 
 COPIES = ["Copies of one prompt in one request share the cache. " * 3] * 4
@@ -468,9 +469,136 @@ class Vllm034Copies(TempDirTest):
         self.assertEqual(seen["verdict"], run.CACHE_COUNTED_AND_SERVED, seen)
         self.assertEqual(seen["counted"] % 64, 0)  # one copy's whole blocks
         self.assertEqual(seen["served"], 3 * seen["counted"])  # the other three copies
-        self.assertTrue(doc["summary"]["verdict"].startswith("nothing compared"), r)
+        # three copies served exactly their whole blocks: the fourth was computed cold, and
+        # every copy equals batch 1, so the cold one does too
+        self.assertEqual(doc["summary"]["verdict"], run.INVARIANT, r)
         self.assertIn("the server's counters: %d prompt tokens served from the cache, the answers "
                       "counted %d" % (seen["served"], seen["counted"]), r.stdout)
+        self.assertIn("one copy of each request computed cold", r.stdout)
+
+
+class CountersNotBelievedBlindly(TempDirTest):
+    """What a hostile or flaky server's counters do, and what the lab makes of it: a failed
+    read is one batch not known, impossible counts are not evidence, and nothing either way
+    is taken for cold."""
+
+    def test_one_failed_read_leaves_served_copies_served(self):
+        # flag on, copies of one request share the cache, the answers count nothing (no
+        # --enable-prompt-tokens-details): only the counters see the copies served. The 4th
+        # read (before batch 2) answers 503 once; the counters are read on
+        config = StubConfig(invariant=True, metrics_faults=(4,))
+        with StubServer(config) as stub:
+            r = short_sweep(stub, "--sizes", "1,2,8", "--repeat", 2, "--save", self.path("s.json"))
+        doc = self.load("s.json")
+        self.assertNotEqual(doc["summary"]["verdict"], run.INVARIANT, r)
+        self.assertTrue(doc["summary"]["verdict"].startswith("nothing compared"), r)
+        self.assertNotIn("read no more", r.stdout)
+
+    def test_a_hiccup_beside_a_cache_path_that_differs_blames_nothing_on_batching(self):
+        config = StubConfig(invariant=True, cache_path_differs=True, metrics_faults=(4,))
+        with StubServer(config) as stub:
+            r = short_sweep(stub, "--sizes", "1,2,8", "--repeat", 2, "--save", self.path("s.json"))
+        verdict = self.load("s.json")["summary"]["verdict"]
+        self.assertNotIn(verdict, (run.LOGPROBS_MOVED, run.TOKENS_DIVERGED), r)
+
+    def test_hits_above_lookups_are_not_believed(self):
+        # every prefill counted with 100,000 hits more than the cache served: no cache serves
+        # more tokens than it looks up, so the counters cannot say, and the answers' counts
+        # (0: every request cold) decide
+        config = StubConfig(prompt_tokens_details=True, hits_beyond=100000, scheduler_window=0.05)
+        with StubServer(config) as stub:
+            r = short_sweep(stub, "--sizes", "1,2,4,9", "--traffic", "concurrent",
+                            "--save", self.path("s.json"))
+        doc = self.load("s.json")
+        self.assertIn(doc["summary"]["verdict"], (run.TOKENS_DIVERGED, run.LOGPROBS_MOVED), r)
+        self.assertIn("which no cache can", r.stdout)
+
+    def test_counters_going_backwards_are_not_evidence(self):
+        seen = run.cache_evidence(run.CacheCounters(500, 100, "x"), run.CacheCounters(520, 90, "x"),
+                                  [0], 20)
+        self.assertEqual(seen.verdict, run.CACHE_EVIDENCE_UNKNOWN)
+        self.assertEqual(run.cache_states([0], 0, seen, False)[0][0].count_alone, True)
+
+    def test_counts_of_every_rank_summed_are_not_evidence(self):
+        # two ranks each counting the batch's 20 lookups and 20 hits: summed, they look up 40
+        seen = run.cache_evidence(run.CacheCounters(0, 0, "x"), run.CacheCounters(40, 40, "x"),
+                                  [None], 20)
+        self.assertEqual(seen.verdict, run.CACHE_EVIDENCE_UNKNOWN)
+        self.assertIn("2 times", seen.why)
+
+    def test_neither_counts_nor_counters_is_not_cold(self):
+        states, _ = run.cache_states([None, None], None, None, False)
+        self.assertEqual([s.cold() for s in states], [None, None])
+        with StubServer(StubConfig(invariant=True, no_metrics=True)) as stub:
+            r = short_sweep(stub, "--sizes", "1,4", "--traffic", "concurrent", "--json")
+        self.assertEqual(r.json()["summary"]["verdict"], run.CACHE_UNSAID, r)
+
+    def test_the_prefill_checks_requests_are_watched(self):
+        # SGLang counts the prefill check's requests in its counters: sent outside the watch,
+        # they would fall in the next batch's window as other clients' lookups
+        config = StubConfig(engine="sglang", enable_metrics=True, invariant=True)
+        with StubServer(config) as stub:
+            r = short_sweep(stub, "--sizes", "1,2,4", "--prefill-check", "--repeat", 2)
+        self.assertEqual(r.code, 0, r)
+        self.assertNotIn("could not say", r.stdout)
+        self.assertNotIn("other requests reached the server", r.stdout)
+
+    def test_a_lag_seen_only_at_the_end_still_doubts_counts_of_0(self):
+        # every prefill counted 3 s late: no batch's window can say; at the sweep's end the
+        # counters show the cache serving what the answers never counted
+        config = StubConfig(invariant=True, prompt_tokens_details=True, uncounted_cache_hits=True,
+                            cache_serves="all", counters_lag=3.0)
+        wait, budget = run.COUNTERS_WAIT_S, run.COUNTERS_WAIT_BUDGET_S
+        try:
+            run.COUNTERS_WAIT_S, run.COUNTERS_WAIT_BUDGET_S = 0.05, 0.2
+            with StubServer(config) as stub:
+                r = short_sweep(stub, "--sizes", "1,2", "--traffic", "concurrent",
+                                "--save", self.path("s.json"))
+        finally:
+            run.COUNTERS_WAIT_S, run.COUNTERS_WAIT_BUDGET_S = wait, budget
+        self.assertTrue(self.load("s.json")["summary"]["verdict"].startswith("nothing compared"), r)
+        self.assertIn("read at the sweep's end", r.stdout)
+
+
+LONG_PROMPT = " ".join(["Explain why sums of floats depend on their order."] * 10)  # 81 tokens
+
+
+class OneColdCopy(TempDirTest):
+    """vLLM 0.34.0: of n copies of a prompt longer than one 64-token block in one request, the
+    cache serves n - 1 their longest cached prefix; the counters say so exactly, so one copy
+    was computed cold, which one not known (the real 8 copies: 7 x 256 hits)."""
+
+    def test_every_copy_equal_to_batch_1_compares_the_cold_one(self):
+        config = StubConfig(invariant=True, version="0.34.0", prompt_tokens_details=True)
+        with StubServer(config) as stub:
+            r = short_sweep(stub, "--sizes", "1,2,8", "--prompt", LONG_PROMPT, "--repeat", 2,
+                            "--save", self.path("s.json"))
+        doc = self.load("s.json")
+        self.assertEqual(doc["summary"]["verdict"], run.INVARIANT, r)
+        runs = [row for size in doc["prompts"][0]["sizes"] if size["batch_size"] > 1
+                for row in size["runs"]]
+        self.assertTrue(all(row["cold_copies"] == 1 for row in runs), runs)
+        self.assertIn("one copy of each request computed cold, which one not known: compared, "
+                      "and held", r.stdout)
+        self.assertNotIn("nothing compared", r.stdout.split("summary:")[1])
+
+    def test_copies_that_moved_leave_which_one_was_cold_unknown(self):
+        config = StubConfig(version="0.34.0", prompt_tokens_details=True)
+        with StubServer(config) as stub:
+            r = short_sweep(stub, "--sizes", "1,2,8", "--prompt", LONG_PROMPT, "--repeat", 2,
+                            "--save", self.path("s.json"))
+        verdict = self.load("s.json")["summary"]["verdict"]
+        self.assertNotIn(verdict, (run.TOKENS_DIVERGED, run.LOGPROBS_MOVED), r)
+        self.assertIn("where copies differ, not compared", r.stdout)
+
+    def test_the_block_is_read_from_the_real_0_34_0_metrics(self):
+        with open(os.path.join(HERE, "fixtures", "vllm-0.34.0", "metrics_cache_config.txt"),
+                  encoding="utf-8") as f:
+            text = f.read()
+        with mock.patch.object(run, "metrics_text", lambda client: text):
+            found = run.ADAPTERS["vllm"].prefix_cache_counters(None)
+        self.assertEqual((found.queried, found.served, found.block), (0, 0, 64))
+
 
 if __name__ == "__main__":
     unittest.main()

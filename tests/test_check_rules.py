@@ -1,14 +1,25 @@
 """The rules no sweep check may break, held over every entry of run.py's SWEEP_CHECKS against
-every relevant fault of the practice engine: no "held", "equal" or "invariant" where nothing
-was compared (and "nothing compared" where no part did); "held" only with something compared;
-a check that compares runs blames nothing it varied where the seed is not honoured; where
-the fault leaves nothing comparable (the cache served every prompt), "nothing compared",
-whatever the check counted. A new check is covered by being listed in SWITCHED_ON (the test
-fails until it is)."""
+what the practice engine made move, never against the check's own account of it:
 
+- where what the check varies moves, it says "moved", and the step and kind it says first
+  moved are the ones the engine's own record of what it computed shows (GET /stub/served);
+- where only run-to-run noise moves (a seed the server ignores), it does not blame what it
+  varied, whether or not its record declares that it compares runs;
+- where nothing moves, "held";
+- where the cache serves every prompt (counted or not), "uncompared";
+- where the server refuses or fails the check's request, "stopped", never "equal";
+- its verdict and lines never hold the API key the run was given;
+- and, under every other fault: no "held", "equal" or "invariant" where nothing was
+  compared.
+
+A new check is covered by being listed in SWITCHED_ON and VARIED (the test fails until it
+is). The wrong checks at the end are kept as tests that must fail these rules."""
+
+import json
 import re
 import types
 import unittest
+import urllib.request
 from unittest import mock
 
 from support import StubConfig, StubServer, TempDirTest, run, run_lab
@@ -20,32 +31,77 @@ SWITCHED_ON = {
     "neighbours": ("--neighbours", "16,64"),
     "observer": ("--observer-check",),
 }
+# How the practice engine moves what each check varies, and nothing else it compares (the
+# flag on, decode equal to prefill, apart from the one switch)
+QUIET = dict(invariant=True, prefill_agrees=True)
+VARIED = {
+    "cache_check": dict(QUIET, cache_path_differs=True, prompt_tokens_details=True),
+    "prefill": dict(invariant=True),  # a prefill reduces in its own order
+    "neighbours": dict(prefill_agrees=True),  # flag off: a 64-token neighbour moves a decode
+    "observer": dict(QUIET, logprobs_path_differs=True),
+}
+KEY = "sk-rules-Zq9xQ2v7"  # every run is given it; no check may repeat it
+HELD, MOVED, UNCOMPARED, STOPPED = "held", "moved", "uncompared", "stopped"
 
-# The practice engine's faults: (its settings, the sweep's own options); each check meets all
-FAULTS = {
-    "none (flag on)": (dict(invariant=True), ()),
-    "none (flag off)": (dict(), ()),
-    "cache serves every prompt": (dict(cache_serves="all", prompt_tokens_details=True), ()),
-    # the answers count no hit; only the server's own counters (/metrics) see them
-    "cache serves every prompt, uncounted": (dict(cache_serves="all", prompt_tokens_details=True,
-                                                  uncounted_cache_hits=True), ()),
+# The practice engine's faults whose truth is known for every check: (its settings, or None
+# for VARIED's; the sweep's own options; the outcomes the truth allows)
+TRUTHS = {
+    "what it varies moves": (None, (), {MOVED}),
+    "nothing moves": (QUIET, (), {HELD}),
+    "only run-to-run noise moves (the seed ignored, said)": (
+        dict(engine="sglang", prefill_agrees=True), ("--temperature", "0.8"), {HELD, UNCOMPARED}),
+    "only run-to-run noise moves (the seed taken, not used)": (
+        dict(QUIET, ignore_seed=True), ("--temperature", "0.8"), {HELD, UNCOMPARED}),
+    "the cache serves every prompt": (
+        dict(QUIET, cache_serves="all", prompt_tokens_details=True), (), {UNCOMPARED}),
+    "the cache serves every prompt, uncounted": (
+        dict(QUIET, cache_serves="all", prompt_tokens_details=True, uncounted_cache_hits=True),
+        (), {UNCOMPARED}),
+    # the first request after batch 1's is each check's own: the server answers it 500
+    "the server fails the check's request": (
+        dict(QUIET, prompt_tokens_details=True, faults={2: "http500"}), (), {STOPPED}),
+}
+# Where a fault's truth is another for one check, and why
+TRUTH_FOR = {
+    # copies of one vLLM request share its cache, so a cold batch of several copies is
+    # partly served and compares nothing: SGLang's cache is emptied before each batch, so
+    # every batch's cold request is cold and its repeat served
+    ("cache_check", "nothing moves"): (dict(QUIET, engine="sglang"), (), {HELD}),
+    # SGLang ignores the seed only with the flag off, and there its decode at batch 2
+    # reduces in another order than its prefill: the engine moved what the check compares
+    ("prefill", "only run-to-run noise moves (the seed ignored, said)"): (
+        dict(engine="sglang", prefill_agrees=True), ("--temperature", "0.8"), {MOVED}),
+}
+# Faults whose truth differs check by check: only the rules on claims are held there
+OTHER_FAULTS = {
     "cache serves half of each request": (dict(cache_serves="some", prompt_tokens_details=True), ()),
     "cache serves one item": (dict(engine="sglang", cache_serves="one"), ()),
-    "seed ignored, said (SGLang flag off)": (dict(engine="sglang"), ("--temperature", "0.8")),
-    "seed ignored, not said": (dict(ignore_seed=True), ("--temperature", "0.8")),
     "top logprobs above 5 refused": (dict(max_logprobs=5), ()),
     "no prefix cache": (dict(prefix_caching=False, prompt_tokens_details=True), ()),
 }
-# Faults under which no run can be compared, whatever a check counts: the prefix cache served
-# every prompt, batch 1 and every check's own requests (and their controls) included. The rules
-# are held against what the fault leaves, not against what the check says it compared.
-NOTHING_COMPARABLE = {"cache serves every prompt", "cache serves every prompt, uncounted"}
 CLAIMS = re.compile(r"\b(held|equal|equals|invariant|agree)\b")
 UNMEASURED = ("nothing compared", "not measured", "no data")
+FIRST_MOVED = re.compile(r"(tokens|logprobs) first moved at step (\d+)")
+
+
+def sweep_of(stub, name, options):
+    """(the run's result, its last sweep summary: the check records themselves)."""
+    made = []
+    real = run.sweep_summary
+
+    def keep(*args, **kwargs):
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    with mock.patch.object(run, "sweep_summary", keep):
+        result = run_lab("--mode", "sweep", "--engine", stub.config.engine, "--url", stub.url,
+                         "--sizes", "1,2", "--repeat", 2, "--max-tokens", 12, "--api-key", KEY,
+                         *options, *SWITCHED_ON[name])
+    return result, made[-1] if made else None
 
 
 def summaries_of(argv):
-    """(the run's result, the last sweep summary it made): the check records themselves."""
+    """(the run's result, the last sweep summary it made) of a run of run.py with argv."""
     made = []
     real = run.sweep_summary
 
@@ -58,17 +114,47 @@ def summaries_of(argv):
     return result, made[-1] if made else None
 
 
-def broken_rules(record, fault_unseeded, comparable=True):
-    """The rules a check's summary record breaks, each as a line (comparable False: the fault
-    left nothing to compare, whatever the record counts)."""
-    broken, verdict = [], record.verdict
-    if not comparable:
-        if not verdict.startswith(UNMEASURED):
-            broken.append("nothing was comparable, and it does not say so: %r" % verdict)
-        if record.held:
-            broken.append("its --expect holds where nothing was comparable")
-        if record.compared:
-            broken.append("counts %d compared where nothing was comparable" % record.compared)
+def outcome_of(record):
+    """The check's outcome, as the saved sweep gives it (run.Verdict.outcome)."""
+    return getattr(record.verdict, "outcome", None)
+
+
+def said(record, summary):
+    """Everything the check says: its verdict and its lines."""
+    sizes = []
+    return "\n".join([str(record.verdict)] + [str(line) for line in record.lines(sizes)])
+
+
+def served_log(stub):
+    with urllib.request.urlopen(stub.url + "/stub/served") as answer:
+        return json.load(answer)
+
+
+def first_moved_truth(log, prompt):
+    """Where the runs the engine computed beside a neighbour first differ from the lone run
+    computed before them, by its own record: (step, "tokens" or "logprobs"), or None."""
+    firsts, lone = [], None
+    for entry in log:
+        if entry["prompt"] != prompt:
+            continue
+        if not entry["neighbour"]:
+            lone = entry
+            continue
+        if lone is None:
+            continue
+        for step, (a, b) in enumerate(zip(lone["ids"], entry["ids"])):
+            if a != b:
+                firsts.append((step, "tokens"))
+                break
+            if lone["logprobs"][step] != entry["logprobs"][step]:
+                firsts.append((step, "logprobs"))
+                break
+    return min(firsts, key=lambda f: (f[0], f[1] != "tokens")) if firsts else None
+
+
+def claims_broken(record, comparable=True):
+    """The rules on claims a record breaks, each as a line."""
+    broken, verdict = [], str(record.verdict)
     if not record.compared:
         if CLAIMS.search(verdict):
             broken.append("claims %r having compared nothing" % verdict)
@@ -76,37 +162,67 @@ def broken_rules(record, fault_unseeded, comparable=True):
             broken.append("compared nothing and does not say so: %r" % verdict)
         if record.held:
             broken.append("its --expect holds having compared nothing")
-    if record.held and not record.compared:
-        broken.append("held with nothing compared")
-    if fault_unseeded and getattr(record, "COMPARES_RUNS", False) and not verdict.startswith(
-            UNMEASURED) and record.verdict not in (run.SEED_NOT_HONOURED, run.CONTROL_MOVED):
-        if not record.held:  # what moved was put down to what the check varied
-            broken.append("blames what it varied where the seed is not honoured: %r" % verdict)
+    if not comparable and record.held:
+        broken.append("its --expect holds where nothing was comparable")
     return broken
+
+
+def rules_broken(name, truth):
+    """Every rule the check listed under name breaks against the practice engine: a line
+    each (empty: it keeps them all)."""
+    broken = []
+    for fault, truth_of_fault in TRUTHS.items():
+        config, options, allowed = TRUTH_FOR.get((name, fault), truth_of_fault)
+        config = VARIED[name] if config is None else config
+        with StubServer(StubConfig(scheduler_window=0.05, **config)) as stub:
+            r, summary = sweep_of(stub, name, options)
+            log = served_log(stub) if fault == "what it varies moves" else []
+        record = summary.checks.get(name) if summary is not None else None
+        if record is None:
+            broken.append("%s: no record (%s)" % (fault, r.stderr[-300:]))
+            continue
+        outcome, words = outcome_of(record), said(record, summary)
+        if outcome not in allowed:
+            broken.append("%s: %s, where the engine's truth allows %s (%r)"
+                          % (fault, outcome, "/".join(sorted(allowed)), str(record.verdict)))
+        if allowed == {STOPPED} and CLAIMS.search(str(record.verdict)):
+            broken.append("%s: claims %r" % (fault, str(record.verdict)))
+        if KEY in words or KEY in r.stdout or KEY in r.stderr:
+            broken.append("%s: it says the API key" % fault)
+        broken += ["%s: %s" % (fault, b) for b in claims_broken(
+            record, comparable=allowed != {UNCOMPARED})]
+        if fault == "what it varies moves" and truth is not None:
+            found = FIRST_MOVED.search(words)
+            expected = truth(log, run.DEFAULT_PROMPT)
+            if expected is not None and (found is None or (
+                    int(found.group(2)), found.group(1)) != expected):
+                broken.append("%s: says %r first moved, the engine's record: %s at step %d"
+                              % (fault, found and found.group(0), expected[1], expected[0]))
+    for fault, (config, options) in OTHER_FAULTS.items():
+        with StubServer(StubConfig(scheduler_window=0.05, **config)) as stub:
+            r, summary = sweep_of(stub, name, options)
+        record = summary.checks.get(name) if summary is not None else None
+        if record is None:
+            broken.append("%s: no record" % fault)
+            continue
+        broken += ["%s: %s" % (fault, b) for b in claims_broken(record)]
+    return broken
+
+
+# Where a check says what first moved, how the engine's record says it (None: it says none)
+FIRST_MOVED_TRUTH = {"neighbours": first_moved_truth}
 
 
 class EveryCheckKeepsTheRules(TempDirTest):
     def test_every_check_is_listed(self):
-        self.assertEqual(set(SWITCHED_ON), {kind.NAME for kind in run.SWEEP_CHECKS})
+        names = {kind.NAME for kind in run.SWEEP_CHECKS}
+        self.assertEqual(set(SWITCHED_ON), names)
+        self.assertEqual(set(VARIED), names)
 
-    def test_every_check_against_every_fault(self):
+    def test_every_check_against_the_engines_truth(self):
         for kind in run.SWEEP_CHECKS:
-            for fault, (config, options) in FAULTS.items():
-                self.assertIn(kind.NAME, SWITCHED_ON, "list how to switch it on")
-                with self.subTest(check=kind.NAME, fault=fault), StubServer(
-                        StubConfig(scheduler_window=0.05, **config)) as stub:
-                    r, summary = summaries_of(
-                        ["--mode", "sweep", "--engine", stub.config.engine, "--url", stub.url,
-                         "--sizes", "1,2", "--repeat", 2, "--max-tokens", 12,
-                         *options, *SWITCHED_ON[kind.NAME]])
-                    self.assertNotIn("Traceback", r.stderr)
-                    self.assertIsNotNone(summary, r)
-                    record = summary.checks.get(kind.NAME)
-                    self.assertIsNotNone(record, r)
-                    unseeded = "--temperature" in options
-                    comparable = fault not in NOTHING_COMPARABLE
-                    self.assertEqual(broken_rules(record, unseeded, comparable), [],
-                                     r.stdout[-2000:])
+            with self.subTest(check=kind.NAME):
+                self.assertEqual(rules_broken(kind.NAME, FIRST_MOVED_TRUTH.get(kind.NAME)), [])
 
 
 class ACheckTheServerRefuses(TempDirTest):
@@ -195,6 +311,91 @@ class FirstMovedSaysWhat(TempDirTest):
                         "--max-tokens", 16, "--neighbours", "64")
         line = next(l for l in r.stdout.splitlines() if l.startswith("neighbour check, 64 tokens"))
         self.assertRegex(line, r"(logprobs|tokens) first moved at step \d+")
+
+
+# Wrong checks, each listed in place of the real one it copies: the rules must reject each
+# (its rules_broken is not empty). Each breaks one rule, as a check written in haste might.
+
+
+class NeverComparesTexts(run.ObserverCheck):
+    """Says the text held wherever both runs were computed, never comparing them."""
+
+    @staticmethod
+    def setting(logprobs, reference, run_):
+        if not (reference[1] and run_[1]):
+            return run.ObserverSetting(logprobs, 0, 0, 1)
+        return run.ObserverSetting(logprobs, 1, 1)
+
+
+class NoControlAndSaysNot(run.NeighbourCheck):
+    """Takes its lone run for its control, and its record does not say it compares runs: at
+    a temperature where the server ignores the seed, it blames the neighbours."""
+
+    def control(self, run_, prompt, lone):
+        return 1
+
+    def summary_part(self, parts, sizes):
+        record = super().summary_part(parts, sizes)
+        if record is None or not record.lengths:
+            return record
+        moved = [p.length for p in record.lengths if p.runs and p.equal < p.runs]
+        verdict = run.check_verdict(run.CheckFinding(
+            parts=len(record.lengths), compared=sum(1 for p in record.lengths if p.runs),
+            held=run.NEIGHBOURS_HELD,
+            moved="moved beside neighbours of %s tokens" % ", ".join(map(str, moved))
+            if moved else None))
+        return type(record)(verdict, record.lengths, 0, 0)
+
+
+class WrongFirstMoved(run.NeighbourCheck):
+    """Names the step after the one that moved, and the other kind."""
+
+    def batch_part(self, run_, prompt, n, batch):
+        row = super().batch_part(run_, prompt, n, batch)
+        if row is None:
+            return row
+        other = {"tokens": "logprobs", "logprobs": "tokens"}
+        return type(row)([run.dataclasses.replace(
+            p, first_step=p.first_step + 1, first_moved=other.get(p.first_moved))
+            if p.first_step is not None else p for p in row.lengths],
+            row.control_runs, row.control_equal)
+
+
+class SaysTheKey(run.ObserverCheck):
+    """Writes the key it was given into its verdict."""
+
+    def batch_part(self, run_, prompt, n, batch):
+        self.key = run_.cfg.api_key
+        return super().batch_part(run_, prompt, n, batch)
+
+    def summary_part(self, parts, sizes):
+        record = super().summary_part(parts, sizes)
+        if record is None or not getattr(self, "key", None):
+            return record
+        return run.dataclasses.replace(record, verdict=run.Verdict.of(
+            "%s (asked with %s)" % (record.verdict, self.key), record.verdict.outcome))
+
+
+class WrongChecksAreRejected(TempDirTest):
+    def rejected(self, wrong):
+        listed = [wrong if kind.NAME == wrong.NAME else kind for kind in run.SWEEP_CHECKS]
+        with mock.patch.object(run, "SWEEP_CHECKS", listed):
+            return rules_broken(wrong.NAME, FIRST_MOVED_TRUTH.get(wrong.NAME))
+
+    def test_a_check_that_never_compares_texts(self):
+        self.assertTrue(any("what it varies moves: held" in b
+                            for b in self.rejected(NeverComparesTexts)))
+
+    def test_a_check_with_no_control_that_does_not_say_it_compares_runs(self):
+        self.assertTrue(any("only run-to-run noise moves" in b and ": moved" in b
+                            for b in self.rejected(NoControlAndSaysNot)))
+
+    def test_a_check_whose_first_moved_names_the_wrong_step_and_kind(self):
+        self.assertTrue(any("first moved, the engine's record" in b
+                            for b in self.rejected(WrongFirstMoved)))
+
+    def test_a_check_that_says_the_key(self):
+        self.assertTrue(any("it says the API key" in b for b in self.rejected(SaysTheKey)))
 
 
 if __name__ == "__main__":
