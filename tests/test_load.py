@@ -329,6 +329,55 @@ class BenchServeNames(TempDirTest):
                 self.assertRegex(r.stderr, "unrecognized arguments|ambiguous option")
                 self.assertNotIn(secret, r.stderr + r.stdout)
 
+    def test_an_option_whose_name_only_holds_token_is_echoed_as_given(self):
+        for given, shown in ((("--tokenizer", "foo"), "--tokenizer foo"),
+                             (("--max-tokenz=9",), "--max-tokenz=9"),
+                             (("--hf-token", "hf_secret"), "--hf-token [api key]"),
+                             (("--auth_token=s3cret",), "--auth_token=[api key]"),
+                             (("--secret-key", "s3cret"), "--secret-key [api key]")):
+            with self.subTest(options=given):
+                r = run_lab("--mode", "cost", "--url", "http://127.0.0.1:9", "--invariant",
+                            "http://127.0.0.1:10", *given)
+                self.assertEqual(r.code, 2, r)
+                self.assertIn("unrecognized arguments: %s" % shown, r.stderr)
+
+    def test_six_more_bench_serve_spellings_get_their_hint(self):
+        for given, said in (("--num-warmups=3", "--warmup N: discarded requests per arm"),
+                            ("--host=10.0.0.1", "give the server as --url http://HOST:PORT"),
+                            ("--port=8001", "give the server as --url http://HOST:PORT"),
+                            ("--backend=vllm", "the lab asks the server which engine it is"),
+                            ("--disable-tqdm", "--quiet: no progress lines"),
+                            ("--endpoint=/v1/completions",
+                             "the lab sends each engine's own generation request")):
+            with self.subTest(option=given):
+                r = run_lab("--mode", "cost", "--url", "http://127.0.0.1:9", "--invariant",
+                            "http://127.0.0.1:10", given)
+                self.assertEqual(r.code, 2, r)
+                self.assertIn(said, r.stderr)
+                self.assertEqual(len(r.stderr.splitlines()), 1, r.stderr)
+
+    def test_cost_mode_takes_seed_and_draws_the_arrivals_from_it(self):
+        cfg = run.configure(["--mode", "cost", "--url", "http://127.0.0.1:9", "--invariant",
+                             "http://127.0.0.1:10", "--concurrency", "2", "--request-rate",
+                             "5", "--seed", "7"])
+        self.assertEqual(cfg.cost.trial.seed, 7)
+        drawn = []
+
+        class Drawn(Exception):
+            pass
+
+        def schedule(arrivals, n, seed):
+            drawn.append(seed)
+            raise Drawn()
+
+        arm = mock.Mock(samples=[0.1, 0.2])
+        with mock.patch.object(run.Arrivals, "schedule", schedule):
+            with self.assertRaises(Drawn):
+                cfg.cost.trial.run(arm, ["a", "b"], run.ADAPTERS["vllm"], cfg.sampling)
+        self.assertEqual(drawn, [7 + 2])  # the third trial's arrivals
+        self.assertIn("--request-rate's arrivals are drawn from",
+                      " ".join(run.build_parser().format_help().split()))
+
     def test_options_that_mean_nothing_here_are_refused_with_a_hint(self):
         cases = {
             ("--save-result",): "the lab saves with --save FILE, or --result-filename FILE",
