@@ -1,6 +1,7 @@
 """--mode cost --concurrency: throughput and latency of both arms under load, streamed, with
 intervals; --precision; the names and figures `vllm bench serve` users know."""
 
+import io
 import json
 import unittest
 from unittest import mock
@@ -414,13 +415,44 @@ class TheNamesUsersKnow(unittest.TestCase):
         stats = run.LoadStats.of([timings], [1.0], [50])
         self.assertAlmostEqual(stats.ttft.mean_s, 0.055)
         self.assertAlmostEqual(stats.ttft.median_s, 0.055)
-        self.assertAlmostEqual(stats.ttft.p90_s, 0.09)
-        self.assertAlmostEqual(stats.ttft.p99_s, 0.10)
+        # numpy's linear percentile, as bench serve's saved figures (one function for both)
+        self.assertAlmostEqual(stats.ttft.p90_s, 0.091)
+        self.assertAlmostEqual(stats.ttft.p99_s, 0.0991)
         self.assertAlmostEqual(stats.itl.mean_s, 0.02)
         self.assertAlmostEqual(stats.itl.p99_s, 0.03)
         record = run.as_record(stats)
         self.assertEqual(sorted(record["itl"]), ["mean_s", "median_s", "p90_s", "p99_s"])
         self.assertNotIn("itl_s", record["requests"][0][0])  # gaps summed up, not saved one by one
+
+    def test_what_a_load_report_prints_is_what_it_saves(self):
+        # uneven latencies, where a nearest-rank p99 and an interpolated one part
+        timings = [[run.RequestTiming(0.001 * k * k, 0.01 * k * k, 5, 0.002 * k, 5,
+                                      [0.002 * k] * 4) for k in range(1, 12)],
+                   [run.RequestTiming(0.003 * k, 0.02 * k, 5, 0.001 * k, 5, [0.001 * k] * 4)
+                    for k in range(1, 8)]]
+        samples = [0.5, 0.3]
+        chosen = run.BenchServeResult(percentiles=(90.0, 99.0))
+        stats = run.LoadStats.of(timings, samples, [55, 35], chosen)
+        flat = stats.bench_serve
+        for spread, metric in ((stats.ttft, "ttft"), (stats.tpot, "tpot"),
+                               (stats.itl, "itl"), (stats.latency, "e2el")):
+            with self.subTest(metric=metric):
+                self.assertEqual(1000 * spread.p90_s, flat["p90_%s_ms" % metric])
+                self.assertEqual(1000 * spread.p99_s, flat["p99_%s_ms" % metric])
+                self.assertEqual(1000 * spread.median_s, flat["median_%s_ms" % metric])
+        cell = run.LoadCell(2, 11, "throughput", "burst", {"off": stats},
+                            {f: run.Overhead(None, None, False, unmeasured="x")
+                             for f in run.LOAD_FIGURES})
+        printed = io.StringIO()
+        cell.report("time per trial", run.Out(printed, io.StringIO()))
+        text = printed.getvalue()
+        self.assertIn("E2E %s" % "/".join("%.1f" % flat["%s_e2el_ms" % name]
+                                          for name in ("mean", "median", "p90", "p99")), text)
+        self.assertIn("TTFT %s" % "/".join("%.1f" % flat["%s_ttft_ms" % name]
+                                           for name in ("mean", "median", "p90", "p99")), text)
+        self.assertIn("%.2f requests/s (median trial)" % stats.median_requests_per_s, text)
+        self.assertIn("all trials as one run %.1f tokens/s, %.2f requests/s"
+                      % (flat["output_throughput"], flat["request_throughput"]), text)
 
     def test_a_load_run_prints_the_four_figures_of_each(self):
         with StubServer(StubConfig(step_delay=0.002)) as off, \
