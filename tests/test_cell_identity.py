@@ -138,6 +138,101 @@ class EverySettingComparedIsPartOfTheIdentity(unittest.TestCase):
                          run.cell_key(upgraded).across_releases())
 
 
+def set_machine(**machine):
+    """A change to a saved cell: both arms reporting this of their machine (label ->
+    value, the labels run.MACHINE_LABELS names, spaces as underscores)."""
+    def change(cell):
+        for arm in ("off", "on"):
+            cell["servers"][arm].setdefault("machine", {}).update(
+                {label.replace("_", " "): value for label, value in machine.items()})
+    return change
+
+
+H100 = {"GPUs": "1 x NVIDIA H100 80GB HBM3", "GPU driver": "570.86.15",
+        "CUDA (torch's build)": "12.8", "CUDA toolkit (nvcc)": "12.8.93",
+        "torch": "2.14.0+cu128"}
+
+
+def on_h100(cell):
+    for arm in ("off", "on"):
+        cell["servers"][arm]["machine"] = dict(H100)
+
+
+def before_machines(cell):
+    """A cell as a lab that did not read the arms' machines saved it."""
+    for arm in ("off", "on"):
+        cell["servers"][arm].pop("machine", None)
+
+
+class EachMachineIsACellOfItsOwn(unittest.TestCase):
+    def test_each_thing_an_arm_reports_of_its_machine_keeps_two_cells_apart(self):
+        self.assertEqual(set(H100), set(run.MACHINE_LABELS))
+        base = variant(saved_cell(), on_h100)
+        for label in run.MACHINE_LABELS:
+            with self.subTest(label=label):
+                other = variant(base, lambda c: [c["servers"][arm]["machine"].update(
+                    {label: "another"}) for arm in ("off", "on")])
+                self.assertNotEqual(run.cell_key(base), run.cell_key(other))
+                doc = run.add_cell({"schema": run.COST_SCHEMA, "cells": [base]}, other)
+                self.assertEqual(len(doc["cells"]), 2)
+                self.assertEqual(run.cell_key(base).differing(run.cell_key(other)),
+                                 ["setting " + label])
+
+    def test_a_machine_nobody_reported_is_unknown_not_different(self):
+        earlier = variant(saved_cell(), before_machines)
+        newer = variant(saved_cell(), lambda c: (on_h100(c), c.update(created="later")))
+        doc = run.add_cell({"cells": [earlier]}, newer)
+        self.assertEqual([c["created"] for c in doc["cells"]], ["later"])
+        line = run.replaced_cell_line(earlier, newer, "cost.json",
+                                      run.settings_read_by_all([earlier, newer]))
+        self.assertIn("what differs: ", line)
+        self.assertIn("GPUs unknown, now 1 x NVIDIA H100 80GB HBM3; ", line)
+        self.assertIn("torch unknown, now 2.14.0+cu128", line)
+
+    def test_two_machines_stay_two_cells_beside_an_earlier_labs_cell(self):
+        earlier = variant(saved_cell(), before_machines)
+        h100 = variant(saved_cell(), on_h100)
+        h200 = variant(h100, set_machine(GPUs="1 x NVIDIA H200"))
+        doc = run.add_cell(run.add_cell({"cells": [earlier]}, h100), h200)
+        self.assertEqual(len(doc["cells"]), 2)  # the earlier cell is replaced, once
+        self.assertEqual([c["servers"]["off"]["machine"]["GPUs"] for c in doc["cells"]],
+                         ["1 x NVIDIA H100 80GB HBM3", "1 x NVIDIA H200"])
+
+    def test_one_arm_that_does_not_say_leaves_that_part_unknown(self):
+        base = variant(saved_cell(), on_h100)
+        half = variant(base, lambda c: c["servers"]["on"]["machine"].pop("torch"))
+        self.assertEqual(len(run.add_cell({"cells": [base]}, half)["cells"]), 1)
+
+
+class WhatVllmReportsOfItsMachine(unittest.TestCase):
+    def info(self, release, arm):
+        path = os.path.join(HERE, "fixtures", release, "server_info_flag_%s.json" % arm)
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+
+    def test_the_real_answers_system_env(self):
+        vllm = run.ADAPTERS["vllm"]
+        self.assertEqual(vllm.machine(self.info("vllm-0.26.0", "off")),
+                         {"GPUs": "1 x NVIDIA H200", "GPU driver": "580.159.04",
+                          "CUDA (torch's build)": "13.0", "torch": "2.11.0+cu130"})
+        # 0.34.0's captures were cut to four fields: what they lack is unknown
+        self.assertEqual(vllm.machine(self.info("vllm-0.34.0", "on")),
+                         {"CUDA (torch's build)": "13.0", "torch": "2.14.0+cu130"})
+
+    def test_nvidia_smi_lines_become_a_count_of_each_model(self):
+        self.assertEqual(run.gpu_count_text("GPU 0: NVIDIA H200\nGPU 1: NVIDIA H200\n"),
+                         "2 x NVIDIA H200")
+        self.assertEqual(run.gpu_count_text("GPU 0: A\nGPU 1: B\nGPU 2: A"), "2 x A, 1 x B")
+        self.assertEqual(run.gpu_count_text("AMD Instinct MI300X (gfx942)"),
+                         "AMD Instinct MI300X (gfx942)")
+
+    def test_sglang_reports_no_machine(self):
+        path = os.path.join(HERE, "fixtures", "sglang-0.5.23", "server_info_flag_off.json")
+        with open(path, encoding="utf-8") as f:
+            facts = run.ADAPTERS["sglang"].facts(json.load(f), None)
+        self.assertEqual(facts.machine, {})
+
+
 def labels(cell):
     return run.CellLabels.from_record(cell)
 
@@ -275,6 +370,39 @@ class CostRuns(TempDirTest):
         heading = next(line for line in runs[1].stdout.splitlines()
                        if line.startswith("cost cells for"))
         self.assertIn("attention backend TritonAttentionBackend", heading)
+
+    def test_cost_runs_on_two_machines_are_two_cells(self):
+        path = self.path("cost.json")
+        machines = ({("system_env", "nvidia_gpu_models"): "GPU 0: NVIDIA H100 80GB HBM3",
+                     ("system_env", "torch_version"): "2.14.0+cu130"},
+                    {("system_env", "nvidia_gpu_models"): "GPU 0: NVIDIA H200",
+                     ("system_env", "torch_version"): "2.13.0+cu130"})
+        runs = []
+        for machine in machines:
+            with StubServer(StubConfig(info_overrides=machine)) as off, \
+                    StubServer(StubConfig(invariant=True, info_overrides=machine)) as on:
+                runs.append(self.cost(off, on, "--save", path))
+        self.assertEqual([r.code for r in runs], [0, 0], runs[1])
+        self.assertNotIn("replaces", runs[1].stderr)
+        cells = self.load("cost.json")["cells"]
+        self.assertEqual([(c["servers"]["on"]["machine"]["GPUs"],
+                           c["servers"]["on"]["machine"]["torch"]) for c in cells],
+                         [("1 x NVIDIA H100 80GB HBM3", "2.14.0+cu130"),
+                          ("1 x NVIDIA H200", "2.13.0+cu130")])
+        self.assertRegex(runs[1].stdout, r"\nGPUs +1 x NVIDIA H200 +1 x NVIDIA H200 *\n")
+
+    def test_arms_on_two_machines_are_refused_unless_mismatch_is_allowed(self):
+        h100 = {("system_env", "nvidia_gpu_models"): "GPU 0: NVIDIA H100 80GB HBM3"}
+        with StubServer() as off, StubServer(StubConfig(invariant=True,
+                                                        info_overrides=h100)) as on:
+            refused = self.cost(off, on)
+            allowed = self.cost(off, on, "--allow-mismatch", "--json")
+        self.assertEqual(refused.code, 2, refused)
+        self.assertIn("the two servers differ in more than the flag (GPUs)", refused.stderr)
+        self.assertEqual(allowed.code, 0, allowed)
+        self.assertEqual(allowed.json()["differences"],
+                         [{"setting": "GPUs", "off": "1 x NVIDIA H200",
+                           "on": "1 x NVIDIA H100 80GB HBM3"}])
 
     def test_arms_that_do_not_say_their_flag_are_not_called_flag_off_and_on(self):
         with StubServer(StubConfig(dev_mode=False)) as off, \

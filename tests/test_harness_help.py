@@ -150,6 +150,17 @@ class Harness(unittest.TestCase):
         self.assertIn("CRITICAL: Disable batch invariance", p.stdout)
 
 
+class TwoServersOnOneGpu(unittest.TestCase):
+    def test_the_vllm_serve_lines_each_pass_the_memory_share_the_text_asks_for(self):
+        out = run_lab("--mode", "harness", "--engine", "vllm").stdout
+        self.assertIn("two servers on one GPU must each pass --gpu-memory-utilization", out)
+        joined = out.replace("\\\n", " ")
+        serves = [line for line in joined.splitlines() if " vllm serve " in line]
+        self.assertEqual(len(serves), 2, out)
+        for line in serves:
+            self.assertRegex(line, r"--gpu-memory-utilization 0\.\d+\b")
+
+
 class HelpAndDefaults(unittest.TestCase):
     OPTIONS = ("--mode", "--engine", "--url", "--model", "--api-key", "--max-tokens", "--save", "--json",
                "--timeout", "--max-response-mb", "--sizes", "--max-batch", "--prompt", "--prompt-file",

@@ -1,6 +1,7 @@
 """--mode cost --concurrency: throughput and latency of both arms under load, streamed, with
 intervals; --precision; the names and figures `vllm bench serve` users know."""
 
+import io
 import json
 import unittest
 from unittest import mock
@@ -329,6 +330,55 @@ class BenchServeNames(TempDirTest):
                 self.assertRegex(r.stderr, "unrecognized arguments|ambiguous option")
                 self.assertNotIn(secret, r.stderr + r.stdout)
 
+    def test_an_option_whose_name_only_holds_token_is_echoed_as_given(self):
+        for given, shown in ((("--tokenizer", "foo"), "--tokenizer foo"),
+                             (("--max-tokenz=9",), "--max-tokenz=9"),
+                             (("--hf-token", "hf_secret"), "--hf-token [api key]"),
+                             (("--auth_token=s3cret",), "--auth_token=[api key]"),
+                             (("--secret-key", "s3cret"), "--secret-key [api key]")):
+            with self.subTest(options=given):
+                r = run_lab("--mode", "cost", "--url", "http://127.0.0.1:9", "--invariant",
+                            "http://127.0.0.1:10", *given)
+                self.assertEqual(r.code, 2, r)
+                self.assertIn("unrecognized arguments: %s" % shown, r.stderr)
+
+    def test_six_more_bench_serve_spellings_get_their_hint(self):
+        for given, said in (("--num-warmups=3", "--warmup N: discarded requests per arm"),
+                            ("--host=10.0.0.1", "give the server as --url http://HOST:PORT"),
+                            ("--port=8001", "give the server as --url http://HOST:PORT"),
+                            ("--backend=vllm", "the lab asks the server which engine it is"),
+                            ("--disable-tqdm", "--quiet: no progress lines"),
+                            ("--endpoint=/v1/completions",
+                             "the lab sends each engine's own generation request")):
+            with self.subTest(option=given):
+                r = run_lab("--mode", "cost", "--url", "http://127.0.0.1:9", "--invariant",
+                            "http://127.0.0.1:10", given)
+                self.assertEqual(r.code, 2, r)
+                self.assertIn(said, r.stderr)
+                self.assertEqual(len(r.stderr.splitlines()), 1, r.stderr)
+
+    def test_cost_mode_takes_seed_and_draws_the_arrivals_from_it(self):
+        cfg = run.configure(["--mode", "cost", "--url", "http://127.0.0.1:9", "--invariant",
+                             "http://127.0.0.1:10", "--concurrency", "2", "--request-rate",
+                             "5", "--seed", "7"])
+        self.assertEqual(cfg.cost.trial.seed, 7)
+        drawn = []
+
+        class Drawn(Exception):
+            pass
+
+        def schedule(arrivals, n, seed):
+            drawn.append(seed)
+            raise Drawn()
+
+        arm = mock.Mock(samples=[0.1, 0.2])
+        with mock.patch.object(run.Arrivals, "schedule", schedule):
+            with self.assertRaises(Drawn):
+                cfg.cost.trial.run(arm, ["a", "b"], run.ADAPTERS["vllm"], cfg.sampling)
+        self.assertEqual(drawn, [7 + 2])  # the third trial's arrivals
+        self.assertIn("--request-rate's arrivals are drawn from",
+                      " ".join(run.build_parser().format_help().split()))
+
     def test_options_that_mean_nothing_here_are_refused_with_a_hint(self):
         cases = {
             ("--save-result",): "the lab saves with --save FILE, or --result-filename FILE",
@@ -365,13 +415,44 @@ class TheNamesUsersKnow(unittest.TestCase):
         stats = run.LoadStats.of([timings], [1.0], [50])
         self.assertAlmostEqual(stats.ttft.mean_s, 0.055)
         self.assertAlmostEqual(stats.ttft.median_s, 0.055)
-        self.assertAlmostEqual(stats.ttft.p90_s, 0.09)
-        self.assertAlmostEqual(stats.ttft.p99_s, 0.10)
+        # numpy's linear percentile, as bench serve's saved figures (one function for both)
+        self.assertAlmostEqual(stats.ttft.p90_s, 0.091)
+        self.assertAlmostEqual(stats.ttft.p99_s, 0.0991)
         self.assertAlmostEqual(stats.itl.mean_s, 0.02)
         self.assertAlmostEqual(stats.itl.p99_s, 0.03)
         record = run.as_record(stats)
         self.assertEqual(sorted(record["itl"]), ["mean_s", "median_s", "p90_s", "p99_s"])
         self.assertNotIn("itl_s", record["requests"][0][0])  # gaps summed up, not saved one by one
+
+    def test_what_a_load_report_prints_is_what_it_saves(self):
+        # uneven latencies, where a nearest-rank p99 and an interpolated one part
+        timings = [[run.RequestTiming(0.001 * k * k, 0.01 * k * k, 5, 0.002 * k, 5,
+                                      [0.002 * k] * 4) for k in range(1, 12)],
+                   [run.RequestTiming(0.003 * k, 0.02 * k, 5, 0.001 * k, 5, [0.001 * k] * 4)
+                    for k in range(1, 8)]]
+        samples = [0.5, 0.3]
+        chosen = run.BenchServeResult(percentiles=(90.0, 99.0))
+        stats = run.LoadStats.of(timings, samples, [55, 35], chosen)
+        flat = stats.bench_serve
+        for spread, metric in ((stats.ttft, "ttft"), (stats.tpot, "tpot"),
+                               (stats.itl, "itl"), (stats.latency, "e2el")):
+            with self.subTest(metric=metric):
+                self.assertEqual(1000 * spread.p90_s, flat["p90_%s_ms" % metric])
+                self.assertEqual(1000 * spread.p99_s, flat["p99_%s_ms" % metric])
+                self.assertEqual(1000 * spread.median_s, flat["median_%s_ms" % metric])
+        cell = run.LoadCell(2, 11, "throughput", "burst", {"off": stats},
+                            {f: run.Overhead(None, None, False, unmeasured="x")
+                             for f in run.LOAD_FIGURES})
+        printed = io.StringIO()
+        cell.report("time per trial", run.Out(printed, io.StringIO()))
+        text = printed.getvalue()
+        self.assertIn("E2E %s" % "/".join("%.1f" % flat["%s_e2el_ms" % name]
+                                          for name in ("mean", "median", "p90", "p99")), text)
+        self.assertIn("TTFT %s" % "/".join("%.1f" % flat["%s_ttft_ms" % name]
+                                           for name in ("mean", "median", "p90", "p99")), text)
+        self.assertIn("%.2f requests/s (median trial)" % stats.median_requests_per_s, text)
+        self.assertIn("all trials as one run %.1f tokens/s, %.2f requests/s"
+                      % (flat["output_throughput"], flat["request_throughput"]), text)
 
     def test_a_load_run_prints_the_four_figures_of_each(self):
         with StubServer(StubConfig(step_delay=0.002)) as off, \

@@ -182,6 +182,37 @@ class Progress(TempDirTest):
         self.assertTrue(tty.text.startswith("\r\033[K") and "batch 2 | 0/4 batches" in tty.text)
         self.assertNotIn("\n", tty.text)
 
+class AStopSignalDuringAProgressLine(unittest.TestCase):
+    class Tty:
+        def __init__(self):
+            self.text = ""
+
+        def isatty(self):
+            return True
+
+        def write(self, s):
+            self.text += s
+
+        def flush(self):
+            pass
+
+    def test_its_line_starts_on_a_line_of_its_own(self):
+        import signal
+        err = self.Tty()
+        with mock.patch.dict(os.environ, {"TERM": "xterm"}):
+            out = run.Out(self.Tty(), err)
+        progress = run.Progress(out, 4, "batches")
+        progress.running("batch 2")
+        interrupt = run.DeferredInterrupt(out)
+        with mock.patch.object(run.STOP, "ask"):
+            interrupt._handler(signal.SIGINT, None)
+        shown = err.text.split("\r\033[K")[-1]
+        self.assertRegex(shown, r"^batch 2 \| [^\n]*\nrun\.py: SIGINT: stopping after the "
+                                r"current request")
+        out.warn("later")  # no progress line showing: no empty line
+        self.assertTrue(err.text.endswith("abort it)\nrun.py: warning: later\n"), err.text)
+
+
 class LiveTable(TempDirTest):
     def test_the_header_and_the_first_row_are_out_before_the_sweep_ends(self):
         # A slow practice engine (10 ms a step), stopped once its first size is done: stdout,

@@ -185,6 +185,31 @@ class SavesThatCannotLoseAResult(TempDirTest):
         self.assertEqual(code, run.EXIT_SERVER)
         self.assertIn("written by another run", out.getvalue())
 
+    def test_a_cost_cell_whose_path_a_sweep_took_meanwhile_is_saved_beside_it(self):
+        path = self.path("shared.json")
+        sweep = {"schema": "batch-invariance-lab/sweep/2", "prompts": [],
+                 "summary": {"state": "complete"}}
+        save_cell = run.save_cell
+
+        def sweep_saves_first(where, cell):  # a sweep started with the same --save wins the race
+            if not os.path.exists(path):
+                run.write_json_atomic(path, sweep)
+            return save_cell(where, cell)
+
+        with StubServer() as off, StubServer(StubConfig(invariant=True)) as on, \
+                mock.patch.object(run, "save_cell", sweep_saves_first):
+            r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url, "--batch", 1,
+                        "--trials", 2, "--warmup", 0, "--max-tokens", 2, "--save", path)
+        self.assertEqual(r.code, run.EXIT_SERVER, r)
+        self.assertEqual(self.load("shared.json"), sweep)  # the sweep's file as it saved it
+        kept = self.path("shared.%d.json" % os.getpid())
+        self.assertIn("holds batch-invariance-lab/sweep/2 now, not cost results (another run "
+                      "saved there while this one measured); not overwritten: saved %s instead"
+                      % kept, r.stderr)
+        with open(kept, encoding="utf-8") as f:
+            cells = json.load(f)["cells"]
+        self.assertEqual([(c["state"], c["trials"]) for c in cells], [("complete", 2)])
+
 
 if __name__ == "__main__":
     unittest.main()
