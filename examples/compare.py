@@ -27,7 +27,8 @@ import run  # noqa: E402  (run.py: what makes two cost cells the same measuremen
 
 SWEEP_SCHEMAS = run.SWEEP_SCHEMAS_READ  # what the run.py beside it reads back
 COST_SCHEMAS = (run.COST_SCHEMA,)
-SUMMARY_FIELDS = ("verdict", "unique_completions", "total_completions", "max_ulp", "max_nats",
+SUMMARY_FIELDS = ("verdict", "unique_completions", "total_completions", "moved", "max_ulp",
+                  "max_nats",
                   "flip_risk", "batch1_repeatable", "first_moved", "served_sizes", "state",
                   "prefix_cache_bypass", "prefill_verdict", "prefill_max_ulp", "prefill_divergent",
                   "prefill_kl_mean")

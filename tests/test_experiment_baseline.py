@@ -30,6 +30,10 @@ class AgainstAnEarlierRun(Experiment):
         section = report[report.index("## Against the earlier run (BASELINE)"):]
         self.assertIn("- TP 1, concurrent requests: %s." % verdict, section)
         self.assertIn("flag-on sweep, concurrent requests, against BASELINE", report)
+        # each finding's count of moved against compared, with the interval run.py saved
+        moved = self.load_run("tp1", "sweep_on.json")["summary"]["moved"]
+        self.assertIn("moved from the baseline: %d of %d computed completions (95%% CI 0-"
+                      % (moved["moved"], moved["compared"]), report)
         self.assert_no_server_left()
 
     def test_a_folder_of_no_earlier_run_is_refused_before_anything_starts(self):
