@@ -93,6 +93,15 @@ class BaselineAcrossMachines(TempDirTest):
         self.assertEqual(r.code, 0, r)
         self.assertIn("as the baseline measured on an unreported machine, vLLM 0.26.0", r.stdout)
 
+    def test_a_server_without_tokenize_has_no_fingerprint_and_is_not_refused_for_it(self):
+        self.saved_on_h100()
+        r, _ = self.against(StubConfig(invariant=True, no_tokenize=True))
+        self.assertEqual(r.code, 0, r)
+        tokenizer = self.load("other.json")["measured_under"]["tokenizer"]
+        self.assertIsNone(tokenizer["tokens"])
+        self.assertIn("404", tokenizer["why"])
+        self.assertIn("flag on: the same tokens and logprobs as the baseline", r.stdout)
+
     def test_another_model_or_sampling_is_still_refused(self):
         self.saved_on_h100()
         r, _ = self.against(StubConfig(invariant=True, model="other/served"))
