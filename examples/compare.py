@@ -27,7 +27,8 @@ import run  # noqa: E402  (run.py: what makes two cost cells the same measuremen
 
 SWEEP_SCHEMAS = run.SWEEP_SCHEMAS_READ  # what the run.py beside it reads back
 COST_SCHEMAS = (run.COST_SCHEMA,)
-SUMMARY_FIELDS = ("verdict", "unique_completions", "total_completions", "max_ulp", "max_nats",
+SUMMARY_FIELDS = ("verdict", "unique_completions", "total_completions", "moved", "max_ulp",
+                  "max_nats",
                   "flip_risk", "batch1_repeatable", "first_moved", "served_sizes", "state",
                   "prefix_cache_bypass", "prefill_verdict", "prefill_max_ulp", "prefill_divergent",
                   "prefill_kl_mean")
@@ -96,7 +97,17 @@ def table(title, rows, out):
                                                   delta(old, new)))
 
 
+def named_rows(a, b, prefix=""):
+    """Rows of the results' --label and --metadata, where either holds one."""
+    rows = []
+    for key in ("label", "metadata"):
+        if a.get(key) is not None or b.get(key) is not None:
+            rows.append((prefix + key, a.get(key), b.get(key)))
+    return rows
+
+
 def compare_sweeps(a, b, out):
+    table("result (its label and metadata)", named_rows(a, b), out)
     sa, sb = a.get("server") or {}, b.get("server") or {}
     settings_a, settings_b = sa.get("settings") or {}, sb.get("settings") or {}
     changed = [(k, settings_a.get(k), settings_b.get(k)) for k in sorted(set(settings_a) | set(settings_b))
@@ -229,6 +240,7 @@ def compare_costs(a, b, out):
         rows.append((name + " overhead %", old.get("overhead_pct"), new.get("overhead_pct")))
         rows.append((name + " 95% interval", old.get("ci95_pct"), new.get("ci95_pct")))
         rows.append((name + " significant", old.get("significant"), new.get("significant")))
+        rows.extend(named_rows(old, new, name + " "))
         if old and new:  # what changed between the two cells, the release among it
             read = run.settings_read_by_all([old, new])
             before, after = run.cell_key(old, read), run.cell_key(new, read)

@@ -64,6 +64,10 @@ Variables (all optional), with their defaults:
                         arms are ready (an engine whose start-up cannot share its device)
   SWEEP_ARGS=, COST_ARGS=
                         extra run.py options for every sweep and for each cost cell
+  BASELINE=             an earlier run's folder (OUTPUT/YYYYmmdd-HHMMSS, another machine's,
+                        engine's or release's): each flag-on sweep is run again against the
+                        matching one there (tpN/sweep_on.json, tpN/copies_on.json) as its
+                        --baseline, and REPORT.md says what that comparison found
 
 Every variable is checked before any arm starts: each step's options by run.py's own
 configuration, the options the experiment sets itself refused in any spelling, URLs as run.py
@@ -199,6 +203,7 @@ class Settings:
     cost_args: List[str]
     copies: bool  # COPIES: the copies-in-one-request sweeps too
     overlap: bool  # OVERLAP: an arm is swept while the other still loads
+    baseline: Optional[str] = None  # BASELINE: an earlier run's folder, its flag-on sweeps
 
 
 def split_words(name: str, env: Dict[str, str]) -> List[str]:
@@ -372,7 +377,44 @@ def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
         cost_args=split_words("COST_ARGS", env),
         copies=on_or_off("COPIES", env),
         overlap=on_or_off("OVERLAP", env),
+        baseline=baseline_folder(env),
     )
+
+
+def baseline_folder(env: Dict[str, str]) -> Optional[str]:
+    """BASELINE=DIR: an earlier run's folder, holding at least one flag-on sweep to compare
+    with (tpN/STEM.json of a flag-on sweep of SWEEPS)."""
+    folder = env.get("BASELINE")
+    if not folder:
+        return None
+    if not os.path.isdir(folder):
+        raise UsageError("BASELINE=%s is not a folder: give an earlier run's (OUTPUT/"
+                         "YYYYmmdd-HHMMSS)" % folder)
+    if not earlier_sweeps(folder):
+        raise UsageError("BASELINE=%s holds no flag-on sweep (tpN/sweep_on.json or "
+                         "tpN/copies_on.json): give an earlier run's folder" % folder)
+    return os.path.abspath(folder)
+
+
+def earlier_sweeps(folder: str) -> List[Tuple[int, str]]:
+    """(TP degree, file stem) of every flag-on sweep an earlier run's folder holds."""
+    found = []
+    for name in sorted(os.listdir(folder)):
+        match = re.fullmatch(r"tp([0-9]+)", name)
+        if match:
+            for stem, key, *_ in SWEEPS:
+                if key == "on" and os.path.isfile(os.path.join(folder, name, stem + ".json")):
+                    found.append((int(match.group(1)), stem))
+    return found
+
+
+def earlier_sweep(s: "Settings", tp: int, stem: str) -> Optional[str]:
+    """The earlier run's flag-on sweep that matches one of this run's (same degree, same
+    traffic), where BASELINE holds it."""
+    if not s.baseline:
+        return None
+    path = os.path.join(s.baseline, "tp%d" % tp, stem + ".json")
+    return path if os.path.isfile(path) else None
 
 
 def lab_check(check, *args):
@@ -771,6 +813,14 @@ def versus_options(s: Settings, baseline: Optional[str], save: Optional[str]) ->
     return words + (["--save", save] if save else [])
 
 
+def against_earlier_options(s: Settings, traffic: str, earlier: str,
+                            save: Optional[str]) -> List[str]:
+    """run.py's options for a flag-on sweep run again against the earlier run's matching one
+    (BASELINE): the same sweep, its baseline that file's batch 1, no --expect (what it found
+    is reported, not expected)."""
+    return sweep_options(s, "on", traffic, None, save) + ["--baseline", earlier]
+
+
 def cost_options(s: Settings, workload: str, tp: int, save: Optional[str]) -> List[str]:
     """run.py's options for one cost cell."""
     words = ["--mode", "cost", "--engine", s.engine, "--url", s.urls["off"], "--invariant",
@@ -787,6 +837,12 @@ def check_steps(s: Settings, sweeps: List[Tuple[str, str, str, Optional[str], st
              for _, key, traffic, expect, shape in sweeps]
     if len(s.degrees) > 1:
         steps.append(("SWEEP_ARGS", "TP against TP, batch 1", versus_options(s, None, None)))
+    # the earlier run's files are read by run.py's own checks: another model, prompt or
+    # sampling is refused here, before any arm starts
+    steps += [("BASELINE", "the flag-on sweep, %s, against %s" % (shape, earlier),
+               against_earlier_options(s, traffic, earlier, None))
+              for tp in s.degrees for stem, key, traffic, _, shape in sweeps
+              if key == "on" for earlier in [earlier_sweep(s, tp, stem)] if earlier]
     steps += [("COST_ARGS", "the %s cost cell" % workload, cost_options(s, workload, tp, None))
               for tp in s.degrees[:1] for workload in WORKLOADS]
     for name, step, words in steps:
@@ -1051,6 +1107,7 @@ class Experiment:
             self.run_lanes([], startup)
         self.run_lanes([lanes["off"], lanes["on"]], startup, gates=["off", "on"])
         self.tp_against_first(tp)
+        self.against_earlier(tp, folder)
         cost = os.path.join(self.run_dir, "cost.json")
         for workload in WORKLOADS:
             argv = self.lab(*cost_options(s, workload, tp, cost))
@@ -1063,10 +1120,27 @@ class Experiment:
         """The sweeps of one degree (SWEEPS, the copies sweeps only with COPIES=on)."""
         return [sweep for sweep in SWEEPS if sweep[2] != "copies" or self.settings.copies]
 
+    def against_earlier(self, tp: int, folder: str) -> None:
+        """BASELINE: each flag-on sweep of this degree again, against the earlier run's
+        matching one as its --baseline (batch 1 compared too), saved as STEM_vs_baseline."""
+        s = self.settings
+        for stem, key, traffic, _, shape in self.sweeps():
+            earlier = earlier_sweep(s, tp, stem) if key == "on" else None
+            if earlier is None:
+                continue
+            save = os.path.join(folder, stem + "_vs_baseline.json")
+            argv = self.lab(*against_earlier_options(s, traffic, earlier, save))
+            step = Step("flag-on sweep, %s, against BASELINE" % shape, tp, outputs=[save],
+                        what="every completion against the earlier run's batch 1, bit for bit")
+            self.run_step(step, argv, save[:-5] + ".txt")
+
     def plan(self, degrees: List[int]) -> int:
         """How many steps a run at these degrees takes: each degree's sweeps and two cost
-        cells, a TP comparison from the second degree on, and the pictures."""
+        cells, a TP comparison from the second degree on, the comparisons with BASELINE,
+        and the pictures."""
         steps = sum(len(self.sweeps()) + 2 for _ in degrees) + max(0, len(degrees) - 1)
+        steps += sum(1 for tp in degrees for stem, key, *_ in self.sweeps()
+                     if key == "on" and earlier_sweep(self.settings, tp, stem))
         return steps + (len(degrees) + 1 if degrees and have_matplotlib() else 0)
 
     def tp_against_first(self, tp: int) -> None:
@@ -1830,6 +1904,9 @@ def findings(exp: Experiment) -> List[str]:
             line = "- %s, flag %s, %s: **%s**, %s unique of %s, max ULP %s" % (
                 degree, key, shape, fmt(sm.get("verdict")), fmt(sm.get("unique_completions")),
                 fmt(sm.get("total_completions")), fmt(sm.get("max_ulp")))
+            rate = rate_text(sm.get("moved"))
+            if rate:
+                line += "; moved from the baseline: %s" % rate
             if key == "off" or moved(doc):
                 line += ", first moved: %s" % first_moved(doc)
             for check, verdict in check_verdicts(doc):
@@ -1841,6 +1918,43 @@ def findings(exp: Experiment) -> List[str]:
                 line += " (the sweep did not complete: %s)" % fmt(sm.get("state"))
             lines.append(line + ".")
     return lines or ["- No sweep was saved."]
+
+
+def against_earlier_findings(exp: Experiment) -> List[str]:
+    """BASELINE: what each flag-on sweep run against the earlier run's found, as run.py's
+    saved verdict names both sides; a flag-on sweep the earlier run has no match for, said."""
+    s = exp.settings
+    if not s.baseline:
+        return []
+    lines = ["", "## Against the earlier run (BASELINE)", "",
+             "Each flag-on sweep again, its baseline the earlier run's matching sweep "
+             "(`%s`): batch 1 and every other size compared with that run's batch 1." % s.baseline,
+             ""]
+    for tp in s.degrees:
+        for stem, key, _, _, shape in SWEEPS:
+            if key != "on" or (stem.startswith("copies") and not s.copies):
+                continue
+            if earlier_sweep(s, tp, stem) is None:
+                lines.append("- TP %d, %s: the earlier run has no such sweep (`tp%d/%s.json`)."
+                             % (tp, shape, tp, stem))
+                continue
+            doc = load(os.path.join(exp.run_dir, "tp%d" % tp, stem + "_vs_baseline.json"))
+            said = (doc or {}).get("baseline") if isinstance(doc, dict) else None
+            verdict = said.get("verdict") if isinstance(said, dict) else None
+            lines.append("- TP %d, %s: %s." % (tp, shape, verdict or "no comparison saved (see "
+                                                "the step's output)"))
+    return lines
+
+
+def rate_text(saved) -> Optional[str]:
+    """A count of moved against compared with the interval run.py saved beside it ("0 of 132
+    computed completions (95% CI 0-2.8%)"); None where the file holds none."""
+    if not isinstance(saved, dict):
+        return None
+    try:
+        return lab.Rate(**saved).text("computed completions")
+    except (TypeError, ValueError):
+        return None
 
 
 def served(exp: Experiment) -> List[Tuple[str, str]]:
@@ -1927,6 +2041,7 @@ def report(exp: Experiment) -> str:
              "## Findings", ""] + findings(exp)
     cost = load(os.path.join(exp.run_dir, "cost.json"))
     cells = [c for c in (cost or {}).get("cells") or [] if isinstance(c, dict)]
+    lines += against_earlier_findings(exp)
     lines += ["", "## The flag's cost", ""]
     lines += cost_table(cells, exp.settings.degrees)
     lines += ["One cell alone is not a result: the 2x2 table is TP 1 and your real TP degree, "

@@ -26,6 +26,14 @@ def load(path, schemas, kind):
     return doc
 
 
+def named(doc):
+    """A result's --label and --metadata as run.py saved them ("" where it has neither)."""
+    label = doc.get("label") if isinstance(doc.get("label"), str) else ""
+    metadata = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+    facts = ", ".join("%s=%s" % item for item in metadata.items())
+    return " ".join(part for part in (label, "[%s]" % facts if facts else "") if part)
+
+
 def pyplot():
     """matplotlib.pyplot drawing to files only (no screen needed)."""
     import matplotlib

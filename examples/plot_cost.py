@@ -121,7 +121,11 @@ def tables(doc, model=None, batch=None, max_tokens=None):
             for workload in WORKLOADS:
                 cell = run.table_slot(same, tp, workload)
                 slots[tp, workload] = None if cell is None else bar(cell, record_of(cell))
-        found.append((run.table_heading(cells, group, prefix), degrees, slots))
+        heading = run.table_heading(cells, group, prefix)
+        named = sorted({labplot.named(record_of(c)) for c in same} - {""})
+        if named:  # the cells' --label and --metadata, as saved
+            heading += "; " + ", ".join(named)
+        found.append((heading, degrees, slots))
     if not found:
         raise ValueError("no cell of that model, batch and length")
     return found

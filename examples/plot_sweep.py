@@ -37,8 +37,11 @@ def server_name(doc):
 
 
 def label(doc, path):
-    """A file's legend line: its server, its saved verdict, and the file."""
-    return "%s: %s (%s)" % (server_name(doc), verdict(doc), os.path.basename(path))
+    """A file's legend line: its label and metadata where it has them, its server, its saved
+    verdict, and the file."""
+    named = labplot.named(doc)
+    return "%s%s: %s (%s)" % (named + ": " if named else "", server_name(doc), verdict(doc),
+                              os.path.basename(path))
 
 
 def verdict(doc):

@@ -295,6 +295,9 @@ class StubConfig:
     prefill_agrees: bool = False             # prefill computes as a batch-1 decode step does
     prompt_logprobs: bool = True             # False: a server that returns no prompt logprobs
     info_overrides: Dict[Tuple[str, ...], object] = field(default_factory=dict)  # /server_info path -> value
+    no_tokenize: bool = False                # a gateway that passes no /tokenize (404)
+    tokenizer_probe_differs: Optional[str] = None  # another tokenizer: /tokenize gives this text
+                                             # other ids (only there: what is generated stays the stub's)
     rotation_offset: int = 0                 # another kernel build (a TP degree, a version): every
                                              # reduction starts this many terms further on
     cache_path_differs: bool = False         # a prompt served from the prefix cache is computed
@@ -986,9 +989,12 @@ class StubHandler(BaseHTTPRequestHandler):
                                       b"will not be performed.)")
             self.server.state.flush()
             return self.send_json(200, None, raw=b"Cache flushed.\nPlease check backend logs for more details.")
-        if self.config.engine == "vllm" and path == "/tokenize":
+        if path == "/tokenize" and not self.config.no_tokenize:  # both engines (SGLang's:
+            # python/sglang/srt/entrypoints/http_server.py, 0.5.23 lines 1906-1921)
             body = json.loads(raw or b"{}")
             ids = tokenize(body.get("prompt") or "")
+            if body.get("prompt") == self.config.tokenizer_probe_differs:
+                ids = [i + 1 for i in ids]  # another tokenizer: the lab's probe text tokenized otherwise
             return self.send_json(200, {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids,
                                         "token_strs": None})
         handlers = {"vllm": {"/v1/completions": vllm_completions},

@@ -170,7 +170,7 @@ class TheSweepReadsTheCounters(TempDirTest):
         config = StubConfig(invariant=True, prompt_tokens_details=True, uncounted_cache_hits=True)
         with StubServer(config) as stub:
             r = short_sweep(stub, "--sizes", "1,4", "--repeat", 2, "--expect", "invariant",
-                            "--save", self.path("s.json"))
+                            "--save", self.path("s.json"), "--wide")  # a row and its notes
         self.assertEqual(r.code, 1, r)
         doc = self.load("s.json")
         self.assertNotEqual(doc["summary"]["verdict"], "invariant")

@@ -240,6 +240,103 @@ class EachHazardOnItsOwn(TempDirTest):
         self.assertLess(tail.index("HAZARD: speculative decoding"), tail.index("fused-MoE"))
 
 
+SGLANG_NEWEST = "0.5.23"
+
+
+class TheNewestHazards(unittest.TestCase):
+    """vllm#54035, sglang#36291 and sglang#36174: each raised where its setting and release
+    meet, and not where they do not (all three open when read: no release has a fix)."""
+
+    def refs(self, engine, info, version):
+        return [h["refs"].split(" ")[0] for h in run.hazards_in(engine, info, version)]
+
+    def test_vllm_fp8_kv_cache_decode_against_prefill(self):
+        ref = "vllm-project/vllm#54035"
+        for version in ("0.28.0", "0.33.0", "0.34.0", "0.34.1rc1", None):
+            for backend in (None, "FLASH_ATTN",
+                            "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend"):
+                info = {"vllm_config": {"cache_config": {"cache_dtype": "fp8_e4m3"},
+                                        "attention_config": {"backend": backend}}}
+                with self.subTest(version=version, backend=backend):
+                    self.assertIn(ref, self.refs("vllm", info, version))
+        quiet = [({"cache_dtype": "auto"}, None), ({"cache_dtype": "bfloat16"}, "FLASH_ATTN"),
+                 ({"cache_dtype": "fp8"}, "FLASHINFER")]  # another kernel: not the FA3 split
+        for cache, backend in quiet:
+            info = {"vllm_config": {"cache_config": cache, "attention_config": {"backend": backend}}}
+            with self.subTest(cache=cache, backend=backend):
+                self.assertNotIn(ref, self.refs("vllm", info, "0.34.0"))
+        # SGLang's FP8 KV cache is its own row (sglang#35938), not vLLM's
+        self.assertNotIn(ref, self.refs("sglang", {"kv_cache_dtype": "fp8_e4m3"}, SGLANG_NEWEST))
+
+    def test_sglang_flag_without_effect_on_a_quantized_model_with_a_drafter(self):
+        ref = "sgl-project/sglang#36291"
+        base = {"model_path": "m", "enable_deterministic_inference": True,
+                "quantization": "modelopt_fp4", "speculative_algorithm": "DFLASH2"}
+        for version in ("0.5.18", SGLANG_NEWEST, None):
+            with self.subTest(version=version):
+                self.assertIn(ref, self.refs("sglang", base, version))
+        self.assertIn(ref, self.refs("sglang", dict(base, quantization=None,
+                                                    modelopt_quant="fp4"), SGLANG_NEWEST))
+        for change in ({"enable_deterministic_inference": False}, {"speculative_algorithm": None},
+                       {"quantization": None}):
+            with self.subTest(change=change):
+                self.assertNotIn(ref, self.refs("sglang", dict(base, **change), SGLANG_NEWEST))
+        self.assertNotIn(ref, self.refs("vllm", base, "0.34.0"))
+
+    def test_sglang_refuses_the_flag_for_deepseek_v4(self):
+        ref = "sgl-project/sglang#36174"
+        for backend in ("flashmla", "flashmla_mega"):
+            with self.subTest(backend=backend):
+                self.assertIn(ref, self.refs("sglang", {"dsv4_attn_backend": backend},
+                                             SGLANG_NEWEST))
+        # any other model leaves it "auto"; a release without DeepSeek-V4 has no such field
+        self.assertNotIn(ref, self.refs("sglang", {"dsv4_attn_backend": "auto"}, SGLANG_NEWEST))
+        self.assertNotIn(ref, self.refs("sglang", {"attention_backend": "fa3"}, "0.5.14"))
+        self.assertNotIn(ref, self.refs("vllm", {"dsv4_attn_backend": "flashmla"}, "0.34.0"))
+
+    def test_each_is_quoted_with_its_issue_and_date(self):
+        rows = {h.refs.split(" ")[0]: h for h in run.HAZARDS}
+        for ref in ("vllm-project/vllm#54035", "sgl-project/sglang#36291",
+                    "sgl-project/sglang#36174"):
+            with self.subTest(ref=ref):
+                self.assertRegex(rows[ref].refs, r"\((open; .*)?2026-08-\d\d")
+                self.assertIn("open when read", rows[ref].versions)
+                self.assertIsNone(rows[ref].fixed_in)
+        self.assertIn("choices.py lines 113-120", rows["sgl-project/sglang#36174"].versions)
+
+
+class TheCountersBlindSpots(TempDirTest):
+    """vLLM's prefix-cache counters never count a request that asks for prompt_logprobs, nor
+    anything under --disable-log-stats: warned before measuring where the sweep meets it."""
+
+    def sweep(self, config, *extra):
+        with StubServer(config) as stub:
+            r = run_lab("--mode", "sweep", "--url", stub.url, "--sizes", "1,2", "--max-tokens", 4,
+                        "--repeat", 1, "--save", self.path("s.json"), *extra)
+        self.assertEqual(r.code, 0, r)
+        return r, [h["setting"] for h in self.load("s.json")["server"]["hazards"] or []]
+
+    def test_the_prefill_checks_requests_on_vllm(self):
+        r, settings = self.sweep(StubConfig(), "--prefill-check")
+        self.assertEqual(len(settings), 1, settings)
+        self.assertIn("prompt_logprobs", settings[0])
+        header = r.stdout[:r.stdout.index("params:")]
+        self.assertIn("HAZARD: " + settings[0], header)
+        self.assertIn("kv_cache_manager.py lines 277-286", header)
+        self.assertEqual(self.sweep(StubConfig())[1], [])  # no prefill check: no such request
+        self.assertEqual(  # SGLang's counters are its own
+            self.sweep(StubConfig(engine="sglang", prefix_caching=False), "--prefill-check")[1],
+            [])
+
+    def test_no_counters_while_vllm_caches(self):
+        r, settings = self.sweep(StubConfig(no_metrics=True))
+        self.assertEqual(len(settings), 1, settings)
+        self.assertIn("--disable-log-stats", settings[0])
+        self.assertIn("HAZARD: " + settings[0], r.stdout[:r.stdout.index("params:")])
+        # the cache off: nothing the counters would have said
+        self.assertEqual(self.sweep(StubConfig(no_metrics=True, prefix_caching=False))[1], [])
+
+
 class TheRealServers(unittest.TestCase):
     def test_the_real_0_26_0_pair_meets_none(self):
         # Async scheduling is on in both (the default); on a real 0.26.0 server the flag held

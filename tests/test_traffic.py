@@ -328,7 +328,7 @@ class PrefixCacheBypass(unittest.TestCase):
         # As on real vLLM 0.26.0: one cache_salt covers every copy of one request, and the
         # copies hit each other's prefix (the usage counts the last prompt's cached tokens).
         with StubServer(StubConfig(prompt_tokens_details=True)) as stub:
-            r = short_sweep(stub, "--sizes", "1,2,4")
+            r = short_sweep(stub, "--sizes", "1,2,4", "--wide")  # each row with its notes
         self.assertEqual(r.code, 0, r)
         self.assertIn("cache hit: bypass did not hold at batch sizes 2,4", r.stdout)
         row4 = next(line for line in r.stdout.splitlines() if line.split()[:1] == ["4"])

@@ -211,7 +211,8 @@ class EvidencePerRequest(TempDirTest):
         # at a time at most, never the 8 of the size
         with StubServer(StubConfig(scheduler_window=0, step_delay=0.02)) as stub:
             r = short_sweep(stub, "--sizes", "1,8", "--traffic", "concurrent", "--repeat", 1,
-                            "--request-rate", 10, "--max-tokens", 6, "--save", self.path("s.json"))
+                            "--request-rate", 10, "--max-tokens", 6, "--save", self.path("s.json"),
+                            "--wide")  # each row with its notes on its own line
         self.assertIn(r.code, (0,), r)
         size8 = sizes_of(self.load("s.json"))[8]
         reached = size8["runs"][0].get("in_flight")
@@ -313,7 +314,7 @@ class NearTieMargin(unittest.TestCase):
 
     def test_the_table_shows_it(self):
         with StubServer(StubConfig()) as stub:
-            r = short_sweep(stub, "--sizes", "1,9")
+            r = short_sweep(stub, "--sizes", "1,9", "--wide")  # the tie margin's column
         row9 = next(line for line in r.stdout.splitlines() if line.split()[:1] == ["9"])
         want = self.expected("vllm", 9)
         self.assertIsNotNone(want)
