@@ -12,8 +12,7 @@ what the practice engine made move, never against the check's own account of it:
 - and, under every other fault: no "held", "equal" or "invariant" where nothing was
   compared.
 
-A new check is covered by being listed in SWITCHED_ON and VARIED (the test fails until it
-is). The wrong checks at the end are kept as tests that must fail these rules."""
+A new check is covered by being listed in LISTED (the test fails until it is). The wrong checks at the end are kept as tests that must fail these rules."""
 
 import json
 import re
@@ -24,22 +23,21 @@ from unittest import mock
 
 from support import StubConfig, StubServer, TempDirTest, run, run_lab
 
-# How each check of SWEEP_CHECKS is switched on, by its NAME
-SWITCHED_ON = {
-    "cache_check": ("--cache-check", "--traffic", "copies"),
-    "prefill": ("--prefill-check",),
-    "neighbours": ("--neighbours", "16,64"),
-    "observer": ("--observer-check",),
-}
-# How the practice engine moves what each check varies, and nothing else it compares (the
-# flag on, decode equal to prefill, apart from the one switch)
+# Every check of SWEEP_CHECKS, by its NAME: how it is switched on, and how the practice
+# engine moves what it varies and nothing else it compares (QUIET: the flag on, decode equal
+# to prefill, apart from the one switch)
 QUIET = dict(invariant=True, prefill_agrees=True)
-VARIED = {
-    "cache_check": dict(QUIET, cache_path_differs=True, prompt_tokens_details=True),
-    "prefill": dict(invariant=True),  # a prefill reduces in its own order
-    "neighbours": dict(prefill_agrees=True),  # flag off: a 64-token neighbour moves a decode
-    "observer": dict(QUIET, logprobs_path_differs=True),
+LISTED = {
+    "cache_check": (("--cache-check", "--traffic", "copies"),
+                    dict(QUIET, cache_path_differs=True, prompt_tokens_details=True)),
+    # a prefill reduces in its own order
+    "prefill": (("--prefill-check",), dict(invariant=True)),
+    # flag off: a 64-token neighbour moves a decode, a 16-token one does not
+    "neighbours": (("--neighbours", "16,64"), dict(prefill_agrees=True)),
+    "observer": (("--observer-check",), dict(QUIET, logprobs_path_differs=True)),
 }
+SWITCHED_ON = {name: switch for name, (switch, _) in LISTED.items()}
+VARIED = {name: varied for name, (_, varied) in LISTED.items()}
 KEY = "sk-rules-Zq9xQ2v7"  # every run is given it; no check may repeat it
 HELD, MOVED, UNCOMPARED, STOPPED = "held", "moved", "uncompared", "stopped"
 
@@ -215,9 +213,7 @@ FIRST_MOVED_TRUTH = {"neighbours": first_moved_truth}
 
 class EveryCheckKeepsTheRules(TempDirTest):
     def test_every_check_is_listed(self):
-        names = {kind.NAME for kind in run.SWEEP_CHECKS}
-        self.assertEqual(set(SWITCHED_ON), names)
-        self.assertEqual(set(VARIED), names)
+        self.assertEqual(set(LISTED), {kind.NAME for kind in run.SWEEP_CHECKS})
 
     def test_every_check_against_the_engines_truth(self):
         for kind in run.SWEEP_CHECKS:

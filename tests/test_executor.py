@@ -97,6 +97,23 @@ class ReadingOrder(unittest.TestCase):
             above = used_above_definition(ast.parse(f.read()))
         self.assertLessEqual(len(above), 15, sorted(above))
 
+    def test_the_map_names_every_section_in_its_order(self):
+        # a section opens with a line of dashes and its name, the name ending at its colon
+        with open(RUN_PY, encoding="utf-8") as f:
+            text = f.read()
+        lines = text.splitlines()
+        sections = [lines[i + 1][2:].split(":")[0].split(" (")[0]
+                    for i, line in enumerate(lines[:-1]) if line == "# " + "-" * 76]
+        doc = ast.get_docstring(ast.parse(text))
+        listed = doc[doc.index("Sections, in the order they appear"):]
+        at, missing = 0, []
+        for name in sections:  # each after the one before it
+            found = listed.find(name, at)
+            if found == -1:
+                missing.append(name)
+            at = max(at, found)
+        self.assertEqual(missing, [])
+
 
 if __name__ == "__main__":
     unittest.main()
