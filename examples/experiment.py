@@ -66,9 +66,11 @@ Variables (all optional), with their defaults:
                         extra run.py options for every sweep and for each cost cell
 
 Every variable is checked before any arm starts: each step's options by run.py's own
-configuration, the options the experiment sets itself refused in any spelling, URLs as run.py
-checks them, one address in two spellings, ports against the serve commands, GPUS as CUDA
-reads it.
+configuration, the options the experiment sets itself refused in any spelling, COST_ARGS
+whose --trials are fewer than run.py's overhead needs for an interval (6), URLs as run.py
+checks them (and neither https:// nor a path after the port such as /v1: the arms serve
+plain HTTP, their /health at the root), one address in two spellings, ports against the serve
+commands, GPUS as CUDA reads it.
 
 Exit codes: 0 every step ran, every --expect held, the flag-on arm moved in no shape and no
 check, and every flag-on sweep and check compared something (as the saved results say);
@@ -340,6 +342,7 @@ def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
         url = env.get(name + "_URL")
         if url:
             lab_check(lab.check_url, url, name + "_URL")
+            refuse_unanswerable_url(url, name + "_URL")
             if local_host(url) and url_port(url) != port and (
                     listens is not None or env.get(name + "_PORT")):
                 raise UsageError(
@@ -373,6 +376,25 @@ def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
         copies=on_or_off("COPIES", env),
         overlap=on_or_off("OVERLAP", env),
     )
+
+
+def refuse_unanswerable_url(url: str, name: str) -> None:
+    """An arm's URL the experiment could never reach an arm at, refused before any arm
+    loads (else the arm loads, and the lab waits all of WAIT for a health check that cannot
+    answer): https:// (the launch scripts start the engines with no certificate: they serve
+    plain HTTP) and a path after the port (the experiment asks for /health at the arm's
+    root, and run.py adds /v1 itself). Both said in one line."""
+    parts = urllib.parse.urlsplit(url)
+    faults = []
+    if parts.scheme == "https":
+        faults.append("https:// (the engines the experiment starts serve plain HTTP: they "
+                      "have no certificate)")
+    if parts.path.strip("/"):
+        faults.append("a path after the port, %s (the experiment asks for the arm's /health "
+                      "at its root, and run.py adds /v1 itself)" % parts.path)
+    if faults:
+        raise UsageError("%s=%s: %s; give http://%s, and nothing was started"
+                         % (name, url, "; and ".join(faults), parts.netloc))
 
 
 def lab_check(check, *args):
@@ -791,9 +813,18 @@ def check_steps(s: Settings, sweeps: List[Tuple[str, str, str, Optional[str], st
               for tp in s.degrees[:1] for workload in WORKLOADS]
     for name, step, words in steps:
         try:
-            lab.configure(words)
+            cfg = lab.configure(words)
         except lab.UsageError as err:
             raise UsageError("%s: run.py refuses it in %s: %s" % (name, step, err)) from None
+        # a cost cell of fewer trial pairs than run.py's overhead needs for its interval
+        # would be timed whole and then say "no interval": refused before the arms load
+        if cfg.cost is not None and cfg.cost.trials < lab.MIN_PAIRS_FOR_INTERVAL:
+            raise UsageError(
+                "%s: --trials %d can give no interval in %s: run.py's cost mode needs at least "
+                "%d trial pairs for the overhead's 95 %% interval; give --trials %d or more "
+                "(run.py's default: %d)" % (name, cfg.cost.trials, step,
+                                            lab.MIN_PAIRS_FOR_INTERVAL,
+                                            lab.MIN_PAIRS_FOR_INTERVAL, lab.DEFAULT_TRIALS))
 
 
 def step_environment(env) -> Dict[str, str]:

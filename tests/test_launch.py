@@ -87,7 +87,8 @@ class Experiment(TempDirTest):
             OFF_URL="http://127.0.0.1:%d" % self.ports[0],
             ON_URL="http://127.0.0.1:%d" % self.ports[1],
             SWEEP_ARGS="--sizes 1,2,9,17 --max-tokens 12 --repeat 2",
-            COST_ARGS="--batch 2 --trials 2 --warmup 0 --max-tokens 4",
+            # six trial pairs: the fewest with which run.py's cost mode gives an interval
+            COST_ARGS="--batch 2 --trials 6 --warmup 0 --max-tokens 4",
             COPIES="off",  # the copies sweeps run where a test looks at them (COPIES="on")
         )
         for name in ("VLLM_BATCH_INVARIANT", "CUDA_VISIBLE_DEVICES", "MEM", "STANDIN_EXIT_AFTER"):
@@ -367,7 +368,7 @@ class ExperimentRuns(Experiment):
         code, out, err = self.finish(
             self.start(
                 SERVE_OFF="env PORT={off} bash %s on" % self.script(),
-                COST_ARGS="--batch 1 --trials 1 --warmup 0 --max-tokens 2 --allow-mismatch",
+                COST_ARGS="--batch 1 --trials 6 --warmup 0 --max-tokens 2 --allow-mismatch",
             )
         )
         self.assertEqual(code, 1, err)
@@ -621,6 +622,20 @@ class ExperimentFailures(Experiment):
              "OFF_URL=http://localhost:{on} asks at port {on} of this machine, but the arm "
              "listens on {off}"),
             ({"GPUS": "0,00"}, "names device 0 twice ('0' and '00' are one to CUDA)"),
+            # what no arm could ever answer at: the arms serve plain HTTP, /health at the root
+            ({"OFF_URL": "https://127.0.0.1:{off}"},
+             "OFF_URL=https://127.0.0.1:{off}: https:// (the engines the experiment starts "
+             "serve plain HTTP"),
+            ({"ON_URL": "http://127.0.0.1:{on}/v1"},
+             "ON_URL=http://127.0.0.1:{on}/v1: a path after the port, /v1 (the experiment asks "
+             "for the arm's /health at its root, and run.py adds /v1 itself); give "
+             "http://127.0.0.1:{on}"),
+            ({"ON_URL": "https://127.0.0.1:{on}/v1/"}, "https:// (the engines the experiment "
+             "starts serve plain HTTP: they have no certificate); and a path after the port"),
+            # a cost cell that could give no interval, in any spelling run.py takes
+            ({"COST_ARGS": "--trials 2"}, "COST_ARGS: --trials 2 can give no interval in the "
+             "cold cost cell: run.py's cost mode needs at least 6 trial pairs"),
+            ({"COST_ARGS": "--tri=5 --batch 2"}, "COST_ARGS: --trials 5 can give no interval"),
         ):
             with self.subTest(variables=variables):
                 code, out, err = self.finish(self.start(**variables))
