@@ -741,6 +741,7 @@ class Step:
     number: int = 0  # its place in the run, from 1
     started: Optional[float] = None  # time.time()
     ended: Optional[float] = None
+    arm: str = ""  # the arm it measures alone ("off" or "on"); "" for both or neither
 
     def title(self) -> str:
         return "%s%s" % (self.name, " (TP %d)" % self.tp if self.tp else "")
@@ -1076,7 +1077,8 @@ class Experiment:
             argv = self.lab(*sweep_options(s, key, traffic, expect, save))
             what = "unique completions and ULPs across batch sizes, flag %s, %s%s" % (
                 key, shape, " (expect %s)" % expect if expect else "")
-            step = Step("flag-%s sweep, %s" % (key, shape), tp, outputs=[save], what=what)
+            step = Step("flag-%s sweep, %s" % (key, shape), tp, outputs=[save], what=what,
+                        arm=key)
             lanes[key].append(Job(step, argv, save[:-5] + ".txt"))
         if not s.overlap:  # no arm swept before both are ready: each lane waits for both
             self.run_lanes([], startup)
@@ -1114,7 +1116,7 @@ class Experiment:
         save = os.path.join(self.run_dir, "tp%d" % tp, "tp%d_vs_tp%d.json" % (tp, first))
         argv = self.lab(*versus_options(s, baseline, save))
         step = Step("TP %d against TP %d, batch 1, flag on" % (tp, first), tp, outputs=[save],
-                    what="batch 1 against the first degree's, bit for bit")
+                    what="batch 1 against the first degree's, bit for bit", arm="on")
         self.run_step(step, argv, save[:-5] + ".txt")
 
     def pictures(self) -> None:
@@ -1710,6 +1712,7 @@ def status_line(exp: Experiment) -> str:
     elif exp.stopped_by:
         why.append("no step was running when it came: %s" % (exp.stopped_during or "-"))
     uncompared = list(exp.uncompared)
+    uncompared_off: List[str] = []  # a flag-off step's: named after every flag-on one (below)
     for step in exp.steps:
         if was_stopped(step):
             continue
@@ -1720,14 +1723,16 @@ def status_line(exp: Experiment) -> str:
             if ended is None:
                 incomplete = True
                 why.append(said)
-            elif expect_uncompared(step):
-                uncompared.append(said)  # its --expect failed on what it could not compare
+            elif expect_uncompared(step):  # its --expect failed on what it could not compare
+                (uncompared if step.arm == "on" else uncompared_off).append(said)
             else:
                 negative = True
                 why.append(said)
     incomplete = incomplete or bool(exp.skipped or exp.unsaved)
     negative = negative or bool(exp.judged)
     why += exp.skipped + exp.unsaved + exp.judged
+    # INCONCLUSIVE says "a flag-on result compared nothing": the flag-on ones named first
+    uncompared += uncompared_off
     engine = exp.settings.engine
     if not why and not uncompared and exp.exit_code == 0:
         return ("# Batch-invariance experiment, %s: complete, every step ran and every "
