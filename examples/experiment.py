@@ -201,6 +201,9 @@ class Settings:
     cost_args: List[str]
     copies: bool  # COPIES: the copies-in-one-request sweeps too
     overlap: bool  # OVERLAP: an arm is swept while the other still loads
+    # the arms started by the launch script, which reads MODEL: an arm started by a
+    # SERVE_OFF/SERVE_ON of one's own serves what its command says, whatever MODEL is
+    model_arms: Tuple[str, ...] = ("off", "on")
 
 
 def split_words(name: str, env: Dict[str, str]) -> List[str]:
@@ -316,6 +319,7 @@ def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
     except ValueError:
         raise UsageError("WAIT=%s is not a number of seconds" % env.get("WAIT")) from None
     urls, serve = {}, {}
+    model_arms: List[str] = []
     for arm, port in zip(("off", "on"), ENGINE_PORTS[engine]):
         name = arm.upper()
         command = split_words("SERVE_" + name, env)
@@ -357,6 +361,8 @@ def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
             arm,
         )
         serve[arm] = command or shlex.split(default)
+        if not command:
+            model_arms.append(arm)
     if url_port(urls["off"]) == url_port(urls["on"]) and one_host(urls["off"], urls["on"]):
         raise UsageError("the flag-off and flag-on arms would both listen at %s%s: give them "
                          "ports of their own (OFF_PORT, ON_PORT)"
@@ -375,6 +381,7 @@ def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
         cost_args=split_words("COST_ARGS", env),
         copies=on_or_off("COPIES", env),
         overlap=on_or_off("OVERLAP", env),
+        model_arms=tuple(model_arms),
     )
 
 
@@ -540,6 +547,7 @@ class Arm:
                 start_new_session=True,
             )
         except OSError as err:  # a command that does not exist, or may not run
+            os.unlink(self.log_path)  # nothing ran: no log to point to
             raise ArmFailed(
                 "%s could not be started (%s: %s)"
                 % (self.name, " ".join(self.command[:1]), err.strerror or err)
@@ -768,6 +776,8 @@ class Job:
         return self.stdout_path[: -len(".txt")] + ".err"
 
 
+ARM_STOPPED = "stopped: an arm exited"  # the note of a step an arm's exit stopped
+
 # The cost cells of each degree, in order
 WORKLOADS = ("cold", "shared-prefix")
 
@@ -862,6 +872,14 @@ class Experiment:
         self.unsaved: List[str] = []  # steps that exited 0 and saved no whole result (judge)
         self.uncompared: List[str] = []  # flag-on results that compared nothing (judge)
 
+    def described_env(self) -> Dict[str, str]:
+        """The variables as the report describes the run by them: MODEL only where a launch
+        script started an arm with it (beside SERVE_OFF and SERVE_ON of one's own it names no
+        model served)."""
+        if self.settings.model_arms:
+            return self.env
+        return {k: v for k, v in self.env.items() if k != "MODEL"}
+
     def lab(self, *args: str) -> List[str]:
         return [sys.executable, os.path.join(ROOT, "run.py")] + list(args)
 
@@ -897,7 +915,7 @@ class Experiment:
         except ArmFailed:
             for job in running:
                 if job is not None:
-                    job.step.note = "stopped: an arm exited"
+                    job.step.note = ARM_STOPPED
             self.stop_steps()
             raise
 
@@ -1041,7 +1059,8 @@ class Experiment:
 
     def stop_arms(self) -> None:
         for arm in self.arms:  # what the launch scripts logged they ran, for the report
-            self.launched.setdefault(arm.key, launch_lines(arm))
+            if arm.process is not None:  # only an arm that started: one that never did ran
+                self.launched.setdefault(arm.key, launch_lines(arm))  # nothing to copy
         for arm in self.arms:  # both at once; each then gets its grace
             if arm.process is not None:
                 signal_group(arm.process, signal.SIGTERM)
@@ -1070,7 +1089,7 @@ class Experiment:
         say("TP %d: starting both arms (logs in %s)" % (tp, folder))
         startup = Startup(self.arms, s.wait_s)
         if not self.environment:  # asked while the first arm loads, not before it starts
-            self.environment = environment(self.env)
+            self.environment = environment(self.described_env())
         lanes: Dict[str, List[Job]] = {"off": [], "on": []}
         for stem, key, traffic, expect, shape in self.sweeps():
             save = os.path.join(folder, stem + ".json")
@@ -1697,8 +1716,10 @@ def status_line(exp: Experiment) -> str:
     why, incomplete, negative = [], False, False
     if exp.stopped_by and exp.exit_code not in SIGNAL_EXITS.values():  # else the exit says it
         why.append("stopped by %s" % exp.stopped_by)
-    if exp.failure:
-        why.append(exp.failure)
+    if exp.failure:  # an arm's exit, with the steps it stopped said once, after it
+        by_arm = [step.title() for step in exp.steps if step.note == ARM_STOPPED]
+        why.append(exp.failure + ("; the step%s it stopped: %s" % (
+            "s" if len(by_arm) > 1 else "", ", ".join(by_arm)) if by_arm else ""))
     incomplete = bool(why or exp.stopped_by)
 
     def was_stopped(step: Step) -> bool:  # by the signal: running when it came, or its code
@@ -1714,7 +1735,7 @@ def status_line(exp: Experiment) -> str:
     uncompared = list(exp.uncompared)
     uncompared_off: List[str] = []  # a flag-off step's: named after every flag-on one (below)
     for step in exp.steps:
-        if was_stopped(step):
+        if was_stopped(step) or (exp.failure and step.note == ARM_STOPPED):
             continue
         if step.exit_code not in (0, None) or (step.exit_code is None and step.note):
             said = "%s: %s%s" % (step.title(), step.note or "did not finish",
@@ -1880,24 +1901,37 @@ def findings(exp: Experiment) -> List[str]:
 
 
 def served(exp: Experiment) -> List[Tuple[str, str]]:
-    """What the arms themselves said, from the first degree's saved sweeps: the engine and its
-    version, and the model where MODEL did not name it (a launch command of one's own)."""
+    """What the arms themselves said, from the first degree's saved sweeps (else the cost
+    cells' servers): the engine and its version, and the model where MODEL did not start both
+    arms (a launch command of one's own serves what it says, whatever MODEL is)."""
     found = []
+    named = exp.env.get("MODEL") and set(exp.settings.model_arms) == {"off", "on"}
+    cost = load(os.path.join(exp.run_dir, "cost.json")) or {}
+    cells = [c for c in cost.get("cells") or [] if isinstance(c, dict)]
+    from_cost = [c["servers"][key] for c in cells[:1] if isinstance(c.get("servers"), dict)
+                 for key in ("off", "on") if isinstance(c["servers"].get(key), dict)]
     for tp in exp.settings.degrees:
         folder = os.path.join(exp.run_dir, "tp%d" % tp)
         docs = [load(os.path.join(folder, stem + ".json")) for stem, *_ in SWEEPS[:2]]
         servers = [d["server"] for d in docs if d and isinstance(d.get("server"), dict)]
-        if not servers:
-            continue
+        if servers:
+            break
+    else:
+        servers = from_cost
+    if servers:
         versions = sorted({"%s %s" % (fmt(sv.get("engine")), fmt(sv.get("version")))
                            for sv in servers})
         found.append(("engine (as the arms report it)", "; ".join(versions)))
-        if not exp.env.get("MODEL"):
+        if not named:
             models = sorted({fmt(sv.get("model")) for sv in servers})
             found.append(("model (as the arms report it)", "; ".join(models)))
-        return found
-    if not exp.env.get("MODEL"):
-        found.append(("model", "not known: no MODEL, and no sweep saved what the arms serve"))
+    elif not named:
+        found.append(("model", "not known: %s, and no sweep or cost cell saved what the arms "
+                      "serve" % ("no MODEL" if not exp.env.get("MODEL") else
+                                 "MODEL started no arm (SERVE_OFF and SERVE_ON are your own)"
+                                 if not exp.settings.model_arms else
+                                 "MODEL started only the flag-%s arm"
+                                 % exp.settings.model_arms[0])))
     return found
 
 
@@ -1954,7 +1988,9 @@ def report(exp: Experiment) -> str:
     keys = Keys(exp.env)
     # EXTRA_ARGS as the engines read it (several keys after --api-key, --api_key), the
     # others as run.py reads them
-    settings = ["%s=%s" % (k, keys.line(exp.env[k], launch=k == "EXTRA_ARGS"))
+    settings = ["%s=%s%s" % (k, keys.line(exp.env[k], launch=k == "EXTRA_ARGS"),
+                             " (not used: SERVE_OFF and SERVE_ON started the arms)"
+                             if k == "MODEL" and not exp.settings.model_arms else "")
                 for k in REPORTED_VARIABLES if exp.env.get(k)]
     lines = [status_line(exp), "",
              "Started %s, ended %s. Output: `%s`." % (stamp(exp.started),
@@ -1971,8 +2007,17 @@ def report(exp: Experiment) -> str:
                                                [[k, v] for k, v in exp.environment + served(exp)])
     lines += ["", "## How the arms were started", ""]
     for key in ("off", "on"):
-        for line in exp.launched.get(key) or [" ".join(exp.settings.serve[key])]:
+        tried = [arm for _, arm in exp.arm_times if arm.key == key and arm.started_at]
+        for line in exp.launched.get(key) or []:
             lines += ["flag %s:" % key, "", "```", keys.line(line, launch=True), "```", ""]
+        if exp.launched.get(key):
+            continue
+        if tried:  # its command could not be run (the first line says why): as given
+            lines += ["flag %s: its command could not be started:" % key, "", "```",
+                      keys.line(" ".join(shlex.quote(w) for w in exp.settings.serve[key]),
+                                launch=True), "```", ""]
+        else:  # never started: no launch line that would start another model than asked
+            lines += ["flag %s: not started (the run ended before its turn)." % key, ""]
     lines += ["## Parameters", "", "Variables: %s." % (", ".join(settings) or "the defaults"), ""]
     lab_steps = [step for step in exp.steps if step.lab and step.argv]
     if lab_steps:
@@ -1995,10 +2040,13 @@ def report(exp: Experiment) -> str:
             lines += table(SWEEP_COLUMNS, [sweep_row("flag %s, %s" % (key, shape), docs[stem])
                                            for stem, key, _, _, shape in SWEEPS if docs[stem]])
             lines.append("")
-        else:
+        logs = ["`tp%d/server_%s.log`" % (tp, key) for key in ("off", "on")
+                if os.path.exists(os.path.join(folder, "server_%s.log" % key))]
+        if not servers:
             lines += ["No sweep was saved at TP %d: what the arms served is not known (see the "
-                      "first line, and the logs)." % tp, ""]
-        lines += ["Logs: `tp%d/server_off.log`, `tp%d/server_on.log`." % (tp, tp)]
+                      "first line%s)." % (tp, ", and the logs" if logs else ""), ""]
+        lines += ["Logs: %s." % ", ".join(logs) if logs
+                  else "No arm's log at TP %d: no arm was started." % tp]
         for name in versus_files(folder, tp):
             versus = load(os.path.join(folder, name))
             sm = summary_of(versus)
@@ -2018,6 +2066,8 @@ def report(exp: Experiment) -> str:
                   "pasted elsewhere, attach them.", ""]
     lines += time_spent(exp)
     lines += ["## Steps", ""]
+    if not exp.steps:
+        return "\n".join(lines + ["No step ran."]) + "\n"
     lines += table(["#", "TP", "step", "started", "took", "exit", "meaning", "output"], [
         [str(step.number), str(step.tp or "-"), step.name, since(exp, step.started),
          duration(step.started, step.ended), fmt(step.exit_code, "not finished"),
@@ -2170,7 +2220,7 @@ def main(argv=None, env=None) -> int:
         exp.stop_arms()
         exp.ended = time.time()
         if not exp.environment:  # no arm started: the report still says where it ran
-            exp.environment = environment(env)
+            exp.environment = environment(exp.described_env())
         judge(exp)
         text = report(exp)
         write_report(os.path.join(run_dir, "REPORT.md"), text)

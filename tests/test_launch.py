@@ -461,6 +461,13 @@ class ExperimentFailures(Experiment):
         self.assertRegex(report, r"\| \d+ \| 1 \| flag-on sweep, concurrent requests \| .*\| "
                                  r"stopped: an arm exited \|")
         self.assertNotIn("cost, cold", report)  # nothing ran after it
+        # the steps the arm's exit stopped are said once, after the arm, in the first line:
+        # no step's own "stopped:" left hanging there
+        first = report.splitlines()[0]
+        self.assertRegex(first, r"illegal memory access was encountered; the steps? it stopped: "
+                                r"(flag-off sweep, concurrent requests \(TP 1\), )?flag-on sweep, "
+                                r"concurrent requests \(TP 1\)$")
+        self.assertNotIn("stopped: an arm exited", first)
         self.assert_no_server_left()
 
     def test_a_launch_command_that_does_not_exist_is_one_line_and_exit_4(self):
@@ -477,6 +484,34 @@ class ExperimentFailures(Experiment):
         self.assertIn("No sweep was saved at TP 1", report)
         self.assertNotIn("### Sweeps", report)
         self.assertNotRegex(report, r"(?m)^-, ")  # a heading of labels no cell had
+        # only what ran: no launch line for the arm that never started (copied, it would
+        # start another model than asked), no pointer to a log nothing wrote, no empty table
+        self.assertIn("flag off: its command could not be started:\n\n```\n"
+                      "no-such-engine-command --port %d\n```" % self.ports[0], report)
+        self.assertIn("flag on: not started (the run ended before its turn).", report)
+        self.assertNotIn("vllm_serve.sh", report)
+        self.assertNotIn("server_off.log", report)
+        self.assertNotIn("server_on.log", report)
+        self.assertIn("No arm's log at TP 1: no arm was started.", report)
+        self.assertTrue(report.endswith("## Steps\n\nNo step ran.\n"), report)
+        # MODEL started no arm (both commands are the variables'): the report names no model
+        self.assertNotIn("| model | stub/tiny-f32 |", report)
+        self.assertIn("MODEL=stub/tiny-f32 (not used: SERVE_OFF and SERVE_ON started the arms)",
+                      report)
+
+    def test_the_model_named_is_the_one_the_arms_served(self):
+        """MODEL beside SERVE_OFF and SERVE_ON of one's own starts nothing: the report names
+        the model the arms report serving, never MODEL."""
+        stub = "python3 %s --port {port} --model stub/served-f32" % (
+            os.path.join(ROOT, "tests", "stub_server.py"))
+        code, out, err = self.finish(self.start(
+            MODEL="org/not-served", SERVE_OFF=stub.format(port="{off}"),
+            SERVE_ON=stub.format(port="{on}") + " --invariant --prefill-agrees"))
+        self.assertEqual(code, 0, err)
+        report = self.load_run("REPORT.md")
+        self.assertIn("| model (as the arms report it) | stub/served-f32 |", report)
+        self.assertNotIn("| model | org/not-served |", report)
+        self.assertEqual(report.count("org/not-served"), 1, report)  # the variable, as given
 
     def test_no_engine_installed_is_named_as_the_cause(self):
         ports = free_port(), free_port()
