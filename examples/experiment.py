@@ -81,8 +81,11 @@ started); 4 an arm exited, could not be started, or was not ready within WAIT; 5
 ran, but a TP degree was skipped (GPUS could not hold it); 6 every step ran and nothing
 moved, but a flag-on sweep or check compared nothing (the cache served every request above
 batch 1, the server could not serve the check, the servers report another TP than asked;
-an --expect that failed only there included): the claim is not shown; 129, 130, 143
-stopped by SIGHUP, SIGINT or SIGTERM.
+an --expect that failed only there included): the claim is not shown; 74 the output folder
+could not take what the run wrote (a full disk, or a folder that may not be written: a step's
+results or REPORT.md; no server failed, and the report is printed all the same); 129, 130,
+143 stopped by SIGHUP, SIGINT or SIGTERM (one that comes while the arms stop after the last
+step leaves a whole run whole: every step had ended).
 
 REPORT.md's first line says which: "complete" (exit 0); INCOMPLETE (a step failed or did not
 finish, an arm exited, a degree was skipped, a signal); NOT AS EXPECTED (every step ran to
@@ -131,6 +134,9 @@ PROGRESS_EVERY_S = 15.0  # a running step's newest progress line is said at most
 EXIT_ARM = 4  # an arm exited, could not be started, or was not ready within WAIT
 EXIT_SKIPPED = 5  # every step ran, but a TP degree was skipped: the report is not whole
 EXIT_UNCOMPARED = 6  # every step ran, none moved, but a flag-on result compared nothing
+# the run's own folder could not take what was written there (run.py's EX_IOERR, whose
+# stdout and stderr are files in that folder here): the disk, never a server
+EXIT_DISK = lab.EXIT_OUTPUT
 SIGNAL_EXITS = {
     signal.SIGINT: lab.EXIT_INTERRUPTED,
     signal.SIGTERM: lab.EXIT_TERMINATED,
@@ -140,6 +146,8 @@ EXIT_MEANINGS = dict(lab.EXIT_CODES)  # exit code -> what it means, the lab's an
 EXIT_MEANINGS[EXIT_ARM] = "an arm exited, could not be started, or was not ready in time"
 EXIT_MEANINGS[EXIT_SKIPPED] = "a TP degree was skipped"
 EXIT_MEANINGS[EXIT_UNCOMPARED] = "every step ran, but a flag-on result compared nothing"
+EXIT_MEANINGS[EXIT_DISK] = ("the output folder could not take what the run wrote (a full disk, "
+                            "or a folder that may not be written): no server failed")
 for _signum, _code in SIGNAL_EXITS.items():  # the experiment's own words: each step saved
     EXIT_MEANINGS[_code] = "stopped by %s; each step saved what it had measured" % (
         "Ctrl-C (SIGINT)" if _signum == signal.SIGINT else _signum.name)
@@ -561,14 +569,18 @@ class Arm:
         keys hidden (KEYS.engine_text): an engine that logs its own arguments (SGLang's
         server_args) never puts its key in the file. Bytes that are not UTF-8 pass as they
         came."""
-        with open(self.log_path, "ab") as log:
-            for raw in iter(output.readline, b""):
-                text = raw.decode("utf-8", "surrogateescape")
-                if KEYS is not None:
-                    text = (KEYS.launch_line(text) if text.startswith("launch: ")
-                            else KEYS.engine_text(text))
-                log.write(text.encode("utf-8", "surrogateescape"))
-                log.flush()
+        try:
+            with open(self.log_path, "ab") as log:
+                for raw in iter(output.readline, b""):
+                    text = raw.decode("utf-8", "surrogateescape")
+                    if KEYS is not None:
+                        text = (KEYS.launch_line(text) if text.startswith("launch: ")
+                                else KEYS.engine_text(text))
+                    log.write(text.encode("utf-8", "surrogateescape"))
+                    log.flush()
+        except OSError:  # a full disk: the engine's output is still read, so that it never
+            for _ in iter(output.readline, b""):  # blocks on a full pipe, and goes nowhere
+                pass
         output.close()
 
     def log_written(self) -> None:
@@ -777,6 +789,18 @@ class Job:
 
 
 ARM_STOPPED = "stopped: an arm exited"  # the note of a step an arm's exit stopped
+DISK_NOTE = "the output folder could not take its results: the disk, not the server"
+SAVE_FAILED = "--save: cannot write"  # run.py's words where its --save file could not be written
+DISK_ROOM = 1 << 20  # bytes free below which a disk is taken for full
+
+
+def disk_full(folder: str) -> bool:
+    """Has the disk that holds folder (about) no room left for anyone but root?"""
+    try:
+        found = os.statvfs(folder)
+    except OSError:
+        return False
+    return found.f_bavail * found.f_frsize < DISK_ROOM
 
 # The cost cells of each degree, in order
 WORKLOADS = ("cold", "shared-prefix")
@@ -864,7 +888,9 @@ class Experiment:
         self.stopped_by: Optional[str] = None
         self.stopped_steps: List[Step] = []  # the steps running when a stop signal came
         self.stopped_during = ""  # what the run was doing then, where no step was running
-        self.failure: str = ""  # what ended the run early (an arm), in one line
+        self.late_stop = ""  # a stop signal that came as the arms stopped after the last step
+        self.failure: str = ""  # what ended the run early (an arm, the disk), in one line
+        self.unwritten = ""  # why REPORT.md could not be written, in one line ("": it was)
         self.first_tp: Optional[int] = None  # the first degree measured: the others against it
         self.launched: Dict[str, List[str]] = {}  # arm -> how it was started, as logged
         self.environment: List[Tuple[str, str]] = []  # (what, value) for the report
@@ -975,6 +1001,7 @@ class Experiment:
         )
         if step.exit_code != 0 and job.err_path:
             step.reason = failure_reason(job.stdout_path, job.err_path)
+        self.name_the_disk(step, job)
         say(
             "step %d of %d: %s: exit %d, %s%s, %.0f s"
             % (
@@ -988,13 +1015,33 @@ class Experiment:
             )
         )
         if step.exit_code != 0 and self.exit_code == 0:
-            self.exit_code = step.exit_code
+            self.exit_code = EXIT_DISK if step.note == DISK_NOTE else step.exit_code
+
+    def name_the_disk(self, step: Step, job: Job) -> None:
+        """A lab step that failed because the run's folder could not take what it wrote
+        (run.py's "--save: cannot write ...", its own stdout or stderr, which are files in
+        that folder here, or a disk with no room left) failed on the disk, not the server:
+        its note says so, whatever exit code run.py gave it."""
+        if not step.lab or step.exit_code not in (lab.EXIT_SERVER, lab.EXIT_OUTPUT):
+            return
+        if (SAVE_FAILED in step.reason or step.exit_code == lab.EXIT_OUTPUT
+                or disk_full(self.run_dir)):
+            step.note = DISK_NOTE
+            if not step.reason:
+                step.reason = "%s has no room left" % os.path.dirname(job.stdout_path)
 
     def stopped(self) -> None:
         """A stop signal came: the steps it stops (every one begun and not ended), or, with
         none running, what the run was doing (an arm starting, or between steps) and the
         last step that ended, so that the report's first line says where it stopped."""
         self.stopped_steps = [step for step in self.steps if step.ended is None]
+        if self.stopped_during:  # said where it came (stop_arms_after_steps)
+            ended = [step for step in self.steps if step.ended is not None]
+            last = max(ended, key=lambda step: step.ended, default=None)
+            if last is not None:
+                self.stopped_during += ", after step %d of %d (%s)" % (
+                    last.number, max(self.planned, last.number), last.title())
+            return
         starting = [arm for arm in self.arms if arm.process is not None and arm.ready_at is None]
         if starting:
             doing = "%s %s starting (TP %s)" % (" and ".join(arm.name for arm in starting),
@@ -1056,11 +1103,17 @@ class Experiment:
             "drawn" if step.exit_code == 0 else "failed")
         if step.exit_code != 0 and job.err_path:
             step.reason = failure_reason(job.stdout_path, job.err_path)
+        self.name_the_disk(step, job)
 
-    def stop_arms(self) -> None:
-        for arm in self.arms:  # what the launch scripts logged they ran, for the report
-            if arm.process is not None:  # only an arm that started: one that never did ran
-                self.launched.setdefault(arm.key, launch_lines(arm))  # nothing to copy
+    def stop_arms(self, after: str = "") -> None:
+        """Stop both arms, said first (a stop takes up to STOP_GRACE_S an arm: a user who
+        sees nothing may take the run for hung); after: what has ended, for that line."""
+        started = [arm for arm in self.arms if arm.process is not None]
+        for arm in started:  # what the launch scripts logged they ran, for the report; only
+            self.launched.setdefault(arm.key, launch_lines(arm))  # an arm that started ran
+        if started:
+            say("stopping the arms%s: %s (each within %.0f s)" % (
+                after, " and ".join(arm.name for arm in started), STOP_GRACE_S))
         for arm in self.arms:  # both at once; each then gets its grace
             if arm.process is not None:
                 signal_group(arm.process, signal.SIGTERM)
@@ -1068,7 +1121,7 @@ class Experiment:
             arm.stop()
         self.arms = []
 
-    def degree(self, tp: int, places: Dict[str, Dict[str, str]]) -> None:
+    def degree(self, tp: int, places: Dict[str, Dict[str, str]], last: bool = True) -> None:
         """Both arms at one TP degree: start them and sweep each as soon as it is ready (the
         flag-off arm while the flag-on arm loads, on one device; both at once on their own),
         then, both ready and every sweep done, time both workloads alone, and stop them."""
@@ -1109,7 +1162,31 @@ class Experiment:
             step = Step("cost, %s" % workload, tp, outputs=[cost],
                         what="the flag's overhead, %s workload, both arms alone" % workload)
             self.run_step(step, argv, cost[:-5] + ".txt")
-        self.stop_arms()
+        self.stop_arms_after_steps(tp, last)
+
+    def stop_arms_after_steps(self, tp: int, last: bool) -> None:
+        """The arms' stop once every step of a degree has ended. A stop signal that comes
+        meanwhile (the natural Ctrl-C of a user who sees the steps done) waits until they are
+        down: after the last degree the run's every step has ended and it stays whole (said,
+        and nothing more is started: no picture); before another degree, the run stops
+        there, its first line saying so."""
+        came: List[int] = []
+        previous = {s: signal.signal(s, lambda signum, frame: came.append(signum))
+                    for s in SIGNAL_EXITS}
+        try:
+            self.stop_arms(" of TP %d, every step of it ended" % tp)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        if not came:
+            return
+        if last:
+            self.late_stop = str(Stopped(came[0]))
+            say("%s came while the arms stopped after the last step: every step had ended, so "
+                "the run is whole; nothing more is started" % self.late_stop)
+            return
+        self.stopped_during = "the arms were stopping after every step of TP %d" % tp
+        raise Stopped(came[0])
 
     def sweeps(self) -> List[Tuple[str, str, str, Optional[str], str]]:
         """The sweeps of one degree (SWEEPS, the copies sweeps only with COPIES=on)."""
@@ -1177,9 +1254,10 @@ class Experiment:
             else:
                 places[tp] = found
         self.planned = self.plan(list(places))
-        for tp, found in places.items():
-            self.degree(tp, found)
-        self.pictures()
+        for i, (tp, found) in enumerate(places.items()):
+            self.degree(tp, found, last=i == len(places) - 1)
+        if not self.late_stop:  # a stop that came after the last step: nothing more starts
+            self.pictures()
         if self.skipped and self.exit_code == 0:
             self.exit_code = EXIT_SKIPPED
 
@@ -1720,6 +1798,8 @@ def status_line(exp: Experiment) -> str:
         by_arm = [step.title() for step in exp.steps if step.note == ARM_STOPPED]
         why.append(exp.failure + ("; the step%s it stopped: %s" % (
             "s" if len(by_arm) > 1 else "", ", ".join(by_arm)) if by_arm else ""))
+    if exp.unwritten:
+        why.append(exp.unwritten)
     incomplete = bool(why or exp.stopped_by)
 
     def was_stopped(step: Step) -> bool:  # by the signal: running when it came, or its code
@@ -1995,8 +2075,12 @@ def report(exp: Experiment) -> str:
     lines = [status_line(exp), "",
              "Started %s, ended %s. Output: `%s`." % (stamp(exp.started),
                                                       stamp(exp.ended or time.time()),
-                                                      exp.run_dir), "",
-             "## Findings", ""] + findings(exp)
+                                                      exp.run_dir), ""]
+    if exp.late_stop:
+        lines += ["%s came while the arms stopped after the last step: every step had ended, "
+                  "so the run is whole; nothing more was started (no picture)." % exp.late_stop,
+                  ""]
+    lines += ["## Findings", ""] + findings(exp)
     cost = load(os.path.join(exp.run_dir, "cost.json"))
     cells = [c for c in (cost or {}).get("cells") or [] if isinstance(c, dict)]
     lines += ["", "## The flag's cost", ""]
@@ -2102,16 +2186,20 @@ def say(line: str) -> None:
 
 
 def new_run_dir(output: str) -> str:
-    """A folder of this run's own under output, named by its start time."""
-    os.makedirs(output, exist_ok=True)
+    """A folder of this run's own under output, named by its start time. A folder that cannot
+    be made (a full disk, one that may not be written) is said as that: nothing started."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for n in range(1, 1000):
         path = os.path.join(output, stamp if n == 1 else "%s-%d" % (stamp, n))
         try:
+            os.makedirs(output, exist_ok=True)
             os.mkdir(path)
             return path
         except FileExistsError:
             continue
+        except OSError as err:
+            raise UsageError("%s: the run's folder cannot be made there (%s): the disk or the "
+                             "folder; nothing was started" % (output, err.strerror or err))
     raise UsageError("%s: no free run folder name for %s" % (output, stamp))
 
 
@@ -2131,20 +2219,22 @@ def failure_reason(stdout_path: str, err_path: str) -> str:
     return ""
 
 
-def write_report(path: str, text: str) -> None:
-    """REPORT.md through a temporary file and a rename: whole or not there, never empty (on a
-    full disk the report still goes to stdout, and this says why the file is missing)."""
+def write_report(path: str, text: str) -> str:
+    """REPORT.md through a temporary file and a rename: whole or not there, never empty.
+    Returns "" once it is written, else why it could not be (a full disk, a folder that may
+    not be written): the report then goes to stdout only, its first line saying so."""
     tmp = path + ".tmp"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
     except OSError as err:
-        say("cannot write %s (%s); the report follows on stdout" % (path, err.strerror or err))
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        return str(err.strerror or err)
+    return ""
 
 
 def print_report(text: str) -> None:
@@ -2208,6 +2298,11 @@ def main(argv=None, env=None) -> int:
         say(str(err))
         exp.failure = str(err)
         exp.exit_code = EXIT_ARM
+    except OSError as err:  # the run's own folder (a step's output file, a degree's folder)
+        exp.failure = "%s could not be written (%s): the disk or the folder, not a server" % (
+            err.filename or run_dir, err.strerror or err)
+        say(exp.failure)
+        exp.exit_code = EXIT_DISK
     except Stopped as stop:
         exp.stopped()
         exp.stopped_by = str(stop)
@@ -2222,12 +2317,21 @@ def main(argv=None, env=None) -> int:
         if not exp.environment:  # no arm started: the report still says where it ran
             exp.environment = environment(exp.described_env())
         judge(exp)
+        path = os.path.join(run_dir, "REPORT.md")
         text = report(exp)
-        write_report(os.path.join(run_dir, "REPORT.md"), text)
+        unwritten = write_report(path, text)
+        if unwritten:  # its first line says so, and the exit code: the disk, not a server
+            exp.unwritten = "%s could not be written (%s): the disk or the folder, not a " \
+                "server; the report is only what was printed" % (path, unwritten)
+            exp.exit_code = exp.exit_code or EXIT_DISK
+            text = report(exp)
     if exp.stopped_by:
         say("stopped by %s" % exp.stopped_by)
     code = show_report(text, exp.exit_code, previous)
-    say("report: %s" % os.path.join(run_dir, "REPORT.md"))
+    if unwritten:
+        say("%s could not be written (%s): the report above is the only one" % (path, unwritten))
+    else:  # said only once it is there
+        say("report: %s" % path)
     return code
 
 

@@ -6,6 +6,7 @@ on a GPU."""
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -68,9 +69,11 @@ class Experiment(TempDirTest):
 
     engine = "vllm"
 
-    def start(self, out="out", **variables):
+    def start(self, out="out", file_size=None, **variables):
         """Run the experiment in a session of its own; the stand-ins load for a moment. In a
-        variable, {off} and {on} stand for the arms' ports."""
+        variable, {off} and {on} stand for the arms' ports. file_size: the largest file the
+        experiment and everything it starts may write (a full disk: every write past it
+        fails)."""
         self.ports = free_port(), free_port()
         env = dict(
             os.environ,
@@ -106,6 +109,8 @@ class Experiment(TempDirTest):
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
+            preexec_fn=None if file_size is None else lambda: resource.setrlimit(
+                resource.RLIMIT_FSIZE, (file_size, file_size)),
         )
 
     def script(self):
@@ -578,6 +583,58 @@ class ExperimentFailures(Experiment):
                       "starting (TP 1), after step 1 of %s (flag-off sweep, concurrent requests "
                       "(TP 1))" % ended.group(1), first)
         self.assertNotIn("see the steps below", first)
+        self.assert_no_server_left()
+
+    def test_a_full_disk_is_named_as_the_disk_never_as_the_server(self):
+        """An output folder that can take no more (every file the run writes stops at 4 KB,
+        as on a full disk): neither the steps' saves nor REPORT.md fit. The first line names
+        the folder's disk, never "the server or network failed"; the report is printed, and no
+        line points to a REPORT.md that is not there."""
+        code, out, err = self.finish(self.start(
+            file_size=4096, SWEEP_ARGS="--sizes 1,2 --max-tokens 4 --repeat 2"))
+        self.assertEqual(code, 74, err)
+        self.assertNotIn("Traceback", err)
+        first = out.splitlines()[0]
+        self.assertIn("INCOMPLETE (exit 74, the output folder could not take what the run "
+                      "wrote (a full disk, or a folder that may not be written): no server "
+                      "failed): %s could not be written (File too large): the disk or the "
+                      "folder, not a server" % self.run_path("REPORT.md"), first)
+        self.assertIn("flag-off sweep, concurrent requests (TP 1): the output folder could not "
+                      "take its results: the disk, not the server (run.py: --save: cannot "
+                      "write", first)
+        self.assertNotIn("the server or network failed", out)
+        self.assertFalse(os.path.exists(self.run_path("REPORT.md")))
+        self.assertNotIn("report: ", err)
+        self.assertTrue(err.rstrip().endswith("REPORT.md could not be written (File too "
+                                              "large): the report above is the only one"), err)
+        self.assert_no_server_left()
+
+    def test_a_stop_while_the_arms_stop_after_the_last_step_leaves_the_run_complete(self):
+        """SIGTERM once every step has ended, while the arms stop (the flag-on arm takes its
+        whole grace: it ignores TERM): the run is whole, and says so; the experiment said
+        what it was stopping before it did."""
+        stub = "%s --port {port}" % " ".join(STUB)
+        p = self.start(SERVE_OFF=stub.format(port="{off}"),
+                       SERVE_ON="sh -c 'trap \"\" TERM; exec %s --invariant --prefill-agrees'"
+                       % stub.format(port="{on}"),
+                       SWEEP_ARGS="--sizes 1,2 --max-tokens 4 --repeat 2")
+        said = []
+        for line in p.stderr:
+            said.append(line)
+            if line.startswith("experiment: stopping the arms"):
+                break
+        else:
+            self.fail("no line said the arms were stopping: %s" % "".join(said))
+        self.assertEqual(said[-1], "experiment: stopping the arms of TP 1, every step of it "
+                         "ended: the flag-off arm and the flag-on arm (each within 10 s)\n")
+        os.kill(p.pid, signal.SIGTERM)
+        code, out, err = self.finish(p)
+        self.assertEqual(code, 0, "".join(said) + err)
+        report = self.load_run("REPORT.md")
+        self.assertEqual(report.splitlines()[0], "# Batch-invariance experiment, vllm: "
+                         "complete, every step ran and every --expect held")
+        self.assertIn("SIGTERM came while the arms stopped after the last step: every step "
+                      "had ended, so the run is whole", report)
         self.assert_no_server_left()
 
     def test_a_report_the_terminal_cannot_encode_is_printed_with_replacements(self):
