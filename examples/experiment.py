@@ -36,7 +36,12 @@ The sweeps, per TP degree: each arm with concurrent requests, a cache key each, 
 request is served from another's prefix cache (vLLM's copies of one request share it whatever
 the key: a copies sweep's divergence is not batching alone), with the prefill check; then
 each arm with copies in one request, the upstream tests' shape, kept as its own labelled
-sweep. Flag off expects a difference, flag on none.
+sweep. Flag off expects a difference, flag on none. On vLLM an arm's copies sweep runs only
+where its copies compare cold prefills: the prompt, as the arm counts it, shorter than one of
+the arm's cache blocks (block_size of vllm:cache_config_info in its /metrics); where it is not,
+the sweep is left out with a line in REPORT.md saying why; where the arm says no block size,
+it runs, and a flag-on copies sweep that compared nothing (the cache served its copies) is
+named in REPORT.md but leaves the verdict to the concurrent sweeps where they compared.
 
 Variables (all optional), with their defaults:
   GPUS=0                the devices, a comma list; placement.sh gives each arm its own where
@@ -80,7 +85,8 @@ moved, a step saved no whole result); 2 a malformed variable or a busy port (not
 started); 4 an arm exited, could not be started, or was not ready within WAIT; 5 every step
 ran, but a TP degree was skipped (GPUS could not hold it); 6 every step ran and nothing
 moved, but a flag-on sweep or check compared nothing (the cache served every request above
-batch 1, the server could not serve the check, the servers report another TP than asked;
+batch 1 of a concurrent sweep, or of a copies sweep where the concurrent one compared nothing
+too; the server could not serve the check; the servers report another TP than asked;
 an --expect that failed only there included): the claim is not shown; 74 the output folder
 could not take what the run wrote (a full disk, or a folder that may not be written: a step's
 results or REPORT.md; no server failed, and the report is printed all the same); 129, 130,
@@ -96,6 +102,7 @@ check).
 
 import dataclasses
 import errno
+import http.client
 import ipaddress
 import json
 import os
@@ -110,7 +117,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -688,6 +695,57 @@ def launch_lines(arm: Arm) -> List[str]:
     return found or [" ".join(shlex.quote(w) for w in arm.command)]
 
 
+ASK_TIMEOUT_S = 10.0  # one question to an arm beside the steps (/metrics, one completion)
+
+
+def ask_arm(url: str, path: str, body: Optional[dict] = None,
+            api_key: Optional[str] = None) -> Optional[bytes]:
+    """An arm's answer to one GET (or POST of body), standard library only, or None where it
+    gave none (no answer, not 200, not readable)."""
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    if api_key:
+        headers["Authorization"] = "Bearer " + api_key
+    request = urllib.request.Request(
+        url.rstrip("/") + path, headers=headers,
+        data=None if body is None else json.dumps(body).encode("utf-8"))
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the arm itself
+    try:
+        with opener.open(request, timeout=ASK_TIMEOUT_S) as answer:
+            return answer.read(1 << 22) if answer.status == 200 else None
+    except (OSError, ValueError, urllib.error.URLError, http.client.HTTPException):
+        return None
+
+
+# vLLM's cache settings as its /metrics says them: a gauge whose labels are the settings,
+# block_size among them (0.34.0: vllm:cache_config_info{...,block_size="64",...} 1.0)
+CACHE_CONFIG = re.compile(r'^vllm:cache_config_info\{([^}]*)\}', re.M)
+BLOCK_SIZE_LABEL = re.compile(r'(?:^|,)block_size="(\d+)"')
+
+
+def cache_block_size(url: str) -> Optional[int]:
+    """The tokens of one prefix-cache block, as a vLLM arm says it in /metrics; None where it
+    says none (or /metrics does not answer)."""
+    text = (ask_arm(url, "/metrics") or b"").decode("utf-8", "replace")
+    config = CACHE_CONFIG.search(text)
+    found = BLOCK_SIZE_LABEL.search(config.group(1)) if config else None
+    return int(found.group(1)) if found and int(found.group(1)) > 0 else None
+
+
+def prompt_token_count(url: str, prompt: str, api_key: Optional[str]) -> Optional[int]:
+    """A prompt's tokens as a vLLM arm counts them where a sweep sends it (usage.prompt_tokens
+    of a one-token greedy completion, with a cache key of its own so that no sweep's request
+    meets it in the cache); None where it did not say."""
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+            "cache_salt": "experiment-%s" % os.urandom(8).hex()}
+    try:
+        answer = json.loads(ask_arm(url, "/v1/completions", body, api_key) or b"null")
+    except ValueError:
+        return None
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    count = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
+
+
 def signal_group(process: subprocess.Popen, signum: int) -> bool:
     """Send signum to the process's group; False when no member of it is left."""
     try:
@@ -779,6 +837,8 @@ class Job:
     files: List = dataclasses.field(default_factory=list)  # its stdout and stderr, open
     said_at: float = 0.0  # time.monotonic() of its last progress line said
     read_to: int = 0  # bytes of its stderr read so far
+    # asked once it is due, its arm ready: why it is left out ("": it runs)
+    left_out: Optional[Callable[[], str]] = None
 
     @property
     def err_path(self) -> Optional[str]:
@@ -897,6 +957,11 @@ class Experiment:
         self.judged: List[str] = []  # what the saved files say moved with the flag on (judge)
         self.unsaved: List[str] = []  # steps that exited 0 and saved no whole result (judge)
         self.uncompared: List[str] = []  # flag-on results that compared nothing (judge)
+        self.left_out: List[str] = []  # steps left out, each with why (copies_left_out)
+        self.copies_compared: List[str] = []  # copies sweeps known to compare cold prefills
+        # copies sweeps that compared nothing where the concurrent sweeps compared (judge):
+        # named, not counted in the verdict
+        self.aside: List[str] = []
 
     def described_env(self) -> Dict[str, str]:
         """The variables as the report describes the run by them: MODEL only where a launch
@@ -933,7 +998,12 @@ class Experiment:
                         running[i] = job = None
                     gate_open = startup is None or gates is None or startup.ready(gates[i])
                     if job is None and lane and gate_open:
-                        running[i] = self.begin_job(lane.pop(0))
+                        due = lane.pop(0)
+                        why = due.left_out() if due.left_out is not None else ""
+                        if why:  # said, and in the report; the lane goes on at the next look
+                            self.leave_out(due.step, why)
+                        else:
+                            running[i] = self.begin_job(due)
                     elif job is not None:
                         self.relay_progress(job)
                 if any(lanes) or any(running) or (startup is not None and not startup.done):
@@ -944,6 +1014,52 @@ class Experiment:
                     job.step.note = ARM_STOPPED
             self.stop_steps()
             raise
+
+    def leave_out(self, step: Step, why: str) -> None:
+        """A step the run leaves out, with why: said now, and in the report's findings."""
+        line = "%s left out: %s" % (step.title(), why)
+        self.left_out.append(line)
+        self.planned -= 1
+        say(line)
+
+    def copies_left_out(self, key: str, title: str) -> str:
+        """Why an arm's copies sweep is left out ("": it runs). On vLLM, copies in one request
+        share the prefix cache whatever the key, served in whole blocks: they compare cold
+        prefills only where the prompt is shorter than one block. The block is the arm's own
+        word (block_size in vllm:cache_config_info at /metrics, as 0.34.0 serves it) and the
+        prompt's length the arm's own count (usage.prompt_tokens of one completion of it, a
+        key of its own so that no sweep meets it in the cache). Where either is not known,
+        the sweep runs, and what it compared is read from what it saved."""
+        s = self.settings
+        if s.engine != "vllm":
+            return ""
+        url = s.urls[key]
+        block = cache_block_size(url)
+        if block is None:
+            return ""
+        sweep_cfg = lab.configure(sweep_options(s, key, "copies", None, None))
+        api_key = sweep_cfg.api_key or self.env.get("VLLM_API_KEY") or None
+        built = sweep_cfg.sweep.prompt_tokens
+        if built:  # run.py builds it to within max(2, N/100) tokens of N, as the server counts
+            longest, said = built + max(2, built // 100), "--prompt-tokens %d" % built
+        else:
+            counts = [prompt_token_count(url, prompt, api_key)
+                      for prompt in sweep_cfg.sweep.prompts]
+            if None in counts:
+                return ""
+            longest = max(counts)
+            said = "%d token%s as the arm counts %s" % (
+                longest, "" if longest == 1 else "s",
+                "it" if len(counts) == 1 else "the longest of the prompts")
+        if longest < block:
+            self.copies_compared.append(
+                "%s: its copies compare cold prefills: the prompt (%s) is shorter than one of "
+                "the arm's %d-token cache blocks (vllm:cache_config_info)" % (title, said, block))
+            return ""
+        return ("the prompt (%s) is not shorter than one of the arm's %d-token cache blocks "
+                "(block_size in vllm:cache_config_info at its /metrics): copies of it in one "
+                "request share the prefix cache whatever the key, so they would compare cache "
+                "hits, not cold prefills; the concurrent sweeps decide" % (said, block))
 
     def begin_job(self, job: Job) -> Job:
         step = job.step
@@ -1151,7 +1267,9 @@ class Experiment:
                 key, shape, " (expect %s)" % expect if expect else "")
             step = Step("flag-%s sweep, %s" % (key, shape), tp, outputs=[save], what=what,
                         arm=key)
-            lanes[key].append(Job(step, argv, save[:-5] + ".txt"))
+            left_out = ((lambda key=key, title=step.title(): self.copies_left_out(key, title))
+                        if traffic == "copies" else None)
+            lanes[key].append(Job(step, argv, save[:-5] + ".txt", left_out=left_out))
         if not s.overlap:  # no arm swept before both are ready: each lane waits for both
             self.run_lanes([], startup)
         self.run_lanes([lanes["off"], lanes["on"]], startup, gates=["off", "on"])
@@ -1913,7 +2031,13 @@ def judge(exp: Experiment) -> None:
                                    fmt(sm.get("total_completions")), fmt(sm.get("max_ulp")),
                                    first_moved(doc)))
             elif sweep_uncompared(doc) and summary_of(doc).get("state") == "complete":
-                exp.uncompared.append("%s: %s" % (sweep, summary_of(doc)["verdict"]))
+                said = "%s: %s" % (sweep, summary_of(doc)["verdict"])
+                # copies the cache served compare nothing, and claim nothing either way: where
+                # the concurrent sweep compared, it decides, and the copies sweep is named only
+                if traffic == "copies" and concurrent_compared(folder):
+                    exp.aside.append(said)
+                else:
+                    exp.uncompared.append(said)
             # every check the sweep ran, by its saved verdict: the sweep's --expect invariant
             # reads only its batches, so a check that moved leaves its exit code 0
             for check, verdict in check_verdicts(doc):
@@ -1941,6 +2065,13 @@ def judge(exp: Experiment) -> None:
         # every --expect that failed, failed on what its sweep could not compare, not on a
         # move: the run is inconclusive, and its exit code says so, not "an --expect failed"
         exp.exit_code = EXIT_UNCOMPARED
+
+
+def concurrent_compared(folder: str) -> bool:
+    """Did the flag-on concurrent sweep of a degree compare, as it saved it (whole, and a
+    verdict that claims something)?"""
+    doc = load(os.path.join(folder, "sweep_on.json"))
+    return summary_of(doc).get("state") == "complete" and not sweep_uncompared(doc)
 
 
 def versus_files(folder: str, tp: int) -> List[str]:
@@ -1977,7 +2108,12 @@ def findings(exp: Experiment) -> List[str]:
             if sm.get("state") != "complete":
                 line += " (the sweep did not complete: %s)" % fmt(sm.get("state"))
             lines.append(line + ".")
-    return lines or ["- No sweep was saved."]
+    lines = lines or ["- No sweep was saved."]
+    # the copies sweeps: left out, known to compare cold prefills, or named beside the verdict
+    lines += ["- %s." % line for line in exp.left_out + exp.copies_compared]
+    lines += ["- Not counted in the verdict: %s (the cache served the copies; the concurrent "
+              "sweeps, which compared, decide)." % line for line in exp.aside]
+    return lines
 
 
 def served(exp: Experiment) -> List[Tuple[str, str]]:

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import resource
+import shlex
 import signal
 import socket
 import subprocess
@@ -99,9 +100,11 @@ class Experiment(TempDirTest):
         env.update(
             {
                 name: value.format(off=self.ports[0], on=self.ports[1])
-                for name, value in variables.items()
+                for name, value in variables.items() if value is not None
             }
         )
+        for name in [name for name, value in variables.items() if value is None]:
+            env.pop(name, None)  # None: the variable not set at all (its default)
         return subprocess.Popen(
             ["bash", os.path.join(ROOT, "examples", "experiment.sh"), self.engine, self.path(out)],
             env=env,
@@ -151,9 +154,10 @@ class ExperimentRuns(Experiment):
         code, out, err = self.finish(self.start(
             COPIES="on", OPENAI_API_KEY="2",
             SWEEP_ARGS="--sizes 1,2,9,17 --max-tokens 12 --repeat 2 --api " + long_key))
-        # the flag-on copies sweep compared nothing (the cache served every copy above batch
-        # 1, as vLLM's): every step ran and nothing moved, but that claim is not shown
-        self.assertEqual(code, 6, err)
+        # the stand-ins' cache blocks (16 tokens, said in /metrics) are shorter than the
+        # prompt (20): its copies would share the cache, so the copies sweeps are left out,
+        # and the concurrent sweeps, which compared, decide: complete
+        self.assertEqual(code, 0, err)
         self.assertNotIn(long_key, out + err)
         self.assertIn("--api '[api key]'", out)
         self.assertNotIn("[api key]", out.replace("--api '[api key]'", ""))
@@ -164,10 +168,13 @@ class ExperimentRuns(Experiment):
         self.assertIn("the arms share device(s) 0", err)
         report = self.load_run("REPORT.md")
         self.assertEqual(out, report)  # printed as well as written
-        self.assertEqual(report.splitlines()[0], (
-            "# Batch-invariance experiment, vllm: INCONCLUSIVE (exit 6, every step ran, but a "
-            "flag-on result compared nothing): compared nothing: flag-on sweep, copies in one "
-            "request (TP 1): nothing compared: the cache served every request above batch 1"))
+        self.assertEqual(report.splitlines()[0], "# Batch-invariance experiment, vllm: "
+                         "complete, every step ran and every --expect held")
+        for key in ("off", "on"):
+            self.assertIn("- flag-%s sweep, copies in one request (TP 1) left out: the prompt "
+                          "(20 tokens as the arm counts it) is not shorter than one of the "
+                          "arm's 16-token cache blocks" % key, report)
+            self.assertFalse(os.path.exists(self.run_path("tp1", "copies_%s.json" % key)))
         for words in (
             "| flag off | vllm |",
             "| flag on | vllm |",
@@ -188,17 +195,64 @@ class ExperimentRuns(Experiment):
             "run.py --mode cost",
         ):
             self.assertIn(words, report)
-        # copies in one request share the prefix cache (as vLLM's do): their divergence is
-        # not put down to batching, and the concurrent sweep's bypass holds
-        self.assertIn("| flag off, copies in one request | moved only where the cache served",
-                      report)
         self.assertIn("tokens diverged**, 2 unique of 58", report)
-        # ... and with the flag on, no request above batch 1 was computed: nothing certified
-        self.assertIn("| flag on, copies in one request | nothing compared: the cache served "
-                      "every request above batch 1 |", report)
         concurrent = self.load_run("tp1", "sweep_off.json")["summary"]["prefix_cache_bypass"]
         self.assertEqual(concurrent["status"], "held")
         self.assertEqual(self.load_run("tp1", "sweep_on.json")["summary"]["verdict"], "invariant")
+        self.assert_no_server_left()
+
+    def test_copies_sweeps_run_only_where_their_copies_compare_cold_prefills(self):
+        """vLLM's copies of one request share its prefix cache whatever the key, in whole
+        blocks. Where the arms say a block longer than the prompt (64 tokens, as 0.34.0's),
+        the copies sweeps run and compare cold prefills; where they say no block size (as the
+        practice engine of an earlier release), they run, and a flag-on copies sweep that the
+        cache served compared nothing: named in the report, but the concurrent sweeps, which
+        compared, decide, and the run is complete."""
+        stub = "python3 %s --port {port} --prompt-tokens-details" % (
+            os.path.join(ROOT, "tests", "stub_server.py"))
+        for block, finding in (
+                (" --block-size 64", "- flag-on sweep, copies in one request (TP 1): its copies "
+                 "compare cold prefills: the prompt (20 tokens as the arm counts it) is shorter "
+                 "than one of the arm's 64-token cache blocks"),
+                ("", "- Not counted in the verdict: flag-on sweep, copies in one request (TP 1): "
+                 "nothing compared: the cache served every request above batch 1 (the cache "
+                 "served the copies; the concurrent sweeps, which compared, decide).")):
+            with self.subTest(block=block):
+                code, out, err = self.finish(self.start(
+                    COPIES="on", SERVE_OFF=stub.format(port="{off}") + block,
+                    SERVE_ON=stub.format(port="{on}") + block + " --invariant --prefill-agrees"))
+                self.assertEqual(code, 0, err)
+                report = self.load_run("REPORT.md")
+                self.assertEqual(report.splitlines()[0], "# Batch-invariance experiment, vllm: "
+                                 "complete, every step ran and every --expect held")
+                self.assertIn(finding, report)
+                on_copies = self.load_run("tp1", "copies_on.json")["summary"]
+                self.assertEqual(on_copies["verdict"], "invariant" if block
+                                 else run.NOTHING_COMPARED + ": the cache served every request "
+                                 "above batch 1")
+
+    def test_the_readmes_one_gpu_command_dry_run_ends_complete(self):
+        """The README's one GPU command, as it stands there, against the stand-in engines
+        (their copies share the cache: 16-token blocks, said in /metrics, and a 20-token
+        prompt): the copies sweeps are left out, each with its line in REPORT.md, and the run
+        ends complete, exit 0. Only its steps are made smaller (SWEEP_ARGS, COST_ARGS), and
+        its ports free ones."""
+        with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+            line = next(l for l in f if l.startswith("GPUS=0 TP=1 ") and "vllm" in l)
+        words = shlex.split(line)
+        variables = dict(w.split("=", 1) for w in words[:words.index("examples/experiment.sh")])
+        self.assertEqual(words[-2:], ["vllm", "results/"])
+        code, out, err = self.finish(self.start(
+            OFF_URL="", ON_URL="", SERVE_OFF="", SERVE_ON="", COPIES=None, OFF_PORT="{off}",
+            ON_PORT="{on}", **variables))
+        self.assertEqual(code, 0, err)
+        report = self.load_run("REPORT.md")
+        self.assertEqual(report.splitlines()[0], "# Batch-invariance experiment, vllm: "
+                         "complete, every step ran and every --expect held")
+        for key in ("off", "on"):
+            self.assertIn("- flag-%s sweep, copies in one request (TP 1) left out: " % key,
+                          report)
+        self.assertIn("vllm serve %s --port" % variables["MODEL"], report)
         self.assert_no_server_left()
 
     def test_a_flag_on_arm_that_moved_in_any_shape_is_not_complete(self):
