@@ -297,7 +297,7 @@ class StubConfig:
                                              # another way (as a cached prefill's kernel may be)
     topk_edge_swap: bool = False             # above batch 1 the k-th top entry swaps with the (k+1)-th
     block_size: Optional[int] = None         # vLLM: the prefix cache serves whole blocks of this
-                                             # many tokens, said in /metrics' vllm:cache_config_info
+                                             # many tokens, said in /metrics (cache_config_info)
                                              # (None: 64 from 0.34.0 on, said; before, a token at a
                                              # time, not said)
     version: str = "0.26.0"                  # vLLM: the release it answers as; "0.33.0" reports the
