@@ -1136,12 +1136,13 @@ class Experiment:
     def name_the_disk(self, step: Step, job: Job) -> None:
         """A lab step that failed because the run's folder could not take what it wrote
         (run.py's "--save: cannot write ...", its own stdout or stderr, which are files in
-        that folder here, or a disk with no room left) failed on the disk, not the server:
-        its note says so, whatever exit code run.py gave it."""
+        that folder here, or, where it could not even say why, a disk with no room left)
+        failed on the disk, not the server: its note says so, whatever exit code run.py gave
+        it."""
         if not step.lab or step.exit_code not in (lab.EXIT_SERVER, lab.EXIT_OUTPUT):
             return
         if (SAVE_FAILED in step.reason or step.exit_code == lab.EXIT_OUTPUT
-                or disk_full(self.run_dir)):
+                or (not step.reason and disk_full(self.run_dir))):  # its stderr not written
             step.note = DISK_NOTE
             if not step.reason:
                 step.reason = "%s has no room left" % os.path.dirname(job.stdout_path)
