@@ -862,6 +862,7 @@ def disk_full(folder: str) -> bool:
         return False
     return found.f_bavail * found.f_frsize < DISK_ROOM
 
+
 # The cost cells of each degree, in order
 WORKLOADS = ("cold", "shared-prefix")
 
@@ -1040,26 +1041,32 @@ class Experiment:
         sweep_cfg = lab.configure(sweep_options(s, key, "copies", None, None))
         api_key = sweep_cfg.api_key or self.env.get("VLLM_API_KEY") or None
         built = sweep_cfg.sweep.prompt_tokens
+        prompts = [""] if built else sorted(sweep_cfg.sweep.prompts, key=len, reverse=True)
         if built:  # run.py builds it to within max(2, N/100) tokens of N, as the server counts
             longest, said = built + max(2, built // 100), "--prompt-tokens %d" % built
-        else:
-            counts = [prompt_token_count(url, prompt, api_key)
-                      for prompt in sweep_cfg.sweep.prompts]
-            if None in counts:
-                return ""
+        else:  # the longest text first: one prompt not shorter than a block is enough
+            counts: List[int] = []
+            for prompt in prompts:
+                count = prompt_token_count(url, prompt, api_key)
+                if count is None:
+                    return ""
+                counts.append(count)
+                if count >= block:
+                    break
             longest = max(counts)
-            said = "%d token%s as the arm counts %s" % (
-                longest, "" if longest == 1 else "s",
-                "it" if len(counts) == 1 else "the longest of the prompts")
+            said = "%d token%s as the arm counts it" % (longest, "" if longest == 1 else "s")
         if longest < block:
             self.copies_compared.append(
-                "%s: its copies compare cold prefills: the prompt (%s) is shorter than one of "
-                "the arm's %d-token cache blocks (vllm:cache_config_info)" % (title, said, block))
+                "%s: its copies compare cold prefills: %s (%s) is shorter than one of the "
+                "arm's %d-token cache blocks (vllm:cache_config_info)"
+                % (title, "the prompt" if len(prompts) == 1 else "every prompt, the longest",
+                   said, block))
             return ""
-        return ("the prompt (%s) is not shorter than one of the arm's %d-token cache blocks "
-                "(block_size in vllm:cache_config_info at its /metrics): copies of it in one "
-                "request share the prefix cache whatever the key, so they would compare cache "
-                "hits, not cold prefills; the concurrent sweeps decide" % (said, block))
+        return ("%s (%s) is not shorter than one of the arm's %d-token cache blocks (block_size "
+                "in vllm:cache_config_info at its /metrics): copies of it in one request share "
+                "the prefix cache whatever the key, so they would compare cache hits, not cold "
+                "prefills; the concurrent sweeps decide"
+                % ("the prompt" if len(prompts) == 1 else "a prompt", said, block))
 
     def begin_job(self, job: Job) -> Job:
         step = job.step
