@@ -666,15 +666,15 @@ class ExperimentFailures(Experiment):
                                               "large): the report above is the only one"), err)
         self.assert_no_server_left()
 
-    def test_a_stop_while_the_arms_stop_after_the_last_step_leaves_the_run_complete(self):
-        """SIGTERM once every step has ended, while the arms stop (the flag-on arm takes its
-        whole grace: it ignores TERM): the run is whole, and says so; the experiment said
-        what it was stopping before it did."""
+    def stop_as_the_arms_stop(self, signum, **variables):
+        """Run the experiment, and send signum once it says it is stopping the arms of TP 1
+        (the flag-on arm takes its whole grace: it ignores TERM); (exit code, what it said
+        up to then, the rest of stderr)."""
         stub = "%s --port {port}" % " ".join(STUB)
         p = self.start(SERVE_OFF=stub.format(port="{off}"),
                        SERVE_ON="sh -c 'trap \"\" TERM; exec %s --invariant --prefill-agrees'"
                        % stub.format(port="{on}"),
-                       SWEEP_ARGS="--sizes 1,2 --max-tokens 4 --repeat 2")
+                       SWEEP_ARGS="--sizes 1,2 --max-tokens 4 --repeat 2", **variables)
         said = []
         for line in p.stderr:
             said.append(line)
@@ -684,14 +684,33 @@ class ExperimentFailures(Experiment):
             self.fail("no line said the arms were stopping: %s" % "".join(said))
         self.assertEqual(said[-1], "experiment: stopping the arms of TP 1, every step of it "
                          "ended: the flag-off arm and the flag-on arm (each within 10 s)\n")
-        os.kill(p.pid, signal.SIGTERM)
+        os.kill(p.pid, signum)
         code, out, err = self.finish(p)
-        self.assertEqual(code, 0, "".join(said) + err)
+        return code, "".join(said), err
+
+    def test_a_stop_while_the_arms_stop_after_the_last_step_leaves_the_run_complete(self):
+        """SIGTERM once every step has ended, while the arms stop: the run is whole, and says
+        so; the experiment said what it was stopping before it did."""
+        code, said, err = self.stop_as_the_arms_stop(signal.SIGTERM)
+        self.assertEqual(code, 0, said + err)
         report = self.load_run("REPORT.md")
         self.assertEqual(report.splitlines()[0], "# Batch-invariance experiment, vllm: "
                          "complete, every step ran and every --expect held")
         self.assertIn("SIGTERM came while the arms stopped after the last step: every step "
                       "had ended, so the run is whole", report)
+        self.assert_no_server_left()
+
+    def test_a_stop_while_the_arms_stop_before_another_degree_stops_the_run_there(self):
+        """Ctrl-C while the arms of TP 1 stop, TP 2 still to come: the run stops there, its
+        first line saying what it was doing."""
+        code, said, err = self.stop_as_the_arms_stop(signal.SIGINT, GPUS="0,1,2,3", TP="1,2")
+        self.assertEqual(code, 130, said + err)
+        first = self.load_run("REPORT.md").splitlines()[0]
+        self.assertRegex(first, r"INCOMPLETE \(exit 130, stopped by Ctrl-C \(SIGINT\); each "
+                                r"step saved what it had measured\): no step was running when "
+                                r"it came: the arms were stopping after every step of TP 1, "
+                                r"after step 4 of \d+ \(cost, shared-prefix \(TP 1\)\)$")
+        self.assertFalse(os.path.exists(self.run_path("tp2")))
         self.assert_no_server_left()
 
     def test_a_report_the_terminal_cannot_encode_is_printed_with_replacements(self):
