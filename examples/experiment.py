@@ -36,7 +36,12 @@ The sweeps, per TP degree: each arm with concurrent requests, a cache key each, 
 request is served from another's prefix cache (vLLM's copies of one request share it whatever
 the key: a copies sweep's divergence is not batching alone), with the prefill check; then
 each arm with copies in one request, the upstream tests' shape, kept as its own labelled
-sweep. Flag off expects a difference, flag on none.
+sweep. Flag off expects a difference, flag on none. On vLLM an arm's copies sweep runs only
+where its copies compare cold prefills: the prompt, as the arm counts it, shorter than one of
+the arm's cache blocks (block_size of vllm:cache_config_info in its /metrics); where it is not,
+the sweep is left out with a line in REPORT.md saying why; where the arm says no block size,
+it runs, and a flag-on copies sweep that compared nothing (the cache served its copies) is
+named in REPORT.md but leaves the verdict to the concurrent sweeps where they compared.
 
 Variables (all optional), with their defaults:
   GPUS=0                the devices, a comma list; placement.sh gives each arm its own where
@@ -70,9 +75,11 @@ Variables (all optional), with their defaults:
                         --baseline, and REPORT.md says what that comparison found
 
 Every variable is checked before any arm starts: each step's options by run.py's own
-configuration, the options the experiment sets itself refused in any spelling, URLs as run.py
-checks them, one address in two spellings, ports against the serve commands, GPUS as CUDA
-reads it.
+configuration, the options the experiment sets itself refused in any spelling, COST_ARGS
+whose --trials are fewer than run.py's overhead needs for an interval (6), URLs as run.py
+checks them (and neither https:// nor a path after the port such as /v1: the arms serve
+plain HTTP, their /health at the root), one address in two spellings, ports against the serve
+commands, GPUS as CUDA reads it.
 
 Exit codes: 0 every step ran, every --expect held, the flag-on arm moved in no shape and no
 check, and every flag-on sweep and check compared something (as the saved results say);
@@ -82,9 +89,13 @@ moved, a step saved no whole result); 2 a malformed variable or a busy port (not
 started); 4 an arm exited, could not be started, or was not ready within WAIT; 5 every step
 ran, but a TP degree was skipped (GPUS could not hold it); 6 every step ran and nothing
 moved, but a flag-on sweep or check compared nothing (the cache served every request above
-batch 1, the server could not serve the check, the servers report another TP than asked;
-an --expect that failed only there included): the claim is not shown; 129, 130, 143
-stopped by SIGHUP, SIGINT or SIGTERM.
+batch 1 of a concurrent sweep, or of a copies sweep where the concurrent one compared nothing
+too; the server could not serve the check; the servers report another TP than asked;
+an --expect that failed only there included): the claim is not shown; 74 the output folder
+could not take what the run wrote (a full disk, or a folder that may not be written: a step's
+results or REPORT.md; no server failed, and the report is printed all the same); 129, 130,
+143 stopped by SIGHUP, SIGINT or SIGTERM (one that comes while the arms stop after the last
+step leaves a whole run whole: every step had ended).
 
 REPORT.md's first line says which: "complete" (exit 0); INCOMPLETE (a step failed or did not
 finish, an arm exited, a degree was skipped, a signal); NOT AS EXPECTED (every step ran to
@@ -95,6 +106,7 @@ check).
 
 import dataclasses
 import errno
+import http.client
 import ipaddress
 import json
 import os
@@ -109,7 +121,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -133,6 +145,9 @@ PROGRESS_EVERY_S = 15.0  # a running step's newest progress line is said at most
 EXIT_ARM = 4  # an arm exited, could not be started, or was not ready within WAIT
 EXIT_SKIPPED = 5  # every step ran, but a TP degree was skipped: the report is not whole
 EXIT_UNCOMPARED = 6  # every step ran, none moved, but a flag-on result compared nothing
+# the run's own folder could not take what was written there (run.py's EX_IOERR, whose
+# stdout and stderr are files in that folder here): the disk, never a server
+EXIT_DISK = lab.EXIT_OUTPUT
 SIGNAL_EXITS = {
     signal.SIGINT: lab.EXIT_INTERRUPTED,
     signal.SIGTERM: lab.EXIT_TERMINATED,
@@ -142,6 +157,8 @@ EXIT_MEANINGS = dict(lab.EXIT_CODES)  # exit code -> what it means, the lab's an
 EXIT_MEANINGS[EXIT_ARM] = "an arm exited, could not be started, or was not ready in time"
 EXIT_MEANINGS[EXIT_SKIPPED] = "a TP degree was skipped"
 EXIT_MEANINGS[EXIT_UNCOMPARED] = "every step ran, but a flag-on result compared nothing"
+EXIT_MEANINGS[EXIT_DISK] = ("the output folder could not take what the run wrote (a full disk, "
+                            "or a folder that may not be written): no server failed")
 for _signum, _code in SIGNAL_EXITS.items():  # the experiment's own words: each step saved
     EXIT_MEANINGS[_code] = "stopped by %s; each step saved what it had measured" % (
         "Ctrl-C (SIGINT)" if _signum == signal.SIGINT else _signum.name)
@@ -204,6 +221,9 @@ class Settings:
     copies: bool  # COPIES: the copies-in-one-request sweeps too
     overlap: bool  # OVERLAP: an arm is swept while the other still loads
     baseline: Optional[str] = None  # BASELINE: an earlier run's folder, its flag-on sweeps
+    # the arms started by the launch script, which reads MODEL: an arm started by a
+    # SERVE_OFF/SERVE_ON of one's own serves what its command says, whatever MODEL is
+    model_arms: Tuple[str, ...] = ("off", "on")
 
 
 def split_words(name: str, env: Dict[str, str]) -> List[str]:
@@ -319,6 +339,7 @@ def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
     except ValueError:
         raise UsageError("WAIT=%s is not a number of seconds" % env.get("WAIT")) from None
     urls, serve = {}, {}
+    model_arms: List[str] = []
     for arm, port in zip(("off", "on"), ENGINE_PORTS[engine]):
         name = arm.upper()
         command = split_words("SERVE_" + name, env)
@@ -345,6 +366,7 @@ def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
         url = env.get(name + "_URL")
         if url:
             lab_check(lab.check_url, url, name + "_URL")
+            refuse_unanswerable_url(url, name + "_URL")
             if local_host(url) and url_port(url) != port and (
                     listens is not None or env.get(name + "_PORT")):
                 raise UsageError(
@@ -359,6 +381,8 @@ def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
             arm,
         )
         serve[arm] = command or shlex.split(default)
+        if not command:
+            model_arms.append(arm)
     if url_port(urls["off"]) == url_port(urls["on"]) and one_host(urls["off"], urls["on"]):
         raise UsageError("the flag-off and flag-on arms would both listen at %s%s: give them "
                          "ports of their own (OFF_PORT, ON_PORT)"
@@ -378,6 +402,7 @@ def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
         copies=on_or_off("COPIES", env),
         overlap=on_or_off("OVERLAP", env),
         baseline=baseline_folder(env),
+        model_arms=tuple(model_arms),
     )
 
 
@@ -415,6 +440,25 @@ def earlier_sweep(s: "Settings", tp: int, stem: str) -> Optional[str]:
         return None
     path = os.path.join(s.baseline, "tp%d" % tp, stem + ".json")
     return path if os.path.isfile(path) else None
+
+
+def refuse_unanswerable_url(url: str, name: str) -> None:
+    """An arm's URL the experiment could never reach an arm at, refused before any arm
+    loads (else the arm loads, and the lab waits all of WAIT for a health check that cannot
+    answer): https:// (the launch scripts start the engines with no certificate: they serve
+    plain HTTP) and a path after the port (the experiment asks for /health at the arm's
+    root, and run.py adds /v1 itself). Both said in one line."""
+    parts = urllib.parse.urlsplit(url)
+    faults = []
+    if parts.scheme == "https":
+        faults.append("https:// (the engines the experiment starts serve plain HTTP: they "
+                      "have no certificate)")
+    if parts.path.strip("/"):
+        faults.append("a path after the port, %s (the experiment asks for the arm's /health "
+                      "at its root, and run.py adds /v1 itself)" % parts.path)
+    if faults:
+        raise UsageError("%s=%s: %s; give http://%s, and nothing was started"
+                         % (name, url, "; and ".join(faults), parts.netloc))
 
 
 def lab_check(check, *args):
@@ -560,6 +604,7 @@ class Arm:
                 start_new_session=True,
             )
         except OSError as err:  # a command that does not exist, or may not run
+            os.unlink(self.log_path)  # nothing ran: no log to point to
             raise ArmFailed(
                 "%s could not be started (%s: %s)"
                 % (self.name, " ".join(self.command[:1]), err.strerror or err)
@@ -573,14 +618,18 @@ class Arm:
         keys hidden (KEYS.engine_text): an engine that logs its own arguments (SGLang's
         server_args) never puts its key in the file. Bytes that are not UTF-8 pass as they
         came."""
-        with open(self.log_path, "ab") as log:
-            for raw in iter(output.readline, b""):
-                text = raw.decode("utf-8", "surrogateescape")
-                if KEYS is not None:
-                    text = (KEYS.launch_line(text) if text.startswith("launch: ")
-                            else KEYS.engine_text(text))
-                log.write(text.encode("utf-8", "surrogateescape"))
-                log.flush()
+        try:
+            with open(self.log_path, "ab") as log:
+                for raw in iter(output.readline, b""):
+                    text = raw.decode("utf-8", "surrogateescape")
+                    if KEYS is not None:
+                        text = (KEYS.launch_line(text) if text.startswith("launch: ")
+                                else KEYS.engine_text(text))
+                    log.write(text.encode("utf-8", "surrogateescape"))
+                    log.flush()
+        except OSError:  # a full disk: the engine's output is still read, so that it never
+            for _ in iter(output.readline, b""):  # blocks on a full pipe, and goes nowhere
+                pass
         output.close()
 
     def log_written(self) -> None:
@@ -688,6 +737,57 @@ def launch_lines(arm: Arm) -> List[str]:
     return found or [" ".join(shlex.quote(w) for w in arm.command)]
 
 
+ASK_TIMEOUT_S = 10.0  # one question to an arm beside the steps (/metrics, one completion)
+
+
+def ask_arm(url: str, path: str, body: Optional[dict] = None,
+            api_key: Optional[str] = None) -> Optional[bytes]:
+    """An arm's answer to one GET (or POST of body), standard library only, or None where it
+    gave none (no answer, not 200, not readable)."""
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    if api_key:
+        headers["Authorization"] = "Bearer " + api_key
+    request = urllib.request.Request(
+        url.rstrip("/") + path, headers=headers,
+        data=None if body is None else json.dumps(body).encode("utf-8"))
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the arm itself
+    try:
+        with opener.open(request, timeout=ASK_TIMEOUT_S) as answer:
+            return answer.read(1 << 22) if answer.status == 200 else None
+    except (OSError, ValueError, urllib.error.URLError, http.client.HTTPException):
+        return None
+
+
+# vLLM's cache settings as its /metrics says them: a gauge whose labels are the settings,
+# block_size among them (0.34.0: vllm:cache_config_info{...,block_size="64",...} 1.0)
+CACHE_CONFIG = re.compile(r'^vllm:cache_config_info\{([^}]*)\}', re.M)
+BLOCK_SIZE_LABEL = re.compile(r'(?:^|,)block_size="(\d+)"')
+
+
+def cache_block_size(url: str) -> Optional[int]:
+    """The tokens of one prefix-cache block, as a vLLM arm says it in /metrics; None where it
+    says none (or /metrics does not answer)."""
+    text = (ask_arm(url, "/metrics") or b"").decode("utf-8", "replace")
+    config = CACHE_CONFIG.search(text)
+    found = BLOCK_SIZE_LABEL.search(config.group(1)) if config else None
+    return int(found.group(1)) if found and int(found.group(1)) > 0 else None
+
+
+def prompt_token_count(url: str, prompt: str, api_key: Optional[str]) -> Optional[int]:
+    """A prompt's tokens as a vLLM arm counts them where a sweep sends it (usage.prompt_tokens
+    of a one-token greedy completion, with a cache key of its own so that no sweep's request
+    meets it in the cache); None where it did not say."""
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+            "cache_salt": "experiment-%s" % os.urandom(8).hex()}
+    try:
+        answer = json.loads(ask_arm(url, "/v1/completions", body, api_key) or b"null")
+    except ValueError:
+        return None
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    count = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
+
+
 def signal_group(process: subprocess.Popen, signum: int) -> bool:
     """Send signum to the process's group; False when no member of it is left."""
     try:
@@ -761,6 +861,7 @@ class Step:
     number: int = 0  # its place in the run, from 1
     started: Optional[float] = None  # time.time()
     ended: Optional[float] = None
+    arm: str = ""  # the arm it measures alone ("off" or "on"); "" for both or neither
 
     def title(self) -> str:
         return "%s%s" % (self.name, " (TP %d)" % self.tp if self.tp else "")
@@ -778,6 +879,8 @@ class Job:
     files: List = dataclasses.field(default_factory=list)  # its stdout and stderr, open
     said_at: float = 0.0  # time.monotonic() of its last progress line said
     read_to: int = 0  # bytes of its stderr read so far
+    # asked once it is due, its arm ready: why it is left out ("": it runs)
+    left_out: Optional[Callable[[], str]] = None
 
     @property
     def err_path(self) -> Optional[str]:
@@ -785,6 +888,21 @@ class Job:
         if not self.stdout_path.endswith(".txt"):
             return None
         return self.stdout_path[: -len(".txt")] + ".err"
+
+
+ARM_STOPPED = "stopped: an arm exited"  # the note of a step an arm's exit stopped
+DISK_NOTE = "the output folder could not take its results: the disk, not the server"
+SAVE_FAILED = "--save: cannot write"  # run.py's words where its --save file could not be written
+DISK_ROOM = 1 << 20  # bytes free below which a disk is taken for full
+
+
+def disk_full(folder: str) -> bool:
+    """Has the disk that holds folder (about) no room left for anyone but root?"""
+    try:
+        found = os.statvfs(folder)
+    except OSError:
+        return False
+    return found.f_bavail * found.f_frsize < DISK_ROOM
 
 
 # The cost cells of each degree, in order
@@ -847,9 +965,18 @@ def check_steps(s: Settings, sweeps: List[Tuple[str, str, str, Optional[str], st
               for tp in s.degrees[:1] for workload in WORKLOADS]
     for name, step, words in steps:
         try:
-            lab.configure(words)
+            cfg = lab.configure(words)
         except lab.UsageError as err:
             raise UsageError("%s: run.py refuses it in %s: %s" % (name, step, err)) from None
+        # a cost cell of fewer trial pairs than run.py's overhead needs for its interval
+        # would be timed whole and then say "no interval": refused before the arms load
+        if cfg.cost is not None and cfg.cost.trials < lab.MIN_PAIRS_FOR_INTERVAL:
+            raise UsageError(
+                "%s: --trials %d can give no interval in %s: run.py's cost mode needs at least "
+                "%d trial pairs for the overhead's 95 %% interval; give --trials %d or more "
+                "(run.py's default: %d)" % (name, cfg.cost.trials, step,
+                                            lab.MIN_PAIRS_FOR_INTERVAL,
+                                            lab.MIN_PAIRS_FOR_INTERVAL, lab.DEFAULT_TRIALS))
 
 
 def step_environment(env) -> Dict[str, str]:
@@ -878,13 +1005,28 @@ class Experiment:
         self.stopped_by: Optional[str] = None
         self.stopped_steps: List[Step] = []  # the steps running when a stop signal came
         self.stopped_during = ""  # what the run was doing then, where no step was running
-        self.failure: str = ""  # what ended the run early (an arm), in one line
+        self.late_stop = ""  # a stop signal that came as the arms stopped after the last step
+        self.failure: str = ""  # what ended the run early (an arm, the disk), in one line
+        self.unwritten = ""  # why REPORT.md could not be written, in one line ("": it was)
         self.first_tp: Optional[int] = None  # the first degree measured: the others against it
         self.launched: Dict[str, List[str]] = {}  # arm -> how it was started, as logged
         self.environment: List[Tuple[str, str]] = []  # (what, value) for the report
         self.judged: List[str] = []  # what the saved files say moved with the flag on (judge)
         self.unsaved: List[str] = []  # steps that exited 0 and saved no whole result (judge)
         self.uncompared: List[str] = []  # flag-on results that compared nothing (judge)
+        self.left_out: List[str] = []  # steps left out, each with why (copies_left_out)
+        self.copies_compared: List[str] = []  # copies sweeps known to compare cold prefills
+        # copies sweeps that compared nothing where the concurrent sweeps compared (judge):
+        # named, not counted in the verdict
+        self.aside: List[str] = []
+
+    def described_env(self) -> Dict[str, str]:
+        """The variables as the report describes the run by them: MODEL only where a launch
+        script started an arm with it (beside SERVE_OFF and SERVE_ON of one's own it names no
+        model served)."""
+        if self.settings.model_arms:
+            return self.env
+        return {k: v for k, v in self.env.items() if k != "MODEL"}
 
     def lab(self, *args: str) -> List[str]:
         return [sys.executable, os.path.join(ROOT, "run.py")] + list(args)
@@ -913,7 +1055,12 @@ class Experiment:
                         running[i] = job = None
                     gate_open = startup is None or gates is None or startup.ready(gates[i])
                     if job is None and lane and gate_open:
-                        running[i] = self.begin_job(lane.pop(0))
+                        due = lane.pop(0)
+                        why = due.left_out() if due.left_out is not None else ""
+                        if why:  # said, and in the report; the lane goes on at the next look
+                            self.leave_out(due.step, why)
+                        else:
+                            running[i] = self.begin_job(due)
                     elif job is not None:
                         self.relay_progress(job)
                 if any(lanes) or any(running) or (startup is not None and not startup.done):
@@ -921,9 +1068,61 @@ class Experiment:
         except ArmFailed:
             for job in running:
                 if job is not None:
-                    job.step.note = "stopped: an arm exited"
+                    job.step.note = ARM_STOPPED
             self.stop_steps()
             raise
+
+    def leave_out(self, step: Step, why: str) -> None:
+        """A step the run leaves out, with why: said now, and in the report's findings."""
+        line = "%s left out: %s" % (step.title(), why)
+        self.left_out.append(line)
+        self.planned -= 1
+        say(line)
+
+    def copies_left_out(self, key: str, title: str) -> str:
+        """Why an arm's copies sweep is left out ("": it runs). On vLLM, copies in one request
+        share the prefix cache whatever the key, served in whole blocks: they compare cold
+        prefills only where the prompt is shorter than one block. The block is the arm's own
+        word (block_size in vllm:cache_config_info at /metrics, as 0.34.0 serves it) and the
+        prompt's length the arm's own count (usage.prompt_tokens of one completion of it, a
+        key of its own so that no sweep meets it in the cache). Where either is not known,
+        the sweep runs, and what it compared is read from what it saved."""
+        s = self.settings
+        if s.engine != "vllm":
+            return ""
+        url = s.urls[key]
+        block = cache_block_size(url)
+        if block is None:
+            return ""
+        sweep_cfg = lab.configure(sweep_options(s, key, "copies", None, None))
+        api_key = sweep_cfg.api_key or self.env.get("VLLM_API_KEY") or None
+        built = sweep_cfg.sweep.prompt_tokens
+        prompts = [""] if built else sorted(sweep_cfg.sweep.prompts, key=len, reverse=True)
+        if built:  # run.py builds it to within max(2, N/100) tokens of N, as the server counts
+            longest, said = built + max(2, built // 100), "--prompt-tokens %d" % built
+        else:  # the longest text first: one prompt not shorter than a block is enough
+            counts: List[int] = []
+            for prompt in prompts:
+                count = prompt_token_count(url, prompt, api_key)
+                if count is None:
+                    return ""
+                counts.append(count)
+                if count >= block:
+                    break
+            longest = max(counts)
+            said = "%d token%s as the arm counts it" % (longest, "" if longest == 1 else "s")
+        if longest < block:
+            self.copies_compared.append(
+                "%s: its copies compare cold prefills: %s (%s) is shorter than one of the "
+                "arm's %d-token cache blocks (vllm:cache_config_info)"
+                % (title, "the prompt" if len(prompts) == 1 else "every prompt, the longest",
+                   said, block))
+            return ""
+        return ("%s (%s) is not shorter than one of the arm's %d-token cache blocks (block_size "
+                "in vllm:cache_config_info at its /metrics): copies of it in one request share "
+                "the prefix cache whatever the key, so they would compare cache hits, not cold "
+                "prefills; the concurrent sweeps decide"
+                % ("the prompt" if len(prompts) == 1 else "a prompt", said, block))
 
     def begin_job(self, job: Job) -> Job:
         step = job.step
@@ -981,6 +1180,7 @@ class Experiment:
         )
         if step.exit_code != 0 and job.err_path:
             step.reason = failure_reason(job.stdout_path, job.err_path)
+        self.name_the_disk(step, job)
         say(
             "step %d of %d: %s: exit %d, %s%s, %.0f s"
             % (
@@ -994,13 +1194,34 @@ class Experiment:
             )
         )
         if step.exit_code != 0 and self.exit_code == 0:
-            self.exit_code = step.exit_code
+            self.exit_code = EXIT_DISK if step.note == DISK_NOTE else step.exit_code
+
+    def name_the_disk(self, step: Step, job: Job) -> None:
+        """A lab step that failed because the run's folder could not take what it wrote
+        (run.py's "--save: cannot write ...", its own stdout or stderr, which are files in
+        that folder here, or, where it could not even say why, a disk with no room left)
+        failed on the disk, not the server: its note says so, whatever exit code run.py gave
+        it."""
+        if not step.lab or step.exit_code not in (lab.EXIT_SERVER, lab.EXIT_OUTPUT):
+            return
+        if (SAVE_FAILED in step.reason or step.exit_code == lab.EXIT_OUTPUT
+                or (not step.reason and disk_full(self.run_dir))):  # its stderr not written
+            step.note = DISK_NOTE
+            if not step.reason:
+                step.reason = "%s has no room left" % os.path.dirname(job.stdout_path)
 
     def stopped(self) -> None:
         """A stop signal came: the steps it stops (every one begun and not ended), or, with
         none running, what the run was doing (an arm starting, or between steps) and the
         last step that ended, so that the report's first line says where it stopped."""
         self.stopped_steps = [step for step in self.steps if step.ended is None]
+        if self.stopped_during:  # said where it came (stop_arms_after_steps)
+            ended = [step for step in self.steps if step.ended is not None]
+            last = max(ended, key=lambda step: step.ended, default=None)
+            if last is not None:
+                self.stopped_during += ", after step %d of %d (%s)" % (
+                    last.number, max(self.planned, last.number), last.title())
+            return
         starting = [arm for arm in self.arms if arm.process is not None and arm.ready_at is None]
         if starting:
             doing = "%s %s starting (TP %s)" % (" and ".join(arm.name for arm in starting),
@@ -1062,10 +1283,17 @@ class Experiment:
             "drawn" if step.exit_code == 0 else "failed")
         if step.exit_code != 0 and job.err_path:
             step.reason = failure_reason(job.stdout_path, job.err_path)
+        self.name_the_disk(step, job)
 
-    def stop_arms(self) -> None:
-        for arm in self.arms:  # what the launch scripts logged they ran, for the report
-            self.launched.setdefault(arm.key, launch_lines(arm))
+    def stop_arms(self, after: str = "") -> None:
+        """Stop both arms, said first (a stop takes up to STOP_GRACE_S an arm: a user who
+        sees nothing may take the run for hung); after: what has ended, for that line."""
+        started = [arm for arm in self.arms if arm.process is not None]
+        for arm in started:  # what the launch scripts logged they ran, for the report; only
+            self.launched.setdefault(arm.key, launch_lines(arm))  # an arm that started ran
+        if started:
+            say("stopping the arms%s: %s (each within %.0f s)" % (
+                after, " and ".join(arm.name for arm in started), STOP_GRACE_S))
         for arm in self.arms:  # both at once; each then gets its grace
             if arm.process is not None:
                 signal_group(arm.process, signal.SIGTERM)
@@ -1073,7 +1301,7 @@ class Experiment:
             arm.stop()
         self.arms = []
 
-    def degree(self, tp: int, places: Dict[str, Dict[str, str]]) -> None:
+    def degree(self, tp: int, places: Dict[str, Dict[str, str]], last: bool = True) -> None:
         """Both arms at one TP degree: start them and sweep each as soon as it is ready (the
         flag-off arm while the flag-on arm loads, on one device; both at once on their own),
         then, both ready and every sweep done, time both workloads alone, and stop them."""
@@ -1094,15 +1322,18 @@ class Experiment:
         say("TP %d: starting both arms (logs in %s)" % (tp, folder))
         startup = Startup(self.arms, s.wait_s)
         if not self.environment:  # asked while the first arm loads, not before it starts
-            self.environment = environment(self.env)
+            self.environment = environment(self.described_env())
         lanes: Dict[str, List[Job]] = {"off": [], "on": []}
         for stem, key, traffic, expect, shape in self.sweeps():
             save = os.path.join(folder, stem + ".json")
             argv = self.lab(*sweep_options(s, key, traffic, expect, save))
             what = "unique completions and ULPs across batch sizes, flag %s, %s%s" % (
                 key, shape, " (expect %s)" % expect if expect else "")
-            step = Step("flag-%s sweep, %s" % (key, shape), tp, outputs=[save], what=what)
-            lanes[key].append(Job(step, argv, save[:-5] + ".txt"))
+            step = Step("flag-%s sweep, %s" % (key, shape), tp, outputs=[save], what=what,
+                        arm=key)
+            left_out = ((lambda key=key, title=step.title(): self.copies_left_out(key, title))
+                        if traffic == "copies" else None)
+            lanes[key].append(Job(step, argv, save[:-5] + ".txt", left_out=left_out))
         if not s.overlap:  # no arm swept before both are ready: each lane waits for both
             self.run_lanes([], startup)
         self.run_lanes([lanes["off"], lanes["on"]], startup, gates=["off", "on"])
@@ -1114,7 +1345,31 @@ class Experiment:
             step = Step("cost, %s" % workload, tp, outputs=[cost],
                         what="the flag's overhead, %s workload, both arms alone" % workload)
             self.run_step(step, argv, cost[:-5] + ".txt")
-        self.stop_arms()
+        self.stop_arms_after_steps(tp, last)
+
+    def stop_arms_after_steps(self, tp: int, last: bool) -> None:
+        """The arms' stop once every step of a degree has ended. A stop signal that comes
+        meanwhile (the natural Ctrl-C of a user who sees the steps done) waits until they are
+        down: after the last degree the run's every step has ended and it stays whole (said,
+        and nothing more is started: no picture); before another degree, the run stops
+        there, its first line saying so."""
+        came: List[int] = []
+        previous = {s: signal.signal(s, lambda signum, frame: came.append(signum))
+                    for s in SIGNAL_EXITS}
+        try:
+            self.stop_arms(" of TP %d, every step of it ended" % tp)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        if not came:
+            return
+        if last:
+            self.late_stop = str(Stopped(came[0]))
+            say("%s came while the arms stopped after the last step: every step had ended, so "
+                "the run is whole; nothing more is started" % self.late_stop)
+            return
+        self.stopped_during = "the arms were stopping after every step of TP %d" % tp
+        raise Stopped(came[0])
 
     def sweeps(self) -> List[Tuple[str, str, str, Optional[str], str]]:
         """The sweeps of one degree (SWEEPS, the copies sweeps only with COPIES=on)."""
@@ -1157,7 +1412,7 @@ class Experiment:
         save = os.path.join(self.run_dir, "tp%d" % tp, "tp%d_vs_tp%d.json" % (tp, first))
         argv = self.lab(*versus_options(s, baseline, save))
         step = Step("TP %d against TP %d, batch 1, flag on" % (tp, first), tp, outputs=[save],
-                    what="batch 1 against the first degree's, bit for bit")
+                    what="batch 1 against the first degree's, bit for bit", arm="on")
         self.run_step(step, argv, save[:-5] + ".txt")
 
     def pictures(self) -> None:
@@ -1199,9 +1454,10 @@ class Experiment:
             else:
                 places[tp] = found
         self.planned = self.plan(list(places))
-        for tp, found in places.items():
-            self.degree(tp, found)
-        self.pictures()
+        for i, (tp, found) in enumerate(places.items()):
+            self.degree(tp, found, last=i == len(places) - 1)
+        if not self.late_stop:  # a stop that came after the last step: nothing more starts
+            self.pictures()
         if self.skipped and self.exit_code == 0:
             self.exit_code = EXIT_SKIPPED
 
@@ -1564,22 +1820,13 @@ def moved(doc: Optional[dict]) -> bool:
                                                         and ulp > 0)
 
 
-# run.py's words for a check that compared nothing (check_verdict): it claims nothing either way
-UNCOMPARED_WORDS = (lab.NO_DATA, lab.NOTHING_COMPARED, lab.NOT_SERVED.split("%s")[0])
-# run.py's words for a check that held, everywhere it compared (check_verdict, each check's
-# held wording, whole or where only some of its parts compared): what the flag-on arm's
-# checks must say. Any other verdict of a check that compared is a move, a new check's
-# included, until its held wording is listed here
-HELD_WORDS = (lab.PREFILL_AGREE, lab.CACHE_EQUAL, lab.CACHE_UNVERIFIED, lab.OBSERVER_HELD,
-              lab.NEIGHBOURS_HELD, "held beside neighbours of")
-
-
-def check_moved(verdict: str) -> bool:
-    """Does a check's saved verdict say that what it compared moved (not held, and not
-    compared nothing)? Its first clause is the verdict; later clauses name parts that
-    compared nothing."""
-    first = verdict.split("; ")[0]
-    return not first.startswith(UNCOMPARED_WORDS + HELD_WORDS)
+def check_outcome(doc: Optional[dict], check: str) -> Optional[str]:
+    """A check's outcome as run.py decided and saved it (the summary's checks_outcome: held,
+    moved, uncompared or stopped; run.Verdict.outcome); None where the sweep saved none."""
+    outcomes = summary_of(doc).get("checks_outcome")
+    found = outcomes.get(check.replace(" ", "_")) if isinstance(outcomes, dict) else None
+    return found if found in (lab.CHECK_HELD, lab.CHECK_MOVED, lab.CHECK_UNCOMPARED,
+                              lab.CHECK_STOPPED) else None
 
 
 def sweep_moved(doc: Optional[dict]) -> bool:
@@ -1607,12 +1854,6 @@ def expect_said(doc: Optional[dict]) -> str:
     expect = summary_of(doc).get("expect")
     said = expect.get("said") if isinstance(expect, dict) else None
     return said if isinstance(said, str) else ""
-
-
-def check_held(doc: Optional[dict], check: str) -> bool:
-    """Did a check hold, as run.py decided and saved it (summary's checks_held)?"""
-    held = summary_of(doc).get("checks_held")
-    return isinstance(held, dict) and held.get(check.replace(" ", "_")) is True
 
 
 def sweep_row(name: str, doc: dict) -> List[str]:
@@ -1722,12 +1963,6 @@ def sweep_uncompared(doc: Optional[dict]) -> bool:
     return isinstance(found, str) and found.startswith(tuple(lab.UNMEASURED_VERDICTS))
 
 
-def check_uncompared(verdict: str) -> bool:
-    """Did a check compare nothing, by its saved verdict (its first clause is one of run.py's
-    words for a check that claims nothing: no data, nothing compared, not served)?"""
-    return verdict.split("; ")[0].startswith(UNCOMPARED_WORDS)
-
-
 def status_line(exp: Experiment) -> str:
     """The report's first line: whether the run is whole, and if not, why. Its word: complete
     (every step ran, every --expect held, the flag-on arm moved nowhere and every flag-on result
@@ -1738,8 +1973,12 @@ def status_line(exp: Experiment) -> str:
     why, incomplete, negative = [], False, False
     if exp.stopped_by and exp.exit_code not in SIGNAL_EXITS.values():  # else the exit says it
         why.append("stopped by %s" % exp.stopped_by)
-    if exp.failure:
-        why.append(exp.failure)
+    if exp.failure:  # an arm's exit, with the steps it stopped said once, after it
+        by_arm = [step.title() for step in exp.steps if step.note == ARM_STOPPED]
+        why.append(exp.failure + ("; the step%s it stopped: %s" % (
+            "s" if len(by_arm) > 1 else "", ", ".join(by_arm)) if by_arm else ""))
+    if exp.unwritten:
+        why.append(exp.unwritten)
     incomplete = bool(why or exp.stopped_by)
 
     def was_stopped(step: Step) -> bool:  # by the signal: running when it came, or its code
@@ -1753,8 +1992,9 @@ def status_line(exp: Experiment) -> str:
     elif exp.stopped_by:
         why.append("no step was running when it came: %s" % (exp.stopped_during or "-"))
     uncompared = list(exp.uncompared)
+    uncompared_off: List[str] = []  # a flag-off step's: named after every flag-on one (below)
     for step in exp.steps:
-        if was_stopped(step):
+        if was_stopped(step) or (exp.failure and step.note == ARM_STOPPED):
             continue
         if step.exit_code not in (0, None) or (step.exit_code is None and step.note):
             said = "%s: %s%s" % (step.title(), step.note or "did not finish",
@@ -1763,14 +2003,16 @@ def status_line(exp: Experiment) -> str:
             if ended is None:
                 incomplete = True
                 why.append(said)
-            elif expect_uncompared(step):
-                uncompared.append(said)  # its --expect failed on what it could not compare
+            elif expect_uncompared(step):  # its --expect failed on what it could not compare
+                (uncompared if step.arm == "on" else uncompared_off).append(said)
             else:
                 negative = True
                 why.append(said)
     incomplete = incomplete or bool(exp.skipped or exp.unsaved)
     negative = negative or bool(exp.judged)
     why += exp.skipped + exp.unsaved + exp.judged
+    # INCONCLUSIVE says "a flag-on result compared nothing": the flag-on ones named first
+    uncompared += uncompared_off
     engine = exp.settings.engine
     if not why and not uncompared and exp.exit_code == 0:
         return ("# Batch-invariance experiment, %s: complete, every step ran and every "
@@ -1850,15 +2092,20 @@ def judge(exp: Experiment) -> None:
                                    fmt(sm.get("total_completions")), fmt(sm.get("max_ulp")),
                                    first_moved(doc)))
             elif sweep_uncompared(doc) and summary_of(doc).get("state") == "complete":
-                exp.uncompared.append("%s: %s" % (sweep, summary_of(doc)["verdict"]))
+                said = "%s: %s" % (sweep, summary_of(doc)["verdict"])
+                # copies the cache served compare nothing, and claim nothing either way: where
+                # the concurrent sweep compared, it decides, and the copies sweep is named only
+                if traffic == "copies" and concurrent_compared(folder):
+                    exp.aside.append(said)
+                else:
+                    exp.uncompared.append(said)
             # every check the sweep ran, by its saved verdict: the sweep's --expect invariant
             # reads only its batches, so a check that moved leaves its exit code 0
             for check, verdict in check_verdicts(doc):
-                if check_held(doc, check):
-                    continue
-                if check_uncompared(verdict):
+                outcome = check_outcome(doc, check)
+                if outcome in (lab.CHECK_UNCOMPARED, lab.CHECK_STOPPED):
                     exp.uncompared.append("%s, %s check: %s" % (sweep, check, verdict))
-                elif check_moved(verdict):
+                elif outcome == lab.CHECK_MOVED:
                     exp.judged.append("the flag-on arm's %s check moved, %s (TP %d): %s"
                                       % (check, shape, tp, verdict))
         for name in versus_files(folder, tp):
@@ -1878,6 +2125,13 @@ def judge(exp: Experiment) -> None:
         # every --expect that failed, failed on what its sweep could not compare, not on a
         # move: the run is inconclusive, and its exit code says so, not "an --expect failed"
         exp.exit_code = EXIT_UNCOMPARED
+
+
+def concurrent_compared(folder: str) -> bool:
+    """Did the flag-on concurrent sweep of a degree compare, as it saved it (whole, and a
+    verdict that claims something)?"""
+    doc = load(os.path.join(folder, "sweep_on.json"))
+    return summary_of(doc).get("state") == "complete" and not sweep_uncompared(doc)
 
 
 def versus_files(folder: str, tp: int) -> List[str]:
@@ -1917,7 +2171,12 @@ def findings(exp: Experiment) -> List[str]:
             if sm.get("state") != "complete":
                 line += " (the sweep did not complete: %s)" % fmt(sm.get("state"))
             lines.append(line + ".")
-    return lines or ["- No sweep was saved."]
+    lines = lines or ["- No sweep was saved."]
+    # the copies sweeps: left out, known to compare cold prefills, or named beside the verdict
+    lines += ["- %s." % line for line in exp.left_out + exp.copies_compared]
+    lines += ["- Not counted in the verdict: %s (the cache served the copies; the concurrent "
+              "sweeps, which compared, decide)." % line for line in exp.aside]
+    return lines
 
 
 def against_earlier_findings(exp: Experiment) -> List[str]:
@@ -1958,24 +2217,37 @@ def rate_text(saved) -> Optional[str]:
 
 
 def served(exp: Experiment) -> List[Tuple[str, str]]:
-    """What the arms themselves said, from the first degree's saved sweeps: the engine and its
-    version, and the model where MODEL did not name it (a launch command of one's own)."""
+    """What the arms themselves said, from the first degree's saved sweeps (else the cost
+    cells' servers): the engine and its version, and the model where MODEL did not start both
+    arms (a launch command of one's own serves what it says, whatever MODEL is)."""
     found = []
+    named = exp.env.get("MODEL") and set(exp.settings.model_arms) == {"off", "on"}
+    cost = load(os.path.join(exp.run_dir, "cost.json")) or {}
+    cells = [c for c in cost.get("cells") or [] if isinstance(c, dict)]
+    from_cost = [c["servers"][key] for c in cells[:1] if isinstance(c.get("servers"), dict)
+                 for key in ("off", "on") if isinstance(c["servers"].get(key), dict)]
     for tp in exp.settings.degrees:
         folder = os.path.join(exp.run_dir, "tp%d" % tp)
         docs = [load(os.path.join(folder, stem + ".json")) for stem, *_ in SWEEPS[:2]]
         servers = [d["server"] for d in docs if d and isinstance(d.get("server"), dict)]
-        if not servers:
-            continue
+        if servers:
+            break
+    else:
+        servers = from_cost
+    if servers:
         versions = sorted({"%s %s" % (fmt(sv.get("engine")), fmt(sv.get("version")))
                            for sv in servers})
         found.append(("engine (as the arms report it)", "; ".join(versions)))
-        if not exp.env.get("MODEL"):
+        if not named:
             models = sorted({fmt(sv.get("model")) for sv in servers})
             found.append(("model (as the arms report it)", "; ".join(models)))
-        return found
-    if not exp.env.get("MODEL"):
-        found.append(("model", "not known: no MODEL, and no sweep saved what the arms serve"))
+    elif not named:
+        found.append(("model", "not known: %s, and no sweep or cost cell saved what the arms "
+                      "serve" % ("no MODEL" if not exp.env.get("MODEL") else
+                                 "MODEL started no arm (SERVE_OFF and SERVE_ON are your own)"
+                                 if not exp.settings.model_arms else
+                                 "MODEL started only the flag-%s arm"
+                                 % exp.settings.model_arms[0])))
     return found
 
 
@@ -2032,13 +2304,19 @@ def report(exp: Experiment) -> str:
     keys = Keys(exp.env)
     # EXTRA_ARGS as the engines read it (several keys after --api-key, --api_key), the
     # others as run.py reads them
-    settings = ["%s=%s" % (k, keys.line(exp.env[k], launch=k == "EXTRA_ARGS"))
+    settings = ["%s=%s%s" % (k, keys.line(exp.env[k], launch=k == "EXTRA_ARGS"),
+                             " (not used: SERVE_OFF and SERVE_ON started the arms)"
+                             if k == "MODEL" and not exp.settings.model_arms else "")
                 for k in REPORTED_VARIABLES if exp.env.get(k)]
     lines = [status_line(exp), "",
              "Started %s, ended %s. Output: `%s`." % (stamp(exp.started),
                                                       stamp(exp.ended or time.time()),
-                                                      exp.run_dir), "",
-             "## Findings", ""] + findings(exp)
+                                                      exp.run_dir), ""]
+    if exp.late_stop:
+        lines += ["%s came while the arms stopped after the last step: every step had ended, "
+                  "so the run is whole; nothing more was started (no picture)." % exp.late_stop,
+                  ""]
+    lines += ["## Findings", ""] + findings(exp)
     cost = load(os.path.join(exp.run_dir, "cost.json"))
     cells = [c for c in (cost or {}).get("cells") or [] if isinstance(c, dict)]
     lines += against_earlier_findings(exp)
@@ -2050,8 +2328,17 @@ def report(exp: Experiment) -> str:
                                                [[k, v] for k, v in exp.environment + served(exp)])
     lines += ["", "## How the arms were started", ""]
     for key in ("off", "on"):
-        for line in exp.launched.get(key) or [" ".join(exp.settings.serve[key])]:
+        tried = [arm for _, arm in exp.arm_times if arm.key == key and arm.started_at]
+        for line in exp.launched.get(key) or []:
             lines += ["flag %s:" % key, "", "```", keys.line(line, launch=True), "```", ""]
+        if exp.launched.get(key):
+            continue
+        if tried:  # its command could not be run (the first line says why): as given
+            lines += ["flag %s: its command could not be started:" % key, "", "```",
+                      keys.line(" ".join(shlex.quote(w) for w in exp.settings.serve[key]),
+                                launch=True), "```", ""]
+        else:  # never started: no launch line that would start another model than asked
+            lines += ["flag %s: not started (the run ended before its turn)." % key, ""]
     lines += ["## Parameters", "", "Variables: %s." % (", ".join(settings) or "the defaults"), ""]
     lab_steps = [step for step in exp.steps if step.lab and step.argv]
     if lab_steps:
@@ -2074,10 +2361,13 @@ def report(exp: Experiment) -> str:
             lines += table(SWEEP_COLUMNS, [sweep_row("flag %s, %s" % (key, shape), docs[stem])
                                            for stem, key, _, _, shape in SWEEPS if docs[stem]])
             lines.append("")
-        else:
+        logs = ["`tp%d/server_%s.log`" % (tp, key) for key in ("off", "on")
+                if os.path.exists(os.path.join(folder, "server_%s.log" % key))]
+        if not servers:
             lines += ["No sweep was saved at TP %d: what the arms served is not known (see the "
-                      "first line, and the logs)." % tp, ""]
-        lines += ["Logs: `tp%d/server_off.log`, `tp%d/server_on.log`." % (tp, tp)]
+                      "first line%s)." % (tp, ", and the logs" if logs else ""), ""]
+        lines += ["Logs: %s." % ", ".join(logs) if logs
+                  else "No arm's log at TP %d: no arm was started." % tp]
         for name in versus_files(folder, tp):
             versus = load(os.path.join(folder, name))
             sm = summary_of(versus)
@@ -2097,6 +2387,8 @@ def report(exp: Experiment) -> str:
                   "pasted elsewhere, attach them.", ""]
     lines += time_spent(exp)
     lines += ["## Steps", ""]
+    if not exp.steps:
+        return "\n".join(lines + ["No step ran."]) + "\n"
     lines += table(["#", "TP", "step", "started", "took", "exit", "meaning", "output"], [
         [str(step.number), str(step.tp or "-"), step.name, since(exp, step.started),
          duration(step.started, step.ended), fmt(step.exit_code, "not finished"),
@@ -2131,16 +2423,20 @@ def say(line: str) -> None:
 
 
 def new_run_dir(output: str) -> str:
-    """A folder of this run's own under output, named by its start time."""
-    os.makedirs(output, exist_ok=True)
+    """A folder of this run's own under output, named by its start time. A folder that cannot
+    be made (a full disk, one that may not be written) is said as that: nothing started."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for n in range(1, 1000):
         path = os.path.join(output, stamp if n == 1 else "%s-%d" % (stamp, n))
         try:
+            os.makedirs(output, exist_ok=True)
             os.mkdir(path)
             return path
         except FileExistsError:
             continue
+        except OSError as err:
+            raise UsageError("%s: the run's folder cannot be made there (%s): the disk or the "
+                             "folder; nothing was started" % (output, err.strerror or err))
     raise UsageError("%s: no free run folder name for %s" % (output, stamp))
 
 
@@ -2160,20 +2456,22 @@ def failure_reason(stdout_path: str, err_path: str) -> str:
     return ""
 
 
-def write_report(path: str, text: str) -> None:
-    """REPORT.md through a temporary file and a rename: whole or not there, never empty (on a
-    full disk the report still goes to stdout, and this says why the file is missing)."""
+def write_report(path: str, text: str) -> str:
+    """REPORT.md through a temporary file and a rename: whole or not there, never empty.
+    Returns "" once it is written, else why it could not be (a full disk, a folder that may
+    not be written): the report then goes to stdout only, its first line saying so."""
     tmp = path + ".tmp"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
     except OSError as err:
-        say("cannot write %s (%s); the report follows on stdout" % (path, err.strerror or err))
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        return str(err.strerror or err)
+    return ""
 
 
 def print_report(text: str) -> None:
@@ -2237,6 +2535,11 @@ def main(argv=None, env=None) -> int:
         say(str(err))
         exp.failure = str(err)
         exp.exit_code = EXIT_ARM
+    except OSError as err:  # the run's own folder (a step's output file, a degree's folder)
+        exp.failure = "%s could not be written (%s): the disk or the folder, not a server" % (
+            err.filename or run_dir, err.strerror or err)
+        say(exp.failure)
+        exp.exit_code = EXIT_DISK
     except Stopped as stop:
         exp.stopped()
         exp.stopped_by = str(stop)
@@ -2249,14 +2552,23 @@ def main(argv=None, env=None) -> int:
         exp.stop_arms()
         exp.ended = time.time()
         if not exp.environment:  # no arm started: the report still says where it ran
-            exp.environment = environment(env)
+            exp.environment = environment(exp.described_env())
         judge(exp)
+        path = os.path.join(run_dir, "REPORT.md")
         text = report(exp)
-        write_report(os.path.join(run_dir, "REPORT.md"), text)
+        unwritten = write_report(path, text)
+        if unwritten:  # its first line says so, and the exit code: the disk, not a server
+            exp.unwritten = "%s could not be written (%s): the disk or the folder, not a " \
+                "server; the report is only what was printed" % (path, unwritten)
+            exp.exit_code = exp.exit_code or EXIT_DISK
+            text = report(exp)
     if exp.stopped_by:
         say("stopped by %s" % exp.stopped_by)
     code = show_report(text, exp.exit_code, previous)
-    say("report: %s" % os.path.join(run_dir, "REPORT.md"))
+    if unwritten:
+        say("%s could not be written (%s): the report above is the only one" % (path, unwritten))
+    else:  # said only once it is there
+        say("report: %s" % path)
     return code
 
 

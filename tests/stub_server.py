@@ -303,6 +303,10 @@ class StubConfig:
     cache_path_differs: bool = False         # a prompt served from the prefix cache is computed
                                              # another way (as a cached prefill's kernel may be)
     topk_edge_swap: bool = False             # above batch 1 the k-th top entry swaps with the (k+1)-th
+    block_size: Optional[int] = None         # vLLM: the prefix cache serves whole blocks of this
+                                             # many tokens, said in /metrics (cache_config_info)
+                                             # (None: 64 from 0.34.0 on, said; before, a token at a
+                                             # time, not said)
     version: str = "0.26.0"                  # vLLM: the release it answers as; "0.33.0" reports the
                                              # flag-on arm's compile settings as 0.33.0 does, "0.34.0"
                                              # as 0.34.0 does (breakable graphs in the config)
@@ -427,7 +431,7 @@ class EngineState:
         # the cache serves whole blocks of a prompt, never its last token: vLLM 0.34.0 in
         # blocks of 64 tokens (vllm/config/cache.py line 185, 0.34.0), so that a prompt of
         # fewer than 65 tokens is never served; a token at a time otherwise
-        self.cache_block = 64 if config.engine == "vllm" and release(config.version) >= (0, 34) else 1
+        self.cache_block = cache_block_size(config) or 1
 
     def cached_tokens(self, salt: Optional[str], prompt: str, forced: bool = False) -> int:
         """The prompt's tokens served from the prefix cache; the prompt is cached from now on.
@@ -681,6 +685,18 @@ def reported_cached(config: StubConfig, served: int) -> int:
     return 0 if config.uncounted_cache_hits else served
 
 
+def cache_block_size(config: StubConfig) -> Optional[int]:
+    """The tokens of one prefix-cache block as the engine says it (vllm:cache_config_info's
+    block_size): --block-size, else vLLM 0.34.0's 64 (vllm/config/cache.py line 185, 0.34.0);
+    None before 0.34.0 without --block-size (the practice engine's cache then serves a token at
+    a time, and /metrics says no block size)."""
+    if config.engine != "vllm":
+        return None
+    if config.block_size is not None:
+        return config.block_size
+    return 64 if release(config.version) >= (0, 34) else None
+
+
 def vllm_metrics(config: StubConfig, state: "EngineState") -> bytes:
     """/metrics as vLLM writes its prefix-cache counters (the real 0.26.0 answer in
     fixtures/vllm-0.26.0/metrics_excerpt.txt; the names in vllm/v1/metrics/loggers.py, 0.34.0
@@ -695,12 +711,14 @@ def vllm_metrics(config: StubConfig, state: "EngineState") -> bytes:
              "Prefix cache hits, in terms of number of cached tokens.")):
         lines += ["# HELP %s %s" % (name, doc), "# TYPE %s counter" % name,
                   "%s{%s} %.1f" % (name, labels, value)]
-    if state.cache_block > 1:  # 0.34.0 states its cache's settings as labels of one gauge
-        name = "vllm:cache_config_info"
-        lines += ["# HELP %s Information of the LLMEngine CacheConfig" % name,
-                  "# TYPE %s gauge" % name,
-                  '%s{block_size="%d",enable_prefix_caching="%s",engine="0"} 1.0'
-                  % (name, state.cache_block, config.prefix_caching)]
+    block = cache_block_size(config)
+    if block is not None:  # as 0.34.0 writes its cache settings (a real H100 arm's line, of
+        # some 20 labels more, shortened to those the lab or a reader looks at)
+        lines += ["# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+                  "# TYPE vllm:cache_config_info gauge",
+                  'vllm:cache_config_info{block_size="%d",cache_dtype="auto",'
+                  'enable_prefix_caching="%s",engine="0",hash_block_size="None"} 1.0'
+                  % (block, config.prefix_caching)]
     return ("\n".join(lines) + "\n").encode()
 
 
@@ -1356,6 +1374,9 @@ def main(argv=None) -> int:
     p.add_argument("--version", default="0.26.0", dest="vllm_version", help="vLLM: the release it "
                    "answers as (0.33.0, 0.34.0: the flag-on arm's compile settings as that release "
                    "reports them)")
+    p.add_argument("--block-size", type=int, default=None, help="vLLM: the prefix cache serves "
+                   "whole blocks of this many tokens, said in /metrics (vllm:cache_config_info); "
+                   "default 64 from --version 0.34.0 on, else a token at a time, not said")
     p.add_argument("--server-info-500", action="store_true", help="vLLM: /server_info answers "
                    "HTTP 500, as real servers did when vLLM's environment report failed")
     p.add_argument("--step-delay", type=float, default=0.0, help="seconds per decode step")
@@ -1413,6 +1434,7 @@ def main(argv=None) -> int:
         prompt_tokens_details=args.prompt_tokens_details, rotation_offset=args.rotation_offset,
         cache_path_differs=args.cache_path_differs, prefix_caching=not args.no_prefix_caching,
         copies_split=args.copies_split, version=args.vllm_version, prefill_tile=args.prefill_tile,
+        block_size=args.block_size,
         logprobs_path_differs=args.logprobs_path_differs,
         server_info_500=args.server_info_500,
         decode_graphs=not args.no_decode_graphs,

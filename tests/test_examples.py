@@ -574,6 +574,35 @@ class TheExperimentSays(TempDirTest):
                 self.assertEqual(first.count("flag-on sweep, concurrent requests (TP 1)"), 1,
                                  first)
 
+    def test_inconclusive_names_the_flag_on_sweep_first(self):
+        """Both concurrent sweeps' --expect failed on what they could not compare (the cache
+        served every request above batch 1): INCONCLUSIVE says "a flag-on result compared
+        nothing", so the flag-on sweep is named first, the flag-off one after it."""
+        exp = self.experiment_here()
+        os.makedirs(self.path("run/tp1"))
+        for key, asked in (("off", "variant"), ("on", "invariant")):
+            path = self.path("run/tp1/sweep_%s.json" % key)
+            with open(path, "w") as f:
+                json.dump({"summary": {
+                    "verdict": run.NOTHING_COMPARED, "unique_completions": 1, "max_ulp": 0,
+                    "state": "complete", "expect": {"asked": asked, "held": False,
+                                                    "said": "expectation failed: ..."}}}, f)
+            step = experiment.Step(
+                "flag-%s sweep, concurrent requests" % key, 1, exit_code=1,
+                note=experiment.exit_meaning(1), outputs=[path],
+                reason="expectation failed: --expect %s, but the result is: nothing "
+                "compared" % asked)
+            step.arm = key  # the arm it measures, as the experiment's own steps say
+            exp.steps.append(step)
+        exp.exit_code = 1
+        experiment.judge(exp)
+        first = experiment.status_line(exp)
+        self.assertEqual(exp.exit_code, 6, first)
+        named = first.split("compared nothing): ", 1)[1]
+        self.assertTrue(named.startswith("compared nothing: flag-on sweep, concurrent "
+                                         "requests (TP 1)"), first)
+        self.assertIn("; compared nothing: flag-off sweep, concurrent requests (TP 1)", named)
+
     def test_the_steps_table_lists_only_the_outputs_that_exist(self):
         exp = self.experiment_here()
         cost = self.path("run/cost.json")

@@ -6,6 +6,8 @@ on a GPU."""
 import json
 import os
 import re
+import resource
+import shlex
 import signal
 import socket
 import subprocess
@@ -68,9 +70,11 @@ class Experiment(TempDirTest):
 
     engine = "vllm"
 
-    def start(self, out="out", **variables):
+    def start(self, out="out", file_size=None, **variables):
         """Run the experiment in a session of its own; the stand-ins load for a moment. In a
-        variable, {off} and {on} stand for the arms' ports."""
+        variable, {off} and {on} stand for the arms' ports. file_size: the largest file the
+        experiment and everything it starts may write (a full disk: every write past it
+        fails)."""
         self.ports = free_port(), free_port()
         env = dict(
             os.environ,
@@ -87,7 +91,8 @@ class Experiment(TempDirTest):
             OFF_URL="http://127.0.0.1:%d" % self.ports[0],
             ON_URL="http://127.0.0.1:%d" % self.ports[1],
             SWEEP_ARGS="--sizes 1,2,9,17 --max-tokens 12 --repeat 2",
-            COST_ARGS="--batch 2 --trials 2 --warmup 0 --max-tokens 4",
+            # six trial pairs: the fewest with which run.py's cost mode gives an interval
+            COST_ARGS="--batch 2 --trials 6 --warmup 0 --max-tokens 4",
             COPIES="off",  # the copies sweeps run where a test looks at them (COPIES="on")
         )
         for name in ("VLLM_BATCH_INVARIANT", "CUDA_VISIBLE_DEVICES", "MEM", "STANDIN_EXIT_AFTER"):
@@ -95,9 +100,11 @@ class Experiment(TempDirTest):
         env.update(
             {
                 name: value.format(off=self.ports[0], on=self.ports[1])
-                for name, value in variables.items()
+                for name, value in variables.items() if value is not None
             }
         )
+        for name in [name for name, value in variables.items() if value is None]:
+            env.pop(name, None)  # None: the variable not set at all (its default)
         return subprocess.Popen(
             ["bash", os.path.join(ROOT, "examples", "experiment.sh"), self.engine, self.path(out)],
             env=env,
@@ -105,6 +112,8 @@ class Experiment(TempDirTest):
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
+            preexec_fn=None if file_size is None else lambda: resource.setrlimit(
+                resource.RLIMIT_FSIZE, (file_size, file_size)),
         )
 
     def script(self):
@@ -145,9 +154,10 @@ class ExperimentRuns(Experiment):
         code, out, err = self.finish(self.start(
             COPIES="on", OPENAI_API_KEY="2",
             SWEEP_ARGS="--sizes 1,2,9,17 --max-tokens 12 --repeat 2 --api " + long_key))
-        # the flag-on copies sweep compared nothing (the cache served every copy above batch
-        # 1, as vLLM's): every step ran and nothing moved, but that claim is not shown
-        self.assertEqual(code, 6, err)
+        # the stand-ins' cache blocks (16 tokens, said in /metrics) are shorter than the
+        # prompt (20): its copies would share the cache, so the copies sweeps are left out,
+        # and the concurrent sweeps, which compared, decide: complete
+        self.assertEqual(code, 0, err)
         self.assertNotIn(long_key, out + err)
         self.assertIn("--api '[api key]'", out)
         self.assertNotIn("[api key]", out.replace("--api '[api key]'", ""))
@@ -158,10 +168,13 @@ class ExperimentRuns(Experiment):
         self.assertIn("the arms share device(s) 0", err)
         report = self.load_run("REPORT.md")
         self.assertEqual(out, report)  # printed as well as written
-        self.assertEqual(report.splitlines()[0], (
-            "# Batch-invariance experiment, vllm: INCONCLUSIVE (exit 6, every step ran, but a "
-            "flag-on result compared nothing): compared nothing: flag-on sweep, copies in one "
-            "request (TP 1): nothing compared: the cache served every request above batch 1"))
+        self.assertEqual(report.splitlines()[0], "# Batch-invariance experiment, vllm: "
+                         "complete, every step ran and every --expect held")
+        for key in ("off", "on"):
+            self.assertIn("- flag-%s sweep, copies in one request (TP 1) left out: the prompt "
+                          "(20 tokens as the arm counts it) is not shorter than one of the "
+                          "arm's 16-token cache blocks" % key, report)
+            self.assertFalse(os.path.exists(self.run_path("tp1", "copies_%s.json" % key)))
         for words in (
             "| flag off | vllm |",
             "| flag on | vllm |",
@@ -182,17 +195,64 @@ class ExperimentRuns(Experiment):
             "run.py --mode cost",
         ):
             self.assertIn(words, report)
-        # copies in one request share the prefix cache (as vLLM's do): their divergence is
-        # not put down to batching, and the concurrent sweep's bypass holds
-        self.assertIn("| flag off, copies in one request | moved only where the cache served",
-                      report)
         self.assertIn("tokens diverged**, 2 unique of 58", report)
-        # ... and with the flag on, no request above batch 1 was computed: nothing certified
-        self.assertIn("| flag on, copies in one request | nothing compared: the cache served "
-                      "every request above batch 1 |", report)
         concurrent = self.load_run("tp1", "sweep_off.json")["summary"]["prefix_cache_bypass"]
         self.assertEqual(concurrent["status"], "held")
         self.assertEqual(self.load_run("tp1", "sweep_on.json")["summary"]["verdict"], "invariant")
+        self.assert_no_server_left()
+
+    def test_copies_sweeps_run_only_where_their_copies_compare_cold_prefills(self):
+        """vLLM's copies of one request share its prefix cache whatever the key, in whole
+        blocks. Where the arms say a block longer than the prompt (64 tokens, as 0.34.0's),
+        the copies sweeps run and compare cold prefills; where they say no block size (as the
+        practice engine of an earlier release), they run, and a flag-on copies sweep that the
+        cache served compared nothing: named in the report, but the concurrent sweeps, which
+        compared, decide, and the run is complete."""
+        stub = "python3 %s --port {port} --prompt-tokens-details" % (
+            os.path.join(ROOT, "tests", "stub_server.py"))
+        for block, finding in (
+                (" --block-size 64", "- flag-on sweep, copies in one request (TP 1): its copies "
+                 "compare cold prefills: the prompt (20 tokens as the arm counts it) is shorter "
+                 "than one of the arm's 64-token cache blocks"),
+                ("", "- Not counted in the verdict: flag-on sweep, copies in one request (TP 1): "
+                 "nothing compared: the cache served every request above batch 1 (the cache "
+                 "served the copies; the concurrent sweeps, which compared, decide).")):
+            with self.subTest(block=block):
+                code, out, err = self.finish(self.start(
+                    COPIES="on", SERVE_OFF=stub.format(port="{off}") + block,
+                    SERVE_ON=stub.format(port="{on}") + block + " --invariant --prefill-agrees"))
+                self.assertEqual(code, 0, err)
+                report = self.load_run("REPORT.md")
+                self.assertEqual(report.splitlines()[0], "# Batch-invariance experiment, vllm: "
+                                 "complete, every step ran and every --expect held")
+                self.assertIn(finding, report)
+                on_copies = self.load_run("tp1", "copies_on.json")["summary"]
+                self.assertEqual(on_copies["verdict"], "invariant" if block
+                                 else run.NOTHING_COMPARED + ": the cache served every request "
+                                 "above batch 1")
+
+    def test_the_readmes_one_gpu_command_dry_run_ends_complete(self):
+        """The README's one GPU command, as it stands there, against the stand-in engines
+        (their copies share the cache: 16-token blocks, said in /metrics, and a 20-token
+        prompt): the copies sweeps are left out, each with its line in REPORT.md, and the run
+        ends complete, exit 0. Only its steps are made smaller (SWEEP_ARGS, COST_ARGS), and
+        its ports free ones."""
+        with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+            line = next(l for l in f if l.startswith("GPUS=0 TP=1 ") and "vllm" in l)
+        words = shlex.split(line)
+        variables = dict(w.split("=", 1) for w in words[:words.index("examples/experiment.sh")])
+        self.assertEqual(words[-2:], ["vllm", "results/"])
+        code, out, err = self.finish(self.start(
+            OFF_URL="", ON_URL="", SERVE_OFF="", SERVE_ON="", COPIES=None, OFF_PORT="{off}",
+            ON_PORT="{on}", **variables))
+        self.assertEqual(code, 0, err)
+        report = self.load_run("REPORT.md")
+        self.assertEqual(report.splitlines()[0], "# Batch-invariance experiment, vllm: "
+                         "complete, every step ran and every --expect held")
+        for key in ("off", "on"):
+            self.assertIn("- flag-%s sweep, copies in one request (TP 1) left out: " % key,
+                          report)
+        self.assertIn("vllm serve %s --port" % variables["MODEL"], report)
         self.assert_no_server_left()
 
     def test_a_flag_on_arm_that_moved_in_any_shape_is_not_complete(self):
@@ -367,7 +427,7 @@ class ExperimentRuns(Experiment):
         code, out, err = self.finish(
             self.start(
                 SERVE_OFF="env PORT={off} bash %s on" % self.script(),
-                COST_ARGS="--batch 1 --trials 1 --warmup 0 --max-tokens 2 --allow-mismatch",
+                COST_ARGS="--batch 1 --trials 6 --warmup 0 --max-tokens 2 --allow-mismatch",
             )
         )
         self.assertEqual(code, 1, err)
@@ -460,6 +520,13 @@ class ExperimentFailures(Experiment):
         self.assertRegex(report, r"\| \d+ \| 1 \| flag-on sweep, concurrent requests \| .*\| "
                                  r"stopped: an arm exited \|")
         self.assertNotIn("cost, cold", report)  # nothing ran after it
+        # the steps the arm's exit stopped are said once, after the arm, in the first line:
+        # no step's own "stopped:" left hanging there
+        first = report.splitlines()[0]
+        self.assertRegex(first, r"illegal memory access was encountered; the steps? it stopped: "
+                                r"(flag-off sweep, concurrent requests \(TP 1\), )?flag-on sweep, "
+                                r"concurrent requests \(TP 1\)$")
+        self.assertNotIn("stopped: an arm exited", first)
         self.assert_no_server_left()
 
     def test_a_launch_command_that_does_not_exist_is_one_line_and_exit_4(self):
@@ -476,6 +543,34 @@ class ExperimentFailures(Experiment):
         self.assertIn("No sweep was saved at TP 1", report)
         self.assertNotIn("### Sweeps", report)
         self.assertNotRegex(report, r"(?m)^-, ")  # a heading of labels no cell had
+        # only what ran: no launch line for the arm that never started (copied, it would
+        # start another model than asked), no pointer to a log nothing wrote, no empty table
+        self.assertIn("flag off: its command could not be started:\n\n```\n"
+                      "no-such-engine-command --port %d\n```" % self.ports[0], report)
+        self.assertIn("flag on: not started (the run ended before its turn).", report)
+        self.assertNotIn("vllm_serve.sh", report)
+        self.assertNotIn("server_off.log", report)
+        self.assertNotIn("server_on.log", report)
+        self.assertIn("No arm's log at TP 1: no arm was started.", report)
+        self.assertTrue(report.endswith("## Steps\n\nNo step ran.\n"), report)
+        # MODEL started no arm (both commands are the variables'): the report names no model
+        self.assertNotIn("| model | stub/tiny-f32 |", report)
+        self.assertIn("MODEL=stub/tiny-f32 (not used: SERVE_OFF and SERVE_ON started the arms)",
+                      report)
+
+    def test_the_model_named_is_the_one_the_arms_served(self):
+        """MODEL beside SERVE_OFF and SERVE_ON of one's own starts nothing: the report names
+        the model the arms report serving, never MODEL."""
+        stub = "python3 %s --port {port} --model stub/served-f32" % (
+            os.path.join(ROOT, "tests", "stub_server.py"))
+        code, out, err = self.finish(self.start(
+            MODEL="org/not-served", SERVE_OFF=stub.format(port="{off}"),
+            SERVE_ON=stub.format(port="{on}") + " --invariant --prefill-agrees"))
+        self.assertEqual(code, 0, err)
+        report = self.load_run("REPORT.md")
+        self.assertIn("| model (as the arms report it) | stub/served-f32 |", report)
+        self.assertNotIn("| model | org/not-served |", report)
+        self.assertEqual(report.count("org/not-served"), 1, report)  # the variable, as given
 
     def test_no_engine_installed_is_named_as_the_cause(self):
         ports = free_port(), free_port()
@@ -542,6 +637,80 @@ class ExperimentFailures(Experiment):
                       "starting (TP 1), after step 1 of %s (flag-off sweep, concurrent requests "
                       "(TP 1))" % ended.group(1), first)
         self.assertNotIn("see the steps below", first)
+        self.assert_no_server_left()
+
+    def test_a_full_disk_is_named_as_the_disk_never_as_the_server(self):
+        """An output folder that can take no more (every file the run writes stops at 4 KB,
+        as on a full disk): neither the steps' saves nor REPORT.md fit. The first line names
+        the folder's disk, never "the server or network failed"; the report is printed, and no
+        line points to a REPORT.md that is not there."""
+        # no git under the limit: asked which commit the lab is (`git describe --dirty`), git
+        # rewrites the checkout's index, and killed at the limit it would leave its lock
+        code, out, err = self.finish(self.start(
+            file_size=4096, GIT_DIR=os.devnull,
+            SWEEP_ARGS="--sizes 1,2 --max-tokens 4 --repeat 2"))
+        self.assertEqual(code, 74, err)
+        self.assertNotIn("Traceback", err)
+        first = out.splitlines()[0]
+        self.assertIn("INCOMPLETE (exit 74, the output folder could not take what the run "
+                      "wrote (a full disk, or a folder that may not be written): no server "
+                      "failed): %s could not be written (File too large): the disk or the "
+                      "folder, not a server" % self.run_path("REPORT.md"), first)
+        self.assertIn("flag-off sweep, concurrent requests (TP 1): the output folder could not "
+                      "take its results: the disk, not the server (run.py: --save: cannot "
+                      "write", first)
+        self.assertNotIn("the server or network failed", out)
+        self.assertFalse(os.path.exists(self.run_path("REPORT.md")))
+        self.assertNotIn("report: ", err)
+        self.assertTrue(err.rstrip().endswith("REPORT.md could not be written (File too "
+                                              "large): the report above is the only one"), err)
+        self.assert_no_server_left()
+
+    def stop_as_the_arms_stop(self, signum, **variables):
+        """Run the experiment, and send signum once it says it is stopping the arms of TP 1
+        (the flag-on arm takes its whole grace: it ignores TERM); (exit code, what it said
+        up to then, the rest of stderr)."""
+        stub = "%s --port {port}" % " ".join(STUB)
+        p = self.start(SERVE_OFF=stub.format(port="{off}"),
+                       SERVE_ON="sh -c 'trap \"\" TERM; exec %s --invariant --prefill-agrees'"
+                       % stub.format(port="{on}"),
+                       SWEEP_ARGS="--sizes 1,2 --max-tokens 4 --repeat 2", **variables)
+        said = []
+        for line in p.stderr:
+            said.append(line)
+            if line.startswith("experiment: stopping the arms"):
+                break
+        else:
+            self.fail("no line said the arms were stopping: %s" % "".join(said))
+        self.assertEqual(said[-1], "experiment: stopping the arms of TP 1, every step of it "
+                         "ended: the flag-off arm and the flag-on arm (each within 10 s)\n")
+        os.kill(p.pid, signum)
+        code, out, err = self.finish(p)
+        return code, "".join(said), err
+
+    def test_a_stop_while_the_arms_stop_after_the_last_step_leaves_the_run_complete(self):
+        """SIGTERM once every step has ended, while the arms stop: the run is whole, and says
+        so; the experiment said what it was stopping before it did."""
+        code, said, err = self.stop_as_the_arms_stop(signal.SIGTERM)
+        self.assertEqual(code, 0, said + err)
+        report = self.load_run("REPORT.md")
+        self.assertEqual(report.splitlines()[0], "# Batch-invariance experiment, vllm: "
+                         "complete, every step ran and every --expect held")
+        self.assertIn("SIGTERM came while the arms stopped after the last step: every step "
+                      "had ended, so the run is whole", report)
+        self.assert_no_server_left()
+
+    def test_a_stop_while_the_arms_stop_before_another_degree_stops_the_run_there(self):
+        """Ctrl-C while the arms of TP 1 stop, TP 2 still to come: the run stops there, its
+        first line saying what it was doing."""
+        code, said, err = self.stop_as_the_arms_stop(signal.SIGINT, GPUS="0,1,2,3", TP="1,2")
+        self.assertEqual(code, 130, said + err)
+        first = self.load_run("REPORT.md").splitlines()[0]
+        self.assertRegex(first, r"INCOMPLETE \(exit 130, stopped by Ctrl-C \(SIGINT\); each "
+                                r"step saved what it had measured\): no step was running when "
+                                r"it came: the arms were stopping after every step of TP 1, "
+                                r"after step 4 of \d+ \(cost, shared-prefix \(TP 1\)\)$")
+        self.assertFalse(os.path.exists(self.run_path("tp2")))
         self.assert_no_server_left()
 
     def test_a_report_the_terminal_cannot_encode_is_printed_with_replacements(self):
@@ -621,6 +790,20 @@ class ExperimentFailures(Experiment):
              "OFF_URL=http://localhost:{on} asks at port {on} of this machine, but the arm "
              "listens on {off}"),
             ({"GPUS": "0,00"}, "names device 0 twice ('0' and '00' are one to CUDA)"),
+            # what no arm could ever answer at: the arms serve plain HTTP, /health at the root
+            ({"OFF_URL": "https://127.0.0.1:{off}"},
+             "OFF_URL=https://127.0.0.1:{off}: https:// (the engines the experiment starts "
+             "serve plain HTTP"),
+            ({"ON_URL": "http://127.0.0.1:{on}/v1"},
+             "ON_URL=http://127.0.0.1:{on}/v1: a path after the port, /v1 (the experiment asks "
+             "for the arm's /health at its root, and run.py adds /v1 itself); give "
+             "http://127.0.0.1:{on}"),
+            ({"ON_URL": "https://127.0.0.1:{on}/v1/"}, "https:// (the engines the experiment "
+             "starts serve plain HTTP: they have no certificate); and a path after the port"),
+            # a cost cell that could give no interval, in any spelling run.py takes
+            ({"COST_ARGS": "--trials 2"}, "COST_ARGS: --trials 2 can give no interval in the "
+             "cold cost cell: run.py's cost mode needs at least 6 trial pairs"),
+            ({"COST_ARGS": "--tri=5 --batch 2"}, "COST_ARGS: --trials 5 can give no interval"),
         ):
             with self.subTest(variables=variables):
                 code, out, err = self.finish(self.start(**variables))

@@ -255,6 +255,46 @@ class FindingsTable(unittest.TestCase):
         self.assertEqual(figures_missing("+912.4 % [+1.1, +2.2]", text, {1.1, 2.2}), ["+912.4"])
 
 
+def docs_pages():
+    """Every page of the docs: the three READMEs, and each README under examples/real and
+    tests/fixtures (the real runs and the real answers they describe)."""
+    pages = [os.path.join(ROOT, page) for page in DOCS]
+    for top in (REAL, os.path.join(ROOT, "tests", "fixtures")):
+        for folder, _, names in os.walk(top):
+            pages += [os.path.join(folder, name) for name in names if name == "README.md"]
+    return pages
+
+
+# A path a page names relative to its own folder (`../x`, `real/y/`), and any name of a folder
+# the repository does not hold (the machine's shared notes and runs): a reader has neither
+RELATIVE_PATH = re.compile(r"`(\.\./[^`\s*]+)`")
+OUTSIDE = re.compile(r"\bshared/(?:real-runs|wire|gpu)\b")
+
+
+def dead_references(page, text):
+    """The references of one page that lead nowhere a reader of the repository has."""
+    dead = [m.group(0) for m in OUTSIDE.finditer(text)]
+    for m in RELATIVE_PATH.finditer(text):
+        target = os.path.normpath(os.path.join(os.path.dirname(page), m.group(1)))
+        if not (target.startswith(ROOT + os.sep) and os.path.exists(target)):
+            dead.append(m.group(1))
+    return dead
+
+
+class References(unittest.TestCase):
+    def test_every_page_names_only_files_the_repository_holds(self):
+        for page in docs_pages():
+            with self.subTest(page=os.path.relpath(page, ROOT)):
+                with open(page, encoding="utf-8") as f:
+                    self.assertEqual(dead_references(page, f.read()), [])
+
+    def test_a_reference_outside_the_repository_is_found(self):
+        page = os.path.join(ROOT, "examples", "README.md")
+        self.assertEqual(dead_references(page, "the answers in `../shared/wire/x.body`; "
+                                               "`../examples/experiment.py`"),
+                         ["shared/wire", "../shared/wire/x.body"])
+
+
 class Readme(unittest.TestCase):
     def test_every_marked_block_runs_as_its_page_says(self):
         """The pages run at the same time, each in a folder and on ports of its own: they wait

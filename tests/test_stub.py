@@ -92,6 +92,28 @@ class VllmWireFormat(unittest.TestCase):
                 get(stub.url + "/server_info")
 
 
+    def test_the_cache_block_is_said_in_metrics_and_served_whole(self):
+        """--block-size: /metrics says it as vLLM 0.34.0 does (vllm:cache_config_info), and
+        copies of a prompt share the cache in whole blocks of it, never the last token; from
+        0.34.0 on 64 tokens; an earlier release's practice engine says none."""
+        prompt = " ".join(["word"] * 39)  # 40 tokens by the practice engine's count
+        for config, block, served in ((StubConfig(block_size=16), 16, 32),
+                                      (StubConfig(version="0.34.0"), 64, 0),
+                                      (StubConfig(), None, 39)):
+            with self.subTest(block=block), StubServer(config) as stub:
+                text = urllib.request.urlopen(stub.url + "/metrics", timeout=10).read().decode()
+                said = [line for line in text.splitlines()
+                        if line.startswith("vllm:cache_config_info{")]
+                self.assertEqual(said, [] if block is None else [
+                    'vllm:cache_config_info{block_size="%d",cache_dtype="auto",'
+                    'enable_prefix_caching="True",engine="0",hash_block_size="None"} 1.0'
+                    % block])
+                _, answer = post(stub.url + "/v1/completions", {
+                    "model": config.model, "prompt": [prompt, prompt], "max_tokens": 1})
+                self.assertEqual(answer["usage"]["prompt_tokens"], 80)
+                self.assertEqual(stub.httpd.state.counters()[1], served)
+
+
 class SglangWireFormat(unittest.TestCase):
     def test_generate_shape(self):
         with StubServer(StubConfig(engine="sglang")) as stub:

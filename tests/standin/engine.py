@@ -182,6 +182,10 @@ def vllm_main(argv) -> int:
     )
     s.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
     s.add_argument("--api-key")  # vLLM also reads VLLM_API_KEY
+    # the prefix cache's block, said in /metrics as vLLM says it (vllm:cache_config_info);
+    # the stand-in's own default, 16: shorter than the lab's default prompt (20 tokens by the
+    # practice engine's count), so that copies of it share the cache, as vLLM 0.33.0's did
+    s.add_argument("--block-size", type=int, default=16)
     args = p.parse_args(argv)
     flag = os.environ.get("VLLM_BATCH_INVARIANT", "0") == "1"
     config = stub_server.StubConfig(
@@ -196,6 +200,7 @@ def vllm_main(argv) -> int:
         tp_size=args.tensor_parallel_size,
         prompt_tokens_details=args.enable_prompt_tokens_details,
         prefix_caching=args.prefix_caching,
+        block_size=args.block_size,
         step_delay=step_delay(),
         scheduler_window=0.05,
         prefill_agrees=flag,
