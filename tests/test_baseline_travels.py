@@ -92,6 +92,17 @@ class BaselineAcrossMachines(TempDirTest):
         r, _ = self.against(StubConfig(invariant=True, tokenizer_probe_differs=run.TOKENIZER_PROBE))
         self.assertEqual(r.code, 0, r)
         self.assertIn("as the baseline measured on an unreported machine, vLLM 0.26.0", r.stdout)
+        # accepted, and said: the two tokenizers were not held together
+        self.assertIn("the tokenizers not compared: the file records no fingerprint", r.stdout)
+
+    def test_a_file_that_contradicts_itself_is_refused(self):
+        doc = self.saved_on_h100()
+        doc["measured_under"]["sampling"]["top_p"] = 0.9
+        with open(self.path("h100.json"), "w", encoding="utf-8") as f:
+            json.dump(doc, f)
+        r, _ = self.against(StubConfig(invariant=True))
+        one_error_line(self, r, 2, "contradicts itself: its params and its measured_under "
+                       "record other top_p")
 
     def test_a_server_without_tokenize_has_no_fingerprint_and_is_not_refused_for_it(self):
         self.saved_on_h100()
@@ -101,6 +112,7 @@ class BaselineAcrossMachines(TempDirTest):
         self.assertIsNone(tokenizer["tokens"])
         self.assertIn("404", tokenizer["why"])
         self.assertIn("flag on: the same tokens and logprobs as the baseline", r.stdout)
+        self.assertIn("the tokenizers not compared: this server gave none", r.stdout)
 
     def test_another_model_or_sampling_is_still_refused(self):
         self.saved_on_h100()

@@ -45,12 +45,16 @@ class CacheCheck(TempDirTest):
                 key = "cache_salt" if engine == "vllm" else "extra_key"
                 self.assertEqual([b[key] for b in bodies[0::2]], [b[key] for b in bodies[1::2]])
 
-    def test_without_counts_the_hit_is_unverified(self):
+    def test_without_counts_or_counters_nothing_is_compared(self):
+        # neither the answers nor the counters say whether the cold request was cold or the
+        # repeat served: an unverified hit is no comparison of a hit with a cold prefill
         r, _ = self.check("vllm", "--expect", "cache-equal", prompt_tokens_details=False,
                           no_metrics=True)
         self.assertEqual(r.code, 1, r)
-        self.assertEqual(r.json()["summary"]["cache_verdict"],
-                         "equal, but the hit is unverified (the server reports no cached-token counts)")
+        verdict = r.json()["summary"]["cache_verdict"]
+        self.assertTrue(verdict.startswith("nothing compared: whether the cold request was cold "
+                                           "and the repeat served is not known"), verdict)
+        self.assertEqual(r.json()["summary"]["checks_outcome"]["cache_check"], "uncompared")
 
     def test_without_counts_the_servers_counters_prove_the_hit(self):
         # the answers count nothing; the server's own counters saw every repeat served
