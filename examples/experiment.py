@@ -2216,6 +2216,269 @@ def rate_text(saved) -> Optional[str]:
         return None
 
 
+# ----------------------------------------------------------------------------
+# Upstream's own determinism tests: what each compares, and whether this run covered its shape
+
+VLLM_READ = "vLLM 0.34.0"  # its source release (vllm/_version.py: commit g62d4bc3c7)
+SGLANG_READ = "SGLang 0.5.23"  # its wheel (sglang/test/, python/sglang/test/ in the repository)
+VLLM_TESTS = "tests/v1/determinism/"
+SGLANG_TESTS = "python/sglang/test/"
+RELEASES_READ = {"vllm": VLLM_READ, "sglang": SGLANG_READ}
+
+
+@dataclasses.dataclass(frozen=True)
+class UpstreamTest:
+    """One of the engines' own determinism tests (or a mode of SGLang's driver), as read at
+    its release, with the shape a saved sweep must have to cover it. Every field of the
+    shape is one a sweep saves (its params, and the arm the experiment pointed it at)."""
+
+    engine: str  # "vllm" or "sglang", as a saved sweep names its engine
+    label: str  # the shape, in the lab's words
+    name: str  # the test, or the driver's mode, as upstream names it
+    source: str  # file:line of the test (or mode), at its engine's release (VLLM_READ, ...)
+    lines: str  # the lines of what it compares, in the same file
+    compares: str  # what it compares, in the lab's words
+    arm: str = "on"  # the flag it runs with
+    sizes: Tuple[int, int] = (1, 1)  # the smallest and the largest batch size it compares
+    traffic: Tuple[str, ...] = ()  # the lab's traffic shapes of its batches (): any
+    sampled: Optional[bool] = None  # True: seeded sampling; False: greedy; None: either
+    logprobs: bool = True  # it compares logprobs (False: the text only)
+    check: str = ""  # the lab's check it needs, by the name its saved params give it
+    chunked: bool = False  # a prompt whose prefill crosses the chunked-prefill budget
+
+
+# Read at the releases above, each at its file and lines. Left out: vLLM's
+# test_simple_generation (it compares nothing), test_online_fp8_moe_logprobs_bitwise_bs1_vs_bsN
+# (one FP8 MoE model, test_batch_invariance.py:969; the known hazards name FP8 MoE experts) and
+# the kernel tests of tests/v1/determinism/, which send no request.
+UPSTREAM_TESTS = (
+    UpstreamTest(
+        "vllm", "offline, batch 1 against N", "test_logprobs_bitwise_batch_invariance_bs1_vs_bsN",
+        VLLM_TESTS + "test_batch_invariance.py:173", "prompts 197, sampling 202-208",
+        "32 short prompts each alone, then all 32 in one batch; tokens and logprobs bit for "
+        "bit; seeded sampling at T 0.6, 16 tokens", sizes=(1, 32), sampled=True),
+    UpstreamTest(
+        "vllm", "offline, chunked prefill",
+        "test_logprobs_bitwise_batch_invariance_ragged_chunked_prefill",
+        VLLM_TESTS + "test_batch_invariance.py:385",
+        "prompts 389-394, budget 402, sampling 408-410, comparison 431-448",
+        "14 prompts of 10 to 1200 words each alone, then together, under a token budget of half "
+        "the longest, whose prefill is chunked; tokens and logprobs; T 0.6 seeded, 16 tokens",
+        sizes=(1, 14), sampled=True, chunked=True),
+    UpstreamTest(
+        "vllm", "offline, needle among fillers",
+        "test_v1_generation_is_deterministic_across_batch_sizes_with_needle",
+        VLLM_TESTS + "test_batch_invariance.py:34", "sampling 88-97, batches 120-130",
+        "one short prompt alone, then at a random place among 64 to 128 long ones, 5 batches; "
+        "text only; greedy, 128 tokens", sizes=(1, 64), traffic=("mixed",), sampled=False,
+        logprobs=False),
+    UpstreamTest(
+        "vllm", "offline, flag off must differ",
+        "test_logprobs_without_batch_invariance_should_fail",
+        VLLM_TESTS + "test_batch_invariance.py:507",
+        "flag off 518-520, prompts 538-551, sampling 553-559, verdict 702-714",
+        "flag off: 32 prompts of 10 to 3072 words each alone, then together; passes only if a "
+        "token or logprob differs; T 0.6 seeded, 8 tokens", arm="off", sizes=(1, 32),
+        sampled=True),
+    UpstreamTest(
+        "vllm", "offline, decode against prefill", "test_decode_logprobs_match_prefill_logprobs",
+        VLLM_TESTS + "test_batch_invariance.py:721", "prompts 750-751, sampling 756-760, "
+        "prefill 785-853",
+        "4 prompts, greedy, 16 tokens; each decoded token's logprob against a prefill of its "
+        "prefix, bit for bit", check="prefill_check"),
+    UpstreamTest(
+        "vllm", "offline, decode beside prefill chunks",
+        "test_sliding_window_logprobs_bitwise_alone_vs_mixed_batch",
+        VLLM_TESTS + "test_batch_invariance.py:1020", "prompts 1035-1036, budget 1047, "
+        "comparison 1063-1069",
+        "Gemma-2 only: 4 prompts alone, then beside 4 long ones whose prefill is chunked at 256 "
+        "tokens; tokens and logprobs; greedy, 16 tokens", check="neighbours"),
+    UpstreamTest(
+        "vllm", "online, batch 1 against N", "test_logprobs_bitwise_batch_invariance_bs1_vs_bsN",
+        VLLM_TESTS + "test_online_batch_invariance.py:138",
+        "prompts 142, sampling 144-150, comparison 106-133",
+        "32 short prompts to a server, each in a request of its own, then all 32 in one request; "
+        "tokens and logprobs bit for bit; T 0.6 seeded, 8 tokens", sizes=(1, 32),
+        traffic=("copies",), sampled=True),
+    UpstreamTest(
+        "sglang", "single", "test_single",
+        SGLANG_TESTS + "test_deterministic_utils.py:53", "53-63; its single mode: "
+        "test_deterministic.py 461-471",
+        "one prompt as 1 to 20 copies in one request; the text of each batch's first completion "
+        "only (test_deterministic.py 106, 181-182); greedy (T 0.5 is set at line 61, after the "
+        "run), 100 tokens", sizes=(1, 20), traffic=("copies",), sampled=False, logprobs=False),
+    UpstreamTest(
+        "sglang", "prefix", "test_prefix_with_logprobs",
+        SGLANG_TESTS + "test_deterministic_utils.py:65", "65-76; its prefix mode: "
+        "test_deterministic.py 473-558",
+        "batches of 10 to 19 prompts drawn from 4 prefixes of one text, a cache flush before "
+        "each; one text per prefix asserted, logprobs printed (511-556), not asserted; T 0.5 "
+        "seeded", sizes=(10, 19), traffic=("mixed",), sampled=True, logprobs=False),
+    UpstreamTest(
+        "sglang", "p_vs_d", "--test-mode p_vs_d",
+        SGLANG_TESTS + "test_deterministic.py:719",
+        "719-724 and 259-315; a driver mode no test of test_deterministic_utils.py runs",
+        "batches of 1 to --n-trials (50) prompts; each sequence's tokens and logprobs against a "
+        "prefill of prompt and output, exact; greedy by default (line 38)",
+        check="prefill_check"),
+    UpstreamTest(
+        "sglang", "radix_cache", "--test-mode radix_cache",
+        SGLANG_TESTS + "test_deterministic.py:560",
+        "560-717; a driver mode no test of test_deterministic_utils.py runs",
+        "one 100-token prompt and a token it generated: the next token from a cached prefill "
+        "against the same after a flush, logprob exact", check="cache_check"),
+)
+
+# a check's name in a saved sweep's params, and in its summary's checks_outcome
+CHECK_OUTCOME_NAMES = {"prefill_check": "prefill", "cache_check": "cache_check",
+                       "neighbours": "neighbours"}
+
+
+def saved_sweeps(exp: Experiment) -> List[Tuple[str, str, dict]]:
+    """Every sweep the run saved in SWEEPS' files, at every degree: (its path in the run's
+    folder, the arm the experiment pointed it at, its document)."""
+    found = []
+    for tp in exp.settings.degrees:
+        for stem, key, *_ in SWEEPS:
+            name = "tp%d/%s.json" % (tp, stem)
+            doc = load(os.path.join(exp.run_dir, name))
+            if doc is not None:
+                found.append((name, key, doc))
+    return found
+
+
+def sizes_text(sizes: List[int]) -> str:
+    return "%d to %d" % (min(sizes), max(sizes)) if sizes else "none"
+
+
+def shape_misses(test: UpstreamTest, doc: dict) -> Tuple[List[str], List[str]]:
+    """What a saved sweep lacks of an upstream test's shape, and what of it the sweep did not
+    save (unknown is not lacking), in words, each read from what the sweep saved (its params,
+    its summary's state, verdict and check outcomes); ([], []) where it covers it."""
+    params = doc.get("params") if isinstance(doc.get("params"), dict) else {}
+    misses: List[str] = []
+    unknown: List[str] = []
+    sizes = [n for n in params.get("sizes") or [] if isinstance(n, int)]
+    low, high = test.sizes
+    if not sizes or min(sizes) > low or max(sizes) < high:
+        misses.append("sizes %s, not %d to %d" % (sizes_text(sizes), low, high)
+                      if high > low else "no batch %d" % low)
+    traffic = params.get("traffic")
+    if test.traffic and traffic not in test.traffic:
+        misses.append("%s traffic, not %s" % (fmt(traffic), " or ".join(test.traffic)))
+    temperature = params.get("temperature")
+    if test.sampled is not None:
+        if not isinstance(temperature, (int, float)):
+            unknown.append("its temperature")
+        elif (temperature > 0) != test.sampled:
+            misses.append("greedy, not seeded sampling" if test.sampled
+                          else "sampled at T %g, not greedy" % temperature)
+        elif test.sampled and params.get("seed_honoured") is False:
+            misses.append("sampled unseeded (the server ignores the seed)")
+    asked = params.get("logprobs")
+    if test.logprobs and (not isinstance(asked, int) or asked < 1):
+        misses.append("no logprobs asked")
+    if test.chunked:
+        long_prompt = params.get("prompt_tokens")
+        chunks = long_prompt.get("prefill_chunks") if isinstance(long_prompt, dict) else None
+        if not isinstance(long_prompt, dict):
+            misses.append("no --prompt-tokens prompt to cross the chunked-prefill budget")
+        elif not isinstance(chunks, int):
+            unknown.append("its prompt's chunks (the server did not say its budget)")
+        elif chunks < 2:
+            misses.append("its prompt fits one chunk of the chunked-prefill budget")
+    if test.check:
+        outcome = check_outcome(doc, CHECK_OUTCOME_NAMES[test.check])
+        if not params.get(test.check):
+            misses.append("no --%s" % test.check.replace("_", "-"))
+        elif outcome is None:  # unknown is not uncompared: a sweep of an older lab
+            unknown.append("its %s's outcome" % test.check.replace("_", " "))
+        elif outcome not in (lab.CHECK_HELD, lab.CHECK_MOVED):
+            misses.append("its %s compared nothing (%s)" % (test.check.replace("_", " "),
+                                                            outcome))
+    state = summary_of(doc).get("state")
+    if state != "complete":
+        misses.append("did not complete (%s)" % fmt(state))
+    elif not test.check and sweep_uncompared(doc):
+        misses.append("compared nothing (%s)" % fmt(summary_of(doc).get("verdict")))
+    return misses, unknown
+
+
+def coverage(test: UpstreamTest, sweeps: List[Tuple[str, str, dict]]) -> str:
+    """Whether the run covered an upstream test's shape: "yes" and the sweeps that did; "not
+    known" where the closest sweep lacks nothing but what it did not save; else "no", and what
+    the closest sweep of its engine and arm lacked."""
+    mine = [(name, doc) for name, key, doc in sweeps
+            if key == test.arm and doc.get("engine") == test.engine]
+    if not mine:
+        return "no: no flag-%s sweep of %s was saved" % (test.arm, test.engine)
+    judged = [(shape_misses(test, doc), name) for name, doc in mine]
+    covered = ["`%s`" % name for (misses, unknown), name in judged if not misses + unknown]
+    if covered:
+        return "yes: " + ", ".join(covered)
+    (misses, unknown), name = min(judged, key=lambda found: (len(found[0][0]),
+                                                             len(found[0][1])))
+    if not misses:
+        return "not known: `%s` did not save %s" % (name, "; ".join(unknown))
+    return "no: closest `%s`: %s" % (name, "; ".join(misses + ["not saved: " + u
+                                                                for u in unknown]))
+
+
+def beyond_upstream(exp: Experiment, sweeps: List[Tuple[str, str, dict]]) -> str:
+    """One line: what the run's saved results measured that the upstream tests do not, each
+    from the sweeps saved whole (and the cost cells), said per arm where it differs."""
+    whole = [(key, doc) for _, key, doc in sweeps if summary_of(doc).get("state") == "complete"]
+    said = []
+    sizes = sorted({n for _, doc in whole for n in (doc.get("params") or {}).get("sizes") or []
+                    if isinstance(n, int)})
+    if len(sizes) > 1:
+        ulps = ["flag %s %s" % (key, fmt(max(found)))
+                for key in ("off", "on") for found in [[
+                    summary_of(doc).get("max_ulp") for k, doc in whole if k == key
+                    and isinstance(summary_of(doc).get("max_ulp"), (int, float))]] if found]
+        said.append("%d batch sizes from %s, each against batch 1, with every logprob's "
+                    "float32 ULP distance (largest: %s)" % (len(sizes), sizes_text(sizes),
+                                                             ", ".join(ulps) or "none saved"))
+    if any(rate_text(summary_of(doc).get("moved")) for _, doc in whole):
+        said.append("an exact 95 % interval on each count of completions that moved")
+    if any(summary_of(doc).get("batch1_repeatable") is not None for _, doc in whole):
+        said.append("batch 1 repeated as the run-to-run control")
+    bypass = [summary_of(doc).get("prefix_cache_bypass") for _, doc in whole]
+    statuses = sorted({fmt(b.get("status")) for b in bypass if isinstance(b, dict)})
+    if statuses:
+        said.append("the prefix cache's evidence for each request (bypass: %s)"
+                    % ", ".join(statuses))
+    said += sorted({"%s, flag %s: %s" % (check, key, verdict)
+                    for key, doc in whole for check, verdict in check_verdicts(doc)})
+    cost = load(os.path.join(exp.run_dir, "cost.json")) or {}
+    cells = [c for c in cost.get("cells") or [] if isinstance(c, dict)]
+    if cells:
+        said.append("the flag's cost (%d cell%s)" % (len(cells), "" if len(cells) == 1 else "s"))
+    if not said:
+        return "Beyond them: nothing, no sweep or cost cell was saved whole."
+    return "Beyond them, this run measured: %s." % "; ".join(said)
+
+
+def upstream_coverage(exp: Experiment) -> List[str]:
+    """REPORT.md's table of the engines' own determinism tests (UPSTREAM_TESTS) of the engine
+    the run measured: what each compares, where it was read, and whether a saved sweep of
+    this run had its shape; then one line of what the run measured beyond them."""
+    sweeps = saved_sweeps(exp)
+    engines = ({doc.get("engine") for _, _, doc in sweeps} & set(RELEASES_READ)
+               or {exp.settings.engine})
+    tests = [t for t in UPSTREAM_TESTS if t.engine in engines]
+    read = {"vllm": VLLM_READ + " (its source release)", "sglang": SGLANG_READ + " (its wheel)"}
+    lines = ["## Upstream's own determinism tests, and this run", "",
+             "Read at %s; a shape is covered where a sweep this run saved had it, as its saved "
+             "parameters and outcome say." % " and ".join(read[e] for e in sorted(engines)
+                                                          if e in read), ""]
+    lines += table(["upstream test", "where read", "what it compares", "this run"], [
+        ["%s %s: `%s`" % ({"vllm": "vLLM", "sglang": "SGLang"}[t.engine], t.label, t.name),
+         "`%s` (%s), %s" % (t.source, t.lines, RELEASES_READ[t.engine]), t.compares,
+         coverage(t, sweeps)] for t in tests])
+    return lines + ["", beyond_upstream(exp, sweeps), ""]
+
+
 def served(exp: Experiment) -> List[Tuple[str, str]]:
     """What the arms themselves said, from the first degree's saved sweeps (else the cost
     cells' servers): the engine and its version, and the model where MODEL did not start both
@@ -2324,6 +2587,7 @@ def report(exp: Experiment) -> str:
     lines += cost_table(cells, exp.settings.degrees)
     lines += ["One cell alone is not a result: the 2x2 table is TP 1 and your real TP degree, "
               "cold and shared-prefix. Brackets: 95 % interval of the median paired ratio.", ""]
+    lines += upstream_coverage(exp)
     lines += ["## Environment", ""] + table(["what", "value"],
                                                [[k, v] for k, v in exp.environment + served(exp)])
     lines += ["", "## How the arms were started", ""]

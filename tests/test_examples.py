@@ -636,6 +636,107 @@ class TheExperimentSays(TempDirTest):
                 self.assertEqual({s: signal.getsignal(s) for s in previous}, previous)
 
 
+class TheReportSaysWhichUpstreamTestsTheRunCovered(TempDirTest):
+    """REPORT.md's table of the engines' own determinism tests: each test of the engine the
+    run measured named with its file and line, and its shape marked covered only where a
+    sweep the run saved says it ran that shape (its saved sizes, traffic, temperature and
+    checks), whatever the run was asked."""
+
+    LADDER = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 23, 24, 25, 31, 32]
+    VLLM_TEST = re.compile(r"`tests/v1/determinism/test_[a-z_]+\.py:\d+`")
+    SGLANG_TEST = re.compile(r"`python/sglang/test/test_deterministic(_utils)?\.py:\d+`")
+
+    def report_of(self, engine, sweeps, folder):
+        """The report of a run of ENGINE into FOLDER that saved SWEEPS ({file stem: (params,
+        summary)}) at TP 1, no arm started."""
+        settings = experiment.read_settings([engine, self.path("out")], {"COPIES": "off"})
+        os.makedirs(self.path(folder + "/tp1"))
+        exp = experiment.Experiment(settings, {}, self.path(folder))
+        for stem, (params, summary) in sweeps.items():
+            with open(self.path("%s/tp1/%s.json" % (folder, stem)), "w", encoding="utf-8") as f:
+                json.dump({"schema": run.SWEEP_SCHEMA, "engine": engine, "params": params,
+                           "summary": dict({"state": "complete"}, **summary)}, f)
+        return experiment.report(exp)
+
+    def rows(self, report):
+        """The table's rows, by their first cell (the shape and the test's name)."""
+        head = "## Upstream's own determinism tests, and this run"
+        self.assertIn(head, report)
+        section = report.split(head, 1)[1].split("\n## ", 1)[0]
+        lines = [line for line in section.splitlines() if line.startswith("| ")][1:]
+        self.assertTrue(lines, section)
+        return {cells[0]: cells[1:] for cells in (
+            [cell.strip() for cell in line.strip("|").split(" | ")] for line in lines)}
+
+    def row(self, rows, shape):
+        found = [cells for first, cells in rows.items() if first.startswith(shape + ":")]
+        self.assertEqual(len(found), 1, (shape, list(rows)))
+        return found[0]
+
+    def vllm_sweeps(self, temperature):
+        on = {"sizes": self.LADDER, "traffic": "concurrent", "temperature": temperature,
+              "logprobs": 5, "prefill_check": True}
+        off = dict(on, temperature=0.0)
+        return {"sweep_on": (on, {"verdict": run.INVARIANT, "max_ulp": 0,
+                                  "checks_outcome": {"prefill": run.CHECK_HELD}}),
+                "sweep_off": (off, {"verdict": run.TOKENS_DIVERGED, "max_ulp": 9})}
+
+    def test_vllm_tests_each_named_and_marked_from_the_saved_sweeps(self):
+        for temperature in (0.6, 0.0):
+            with self.subTest(temperature=temperature):
+                rows = self.rows(self.report_of("vllm", self.vllm_sweeps(temperature),
+                                                "run-%g" % temperature))
+                self.assertEqual(len(rows), 7, list(rows))
+                for first, (where, compares, this_run) in rows.items():
+                    self.assertTrue(first.startswith("vLLM "), first)
+                    self.assertRegex(where, self.VLLM_TEST)
+                    self.assertIn("vLLM 0.34.0", where)
+                offline = self.row(rows, "vLLM offline, batch 1 against N")
+                self.assertIn("test_batch_invariance.py:173", offline[0])
+                if temperature:  # batch 1 to 32, seeded sampling, as upstream's
+                    self.assertEqual(offline[2], "yes: `tp1/sweep_on.json`")
+                else:  # the same sweep, greedy: not upstream's shape
+                    self.assertTrue(offline[2].startswith("no: "), offline)
+                    self.assertIn("greedy, not seeded sampling", offline[2])
+                prefill = self.row(rows, "vLLM offline, decode against prefill")
+                self.assertEqual(prefill[2], "yes: `tp1/sweep_on.json`")
+                online = self.row(rows, "vLLM online, batch 1 against N")
+                self.assertIn("test_online_batch_invariance.py:138", online[0])
+                self.assertTrue(online[2].startswith("no: "), online)
+                self.assertIn("concurrent traffic, not copies", online[2])
+                # the flag-off sweep was greedy; upstream's should-fail test samples
+                off = self.row(rows, "vLLM offline, flag off must differ")
+                self.assertIn("`tp1/sweep_off.json`", off[2])
+                self.assertTrue(off[2].startswith("no: "), off)
+
+    def test_sglang_tests_each_named_and_marked_from_the_saved_sweeps(self):
+        copies = {"sizes": list(range(1, 21)), "traffic": "copies", "temperature": 0.0,
+                  "logprobs": 5, "prefill_check": False}
+        report = self.report_of("sglang", {"copies_on": (copies, {"verdict": run.INVARIANT,
+                                                                  "max_ulp": 0})}, "run")
+        rows = self.rows(report)
+        self.assertEqual(len(rows), 4, list(rows))
+        for first, (where, compares, this_run) in rows.items():
+            self.assertTrue(first.startswith("SGLang "), first)
+            self.assertRegex(where, self.SGLANG_TEST)
+            self.assertIn("SGLang 0.5.23", where)
+        self.assertEqual(self.row(rows, "SGLang single")[2], "yes: `tp1/copies_on.json`")
+        p_vs_d = self.row(rows, "SGLang p_vs_d")
+        self.assertEqual(p_vs_d[2], "no: closest `tp1/copies_on.json`: no --prefill-check")
+        # a copies sweep that compared nothing covers no shape
+        rows = self.rows(self.report_of("sglang", {"copies_on": (
+            copies, {"verdict": run.NOTHING_COMPARED, "max_ulp": 0})}, "uncompared"))
+        self.assertIn("compared nothing", self.row(rows, "SGLang single")[2])
+
+    def test_a_check_whose_outcome_was_not_saved_is_not_known_never_not_covered(self):
+        on, summary = self.vllm_sweeps(0.0)["sweep_on"]
+        del summary["checks_outcome"]  # a sweep saved by a lab that saved no outcomes
+        rows = self.rows(self.report_of("vllm", {"sweep_on": (on, summary)}, "older"))
+        self.assertEqual(self.row(rows, "vLLM offline, decode against prefill")[2],
+                         "not known: `tp1/sweep_on.json` did not save its prefill check's "
+                         "outcome")
+
+
 if __name__ == "__main__":
     unittest.main()
 
