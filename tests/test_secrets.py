@@ -346,7 +346,7 @@ class KeysKeptOutOfTheExperiment(Experiment):
         code, out, err = self.finish(self.start(
             OPENAI_API_KEY=key, VLLM_API_KEY=key, SERVE_OFF=stub.format(port="{off}"),
             SERVE_ON=stub.format(port="{on}") + " --invariant --prefill-agrees",
-            COST_ARGS="--batch 2 --trials 2 --warmup 0 --max-tokens 4 --allow-mismatch"))
+            COST_ARGS="--batch 2 --trials 6 --warmup 0 --max-tokens 4 --allow-mismatch"))
         self.assertEqual(code, 0, err)
         self.assertIn("VLLM_API_KEY=[api key]", self.load_run("REPORT.md"))
         self.assertEqual(self.files_holding(key), [])
@@ -469,7 +469,7 @@ class KeysInEngineCommands(Experiment):
             SERVE_OFF="bash -c 'VLLM_API_KEY=zk5 exec python3 %s --port {off}'" % stub,
             SERVE_ON="sh -c 'VLLM_BATCH_INVARIANT=1 exec vllm serve m --port {on} "
                      "--api-key Zq9xSHKEY2'",
-            OFF_PORT="{off}", COST_ARGS="--batch 2 --trials 2 --warmup 0 --max-tokens 4 "
+            OFF_PORT="{off}", COST_ARGS="--batch 2 --trials 6 --warmup 0 --max-tokens 4 "
                                         "--allow-mismatch"))
         self.assertEqual(code, 0, err)
         report = self.load_run("REPORT.md")
