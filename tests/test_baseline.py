@@ -97,6 +97,23 @@ class ServedBaselines(TempDirTest):
                     self.assertEqual(len(r.stderr.strip().splitlines()), 1, r.stderr)
 
 
+    def test_a_saved_sweep_whose_batch_1_is_not_known_cold_is_refused(self):
+        # neither counts nor counters: the saved row says so (unknown), and an older lab's
+        # verdict on it says nothing
+        unsaid = StubConfig(invariant=True, no_metrics=True)
+        with StubServer(unsaid) as stub:
+            short_sweep(stub, "--sizes", "1,2", "--repeat", 2, "--save", self.path("s.json"))
+        doc = self.load("s.json")
+        doc["prompts"][0]["verdict"] = doc["summary"]["verdict"] = "invariant"
+        with open(self.path("older.json"), "w") as f:
+            json.dump(doc, f)
+        with StubServer(StubConfig(invariant=True, prompt_tokens_details=True)) as clean:
+            r = short_sweep(clean, "--sizes", "1,2", "--baseline", self.path("older.json"),
+                            "--repeat", 2)
+        self.assertEqual(r.code, 2, r)
+        self.assertIn("whether the cache served its batch 1 is not known", r.stderr)
+
+
 class AgainstAnotherServer(TempDirTest):
     """--baseline URL: batch 1 of another server (a TP degree, a version, a restart)."""
 
