@@ -82,22 +82,6 @@ UNMEASURED = ("nothing compared", "not measured", "no data")
 FIRST_MOVED = re.compile(r"(tokens|logprobs) first moved at step (\d+)")
 
 
-def sweep_of(stub, name, options):
-    """(the run's result, its last sweep summary: the check records themselves)."""
-    made = []
-    real = run.sweep_summary
-
-    def keep(*args, **kwargs):
-        made.append(real(*args, **kwargs))
-        return made[-1]
-
-    with mock.patch.object(run, "sweep_summary", keep):
-        result = run_lab("--mode", "sweep", "--engine", stub.config.engine, "--url", stub.url,
-                         "--sizes", "1,2", "--repeat", 2, "--max-tokens", 12, "--api-key", KEY,
-                         *options, *SWITCHED_ON[name])
-    return result, made[-1] if made else None
-
-
 def summaries_of(argv):
     """(the run's result, the last sweep summary it made) of a run of run.py with argv."""
     made = []
@@ -110,6 +94,13 @@ def summaries_of(argv):
     with mock.patch.object(run, "sweep_summary", keep):
         result = run_lab(*argv)
     return result, made[-1] if made else None
+
+
+def sweep_of(stub, name, options):
+    """(the run's result, its last sweep summary: the check records themselves)."""
+    return summaries_of(["--mode", "sweep", "--engine", stub.config.engine, "--url", stub.url,
+                         "--sizes", "1,2", "--repeat", 2, "--max-tokens", 12, "--api-key", KEY,
+                         *options, *SWITCHED_ON[name]])
 
 
 def outcome_of(record):
