@@ -381,7 +381,9 @@ def read_settings(argv: List[str], env: Dict[str, str]) -> Settings:
             arm,
         )
         serve[arm] = command or shlex.split(default)
-        if not command:
+        # an arm the launch script starts reads MODEL, whoever wrote its command
+        if not command or any(os.path.basename(word) in ("vllm_serve.sh", "sglang_serve.sh")
+                              for word in command):
             model_arms.append(arm)
     if url_port(urls["off"]) == url_port(urls["on"]) and one_host(urls["off"], urls["on"]):
         raise UsageError("the flag-off and flag-on arms would both listen at %s%s: give them "
@@ -2509,7 +2511,8 @@ def served(exp: Experiment) -> List[Tuple[str, str]]:
                       "serve" % ("no MODEL" if not exp.env.get("MODEL") else
                                  "MODEL started no arm (SERVE_OFF and SERVE_ON are your own)"
                                  if not exp.settings.model_arms else
-                                 "MODEL started only the flag-%s arm"
+                                 "MODEL is only the flag-%s arm's (its launch script "
+                                 "reads it)"
                                  % exp.settings.model_arms[0])))
     return found
 

@@ -391,6 +391,22 @@ class CostRuns(TempDirTest):
                           ("1 x NVIDIA H200", "2.13.0+cu130")])
         self.assertRegex(runs[1].stdout, r"\nGPUs +1 x NVIDIA H200 +1 x NVIDIA H200 *\n")
 
+    def test_a_cell_of_an_unknown_machine_replaces_neither_of_two_known_ones(self):
+        # an H100 cell, an H200 cell, then one whose GPUs collect_env could not find ("N/A"):
+        # it could repeat either, so it repeats neither, and all three are kept
+        path = self.path("cost.json")
+        runs = []
+        for gpus in ("GPU 0: NVIDIA H100 80GB HBM3", "GPU 0: NVIDIA H200", "N/A"):
+            machine = {("system_env", "nvidia_gpu_models"): gpus}
+            with StubServer(StubConfig(info_overrides=machine)) as off, \
+                    StubServer(StubConfig(invariant=True, info_overrides=machine)) as on:
+                runs.append(self.cost(off, on, "--save", path))
+        self.assertEqual([r.code for r in runs], [0, 0, 0], runs[2])
+        self.assertNotIn("replaces", runs[2].stderr)
+        cells = self.load("cost.json")["cells"]
+        self.assertEqual([c["servers"]["on"]["machine"].get("GPUs") for c in cells],
+                         ["1 x NVIDIA H100 80GB HBM3", "1 x NVIDIA H200", None])
+
     def test_arms_on_two_machines_are_refused_unless_mismatch_is_allowed(self):
         h100 = {("system_env", "nvidia_gpu_models"): "GPU 0: NVIDIA H100 80GB HBM3"}
         with StubServer() as off, StubServer(StubConfig(invariant=True,

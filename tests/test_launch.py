@@ -553,9 +553,10 @@ class ExperimentFailures(Experiment):
         self.assertNotIn("server_on.log", report)
         self.assertIn("No arm's log at TP 1: no arm was started.", report)
         self.assertTrue(report.endswith("## Steps\n\nNo step ran.\n"), report)
-        # MODEL started no arm (both commands are the variables'): the report names no model
-        self.assertNotIn("| model | stub/tiny-f32 |", report)
-        self.assertIn("MODEL=stub/tiny-f32 (not used: SERVE_OFF and SERVE_ON started the arms)",
+        # MODEL is the flag-on arm's alone (its command is the launch script, which reads
+        # it), and that arm never started: no model served is named
+        self.assertNotIn("(not used: SERVE_OFF and SERVE_ON started the arms)", report)
+        self.assertIn("not known: MODEL is only the flag-on arm's (its launch script reads it)",
                       report)
 
     def test_the_model_named_is_the_one_the_arms_served(self):
@@ -571,6 +572,15 @@ class ExperimentFailures(Experiment):
         self.assertIn("| model (as the arms report it) | stub/served-f32 |", report)
         self.assertNotIn("| model | org/not-served |", report)
         self.assertEqual(report.count("org/not-served"), 1, report)  # the variable, as given
+
+    def test_model_is_named_where_the_launch_script_started_the_arms(self):
+        """SERVE_OFF and SERVE_ON that run the launch script (as these tests' do): it reads
+        MODEL, so MODEL is not said to be unused."""
+        code, out, err = self.finish(self.start())
+        self.assertEqual(code, 0, err)
+        report = self.load_run("REPORT.md")
+        self.assertNotIn("not used: SERVE_OFF and SERVE_ON started the arms", report)
+        self.assertNotIn("MODEL started no arm", report)
 
     def test_no_engine_installed_is_named_as_the_cause(self):
         ports = free_port(), free_port()
