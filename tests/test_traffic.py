@@ -275,7 +275,7 @@ class RequestRate(unittest.TestCase):
                         "--request-rate", 100, "--quiet", "--json")
             gaps = self.gaps(off)
         self.assertEqual(r.code, 0, r)
-        self.assertEqual(r.json()["arrivals"], "poisson at 100/s")
+        self.assertEqual(r.json()["arrivals"], "poisson at 100/s, seed 42")
         mean = sum(gaps) / len(gaps)
         self.assertLess(abs(mean - 0.01) / 0.01, 0.15, mean)
 
@@ -286,6 +286,21 @@ class RequestRate(unittest.TestCase):
                     r = run_lab("--url", stub.url, "--request-rate", 10, *extra)
                     self.assertEqual(r.code, 2, r)
                     self.assertIn("--request-rate goes with", r.stderr)
+
+
+class LoadCellArrivals(TempDirTest):
+    def test_a_load_cell_is_known_by_the_seed_of_its_arrivals(self):
+        # two seeds draw two schedules: two cells, neither replacing the other
+        path = self.path("cost.json")
+        with StubServer(StubConfig()) as off, StubServer(StubConfig(invariant=True)) as on:
+            for seed in (7, 8):
+                r = run_lab("--mode", "cost", "--url", off.url, "--invariant", on.url,
+                            "--concurrency", 4, "--requests", 8, "--trials", 1, "--warmup", 0,
+                            "--max-tokens", 2, "--request-rate", 200, "--seed", seed,
+                            "--save", path)
+                self.assertEqual(r.code, 0, r)
+        self.assertEqual([c["arrivals"] for c in self.load("cost.json")["cells"]],
+                         ["poisson at 200/s, seed 7", "poisson at 200/s, seed 8"])
 
 
 class LongPrompts(unittest.TestCase):
