@@ -157,8 +157,8 @@ class AgainstAnotherServer(TempDirTest):
         self.assertEqual(doc["prompts"][0]["verdict"], verdict)
         self.assertNotIn("logprobs moved", r.stdout)
         self.assertNotIn("bug report", r.stdout)
-        self.assertIn("against batch 1 of %s, which its prefix cache served, or may have served (1 prompt): no "
-                      "baseline, nothing compared" % base.url, r.stdout)
+        self.assertIn("against batch 1 of %s, which its prefix cache served, or may have "
+                      "served (1 prompt): no baseline, nothing compared" % base.url, r.stdout)
 
     def test_a_baseline_served_uncounted_is_found_by_its_counters_that_lag(self):
         # its answers count no hit, and its counters count a prefill 1.5 s late: its one

@@ -7,8 +7,8 @@ import time
 import unittest
 from unittest import mock
 
-from support import (FIXTURES, HERE, StubConfig, StubServer, TempDirTest, free_port, run, short_sweep,
-                     sizes_of)
+from support import (FIXTURES, HERE, StubConfig, StubServer, TempDirTest, free_port, run,
+                     short_sweep, sizes_of)
 
 COPIES = ["Copies of one prompt in one request share the cache. " * 3] * 4
 ALONE = ["A prompt sent alone with a cache key of its own."]
@@ -536,8 +536,8 @@ class CountersNotBelievedBlindly(TempDirTest):
         self.assertIn("which no cache can", r.stdout)
 
     def test_counters_going_backwards_are_not_evidence(self):
-        seen = run.cache_evidence(run.CacheCounters(500, 100, "x"), run.CacheCounters(520, 90, "x"),
-                                  [0], 20)
+        seen = run.cache_evidence(run.CacheCounters(500, 100, "x"),
+                                  run.CacheCounters(520, 90, "x"), [0], 20)
         self.assertEqual(seen.verdict, run.CACHE_EVIDENCE_UNKNOWN)
         self.assertEqual(run.cache_states([0], 0, seen, False)[0][0].count_alone, True)
 
@@ -578,7 +578,8 @@ class CountersNotBelievedBlindly(TempDirTest):
                                 "--save", self.path("s.json"))
         finally:
             run.COUNTERS_WAIT_S, run.COUNTERS_WAIT_BUDGET_S = wait, budget
-        self.assertTrue(self.load("s.json")["summary"]["verdict"].startswith("nothing compared"), r)
+        verdict = self.load("s.json")["summary"]["verdict"]
+        self.assertTrue(verdict.startswith("nothing compared"), r)
         self.assertIn("read at the sweep's end", r.stdout)
 
 

@@ -12,7 +12,8 @@ what the practice engine made move, never against the check's own account of it:
 - and, under every other fault: no "held", "equal" or "invariant" where nothing was
   compared.
 
-A new check is covered by being listed in LISTED (the test fails until it is). The wrong checks at the end are kept as tests that must fail these rules."""
+A new check is covered by being listed in LISTED (the test fails until it is).
+The wrong checks at the end are kept as tests that must fail these rules."""
 
 import json
 import re
