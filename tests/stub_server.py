@@ -657,6 +657,14 @@ def vllm_completions(config: StubConfig, body: Dict, state: EngineState) -> Dict
             "routed_experts": None,
         })
     state.served([c["text"] for c in choices])
+    if prompt_k is not None and token_prompt and config.prompt_logprobs:
+        # a prefill read back (the prefill check): its generated part's logprobs, logged as
+        # what the engine computed (GET /stub/served)
+        text, generated = split_ids(prompt)
+        values = prompt_logprob_list(config, prompt)[len(prompt) - len(generated):]
+        with state.lock:
+            state.served_log.append({"prefill_of": text, "generated": generated,
+                                     "logprobs": values})
     prompt_tokens = sum(prompt_token_count(p) for p in prompts)
     completion_tokens = sum(len(o["ids"]) for o in outs)
     return {

@@ -80,7 +80,8 @@ OTHER_FAULTS = {
 }
 CLAIMS = re.compile(r"\b(held|equal|equals|invariant|agree)\b")
 UNMEASURED = ("nothing compared", "not measured", "no data")
-FIRST_MOVED = re.compile(r"(tokens|logprobs) first moved at step (\d+)")
+FIRST_MOVED = re.compile(r"(?P<kind>tokens|logprobs) first moved at step (?P<step>\d+)")
+FIRST_DIFFERING = re.compile(r"first differing step (?P<step>\d+)")
 
 
 def summaries_of(argv):
@@ -120,12 +121,28 @@ def served_log(stub):
         return json.load(answer)
 
 
+def prefill_truth(log, prompt):
+    """Where the engine's decodes of the prompt first differ from its prefills of the same
+    tokens, by its own record: (step, "logprobs"), or None where none differs."""
+    prefills = {tuple(e["generated"]): e["logprobs"] for e in log
+                if e.get("prefill_of") == prompt}
+    firsts = []
+    for entry in log:
+        if entry.get("prompt") != prompt:
+            continue
+        prefill = prefills.get(tuple(entry.get("ids", ())))
+        if prefill is not None:
+            firsts += [step for step, (a, b) in enumerate(zip(entry["logprobs"], prefill))
+                       if a != b][:1]
+    return (min(firsts), "logprobs") if firsts else None
+
+
 def first_moved_truth(log, prompt):
     """Where the runs the engine computed beside a neighbour first differ from the lone run
     computed before them, by its own record: (step, "tokens" or "logprobs"), or None."""
     firsts, lone = [], None
     for entry in log:
-        if entry["prompt"] != prompt:
+        if entry.get("prompt") != prompt:
             continue
         if not entry["neighbour"]:
             lone = entry
@@ -182,10 +199,12 @@ def rules_broken(name, truth):
         broken += ["%s: %s" % (fault, b) for b in claims_broken(
             record, comparable=allowed != {UNCOMPARED})]
         if fault == "what it varies moves" and truth is not None:
-            found = FIRST_MOVED.search(words)
-            expected = truth(log, run.DEFAULT_PROMPT)
-            if expected is not None and (found is None or (
-                    int(found.group(2)), found.group(1)) != expected):
+            of_record, said_as = truth
+            found = said_as.search(words)
+            expected = of_record(log, run.DEFAULT_PROMPT)
+            says = None if found is None else (int(found.group("step")),
+                                               found.groupdict().get("kind") or expected[1])
+            if expected is not None and says != expected:
                 broken.append("%s: says %r first moved, the engine's record: %s at step %d"
                               % (fault, found and found.group(0), expected[1], expected[0]))
     for fault, (config, options) in OTHER_FAULTS.items():
@@ -199,8 +218,10 @@ def rules_broken(name, truth):
     return broken
 
 
-# Where a check says what first moved, how the engine's record says it (None: it says none)
-FIRST_MOVED_TRUTH = {"neighbours": first_moved_truth}
+# Where a check says what first moved: how the engine's own record says it, and how the
+# check's words say it (a check that names no step is held to nothing here)
+FIRST_MOVED_TRUTH = {"neighbours": (first_moved_truth, FIRST_MOVED),
+                     "prefill": (prefill_truth, FIRST_DIFFERING)}
 
 
 class EveryCheckKeepsTheRules(TempDirTest):
@@ -349,6 +370,16 @@ class WrongFirstMoved(run.NeighbourCheck):
             row.control_runs, row.control_equal)
 
 
+class WrongPrefillStep(run.PrefillCheck):
+    """Names the step after the first whose decode and prefill differ."""
+
+    def batch_part(self, run_, prompt, n, batch):
+        row = super().batch_part(run_, prompt, n, batch)
+        if row is None or row.first_step is None:
+            return row
+        return run.dataclasses.replace(row, first_step=row.first_step + 1)
+
+
 class SaysTheKey(run.ObserverCheck):
     """Writes the key it was given into its verdict."""
 
@@ -381,6 +412,10 @@ class WrongChecksAreRejected(TempDirTest):
     def test_a_check_whose_first_moved_names_the_wrong_step_and_kind(self):
         self.assertTrue(any("first moved, the engine's record" in b
                             for b in self.rejected(WrongFirstMoved)))
+
+    def test_a_prefill_check_whose_first_differing_step_is_not_the_engines(self):
+        self.assertTrue(any("first moved, the engine's record: logprobs at step" in b
+                            for b in self.rejected(WrongPrefillStep)))
 
     def test_a_check_that_says_the_key(self):
         self.assertTrue(any("it says the API key" in b for b in self.rejected(SaysTheKey)))
