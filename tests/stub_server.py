@@ -554,9 +554,12 @@ def run_batch(config: StubConfig, state: EngineState, prompts: List[str], max_to
     if max_tokens > 1:
         with state.lock:
             state.served_log.extend(
-                {"prompt": prompt, "neighbour": neighbour, "ids": out["ids"],
-                 "logprobs": [step[v] for v, step in zip(out["ids"], out["logprobs"])]}
-                for prompt, out in zip(prompts, results))
+                {"prompt": prompt, "neighbour": neighbour, "cached": bool(hits and hits[i]),
+                 "ids": out["ids"],
+                 "logprobs": [step[v] for v, step in zip(out["ids"], out["logprobs"])],
+                 # each step's top-5 as a request for 5 top logprobs is answered
+                 "top": [top_entries(step, v, 5) for v, step in zip(out["ids"], out["logprobs"])]}
+                for i, (prompt, out) in enumerate(zip(prompts, results)))
     if config.step_delay > 0 and not state.streaming():
         # Emulated GPU time: the batch takes steps x delay, however long the arithmetic above
         # took. On the virtual clock the flag's slowdown multiplies it here; on the real

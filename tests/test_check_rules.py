@@ -137,6 +137,17 @@ def prefill_truth(log, prompt):
     return (min(firsts), "logprobs") if firsts else None
 
 
+def cache_truth(log, prompt):
+    """Where the engine's completions of the prompt that its cache served first differ from
+    those it computed cold, by its own record: (step, None), or None where none differs."""
+    entries = [e for e in log if e.get("prompt") == prompt and "cached" in e]
+    firsts = [next(step for step, (a, b) in enumerate(zip(
+        zip(cold["ids"], cold["top"]), zip(warm["ids"], warm["top"]))) if a != b)
+        for cold in entries if not cold["cached"] for warm in entries if warm["cached"]
+        if (cold["ids"], cold["top"]) != (warm["ids"], warm["top"])]
+    return (min(firsts), None) if firsts else None
+
+
 def first_moved_truth(log, prompt):
     """Where the runs the engine computed beside a neighbour first differ from the lone run
     computed before them, by its own record: (step, "tokens" or "logprobs"), or None."""
@@ -206,7 +217,8 @@ def rules_broken(name, truth):
                                                found.groupdict().get("kind") or expected[1])
             if expected is not None and says != expected:
                 broken.append("%s: says %r first moved, the engine's record: %s at step %d"
-                              % (fault, found and found.group(0), expected[1], expected[0]))
+                              % (fault, found and found.group(0), expected[1] or "moved",
+                                 expected[0]))
     for fault, (config, options) in OTHER_FAULTS.items():
         with StubServer(StubConfig(scheduler_window=0.05, **config)) as stub:
             r, summary = sweep_of(stub, name, options)
@@ -221,7 +233,8 @@ def rules_broken(name, truth):
 # Where a check says what first moved: how the engine's own record says it, and how the
 # check's words say it (a check that names no step is held to nothing here)
 FIRST_MOVED_TRUTH = {"neighbours": (first_moved_truth, FIRST_MOVED),
-                     "prefill": (prefill_truth, FIRST_DIFFERING)}
+                     "prefill": (prefill_truth, FIRST_DIFFERING),
+                     "cache_check": (cache_truth, FIRST_DIFFERING)}
 
 
 class EveryCheckKeepsTheRules(TempDirTest):
@@ -380,6 +393,16 @@ class WrongPrefillStep(run.PrefillCheck):
         return run.dataclasses.replace(row, first_step=row.first_step + 1)
 
 
+class WrongCacheStep(run.CacheCheck):
+    """Names the step after the first where the hit and the cold prefill differ."""
+
+    def batch_part(self, run_, prompt, n, batch):
+        part = super().batch_part(run_, prompt, n, batch)
+        if part is None or part.first_step is None:
+            return part
+        return run.dataclasses.replace(part, first_step=part.first_step + 1)
+
+
 class SaysTheKey(run.ObserverCheck):
     """Writes the key it was given into its verdict."""
 
@@ -416,6 +439,10 @@ class WrongChecksAreRejected(TempDirTest):
     def test_a_prefill_check_whose_first_differing_step_is_not_the_engines(self):
         self.assertTrue(any("first moved, the engine's record: logprobs at step" in b
                             for b in self.rejected(WrongPrefillStep)))
+
+    def test_a_cache_check_whose_first_differing_step_is_not_the_engines(self):
+        self.assertTrue(any("first moved, the engine's record: moved at step" in b
+                            for b in self.rejected(WrongCacheStep)))
 
     def test_a_check_that_says_the_key(self):
         self.assertTrue(any("it says the API key" in b for b in self.rejected(SaysTheKey)))
